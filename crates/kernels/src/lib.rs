@@ -1,1 +1,70 @@
-//! stub
+//! The CUDA kernels of flashcomm, embedded as fatbins, and typed access to them.
+//!
+//! The top-level `build.rs` compiles every `cuda/*.cu` into one module image (fatbin with
+//! sm_80/sm_90/sm_100 machine code and PTX for newer GPUs). This crate embeds those images,
+//! loads them into a CUDA context on first use, and hands out [`Function`] handles by kernel name.
+//! It knows kernel names and parameter layouts; it makes no algorithmic decisions.
+//!
+//! All `unsafe` code (CUDA driver calls through cudarc's `sys` and `result` layers) lives in the
+//! [`ffi`] module.
+
+pub mod ffi;
+
+pub use ffi::{Function, Kernels, LaunchConfig, launch};
+
+/// The embedded module images.
+pub mod image {
+    /// Forces 16-byte alignment of an embedded image.
+    #[repr(C, align(16))]
+    pub struct Aligned<T: ?Sized>(pub T);
+
+    include!(concat!(env!("OUT_DIR"), "/images.rs"));
+}
+
+/// Whether this build carries CUDA kernels (false when nvcc was unavailable at build time; every
+/// collective then passes through to the real NCCL).
+pub fn built_with_kernels() -> bool {
+    !image::IMAGES.is_empty()
+}
+
+/// Names of the embedded modules (one per `cuda/*.cu`).
+pub fn module_names() -> Vec<&'static str> {
+    image::IMAGES.iter().map(|(n, _)| *n).collect()
+}
+
+/// Errors of this crate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// The library was built without kernels.
+    NoKernels,
+    /// No CUDA driver library could be loaded.
+    NoDriver,
+    /// A CUDA driver call failed.
+    Cuda {
+        /// What was being done.
+        during: &'static str,
+        /// The driver's error name and message.
+        detail: String,
+    },
+    /// The named kernel is in none of the embedded modules.
+    MissingKernel(String),
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::NoKernels => write!(
+                f,
+                "this flashcomm build carries no CUDA kernels (nvcc was not found at build time)"
+            ),
+            Error::NoDriver => write!(
+                f,
+                "the CUDA driver library (libcuda.so.1) could not be loaded"
+            ),
+            Error::Cuda { during, detail } => write!(f, "CUDA error while {during}: {detail}"),
+            Error::MissingKernel(n) => write!(f, "kernel {n} is not in the embedded CUDA modules"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}

@@ -1,0 +1,250 @@
+//! Build script of `crates/kernels`: compiles every `cuda/*.cu` into a fatbin and embeds it.
+//!
+//! Each top-level `.cu` file becomes one CUDA module (one fatbin) holding machine code for the
+//! architectures in `FLASHCOMM_CUDA_ARCHS` (default `80;90;100`, filtered by what the nvcc found
+//! supports) plus PTX of the highest one, so newer GPUs can JIT it. The generated
+//! `$OUT_DIR/images.rs` lists the modules as `(name, bytes)` pairs.
+//!
+//! nvcc is found through `NVCC`, then `$CUDA_HOME/bin/nvcc`, then `PATH`; `ci/setup.sh` installs
+//! the pinned toolchain (CUDA 13.0 from PyPI). Without nvcc the build still succeeds with no
+//! kernels (every collective then passes through to the real NCCL) and prints a warning, unless
+//! `FLASHCOMM_REQUIRE_KERNELS=1`, which turns that into an error (CI and GPU bundles set it).
+//!
+//! Kernels are compiled with `-fmad=false`: the codec and the reductions must match the CPU
+//! reference bit for bit, so no multiply-add may be contracted.
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn main() {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let root = manifest
+        .ancestors()
+        .find(|p| p.join("cuda").is_dir() && p.join("Cargo.toml").is_file())
+        .expect("repository root with cuda/")
+        .to_path_buf();
+    let cuda_dir = root.join("cuda");
+    let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
+
+    println!("cargo::rustc-check-cfg=cfg(flashcomm_kernels)");
+    println!("cargo:rerun-if-changed={}", cuda_dir.display());
+    for var in [
+        "NVCC",
+        "NVCC_CCBIN",
+        "CUDA_HOME",
+        "CUDA_PATH",
+        "FLASHCOMM_CUDA_ARCHS",
+        "FLASHCOMM_REQUIRE_KERNELS",
+        "FLASHCOMM_NO_KERNELS",
+    ] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+
+    let sources = list_sources(&cuda_dir);
+    for s in &sources {
+        println!("cargo:rerun-if-changed={}", s.display());
+    }
+    let headers = cuda_dir.join("include");
+    if headers.is_dir() {
+        for h in walk(&headers) {
+            println!("cargo:rerun-if-changed={}", h.display());
+        }
+    }
+
+    let require = env::var("FLASHCOMM_REQUIRE_KERNELS").is_ok_and(|v| v == "1");
+    let nvcc = if env::var_os("FLASHCOMM_NO_KERNELS").is_some() {
+        None
+    } else {
+        find_nvcc(&root)
+    };
+    let Some(nvcc) = nvcc else {
+        if require {
+            panic!(
+                "FLASHCOMM_REQUIRE_KERNELS=1 but nvcc was not found (set NVCC or CUDA_HOME, or run ci/setup.sh)"
+            );
+        }
+        println!(
+            "cargo:warning=nvcc not found: building without CUDA kernels (every collective passes through to the real NCCL); run ci/setup.sh"
+        );
+        write_images(&out_dir, &[]);
+        return;
+    };
+
+    let supported = Command::new(&nvcc)
+        .arg("--list-gpu-code")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let wanted = env::var("FLASHCOMM_CUDA_ARCHS").unwrap_or_else(|_| "80;90;100".to_string());
+    let archs: Vec<String> = wanted
+        .split([';', ','])
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .filter(|a| supported.is_empty() || supported.contains(&format!("sm_{a}")))
+        .map(str::to_string)
+        .collect();
+    assert!(
+        !archs.is_empty(),
+        "no CUDA architecture of '{wanted}' is supported by {}",
+        nvcc.display()
+    );
+
+    // Compile the modules in parallel: nvcc is single-threaded per file and there are several.
+    let results: Vec<(String, Result<PathBuf, String>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = sources
+            .iter()
+            .map(|src| {
+                let nvcc = &nvcc;
+                let archs = &archs;
+                let out_dir = &out_dir;
+                let headers = &headers;
+                scope.spawn(move || {
+                    let name = src.file_stem().unwrap().to_string_lossy().into_owned();
+                    let out = out_dir.join(format!("{name}.fatbin"));
+                    (name, compile(nvcc, src, &out, archs, headers).map(|()| out))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("nvcc thread"))
+            .collect()
+    });
+
+    let mut images = Vec::new();
+    let mut failures = Vec::new();
+    for (name, r) in results {
+        match r {
+            Ok(path) => images.push((name, path)),
+            Err(e) => failures.push(format!("{name}: {e}")),
+        }
+    }
+    if !failures.is_empty() {
+        panic!("CUDA compilation failed:\n{}", failures.join("\n"));
+    }
+    images.sort();
+    write_images(&out_dir, &images);
+    println!("cargo:rustc-cfg=flashcomm_kernels");
+}
+
+fn compile(
+    nvcc: &Path,
+    src: &Path,
+    out: &Path,
+    archs: &[String],
+    include: &Path,
+) -> Result<(), String> {
+    let mut cmd = Command::new(nvcc);
+    cmd.args([
+        "--fatbin",
+        "-std=c++17",
+        "-O3",
+        "-lineinfo",
+        "--expt-relaxed-constexpr",
+        "-fmad=false",
+        "-Xptxas=-warn-spills",
+    ]);
+    if let Some(cc) = env::var_os("NVCC_CCBIN") {
+        cmd.arg("-ccbin").arg(cc);
+    }
+    cmd.arg("-I").arg(include);
+    for a in archs {
+        cmd.arg(format!("-gencode=arch=compute_{a},code=sm_{a}"));
+    }
+    let hi = archs.last().unwrap();
+    cmd.arg(format!("-gencode=arch=compute_{hi},code=compute_{hi}"));
+    cmd.arg("-o").arg(out).arg(src);
+    let output = cmd
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", nvcc.display()))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    // ptxas warnings (spills) are worth seeing but must not fail the build.
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    for line in stderr.lines().filter(|l| !l.trim().is_empty()) {
+        println!(
+            "cargo:warning={}: {line}",
+            src.file_name().unwrap().to_string_lossy()
+        );
+    }
+    Ok(())
+}
+
+fn write_images(out_dir: &Path, images: &[(String, PathBuf)]) {
+    let mut code =
+        String::from("/// Every CUDA module of `cuda/`, as `(module name, fatbin bytes)`.\n");
+    code.push_str("pub static IMAGES: &[(&str, &[u8])] = &[\n");
+    for (name, path) in images {
+        code.push_str(&format!(
+            "    ({name:?}, &crate::image::Aligned(*include_bytes!({:?})).0),\n",
+            path.display().to_string()
+        ));
+    }
+    code.push_str("];\n");
+    fs::write(out_dir.join("images.rs"), code).expect("write images.rs");
+}
+
+fn list_sources(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(rd) = fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(walk(&p));
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+fn find_nvcc(root: &Path) -> Option<PathBuf> {
+    if let Some(p) = env::var_os("NVCC").map(PathBuf::from)
+        && p.is_file()
+    {
+        return Some(p);
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(d) = env::var_os(var) {
+            let p = PathBuf::from(d).join("bin").join("nvcc");
+            if p.is_file() {
+                return Some(p);
+            }
+        }
+    }
+    if let Some(paths) = env::var_os("PATH") {
+        for d in env::split_paths(&paths) {
+            let p = d.join("nvcc");
+            if p.is_file() {
+                return Some(p);
+            }
+        }
+    }
+    // The toolchain that ci/setup.sh installs into the repository, then the usual system place.
+    [
+        root.join(".toolchain/py/nvidia/cu13/bin/nvcc"),
+        PathBuf::from("/usr/local/cuda/bin/nvcc"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
+}

@@ -1,0 +1,222 @@
+//! CUDA driver calls: module loading, function lookup and kernel launch.
+//!
+//! Every `unsafe` block of the crate is here, each with the reason it is sound.
+
+use std::collections::HashMap;
+use std::ffi::{CString, c_void};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys;
+
+use crate::Error;
+
+/// Converts a driver result into this crate's error.
+pub(crate) fn check(r: sys::CUresult, during: &'static str) -> Result<(), Error> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Cuda {
+            during,
+            detail: format!("{r:?}"),
+        })
+    }
+}
+
+/// Whether the CUDA driver library can be loaded (cudarc panics on first use otherwise).
+pub fn driver_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: is_culib_present only tries to dlopen the driver library by its usual names.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+}
+
+/// A kernel entry point in a loaded module.
+#[derive(Clone, Copy, Debug)]
+pub struct Function(sys::CUfunction);
+
+// SAFETY: a CUfunction is an immutable handle owned by its module, which lives as long as the
+// process (modules are never unloaded); the driver API is thread-safe.
+unsafe impl Send for Function {}
+// SAFETY: as above; the handle is only passed by value to the driver.
+unsafe impl Sync for Function {}
+
+impl Function {
+    /// The raw handle.
+    pub fn raw(&self) -> sys::CUfunction {
+        self.0
+    }
+
+    /// How many blocks of `threads` threads fit on one multiprocessor at once.
+    pub fn max_active_blocks_per_sm(&self, threads: u32, smem: usize) -> Result<u32, Error> {
+        let mut n: i32 = 0;
+        // SAFETY: `self.0` is a valid function handle; `n` is a valid out-pointer.
+        check(
+            unsafe {
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut n,
+                    self.0,
+                    threads as i32,
+                    smem,
+                )
+            },
+            "querying occupancy",
+        )?;
+        Ok(n.max(0) as u32)
+    }
+}
+
+/// Every embedded module loaded into one CUDA context; functions are looked up by name on first
+/// use and cached.
+pub struct Kernels {
+    modules: Vec<(&'static str, Module)>,
+    functions: Mutex<HashMap<String, Function>>,
+}
+
+#[derive(Clone, Copy)]
+struct Module(sys::CUmodule);
+
+// SAFETY: a CUmodule handle is never unloaded (modules live for the process) and the driver API is
+// thread-safe.
+unsafe impl Send for Module {}
+// SAFETY: as above.
+unsafe impl Sync for Module {}
+
+impl Kernels {
+    /// Loads (once per context, then cached) every embedded module into `ctx`, which must be
+    /// current on the calling thread.
+    pub fn for_context(ctx: sys::CUcontext) -> Result<Arc<Kernels>, Error> {
+        static CACHE: OnceLock<Mutex<HashMap<usize, Arc<Kernels>>>> = OnceLock::new();
+        if !crate::built_with_kernels() {
+            return Err(Error::NoKernels);
+        }
+        if !driver_present() {
+            return Err(Error::NoDriver);
+        }
+        let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+        let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = map.get(&(ctx as usize)) {
+            return Ok(k.clone());
+        }
+        let mut modules = Vec::new();
+        for (name, bytes) in crate::image::IMAGES {
+            let mut module: sys::CUmodule = std::ptr::null_mut();
+            // SAFETY: `bytes` is a complete fatbin image embedded at build time, 16-byte aligned,
+            // alive for the whole process; `module` is a valid out-pointer; the caller made the
+            // context current.
+            let r = unsafe { sys::cuModuleLoadData(&mut module, bytes.as_ptr() as *const c_void) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return Err(Error::Cuda {
+                    during: "loading a kernel module",
+                    detail: format!("{name}: {r:?}"),
+                });
+            }
+            // Modules stay loaded for the life of the process: kernels may still be in flight when
+            // a communicator is dropped, and the driver may be gone at exit.
+            modules.push((*name, Module(module)));
+        }
+        let k = Arc::new(Kernels {
+            modules,
+            functions: Mutex::new(HashMap::new()),
+        });
+        map.insert(ctx as usize, k.clone());
+        Ok(k)
+    }
+
+    /// The function called `name`, from whichever module defines it.
+    pub fn function(&self, name: &str) -> Result<Function, Error> {
+        let mut fns = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = fns.get(name) {
+            return Ok(*f);
+        }
+        let cname = CString::new(name).map_err(|_| Error::MissingKernel(name.to_string()))?;
+        for (_, m) in &self.modules {
+            let mut func: sys::CUfunction = std::ptr::null_mut();
+            // SAFETY: `m` is a loaded module; `cname` is NUL-terminated; `func` is an out-pointer.
+            let r = unsafe { sys::cuModuleGetFunction(&mut func, m.0, cname.as_ptr()) };
+            if r == sys::CUresult::CUDA_SUCCESS {
+                fns.insert(name.to_string(), Function(func));
+                return Ok(Function(func));
+            }
+        }
+        Err(Error::MissingKernel(name.to_string()))
+    }
+
+    /// Names of the loaded modules.
+    pub fn modules(&self) -> Vec<&'static str> {
+        self.modules.iter().map(|(n, _)| *n).collect()
+    }
+}
+
+/// Grid, block and dynamic shared memory of one launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Blocks.
+    pub grid: u32,
+    /// Threads per block.
+    pub block: u32,
+    /// Dynamic shared memory bytes.
+    pub smem: u32,
+}
+
+/// Launches `f` with one by-value parameter struct.
+///
+/// # Safety
+/// * `P` must be exactly the layout of the kernel's single parameter (a `#[repr(C)]` mirror whose
+///   size and offsets are asserted against the CUDA header).
+/// * Every device pointer inside `params` must stay valid until the kernel has finished.
+/// * `stream` must belong to the context that is current on this thread.
+pub unsafe fn launch<P>(
+    f: Function,
+    cfg: LaunchConfig,
+    stream: sys::CUstream,
+    params: &P,
+) -> Result<(), Error> {
+    let mut args = [params as *const P as *mut c_void];
+    // SAFETY: the caller guarantees the parameter layout and pointer lifetimes; the driver copies
+    // the parameter bytes at launch (and into the graph node when capturing).
+    let r = unsafe {
+        sys::cuLaunchKernel(
+            f.0,
+            cfg.grid,
+            1,
+            1,
+            cfg.block,
+            1,
+            1,
+            cfg.smem,
+            stream,
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    check(r, "launching a kernel")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_cuda_source_is_embedded() {
+        if !crate::built_with_kernels() {
+            eprintln!("built without kernels (no nvcc): nothing to check");
+            return;
+        }
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../cuda");
+        let mut sources: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                e.path()
+                    .file_stem()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .filter(|_| e.path().extension().is_some_and(|x| x == "cu"))
+            })
+            .collect();
+        sources.sort();
+        let mut embedded = crate::module_names();
+        embedded.sort();
+        assert_eq!(embedded, sources);
+        for (_, img) in crate::image::IMAGES {
+            assert!(img.len() > 1000, "suspiciously small image");
+            assert_eq!(img.as_ptr() as usize % 16, 0, "image not 16-byte aligned");
+        }
+    }
+}

@@ -1,0 +1,432 @@
+// Lossless collectives on the self-synchronizing transport: AllReduce (one-shot and two-shot),
+// ReduceScatter and AllGather, each with the LL and the BLOCK protocol.
+//
+// Work decomposition (identical on every rank, so every rank's block b talks to every peer's
+// block b): a message is cut into chunks of `chunk_bytes`; chunk k is handled by block
+// k % gridDim.x in round k / gridDim.x, using sub-slot parity round & 1. Per round a block
+//   one-shot AllReduce: pushes its chunk of the input to every peer (region A, slot = own rank),
+//     then waits for every peer's chunk and reduces all N in rank order into the output;
+//   two-shot AllReduce: for every shard owner j pushes chunk k of shard j to j (region A); reduces
+//     chunk k of its own shard in rank order, writes it to the output and pushes the result to
+//     every peer (region B); then copies every peer's reduced chunk from region B to the output;
+//   ReduceScatter: the first half of two-shot, the reduced chunk going to the output only;
+//   AllGather: pushes its chunk to every peer (region A) and copies every peer's chunk out.
+// A rank never waits for anything but data, and the data carries its own readiness: there is no
+// barrier before or after a collective.
+//
+// Preconditions (checked by the host): nranks <= FC_MAX_RANKS; all ranks launch the same kernel
+// with the same grid, block size and params geometry; every rank's grid is resident at once
+// (the host sizes grids to the occupancy it measured); for two-shot every shard is non-empty.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "flashcomm/params.h"
+#include "flashcomm/reduce.cuh"
+#include "flashcomm/transport.cuh"
+
+namespace fc {
+
+constexpr int kThreads = 512;
+constexpr int kFrameVecs = FC_FRAME_PAYLOAD / 16 / 32;  // 16-byte vectors per lane per frame
+
+__device__ __forceinline__ bool is_peer(const FcCollParams& p, uint32_t q, uint32_t mask) {
+  return q != p.rank && ((mask >> q) & 1u);
+}
+
+// ===================================================================================== LL ====
+
+// Pushes `len` bytes at `src` (user memory) to region `region` of every rank in `mask`.
+__device__ __forceinline__ void ll_send(const FcCollParams& p, Ctx& c, const char* src, uint32_t len, uint64_t round,
+                                        uint32_t region, uint32_t mask) {
+  const uint32_t units = (len + FC_LL_PAYLOAD - 1) / FC_LL_PAYLOAD;
+  for (uint32_t u = threadIdx.x; u < units; u += blockDim.x) {
+    const uint32_t n = min((uint32_t)FC_LL_PAYLOAD, len - u * FC_LL_PAYLOAD);
+    const uint2 d = load_bytes8(src + (uint64_t)u * FC_LL_PAYLOAD, n);
+#pragma unroll
+    for (uint32_t q = 0; q < FC_MAX_RANKS; ++q) {
+      if (q < p.nranks && is_peer(p, q, mask)) ll_store(sub_slot(p, c, q, region, p.rank, round) + (uint64_t)u * FC_LL_LINE, d, c.tag);
+    }
+  }
+}
+
+// Waits for unit `u` of every source in `need` (region `region` of this rank's arena), filling v[s].
+__device__ __forceinline__ void ll_gather(const FcCollParams& p, Ctx& c, uint32_t u, uint64_t round, uint32_t region,
+                                          uint32_t need, uint2* v) {
+  Waiter w;
+  uint32_t foreign = 0;
+  while (need != 0 && !c.dead) {
+#pragma unroll
+    for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
+      if ((need >> s) & 1u) {
+        if (ll_poll(sub_slot(p, c, p.rank, region, s, round) + (uint64_t)u * FC_LL_LINE, c.tag, v[s], foreign)) need &= ~(1u << s);
+      }
+    }
+    if (foreign != 0) {
+      give_up(p, c, FC_STATUS_MISMATCH, __ffs(need) - 1, foreign);
+      break;
+    }
+    if (need != 0 && w.stop(p, c, __ffs(need) - 1)) break;
+  }
+}
+
+__device__ __forceinline__ void ll_clear_units(const FcCollParams& p, Ctx& c, uint32_t u, uint64_t round, uint32_t region,
+                                               uint32_t srcs) {
+#pragma unroll
+  for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
+    if ((srcs >> s) & 1u) ll_clear(sub_slot(p, c, p.rank, region, s, round) + (uint64_t)u * FC_LL_LINE);
+  }
+}
+
+// Reduces `len` bytes: own contribution from `own` (user memory), the others from region
+// `region`; writes the result to `out` and, when `fwd_mask` is not 0, pushes it to region
+// `fwd_region` of those ranks.
+template <typename T>
+__device__ __forceinline__ void ll_reduce(const FcCollParams& p, Ctx& c, const char* own, char* out, uint32_t len,
+                                          uint64_t round, uint32_t region, uint32_t fwd_region, uint32_t fwd_mask) {
+  const uint32_t units = (len + FC_LL_PAYLOAD - 1) / FC_LL_PAYLOAD;
+  const uint32_t others = ((1u << p.nranks) - 1u) & ~(1u << p.rank);
+  for (uint32_t u = threadIdx.x; u < units; u += blockDim.x) {
+    const uint32_t n = min((uint32_t)FC_LL_PAYLOAD, len - u * FC_LL_PAYLOAD);
+    uint2 v[FC_MAX_RANKS];
+    const uint2 mine = load_bytes8(own + (uint64_t)u * FC_LL_PAYLOAD, n);
+#pragma unroll
+    for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) v[s] = mine;
+    ll_gather(p, c, u, round, region, others, v);
+    Acc<T, 2> acc;
+    acc.init(reinterpret_cast<const uint32_t*>(&v[0]));
+#pragma unroll
+    for (uint32_t s = 1; s < FC_MAX_RANKS; ++s) {
+      if (s < p.nranks) acc.add(reinterpret_cast<const uint32_t*>(&v[s]));
+    }
+    uint2 r;
+    acc.out(reinterpret_cast<uint32_t*>(&r));
+    store_bytes8(out + (uint64_t)u * FC_LL_PAYLOAD, r, n);
+    if (fwd_mask != 0) {
+#pragma unroll
+      for (uint32_t q = 0; q < FC_MAX_RANKS; ++q) {
+        if (q < p.nranks && is_peer(p, q, fwd_mask))
+          ll_store(sub_slot(p, c, q, fwd_region, p.rank, round) + (uint64_t)u * FC_LL_LINE, r, c.tag);
+      }
+    }
+    ll_clear_units(p, c, u, round, region, others);
+  }
+}
+
+// Copies `len` bytes that source `s` pushed into region `region` to `out`.
+__device__ __forceinline__ void ll_copy(const FcCollParams& p, Ctx& c, uint32_t s, char* out, uint32_t len, uint64_t round,
+                                        uint32_t region) {
+  const uint32_t units = (len + FC_LL_PAYLOAD - 1) / FC_LL_PAYLOAD;
+  for (uint32_t u = threadIdx.x; u < units; u += blockDim.x) {
+    const uint32_t n = min((uint32_t)FC_LL_PAYLOAD, len - u * FC_LL_PAYLOAD);
+    uint2 v[FC_MAX_RANKS];
+#pragma unroll
+    for (uint32_t i = 0; i < FC_MAX_RANKS; ++i) v[i] = make_uint2(0, 0);
+    ll_gather(p, c, u, round, region, 1u << s, v);
+    uint2 d = make_uint2(0, 0);
+#pragma unroll
+    for (uint32_t i = 0; i < FC_MAX_RANKS; ++i)
+      if (i == s) d = v[i];
+    store_bytes8(out + (uint64_t)u * FC_LL_PAYLOAD, d, n);
+    ll_clear_units(p, c, u, round, region, 1u << s);
+  }
+}
+
+// ================================================================================== BLOCK ====
+
+__device__ __forceinline__ char* frame_at(char* sub, uint32_t f) { return sub + (uint64_t)f * FC_FRAME_BYTES; }
+
+__device__ __forceinline__ uint32_t frame_len(uint32_t len, uint32_t f) {
+  return min((uint32_t)FC_FRAME_PAYLOAD, len - f * FC_FRAME_PAYLOAD);
+}
+
+// Loads this lane's part of frame f of `src` (user memory).
+__device__ __forceinline__ void frame_load(const char* src, uint32_t fbytes, uint32_t lane, uint4* d) {
+#pragma unroll
+  for (int i = 0; i < kFrameVecs; ++i) {
+    const uint32_t o = (i * 32 + lane) * 16;
+    d[i] = o < fbytes ? load_bytes16(src + o, min(16u, fbytes - o)) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+__device__ __forceinline__ void frame_store_payload(char* frame, uint32_t fbytes, uint32_t lane, const uint4* d) {
+#pragma unroll
+  for (int i = 0; i < kFrameVecs; ++i) {
+    const uint32_t o = (i * 32 + lane) * 16;
+    if (o < fbytes) st_v4(frame_payload(frame) + o, d[i]);
+  }
+}
+
+__device__ __forceinline__ void blk_send(const FcCollParams& p, Ctx& c, const char* src, uint32_t len, uint64_t round,
+                                         uint32_t region, uint32_t mask) {
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const uint32_t nframes = (len + FC_FRAME_PAYLOAD - 1) / FC_FRAME_PAYLOAD;
+  for (uint32_t f = warp; f < nframes; f += nwarps) {
+    const uint32_t fbytes = frame_len(len, f);
+    uint4 d[kFrameVecs];
+    frame_load(src + (uint64_t)f * FC_FRAME_PAYLOAD, fbytes, lane, d);
+#pragma unroll 1
+    for (uint32_t q = 0; q < p.nranks; ++q) {
+      if (is_peer(p, q, mask)) frame_store_payload(frame_at(sub_slot(p, c, q, region, p.rank, round), f), fbytes, lane, d);
+    }
+    __syncwarp();
+    if (lane == 0) {
+      fence_sys();
+      for (uint32_t q = 0; q < p.nranks; ++q) {
+        if (is_peer(p, q, mask)) st_relaxed_sys_u32(frame_tag(frame_at(sub_slot(p, c, q, region, p.rank, round), f)), c.tag);
+      }
+    }
+  }
+}
+
+// Lane s waits for source s's frame f (for every source in `srcs`); then the warp is synchronized.
+__device__ __forceinline__ void blk_wait_frames(const FcCollParams& p, Ctx& c, uint32_t f, uint64_t round, uint32_t region,
+                                                uint32_t srcs) {
+  const uint32_t lane = threadIdx.x & 31;
+  if (lane < FC_MAX_RANKS && ((srcs >> lane) & 1u) && !c.dead)
+    frame_wait(p, c, frame_at(sub_slot(p, c, p.rank, region, lane, round), f), lane);
+  __syncwarp();
+}
+
+__device__ __forceinline__ void blk_clear_frames(const FcCollParams& p, Ctx& c, uint32_t f, uint64_t round, uint32_t region,
+                                                 uint32_t srcs) {
+  const uint32_t lane = threadIdx.x & 31;
+  __syncwarp();
+  if (lane < FC_MAX_RANKS && ((srcs >> lane) & 1u))
+    st_volatile_u32(frame_tag(frame_at(sub_slot(p, c, p.rank, region, lane, round), f)), 0u);
+}
+
+template <typename T>
+__device__ __forceinline__ void blk_reduce(const FcCollParams& p, Ctx& c, const char* own, char* out, uint32_t len,
+                                           uint64_t round, uint32_t region, uint32_t fwd_region, uint32_t fwd_mask) {
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const uint32_t nframes = (len + FC_FRAME_PAYLOAD - 1) / FC_FRAME_PAYLOAD;
+  const uint32_t others = ((1u << p.nranks) - 1u) & ~(1u << p.rank);
+  for (uint32_t f = warp; f < nframes; f += nwarps) {
+    const uint32_t fbytes = frame_len(len, f);
+    blk_wait_frames(p, c, f, round, region, others);
+    uint4 r[kFrameVecs];
+#pragma unroll
+    for (int i = 0; i < kFrameVecs; ++i) {
+      const uint32_t o = (i * 32 + lane) * 16;
+      if (o >= fbytes) {
+        r[i] = make_uint4(0, 0, 0, 0);
+        continue;
+      }
+      const uint4 mine = load_bytes16(own + (uint64_t)f * FC_FRAME_PAYLOAD + o, min(16u, fbytes - o));
+      Acc<T, 4> acc;
+      for (uint32_t s = 0; s < p.nranks; ++s) {
+        const uint4 v = s == p.rank ? mine : ld_cg_v4(frame_payload(frame_at(sub_slot(p, c, p.rank, region, s, round), f)) + o);
+        if (s == 0)
+          acc.init(reinterpret_cast<const uint32_t*>(&v));
+        else
+          acc.add(reinterpret_cast<const uint32_t*>(&v));
+      }
+      acc.out(reinterpret_cast<uint32_t*>(&r[i]));
+      store_bytes16(out + (uint64_t)f * FC_FRAME_PAYLOAD + o, r[i], min(16u, fbytes - o));
+    }
+    if (fwd_mask != 0) {
+#pragma unroll 1
+      for (uint32_t q = 0; q < p.nranks; ++q) {
+        if (is_peer(p, q, fwd_mask)) frame_store_payload(frame_at(sub_slot(p, c, q, fwd_region, p.rank, round), f), fbytes, lane, r);
+      }
+      __syncwarp();
+      if (lane == 0) {
+        fence_sys();
+        for (uint32_t q = 0; q < p.nranks; ++q) {
+          if (is_peer(p, q, fwd_mask))
+            st_relaxed_sys_u32(frame_tag(frame_at(sub_slot(p, c, q, fwd_region, p.rank, round), f)), c.tag);
+        }
+      }
+    }
+    blk_clear_frames(p, c, f, round, region, others);
+  }
+}
+
+__device__ __forceinline__ void blk_copy(const FcCollParams& p, Ctx& c, uint32_t s, char* out, uint32_t len, uint64_t round,
+                                         uint32_t region) {
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const uint32_t nframes = (len + FC_FRAME_PAYLOAD - 1) / FC_FRAME_PAYLOAD;
+  for (uint32_t f = warp; f < nframes; f += nwarps) {
+    const uint32_t fbytes = frame_len(len, f);
+    blk_wait_frames(p, c, f, round, region, 1u << s);
+    const char* payload = frame_payload(frame_at(sub_slot(p, c, p.rank, region, s, round), f));
+#pragma unroll
+    for (int i = 0; i < kFrameVecs; ++i) {
+      const uint32_t o = (i * 32 + lane) * 16;
+      if (o < fbytes) store_bytes16(out + (uint64_t)f * FC_FRAME_PAYLOAD + o, ld_cg_v4(payload + o), min(16u, fbytes - o));
+    }
+    blk_clear_frames(p, c, f, round, region, 1u << s);
+  }
+}
+
+// ============================================================================= dispatch ====
+
+template <int PROTO>
+__device__ __forceinline__ void send(const FcCollParams& p, Ctx& c, const char* src, uint32_t len, uint64_t round,
+                                     uint32_t region, uint32_t mask) {
+  if (PROTO == FC_PROTO_LL)
+    ll_send(p, c, src, len, round, region, mask);
+  else
+    blk_send(p, c, src, len, round, region, mask);
+}
+
+template <int PROTO, typename T>
+__device__ __forceinline__ void reduce(const FcCollParams& p, Ctx& c, const char* own, char* out, uint32_t len, uint64_t round,
+                                       uint32_t region, uint32_t fwd_region, uint32_t fwd_mask) {
+  if (PROTO == FC_PROTO_LL)
+    ll_reduce<T>(p, c, own, out, len, round, region, fwd_region, fwd_mask);
+  else
+    blk_reduce<T>(p, c, own, out, len, round, region, fwd_region, fwd_mask);
+}
+
+template <int PROTO>
+__device__ __forceinline__ void copy_from(const FcCollParams& p, Ctx& c, uint32_t s, char* out, uint32_t len, uint64_t round,
+                                          uint32_t region) {
+  if (PROTO == FC_PROTO_LL)
+    ll_copy(p, c, s, out, len, round, region);
+  else
+    blk_copy(p, c, s, out, len, round, region);
+}
+
+// Between rounds: the lines and tags this thread cleared must be cleared before any peer can see
+// this rank's next round (which lets that peer reuse them two rounds later).
+template <int PROTO>
+__device__ __forceinline__ void between_rounds() {
+  fence_sys();
+}
+
+__device__ __forceinline__ void copy_local(const char* src, char* dst, uint32_t len) {
+  if (src == dst) return;
+  for (uint32_t o = threadIdx.x * 16; o < len; o += blockDim.x * 16)
+    store_bytes16(dst + o, load_bytes16(src + o, min(16u, len - o)), min(16u, len - o));
+}
+
+template <typename T, int PROTO>
+__device__ void allreduce_oneshot(const FcCollParams& p) {
+  Ctx c = begin(p);
+  const uint64_t bytes = p.count * sizeof(T);
+  const uint64_t nchunks = (bytes + p.chunk_bytes - 1) / p.chunk_bytes;
+  const uint32_t all = (1u << p.nranks) - 1u;
+  const char* in = reinterpret_cast<const char*>(p.send);
+  char* out = reinterpret_cast<char*>(p.recv);
+  uint64_t round = 0;
+  for (uint64_t k = blockIdx.x; k < nchunks; k += gridDim.x, ++round) {
+    if (round > 0) between_rounds<PROTO>();
+    const uint64_t off = k * p.chunk_bytes;
+    const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
+    send<PROTO>(p, c, in + off, len, round, 0, all);
+    reduce<PROTO, T>(p, c, in + off, out + off, len, round, 0, 0, 0);
+  }
+  finish(p, c);
+}
+
+template <typename T, int PROTO>
+__device__ void allreduce_twoshot(const FcCollParams& p) {
+  Ctx c = begin(p);
+  const uint64_t shard_bytes = p.shard_elems * sizeof(T);
+  const uint64_t total = p.count * sizeof(T);
+  const uint64_t nchunks = (shard_bytes + p.chunk_bytes - 1) / p.chunk_bytes;
+  const uint32_t all = (1u << p.nranks) - 1u;
+  const char* in = reinterpret_cast<const char*>(p.send);
+  char* out = reinterpret_cast<char*>(p.recv);
+  uint64_t round = 0;
+  for (uint64_t k = blockIdx.x; k < nchunks; k += gridDim.x, ++round) {
+    if (round > 0) between_rounds<PROTO>();
+    const uint64_t off = k * p.chunk_bytes;
+    // Length of chunk k of shard j (0 when shard j is shorter than this chunk).
+    auto len_of = [&](uint32_t j) -> uint32_t {
+      const uint64_t start = (uint64_t)j * shard_bytes + off;
+      const uint64_t end = min((uint64_t)j * shard_bytes + shard_bytes, total);
+      return start < end ? (uint32_t)min((uint64_t)p.chunk_bytes, end - start) : 0u;
+    };
+    // Step 1: chunk k of every other shard goes to its owner.
+    for (uint32_t j = 0; j < p.nranks; ++j) {
+      const uint32_t lj = len_of(j);
+      if (j != p.rank && lj > 0) send<PROTO>(p, c, in + (uint64_t)j * shard_bytes + off, lj, round, 0, 1u << j);
+    }
+    // Step 2: reduce chunk k of the own shard, write it and push it to everyone.
+    const uint32_t li = len_of(p.rank);
+    if (li > 0) {
+      const uint64_t mine = (uint64_t)p.rank * shard_bytes + off;
+      reduce<PROTO, T>(p, c, in + mine, out + mine, li, round, 0, 1, all);
+    }
+    // Step 3: collect the other owners' reduced chunks.
+    for (uint32_t j = 0; j < p.nranks; ++j) {
+      const uint32_t lj = len_of(j);
+      if (j != p.rank && lj > 0) copy_from<PROTO>(p, c, j, out + (uint64_t)j * shard_bytes + off, lj, round, 1);
+    }
+  }
+  finish(p, c);
+}
+
+template <typename T, int PROTO>
+__device__ void reducescatter(const FcCollParams& p) {
+  Ctx c = begin(p);
+  const uint64_t bytes = p.count * sizeof(T);  // recvcount elements per rank
+  const uint64_t nchunks = (bytes + p.chunk_bytes - 1) / p.chunk_bytes;
+  const char* in = reinterpret_cast<const char*>(p.send);
+  char* out = reinterpret_cast<char*>(p.recv);
+  uint64_t round = 0;
+  for (uint64_t k = blockIdx.x; k < nchunks; k += gridDim.x, ++round) {
+    if (round > 0) between_rounds<PROTO>();
+    const uint64_t off = k * p.chunk_bytes;
+    const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
+    for (uint32_t j = 0; j < p.nranks; ++j) {
+      if (j != p.rank) send<PROTO>(p, c, in + (uint64_t)j * bytes + off, len, round, 0, 1u << j);
+    }
+    reduce<PROTO, T>(p, c, in + (uint64_t)p.rank * bytes + off, out + off, len, round, 0, 0, 0);
+  }
+  finish(p, c);
+}
+
+template <int PROTO>
+__device__ void allgather(const FcCollParams& p) {
+  Ctx c = begin(p);
+  const uint64_t bytes = p.count * p.elem_bytes;  // sendcount elements
+  const uint64_t nchunks = (bytes + p.chunk_bytes - 1) / p.chunk_bytes;
+  const uint32_t all = (1u << p.nranks) - 1u;
+  const char* in = reinterpret_cast<const char*>(p.send);
+  char* out = reinterpret_cast<char*>(p.recv);
+  uint64_t round = 0;
+  for (uint64_t k = blockIdx.x; k < nchunks; k += gridDim.x, ++round) {
+    if (round > 0) between_rounds<PROTO>();
+    const uint64_t off = k * p.chunk_bytes;
+    const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
+    send<PROTO>(p, c, in + off, len, round, 0, all);
+    copy_local(in + off, out + (uint64_t)p.rank * bytes + off, len);
+    for (uint32_t s = 0; s < p.nranks; ++s) {
+      if (s != p.rank) copy_from<PROTO>(p, c, s, out + (uint64_t)s * bytes + off, len, round, 0);
+    }
+  }
+  finish(p, c);
+}
+
+}  // namespace fc
+
+#define FC_DEFINE_REDUCING(NAME, T, SUFFIX)                                                              \
+  extern "C" __global__ void __launch_bounds__(fc::kThreads)                                            \
+      fc_##NAME##_ll_##SUFFIX(const __grid_constant__ FcCollParams p) {                                  \
+    fc::NAME<T, FC_PROTO_LL>(p);                                                                         \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(fc::kThreads)                                            \
+      fc_##NAME##_block_##SUFFIX(const __grid_constant__ FcCollParams p) {                               \
+    fc::NAME<T, FC_PROTO_BLOCK>(p);                                                                      \
+  }
+
+FC_DEFINE_REDUCING(allreduce_oneshot, float, f32)
+FC_DEFINE_REDUCING(allreduce_oneshot, __half, f16)
+FC_DEFINE_REDUCING(allreduce_oneshot, __nv_bfloat16, bf16)
+FC_DEFINE_REDUCING(allreduce_twoshot, float, f32)
+FC_DEFINE_REDUCING(allreduce_twoshot, __half, f16)
+FC_DEFINE_REDUCING(allreduce_twoshot, __nv_bfloat16, bf16)
+FC_DEFINE_REDUCING(reducescatter, float, f32)
+FC_DEFINE_REDUCING(reducescatter, __half, f16)
+FC_DEFINE_REDUCING(reducescatter, __nv_bfloat16, bf16)
+
+extern "C" __global__ void __launch_bounds__(fc::kThreads) fc_allgather_ll(const __grid_constant__ FcCollParams p) {
+  fc::allgather<FC_PROTO_LL>(p);
+}
+extern "C" __global__ void __launch_bounds__(fc::kThreads) fc_allgather_block(const __grid_constant__ FcCollParams p) {
+  fc::allgather<FC_PROTO_BLOCK>(p);
+}

@@ -1,0 +1,230 @@
+// The self-synchronizing transport: how data and its readiness travel together, and how every
+// wait is bounded. See docs/protocols.md for the full argument; the short version:
+//
+// * Every rank owns an arena (device memory, mapped into every peer). Peers PUSH data into it;
+//   a rank only ever reads its own arena. The data area has two halves; collective number `seq`
+//   uses half `seq & 1`. A half is divided into two regions (A: first step, B: second step), a
+//   region into one slot per source rank, a slot into one sub-slot per (block, round parity).
+// * The tag of collective `seq` is `seq % (2^32 - 1) + 1`: never 0. Receivers clear every tag they
+//   consume back to 0, so a non-zero tag that differs from the expected one can only come from a
+//   peer that is running a different collective: that is reported as a mismatch.
+// * LL protocol: a 16-byte line carries 8 payload bytes as {d0, tag, d1, tag}; the line is written
+//   with one 16-byte store and read with one 16-byte load, and each 8-byte half has its own tag, so
+//   a torn read is never mistaken for a complete one. No fence on the way out.
+// * BLOCK protocol: a frame is a 16-byte header (u32 tag, rest reserved) followed by up to
+//   FC_FRAME_PAYLOAD bytes. A warp writes the payload with plain stores, synchronizes, and lane 0
+//   issues a system-scope fence before storing the tag. The receiver acquires the tag and then reads
+//   the payload through L2.
+// * Epochs live on the device (FcCtl::seq), advanced by the last block of each kernel, so a CUDA
+//   graph replays correctly any number of times.
+// * Every wait polls with a budget: it checks this rank's abort word (set by peers that gave up),
+//   the host abort flag (ncclCommAbort) and a deadline (globaltimer). A thread that gives up
+//   records why in the host-mapped status (first error wins), asks every peer to stop, and from
+//   then on skips all waits, so the kernel always finishes.
+#pragma once
+#include <stdint.h>
+#include "flashcomm/params.h"
+#include "flashcomm/ptx.cuh"
+
+#define FC_FRAME_HEADER 16
+#define FC_FRAME_PAYLOAD 4096
+#define FC_FRAME_BYTES (FC_FRAME_HEADER + FC_FRAME_PAYLOAD)
+#define FC_LL_LINE 16
+#define FC_LL_PAYLOAD 8
+
+namespace fc {
+
+// Per-thread view of the running collective.
+struct Ctx {
+  uint64_t seq;
+  uint64_t deadline;
+  uint32_t tag;
+  uint32_t half;
+  bool dead;  // this thread gave up (or saw that another one did): skip every wait from now on
+};
+
+__device__ __forceinline__ uint32_t tag_of(uint64_t seq) { return (uint32_t)(seq % 4294967295ull) + 1u; }
+
+__device__ __forceinline__ Ctx begin(const FcCollParams& p) {
+  Ctx c;
+  const FcCtl* ctl = reinterpret_cast<const FcCtl*>(p.ctl);
+  c.seq = ld_volatile_u64(&ctl->seq);
+  c.tag = tag_of(c.seq);
+  c.half = (uint32_t)(c.seq & 1);
+  c.deadline = globaltimer_ns() + p.timeout_ns;
+  c.dead = false;
+  return c;
+}
+
+// Called by every thread of every block at the very end. The last block to finish advances the
+// epoch for the next collective on this rank.
+__device__ __forceinline__ void finish(const FcCollParams& p, const Ctx& c) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    FcCtl* ctl = reinterpret_cast<FcCtl*>(p.ctl);
+    __threadfence();
+    uint32_t prev = atomicAdd(&ctl->done, 1u);
+    if (prev == gridDim.x - 1) {
+      ctl->done = 0;
+      ctl->seq = c.seq + 1;
+      __threadfence();
+    }
+  }
+}
+
+__device__ __forceinline__ char* arena_local(const FcCollParams& p) {
+  return reinterpret_cast<char*>(p.peer_base[p.rank]);
+}
+
+// Address of the sub-slot that `src` writes into `owner`'s arena, for region `region` (0 = A,
+// 1 = B), this block, and `round`.
+__device__ __forceinline__ char* sub_slot(const FcCollParams& p, const Ctx& c, uint32_t owner, uint32_t region,
+                                          uint32_t src, uint64_t round) {
+  uint64_t off = FC_ARENA_HEADER_BYTES + (uint64_t)c.half * p.half_bytes + (uint64_t)region * p.region_bytes +
+                 (uint64_t)src * p.slot_bytes + ((uint64_t)blockIdx.x * 2 + (round & 1)) * p.sub_bytes;
+  return reinterpret_cast<char*>(p.peer_base[owner]) + off;
+}
+
+// Records the first error of this rank and asks every rank (including this one) to stop.
+__device__ __noinline__ void give_up(const FcCollParams& p, Ctx& c, uint32_t code, uint32_t peer,
+                                     uint32_t observed) {
+  c.dead = true;
+  FcStatus* st = reinterpret_cast<FcStatus*>(p.status);
+  if (atomicCAS_system(&st->code, FC_STATUS_OK, code) == FC_STATUS_OK) {
+    st->peer = peer;
+    st->block = blockIdx.x;
+    st->observed = observed;
+    st->seq = c.seq;
+    st->expected = c.tag;
+    __threadfence_system();
+  }
+  for (uint32_t r = 0; r < p.nranks; ++r) {
+    st_volatile_u32(reinterpret_cast<char*>(p.peer_base[r]) + FC_HDR_ABORT_REQ, 1u);
+  }
+  __threadfence_system();
+}
+
+// Budget check inside a polling loop. Returns true when the thread must stop waiting.
+struct Waiter {
+  uint32_t spins = 0;
+  __device__ __forceinline__ bool stop(const FcCollParams& p, Ctx& c, uint32_t peer) {
+    if (c.dead) return true;
+    ++spins;
+    if ((spins & 127u) != 0) return false;
+    if (ld_volatile_u32(arena_local(p) + FC_HDR_ABORT_REQ) != 0) {
+      give_up(p, c, FC_STATUS_PEER_ABORTED, peer, 0);
+      return true;
+    }
+    if ((spins & 4095u) == 0 && ld_volatile_u32(reinterpret_cast<const void*>(p.abort_flag)) != 0) {
+      give_up(p, c, FC_STATUS_ABORTED, peer, 0);
+      return true;
+    }
+    if (globaltimer_ns() > c.deadline) {
+      give_up(p, c, FC_STATUS_TIMEOUT, peer, 0);
+      return true;
+    }
+    return false;
+  }
+};
+
+// ---- LL lines ----
+
+__device__ __forceinline__ void ll_store(char* line, uint2 d, uint32_t tag) {
+  st_volatile_v4(line, make_uint4(d.x, tag, d.y, tag));
+}
+
+// One poll of one line. Returns 1 when ready (payload in `out`), 0 when not yet, and reports a
+// foreign tag through `foreign`.
+__device__ __forceinline__ bool ll_poll(const char* line, uint32_t tag, uint2& out, uint32_t& foreign) {
+  uint4 v = ld_volatile_v4(line);
+  if (v.y == tag && v.w == tag) {
+    out = make_uint2(v.x, v.z);
+    return true;
+  }
+  if (v.y != 0 && v.y != tag) foreign = v.y;
+  if (v.w != 0 && v.w != tag) foreign = v.w;
+  return false;
+}
+
+__device__ __forceinline__ void ll_clear(char* line) { st_volatile_v4(line, make_uint4(0, 0, 0, 0)); }
+
+// ---- BLOCK frames ----
+
+__device__ __forceinline__ uint32_t* frame_tag(char* frame) { return reinterpret_cast<uint32_t*>(frame); }
+__device__ __forceinline__ char* frame_payload(char* frame) { return frame + FC_FRAME_HEADER; }
+
+// Lane 0 publishes a frame after the warp's payload stores: fence, then the tag.
+__device__ __forceinline__ void frame_publish(char* frame, uint32_t tag) {
+  fence_sys();
+  st_relaxed_sys_u32(frame_tag(frame), tag);
+}
+
+// Waits until the frame's tag equals `tag`. Returns false if the thread gave up.
+__device__ __forceinline__ bool frame_wait(const FcCollParams& p, Ctx& c, char* frame, uint32_t peer) {
+  Waiter w;
+  while (true) {
+    uint32_t t = ld_acquire_sys_u32(frame_tag(frame));
+    if (t == c.tag) return true;
+    if (t != 0) {
+      give_up(p, c, FC_STATUS_MISMATCH, peer, t);
+      return false;
+    }
+    if (w.stop(p, c, peer)) return false;
+  }
+}
+
+// ---- user memory, any alignment ----
+
+// Loads `n` (<= 16) bytes at `src` into a 16-byte vector, zero-filling the rest.
+__device__ __forceinline__ uint4 load_bytes16(const char* src, uint32_t n) {
+  if (n == 16 && (reinterpret_cast<uintptr_t>(src) & 15) == 0) return *reinterpret_cast<const uint4*>(src);
+  uint4 v = make_uint4(0, 0, 0, 0);
+  unsigned char* b = reinterpret_cast<unsigned char*>(&v);
+  if ((reinterpret_cast<uintptr_t>(src) & 1) == 0 && (n & 1) == 0) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+    uint16_t* d = reinterpret_cast<uint16_t*>(&v);
+#pragma unroll
+    for (uint32_t i = 0; i < 8; ++i)
+      if (2 * i < n) d[i] = s[i];
+  } else {
+#pragma unroll
+    for (uint32_t i = 0; i < 16; ++i)
+      if (i < n) b[i] = src[i];
+  }
+  return v;
+}
+
+__device__ __forceinline__ void store_bytes16(char* dst, uint4 v, uint32_t n) {
+  if (n == 16 && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    *reinterpret_cast<uint4*>(dst) = v;
+    return;
+  }
+  if ((reinterpret_cast<uintptr_t>(dst) & 1) == 0 && (n & 1) == 0) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(&v);
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+#pragma unroll
+    for (uint32_t i = 0; i < 8; ++i)
+      if (2 * i < n) d[i] = s[i];
+  } else {
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(&v);
+#pragma unroll
+    for (uint32_t i = 0; i < 16; ++i)
+      if (i < n) dst[i] = b[i];
+  }
+}
+
+__device__ __forceinline__ uint2 load_bytes8(const char* src, uint32_t n) {
+  if (n == 8 && (reinterpret_cast<uintptr_t>(src) & 7) == 0) return *reinterpret_cast<const uint2*>(src);
+  uint4 v = load_bytes16(src, n);
+  return make_uint2(v.x, v.y);
+}
+
+__device__ __forceinline__ void store_bytes8(char* dst, uint2 v, uint32_t n) {
+  if (n == 8 && (reinterpret_cast<uintptr_t>(dst) & 7) == 0) {
+    *reinterpret_cast<uint2*>(dst) = v;
+    return;
+  }
+  store_bytes16(dst, make_uint4(v.x, v.y, 0, 0), n);
+}
+
+}  // namespace fc
