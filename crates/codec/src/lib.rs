@@ -1,1 +1,34 @@
-//! stub
+//! The flashcomm wire format and its CPU reference implementation.
+//!
+//! This crate is the executable form of `docs/codec.md`: any-bit (2 to 8) group quantization
+//! with bit splitting (each code split into 4-, 2- and 1-bit planes) and spike reserving (the
+//! extreme values of each group kept exactly). The CUDA codec reproduces it bit for bit.
+//!
+//! * [`Format`] and its layout methods describe a block of 1024 values.
+//! * [`encode`], [`decode`], [`decode_accumulate`] and [`reduce_requantize`] are the codec.
+//! * [`error_bound`] gives the per-element guarantee that the tests check.
+//! * [`reference`](mod@reference) holds the quantized all-reduce algorithms as the GPU computes them.
+//!
+//! Decoders validate lengths and headers and never panic on arbitrary bytes.
+
+#![forbid(unsafe_code)]
+
+mod codec;
+mod element;
+mod error;
+mod format;
+pub mod reference;
+mod tables;
+
+pub use codec::{
+    decode, decode_accumulate, decode_f32, encode, encode_to_vec, error_bound, error_bound_f32,
+    reduce_requantize,
+};
+pub use element::Element;
+pub use error::CodecError;
+pub use format::{
+    ALL_BITS, ALL_DTYPES, ALL_GROUPS, ALL_SPIKES, BLOCK_VALUES, DType, Format, FormatError,
+    HEADER_BYTES,
+};
+pub use half::{bf16, f16};
+pub use tables::effective_bits_markdown;
