@@ -1,0 +1,257 @@
+//! The simulated all-reduce: per-rank partial sums are converted to `bf16` (the all-reduce's
+//! datatype in serving) and reduced by the codec's CPU reference, exactly or quantized.
+
+use crate::model::{AllReduce, Site};
+use half::bf16;
+use std::fmt;
+use std::sync::Mutex;
+
+/// A quantization format for `bf16` values: payload bits, group size and spikes per group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Spec {
+    /// Payload bits per value (2..=8).
+    pub bits: u8,
+    /// Values sharing one range (32, 64, 128, 256).
+    pub group: u16,
+    /// Extreme values per group kept exactly (0, 2, 4).
+    pub spikes: u8,
+}
+
+impl fmt::Display for Spec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "b{} g{} k{}", self.bits, self.group, self.spikes)
+    }
+}
+
+/// How the partial sums are reduced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Mode {
+    /// Partials kept in `f32` and summed in `f32` (no `bf16` rounding): a reference for the
+    /// model's own accuracy, not an all-reduce that serving would run.
+    F32,
+    /// The codec's exact (lossless) all-reduce of the `bf16` partials: the baseline.
+    Lossless,
+    /// Quantized reduce-scatter (format `rs`) followed by a quantized all-gather (format `ag`).
+    TwoStep {
+        /// Reduce-scatter format.
+        rs: Spec,
+        /// All-gather format.
+        ag: Spec,
+    },
+    /// Every rank sends its whole quantized partial to every other rank once.
+    OneShot(Spec),
+}
+
+impl Mode {
+    /// A short name of the algorithm.
+    pub fn algorithm(&self) -> &'static str {
+        match self {
+            Mode::F32 => "f32 sum (no bf16)",
+            Mode::Lossless => "exact (bf16)",
+            Mode::TwoStep { rs, ag } if rs == ag => "two-step",
+            Mode::TwoStep { .. } => "two-step mixed",
+            Mode::OneShot(_) => "one-shot",
+        }
+    }
+
+    /// The formats used, or `None` for the exact modes.
+    pub fn formats(&self) -> Option<(Spec, Spec)> {
+        match *self {
+            Mode::F32 | Mode::Lossless => None,
+            Mode::TwoStep { rs, ag } => Some((rs, ag)),
+            Mode::OneShot(f) => Some((f, f)),
+        }
+    }
+}
+
+/// The all-reduce implementations the study can call. The real one is the codec crate's CPU
+/// reference; tests use a simpler stand-in.
+pub trait Backend: Sync {
+    /// Exact sum of the `bf16` inputs, rounded to `bf16`.
+    fn lossless(&self, inputs: &[&[bf16]]) -> Vec<bf16>;
+    /// Quantized two-step (reduce-scatter, all-gather) all-reduce.
+    fn two_step(&self, rs: Spec, ag: Spec, inputs: &[&[bf16]]) -> Result<Vec<bf16>, String>;
+    /// Quantized one-shot all-reduce.
+    fn one_shot(&self, f: Spec, inputs: &[&[bf16]]) -> Result<Vec<bf16>, String>;
+    /// Bits on the wire per value of a `bf16` format, payload and metadata included.
+    fn effective_bits(&self, f: Spec) -> Result<f64, String>;
+}
+
+/// Error statistics of the quantized all-reduce against the exact sum of the same inputs.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ErrorStats {
+    /// Sum over calls and elements of `(q - exact)^2`.
+    pub sq_err: f64,
+    /// Sum over calls and elements of `exact^2`.
+    pub sq_ref: f64,
+    /// Largest `|q - exact|`.
+    pub max_abs_err: f64,
+    /// Largest `|partial|` seen in any rank's input.
+    pub max_abs_input: f64,
+    /// Number of all-reduce calls.
+    pub calls: u64,
+}
+
+impl ErrorStats {
+    /// Relative L2 error over all calls.
+    pub fn rel_l2(&self) -> f64 {
+        if self.sq_ref > 0.0 {
+            (self.sq_err / self.sq_ref).sqrt()
+        } else {
+            0.0
+        }
+    }
+
+    /// Merges another set of statistics into this one.
+    pub fn merge(&mut self, o: &ErrorStats) {
+        self.sq_err += o.sq_err;
+        self.sq_ref += o.sq_ref;
+        self.max_abs_err = self.max_abs_err.max(o.max_abs_err);
+        self.max_abs_input = self.max_abs_input.max(o.max_abs_input);
+        self.calls += o.calls;
+    }
+}
+
+/// An [`AllReduce`] over `ranks` simulated ranks with a given [`Mode`].
+pub struct Simulated<'a> {
+    ranks: usize,
+    mode: Mode,
+    backend: &'a dyn Backend,
+    stats: Mutex<ErrorStats>,
+}
+
+impl<'a> Simulated<'a> {
+    /// A simulated all-reduce.
+    pub fn new(ranks: usize, mode: Mode, backend: &'a dyn Backend) -> Simulated<'a> {
+        Simulated {
+            ranks,
+            mode,
+            backend,
+            stats: Mutex::new(ErrorStats::default()),
+        }
+    }
+
+    /// The statistics gathered so far.
+    pub fn stats(&self) -> ErrorStats {
+        *self.stats.lock().expect("stats lock")
+    }
+}
+
+impl AllReduce for Simulated<'_> {
+    fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    fn all_reduce(&self, _layer: usize, _site: Site, partials: &[Vec<f32>]) -> Vec<f32> {
+        let max_in = partials
+            .iter()
+            .flat_map(|p| p.iter())
+            .fold(0f32, |a, &v| a.max(v.abs()));
+        if self.mode == Mode::F32 {
+            let mut sum = partials[0].clone();
+            for p in &partials[1..] {
+                sum.iter_mut().zip(p).for_each(|(a, &b)| *a += b);
+            }
+            let mut st = self.stats.lock().expect("stats lock");
+            st.max_abs_input = st.max_abs_input.max(max_in.into());
+            st.calls += 1;
+            return sum;
+        }
+        let b16: Vec<Vec<bf16>> = partials
+            .iter()
+            .map(|p| p.iter().map(|&v| bf16::from_f32(v)).collect())
+            .collect();
+        let inputs: Vec<&[bf16]> = b16.iter().map(Vec::as_slice).collect();
+        let exact = self.backend.lossless(&inputs);
+        let out = match self.mode {
+            Mode::F32 | Mode::Lossless => Ok(exact.clone()),
+            Mode::TwoStep { rs, ag } => self.backend.two_step(rs, ag, &inputs),
+            Mode::OneShot(f) => self.backend.one_shot(f, &inputs),
+        }
+        .unwrap_or_else(|e| panic!("all-reduce {:?} failed: {e}", self.mode));
+        assert_eq!(out.len(), exact.len(), "all-reduce changed the length");
+        let mut local = ErrorStats {
+            max_abs_input: max_in.into(),
+            calls: 1,
+            ..ErrorStats::default()
+        };
+        for (&q, &e) in out.iter().zip(&exact) {
+            let (q, e) = (f64::from(q.to_f32()), f64::from(e.to_f32()));
+            let d = q - e;
+            local.sq_err += d * d;
+            local.sq_ref += e * e;
+            local.max_abs_err = local.max_abs_err.max(d.abs());
+        }
+        self.stats.lock().expect("stats lock").merge(&local);
+        out.iter().map(|v| v.to_f32()).collect()
+    }
+}
+
+/// Effective bits per value of a `bf16` format by the wire-format rule of `docs/codec.md`
+/// (block of 1024 values: 16-byte header, payload, range table, spike values and positions,
+/// padded to 16 bytes). Used by the stand-in backend; the study reports the codec's own value.
+pub fn spec_effective_bits(f: Spec) -> f64 {
+    let groups = 1024 / f.group as usize;
+    let k = f.spikes as usize;
+    let bytes = 16 + 128 * f.bits as usize + groups * 2 * 2 + groups * k * 2 + groups * k;
+    (bytes.div_ceil(16) * 16) as f64 * 8.0 / 1024.0
+}
+
+/// A backend with an exact all-reduce only (sum in `f32` in rank order, rounded to `bf16`);
+/// quantized modes are refused. Used by tests that do not exercise the codec.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ExactOnly;
+
+impl Backend for ExactOnly {
+    fn lossless(&self, inputs: &[&[bf16]]) -> Vec<bf16> {
+        (0..inputs[0].len())
+            .map(|i| bf16::from_f32(inputs.iter().fold(0f32, |a, x| a + x[i].to_f32())))
+            .collect()
+    }
+
+    fn two_step(&self, _: Spec, _: Spec, _: &[&[bf16]]) -> Result<Vec<bf16>, String> {
+        Err("the exact-only backend has no quantized all-reduce".into())
+    }
+
+    fn one_shot(&self, _: Spec, _: &[&[bf16]]) -> Result<Vec<bf16>, String> {
+        Err("the exact-only backend has no quantized all-reduce".into())
+    }
+
+    fn effective_bits(&self, f: Spec) -> Result<f64, String> {
+        Ok(spec_effective_bits(f))
+    }
+}
+
+/// The codec crate's CPU reference all-reduces, the executable specification of the wire format.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Codec;
+
+fn format(f: Spec) -> Result<flashcomm_codec::Format, String> {
+    flashcomm_codec::Format::new(flashcomm_codec::DType::Bf16, f.bits, f.group, f.spikes)
+        .map_err(|e| e.to_string())
+}
+
+impl Backend for Codec {
+    fn lossless(&self, inputs: &[&[bf16]]) -> Vec<bf16> {
+        flashcomm_codec::reference::allreduce_lossless(inputs)
+    }
+
+    fn two_step(&self, rs: Spec, ag: Spec, inputs: &[&[bf16]]) -> Result<Vec<bf16>, String> {
+        Ok(flashcomm_codec::reference::allreduce_twostep(
+            format(rs)?,
+            format(ag)?,
+            inputs,
+        ))
+    }
+
+    fn one_shot(&self, f: Spec, inputs: &[&[bf16]]) -> Result<Vec<bf16>, String> {
+        Ok(flashcomm_codec::reference::allreduce_oneshot(
+            format(f)?,
+            inputs,
+        ))
+    }
+
+    fn effective_bits(&self, f: Spec) -> Result<f64, String> {
+        Ok(format(f)?.effective_bits())
+    }
+}

@@ -1,0 +1,17 @@
+//! Accuracy of the quantized tensor-parallel all-reduce on a real model.
+//!
+//! The study loads SmolLM2-135M-Instruct from its GGUF file ([`gguf`], [`quant`]), tokenizes
+//! WikiText-2 with the model's byte-level BPE ([`tokenizer`]), and runs the LLaMA forward pass in
+//! `f32` ([`model`]) with the two row-parallel all-reduces of every layer simulated at TP = N:
+//! each rank's partial sum is converted to `bf16` and reduced by the codec's CPU reference,
+//! exactly or quantized ([`collective`]). [`study`] turns the mean negative log-likelihood of
+//! each setting into a perplexity and compares it with the exact all-reduce.
+
+#![forbid(unsafe_code)]
+
+pub mod collective;
+pub mod gguf;
+pub mod model;
+pub mod quant;
+pub mod study;
+pub mod tokenizer;

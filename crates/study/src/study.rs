@@ -1,0 +1,463 @@
+//! The perplexity study: runs a set of (tensor-parallel degree, all-reduce mode) settings over
+//! windows of text, in parallel over jobs, and reports perplexities against the exact all-reduce.
+
+use crate::collective::{Backend, ErrorStats, Mode, Simulated, Spec};
+use crate::model::Model;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// One setting of the study.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Run {
+    /// Tensor-parallel degree (simulated ranks).
+    pub tp: usize,
+    /// How the partial sums are reduced.
+    pub mode: Mode,
+}
+
+/// The outcome of one setting over all windows.
+#[derive(Debug, Clone)]
+pub struct RunResult {
+    /// The setting.
+    pub run: Run,
+    /// Sum of the negative log-likelihoods (nats).
+    pub nll: f64,
+    /// Number of predicted tokens.
+    pub tokens: usize,
+    /// All-reduce error statistics against the exact sum of the same inputs.
+    pub stats: ErrorStats,
+    /// Effective bits per value of (reduce-scatter, all-gather) formats, for quantized modes.
+    pub effective_bits: Option<(f64, f64)>,
+    /// Time spent in this setting's jobs, summed over threads.
+    pub cpu_time: Duration,
+}
+
+impl RunResult {
+    /// Perplexity: `exp(mean NLL)`.
+    pub fn ppl(&self) -> f64 {
+        (self.nll / self.tokens as f64).exp()
+    }
+
+    /// Mean effective bits per value on the wire (the two steps move equally many values).
+    pub fn mean_effective_bits(&self) -> Option<f64> {
+        self.effective_bits.map(|(a, b)| (a + b) / 2.0)
+    }
+}
+
+fn spec(bits: u8, group: u16, spikes: u8) -> Spec {
+    Spec {
+        bits,
+        group,
+        spikes,
+    }
+}
+
+/// The settings of a named plan.
+///
+/// * `tp2`: TP = 2, the f32 and exact references, two-step and one-shot at every width 2..=8,
+///   group 32/64/128/256 and spikes 0/2, the mixed 4-bit reduce-scatter + 8-bit all-gather at
+///   every group and spikes 0/2, and spikes 4 at widths 2, 3, 4 with groups 32 and 128.
+/// * `tp48`: TP = 4 and 8, a smaller sweep: exact; two-step widths 2, 3, 4, 8 at groups 32 and
+///   128 with spikes 0/2; one-shot widths 2, 3, 4 at groups 32 and 128 with spikes 2; mixed 4/8
+///   at groups 32 and 128 with spikes 2.
+/// * `full`: `tp2` then `tp48`.
+/// * `quick`: TP = 2, exact, two-step widths 2, 3, 4, 8 at group 32 with spikes 2, one-shot
+///   4-bit and mixed 4/8 at group 32 with spikes 2.
+pub fn plan(name: &str) -> Result<Vec<Run>, String> {
+    let mut runs = Vec::new();
+    let two = |b, g, k| Mode::TwoStep {
+        rs: spec(b, g, k),
+        ag: spec(b, g, k),
+    };
+    let mixed = |g, k| Mode::TwoStep {
+        rs: spec(4, g, k),
+        ag: spec(8, g, k),
+    };
+    match name {
+        "tp2" => {
+            let tp = 2;
+            runs.push(Run {
+                tp,
+                mode: Mode::F32,
+            });
+            runs.push(Run {
+                tp,
+                mode: Mode::Lossless,
+            });
+            for b in 2..=8 {
+                for g in [32, 64, 128, 256] {
+                    for k in [0, 2] {
+                        runs.push(Run {
+                            tp,
+                            mode: two(b, g, k),
+                        });
+                    }
+                }
+            }
+            for g in [32, 64, 128, 256] {
+                for k in [0, 2] {
+                    runs.push(Run {
+                        tp,
+                        mode: mixed(g, k),
+                    });
+                }
+            }
+            for b in [2, 3, 4] {
+                for g in [32, 128] {
+                    runs.push(Run {
+                        tp,
+                        mode: two(b, g, 4),
+                    });
+                }
+            }
+            for b in 2..=8 {
+                for g in [32, 64, 128, 256] {
+                    for k in [0, 2] {
+                        runs.push(Run {
+                            tp,
+                            mode: Mode::OneShot(spec(b, g, k)),
+                        });
+                    }
+                }
+            }
+        }
+        "tp48" => {
+            for tp in [4, 8] {
+                runs.push(Run {
+                    tp,
+                    mode: Mode::Lossless,
+                });
+                for b in [2, 3, 4, 8] {
+                    for g in [32, 128] {
+                        for k in [0, 2] {
+                            runs.push(Run {
+                                tp,
+                                mode: two(b, g, k),
+                            });
+                        }
+                    }
+                }
+                for b in [2, 3, 4] {
+                    for g in [32, 128] {
+                        runs.push(Run {
+                            tp,
+                            mode: Mode::OneShot(spec(b, g, 2)),
+                        });
+                    }
+                }
+                for g in [32, 128] {
+                    runs.push(Run {
+                        tp,
+                        mode: mixed(g, 2),
+                    });
+                }
+            }
+        }
+        "full" => {
+            runs = plan("tp2")?;
+            runs.extend(plan("tp48")?);
+        }
+        "quick" => {
+            let tp = 2;
+            runs.push(Run {
+                tp,
+                mode: Mode::Lossless,
+            });
+            for b in [2, 3, 4, 8] {
+                runs.push(Run {
+                    tp,
+                    mode: two(b, 32, 2),
+                });
+            }
+            runs.push(Run {
+                tp,
+                mode: Mode::OneShot(spec(4, 32, 2)),
+            });
+            runs.push(Run {
+                tp,
+                mode: mixed(32, 2),
+            });
+        }
+        other => return Err(format!("unknown plan {other:?} (tp2, tp48, full, quick)")),
+    }
+    Ok(runs)
+}
+
+/// Parses one setting: `TP:exact`, `TP:f32`, `TP:two:B:G:K`, `TP:one:B:G:K` or
+/// `TP:mixed:BRS:BAG:G:K`, e.g. `2:two:4:32:2`.
+pub fn parse_run(s: &str) -> Result<Run, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let bad = || {
+        format!(
+            "bad setting {s:?}: use TP:exact, TP:f32, TP:two:B:G:K, TP:one:B:G:K or TP:mixed:BRS:BAG:G:K"
+        )
+    };
+    let tp: usize = parts
+        .first()
+        .and_then(|t| t.parse().ok())
+        .filter(|&t| t >= 1)
+        .ok_or_else(bad)?;
+    let num = |i: usize| -> Result<u16, String> {
+        parts.get(i).and_then(|v| v.parse().ok()).ok_or_else(bad)
+    };
+    let mode = match (parts.get(1).copied(), parts.len()) {
+        (Some("exact"), 2) => Mode::Lossless,
+        (Some("f32"), 2) => Mode::F32,
+        (Some("two"), 5) => {
+            let f = spec(num(2)? as u8, num(3)?, num(4)? as u8);
+            Mode::TwoStep { rs: f, ag: f }
+        }
+        (Some("one"), 5) => Mode::OneShot(spec(num(2)? as u8, num(3)?, num(4)? as u8)),
+        (Some("mixed"), 6) => Mode::TwoStep {
+            rs: spec(num(2)? as u8, num(4)?, num(5)? as u8),
+            ag: spec(num(3)? as u8, num(4)?, num(5)? as u8),
+        },
+        _ => return Err(bad()),
+    };
+    Ok(Run { tp, mode })
+}
+
+/// Evaluates every setting over every window with `threads` worker threads (jobs are
+/// (setting, window) pairs taken in order). `on_done` is called, from a worker thread, as soon as
+/// a setting has all its windows. Results come back in the order of `runs`.
+pub fn evaluate(
+    model: &Model,
+    backend: &dyn Backend,
+    runs: &[Run],
+    windows: &[Vec<u32>],
+    threads: usize,
+    on_done: &(dyn Fn(&RunResult) + Sync),
+) -> Result<Vec<RunResult>, String> {
+    let mut results = Vec::with_capacity(runs.len());
+    for &run in runs {
+        let effective_bits = match run.mode.formats() {
+            None => None,
+            Some((rs, ag)) => Some((backend.effective_bits(rs)?, backend.effective_bits(ag)?)),
+        };
+        results.push(RunResult {
+            run,
+            nll: 0.0,
+            tokens: 0,
+            stats: ErrorStats::default(),
+            effective_bits,
+            cpu_time: Duration::ZERO,
+        });
+    }
+    let state = Mutex::new((results, vec![0usize; runs.len()]));
+    let next = AtomicUsize::new(0);
+    let jobs = runs.len() * windows.len();
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1) {
+            scope.spawn(|| {
+                loop {
+                    let j = next.fetch_add(1, Ordering::Relaxed);
+                    if j >= jobs {
+                        break;
+                    }
+                    let (r, w) = (j / windows.len(), j % windows.len());
+                    let start = Instant::now();
+                    let ar = Simulated::new(runs[r].tp, runs[r].mode, backend);
+                    let (nll, n) = model.nll(&windows[w], &ar);
+                    let elapsed = start.elapsed();
+                    let mut st = state.lock().expect("results lock");
+                    let (results, done) = &mut *st;
+                    let res = &mut results[r];
+                    res.nll += nll;
+                    res.tokens += n;
+                    res.stats.merge(&ar.stats());
+                    res.cpu_time += elapsed;
+                    done[r] += 1;
+                    if done[r] == windows.len() {
+                        on_done(res);
+                    }
+                }
+            });
+        }
+    });
+    Ok(state.into_inner().expect("results lock").0)
+}
+
+/// The exact all-reduce's result at the same TP degree, if it was run.
+fn baseline(results: &[RunResult], tp: usize) -> Option<&RunResult> {
+    results
+        .iter()
+        .find(|r| r.run.tp == tp && r.run.mode == Mode::Lossless)
+}
+
+/// The relative perplexity change the product aims for at a payload width, if any.
+pub fn target(bits: u8) -> Option<f64> {
+    match bits {
+        2 => Some(0.15),
+        3 => Some(0.03),
+        4 => Some(0.01),
+        _ => None,
+    }
+}
+
+/// Relative change of a result's perplexity against the exact all-reduce at its TP degree.
+pub fn relative_change(results: &[RunResult], r: &RunResult) -> Option<f64> {
+    baseline(results, r.run.tp).map(|b| r.ppl() / b.ppl() - 1.0)
+}
+
+fn target_cell(results: &[RunResult], r: &RunResult) -> String {
+    let (Some((rs, _)), Some(rel)) = (r.run.mode.formats(), relative_change(results, r)) else {
+        return String::new();
+    };
+    match target(rs.bits) {
+        Some(t) if rel <= t => format!("met (≤{:.0}%)", t * 100.0),
+        Some(t) => format!("missed (≤{:.0}%)", t * 100.0),
+        None => String::new(),
+    }
+}
+
+/// The full results as a markdown table.
+pub fn markdown_table(results: &[RunResult]) -> String {
+    let mut s = String::new();
+    s.push_str("| TP | all-reduce | bits (RS/AG) | group | spikes | eff. bits/value | PPL | Δ vs exact | AR rel. L2 err | target |\n");
+    s.push_str("|---:|---|---|---:|---:|---:|---:|---:|---:|---|\n");
+    for r in results {
+        let (bits, group, spikes) = match r.run.mode.formats() {
+            None => ("-".to_string(), "-".to_string(), "-".to_string()),
+            Some((rs, ag)) if rs == ag => (
+                rs.bits.to_string(),
+                rs.group.to_string(),
+                rs.spikes.to_string(),
+            ),
+            Some((rs, ag)) => (
+                format!("{}/{}", rs.bits, ag.bits),
+                rs.group.to_string(),
+                rs.spikes.to_string(),
+            ),
+        };
+        let eff = r
+            .mean_effective_bits()
+            .map_or("16 (bf16)".to_string(), |e| format!("{e:.3}"));
+        let eff = if r.run.mode == Mode::F32 {
+            "32 (f32)".to_string()
+        } else {
+            eff
+        };
+        let rel =
+            relative_change(results, r).map_or(String::new(), |v| format!("{:+.2}%", v * 100.0));
+        let l2 = if r.run.mode.formats().is_some() {
+            format!("{:.2e}", r.stats.rel_l2())
+        } else {
+            String::new()
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {} | {bits} | {group} | {spikes} | {eff} | {:.3} | {rel} | {l2} | {} |",
+            r.run.tp,
+            r.run.mode.algorithm(),
+            r.ppl(),
+            target_cell(results, r)
+        );
+    }
+    s
+}
+
+/// Pivot tables of the relative perplexity change (percent) for one algorithm at one TP degree:
+/// a row per width, a column per (group, spikes). Empty when no such results exist.
+pub fn pivot(results: &[RunResult], tp: usize, one_shot: bool) -> String {
+    let pick = |b: u8, g: u16, k: u8| {
+        results.iter().find(|r| {
+            r.run.tp == tp
+                && match r.run.mode {
+                    Mode::OneShot(f) => one_shot && f == spec(b, g, k),
+                    Mode::TwoStep { rs, ag } => !one_shot && rs == ag && rs == spec(b, g, k),
+                    _ => false,
+                }
+        })
+    };
+    let cols: Vec<(u16, u8)> = [32u16, 64, 128, 256]
+        .into_iter()
+        .flat_map(|g| [0u8, 2, 4].into_iter().map(move |k| (g, k)))
+        .filter(|&(g, k)| (2..=8).any(|b| pick(b, g, k).is_some()))
+        .collect();
+    if cols.is_empty() {
+        return String::new();
+    }
+    let mut s = String::from("| bits |");
+    for (g, k) in &cols {
+        let _ = write!(s, " g{g} k{k} |");
+    }
+    s.push_str("\n|---:|");
+    s.push_str(&"---:|".repeat(cols.len()));
+    s.push('\n');
+    for b in 2..=8u8 {
+        if !cols.iter().any(|&(g, k)| pick(b, g, k).is_some()) {
+            continue;
+        }
+        let _ = write!(s, "| {b} |");
+        for &(g, k) in &cols {
+            match pick(b, g, k).and_then(|r| relative_change(results, r).map(|v| (v, r))) {
+                Some((v, r)) => {
+                    let _ = write!(
+                        s,
+                        " {:+.2}% ({:.2}) |",
+                        v * 100.0,
+                        r.mean_effective_bits().unwrap_or(0.0)
+                    );
+                }
+                None => s.push_str(" |"),
+            }
+        }
+        s.push('\n');
+    }
+    s
+}
+
+fn json_f(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v}")
+    } else {
+        "null".to_string()
+    }
+}
+
+fn json_spec(f: Spec) -> String {
+    format!(
+        r#"{{"bits": {}, "group": {}, "spikes": {}}}"#,
+        f.bits, f.group, f.spikes
+    )
+}
+
+/// The results as JSON (an object with the run metadata and one entry per setting).
+pub fn json(results: &[RunResult], meta: &[(&str, String)]) -> String {
+    let mut s = String::from("{\n");
+    for (k, v) in meta {
+        let v = v.replace('\\', "\\\\").replace('"', "\\\"");
+        let _ = writeln!(s, "  \"{k}\": \"{v}\",");
+    }
+    s.push_str("  \"results\": [\n");
+    for (i, r) in results.iter().enumerate() {
+        let (rs, ag) = match r.run.mode.formats() {
+            Some((rs, ag)) => (json_spec(rs), json_spec(ag)),
+            None => ("null".to_string(), "null".to_string()),
+        };
+        let (eb_rs, eb_ag) = r.effective_bits.unwrap_or((f64::NAN, f64::NAN));
+        let _ = write!(
+            s,
+            "    {{\"tp\": {}, \"algorithm\": \"{}\", \"rs\": {rs}, \"ag\": {ag}, \"effective_bits_rs\": {}, \"effective_bits_ag\": {}, \"effective_bits\": {}, \"ppl\": {}, \"nll_sum\": {}, \"tokens\": {}, \"relative_change\": {}, \"ar_rel_l2_error\": {}, \"ar_max_abs_error\": {}, \"max_abs_partial\": {}, \"allreduce_calls\": {}, \"cpu_seconds\": {:.3}}}",
+            r.run.tp,
+            r.run.mode.algorithm(),
+            json_f(eb_rs),
+            json_f(eb_ag),
+            json_f(r.mean_effective_bits().unwrap_or(f64::NAN)),
+            json_f(r.ppl()),
+            json_f(r.nll),
+            r.tokens,
+            json_f(relative_change(results, r).unwrap_or(f64::NAN)),
+            json_f(r.stats.rel_l2()),
+            json_f(r.stats.max_abs_err),
+            json_f(r.stats.max_abs_input),
+            r.stats.calls,
+            r.cpu_time.as_secs_f64()
+        );
+        s.push_str(if i + 1 < results.len() { ",\n" } else { "\n" });
+    }
+    s.push_str("  ]\n}\n");
+    s
+}

@@ -1,0 +1,204 @@
+//! Tests of the forward pass and the simulated all-reduce on a tiny random LLaMA model written
+//! as a GGUF file in memory (no downloaded model needed).
+
+use flashcomm_study::collective::{
+    Backend, Codec, ExactOnly, Mode, Simulated, Spec, spec_effective_bits,
+};
+use flashcomm_study::gguf::{GgmlType, Gguf, Value, Writer};
+use flashcomm_study::model::Model;
+use flashcomm_study::study::{Run, parse_run, plan};
+use half::bf16;
+
+const HIDDEN: usize = 64;
+const FFN: usize = 128;
+const VOCAB: usize = 50;
+
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+fn tensor(w: &mut Writer, rng: &mut Lcg, name: &str, dims: &[u64], scale: f32, offset: f32) {
+    let n: u64 = dims.iter().product();
+    let data = (0..n)
+        .flat_map(|_| (rng.next() * scale + offset).to_le_bytes())
+        .collect();
+    w.tensor(name, dims, GgmlType::F32, data);
+}
+
+fn tiny_model() -> Model {
+    let mut rng = Lcg(42);
+    let mut w = Writer::new(32);
+    w.kv("general.architecture", Value::String("llama".into()))
+        .kv("llama.embedding_length", Value::U32(HIDDEN as u32))
+        .kv("llama.block_count", Value::U32(2))
+        .kv("llama.feed_forward_length", Value::U32(FFN as u32))
+        .kv("llama.attention.head_count", Value::U32(4))
+        .kv("llama.attention.head_count_kv", Value::U32(2))
+        .kv("llama.rope.freq_base", Value::F32(10000.0))
+        .kv("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5));
+    let (h, f, v) = (HIDDEN as u64, FFN as u64, VOCAB as u64);
+    tensor(&mut w, &mut rng, "token_embd.weight", &[h, v], 1.0, 0.0);
+    tensor(&mut w, &mut rng, "output_norm.weight", &[h], 0.2, 1.0);
+    for l in 0..2 {
+        let p = |n: &str| format!("blk.{l}.{n}.weight");
+        tensor(&mut w, &mut rng, &p("attn_norm"), &[h], 0.2, 1.0);
+        tensor(&mut w, &mut rng, &p("attn_q"), &[h, h], 0.3, 0.0);
+        tensor(&mut w, &mut rng, &p("attn_k"), &[h, h / 2], 0.3, 0.0);
+        tensor(&mut w, &mut rng, &p("attn_v"), &[h, h / 2], 0.3, 0.0);
+        tensor(&mut w, &mut rng, &p("attn_output"), &[h, h], 0.2, 0.0);
+        tensor(&mut w, &mut rng, &p("ffn_norm"), &[h], 0.2, 1.0);
+        tensor(&mut w, &mut rng, &p("ffn_gate"), &[h, f], 0.3, 0.0);
+        tensor(&mut w, &mut rng, &p("ffn_up"), &[h, f], 0.3, 0.0);
+        tensor(&mut w, &mut rng, &p("ffn_down"), &[f, h], 0.2, 0.0);
+    }
+    Model::from_gguf(&Gguf::parse(w.finish()).unwrap()).unwrap()
+}
+
+fn tokens(n: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 7 + 3) % VOCAB) as u32).collect()
+}
+
+#[test]
+fn row_parallel_split_matches_a_single_rank() {
+    let m = tiny_model();
+    let toks = tokens(40);
+    let one = m.nll(&toks, &Simulated::new(1, Mode::F32, &ExactOnly));
+    for tp in [2, 4, 8] {
+        let split = m.nll(&toks, &Simulated::new(tp, Mode::F32, &ExactOnly));
+        assert_eq!(split.1, 39);
+        assert!(
+            (split.0 - one.0).abs() < 1e-4 * one.0.abs(),
+            "tp {tp}: {} vs {}",
+            split.0,
+            one.0
+        );
+    }
+    let b16 = m.nll(&toks, &Simulated::new(2, Mode::Lossless, &Codec));
+    assert!((b16.0 - one.0).abs() < 1e-2 * one.0.abs());
+}
+
+#[test]
+fn attention_is_causal() {
+    let m = tiny_model();
+    let mut a = tokens(12);
+    let ar = Simulated::new(2, Mode::F32, &ExactOnly);
+    let ha = m.hidden_states(&a, &ar);
+    a[11] = (a[11] + 1) % VOCAB as u32;
+    let hb = m.hidden_states(&a, &ar);
+    for t in 0..11 {
+        assert_eq!(ha.row(t), hb.row(t), "row {t}");
+    }
+    assert_ne!(ha.row(11), hb.row(11));
+}
+
+#[test]
+fn quantized_all_reduce_error_grows_as_bits_shrink() {
+    let m = tiny_model();
+    let toks = tokens(64);
+    let mut last = 0.0;
+    for bits in [8, 4, 2] {
+        let f = Spec {
+            bits,
+            group: 32,
+            spikes: 2,
+        };
+        let ar = Simulated::new(2, Mode::TwoStep { rs: f, ag: f }, &Codec);
+        m.nll(&toks, &ar);
+        let st = ar.stats();
+        assert_eq!(st.calls, 4);
+        assert!(
+            st.rel_l2() > last,
+            "{bits} bits: {} after {last}",
+            st.rel_l2()
+        );
+        last = st.rel_l2();
+    }
+    assert!(last < 0.5);
+}
+
+#[test]
+fn backends_agree() {
+    let a: Vec<bf16> = (0..3000)
+        .map(|i| bf16::from_f32((i as f32 * 0.37).sin() * 3.0))
+        .collect();
+    let b: Vec<bf16> = (0..3000)
+        .map(|i| bf16::from_f32((i as f32 * 0.11).cos()))
+        .collect();
+    let inputs = [a.as_slice(), b.as_slice()];
+    assert_eq!(ExactOnly.lossless(&inputs), Codec.lossless(&inputs));
+    let f = Spec {
+        bits: 8,
+        group: 64,
+        spikes: 0,
+    };
+    assert_eq!(Codec.two_step(f, f, &inputs).unwrap().len(), 3000);
+    assert!(ExactOnly.two_step(f, f, &inputs).is_err());
+    for bits in 2..=8 {
+        for group in [32, 64, 128, 256] {
+            for spikes in [0, 2, 4] {
+                let f = Spec {
+                    bits,
+                    group,
+                    spikes,
+                };
+                assert_eq!(
+                    Codec.effective_bits(f).unwrap(),
+                    spec_effective_bits(f),
+                    "{f}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn settings_parse_and_plans_are_complete() {
+    let f = Spec {
+        bits: 4,
+        group: 32,
+        spikes: 2,
+    };
+    assert_eq!(
+        parse_run("2:exact").unwrap(),
+        Run {
+            tp: 2,
+            mode: Mode::Lossless
+        }
+    );
+    assert_eq!(
+        parse_run("4:two:4:32:2").unwrap(),
+        Run {
+            tp: 4,
+            mode: Mode::TwoStep { rs: f, ag: f }
+        }
+    );
+    assert_eq!(
+        parse_run("2:one:4:32:2").unwrap(),
+        Run {
+            tp: 2,
+            mode: Mode::OneShot(f)
+        }
+    );
+    let ag = Spec { bits: 8, ..f };
+    assert_eq!(
+        parse_run("8:mixed:4:8:32:2").unwrap(),
+        Run {
+            tp: 8,
+            mode: Mode::TwoStep { rs: f, ag }
+        }
+    );
+    assert!(parse_run("2:two:4:32").is_err());
+    assert!(parse_run("x:exact").is_err());
+    let tp2 = plan("tp2").unwrap();
+    assert_eq!(tp2.len(), 2 + 56 + 8 + 6 + 56);
+    assert!(plan("full").unwrap().len() > tp2.len());
+    assert!(plan("nope").is_err());
+}
