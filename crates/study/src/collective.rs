@@ -112,11 +112,91 @@ impl ErrorStats {
     }
 }
 
+/// The all-reduces that a quantized mode applies to; the others use the exact all-reduce. Used
+/// to find which layers the perplexity is most sensitive to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scope {
+    /// Layers whose all-reduces are quantized.
+    pub layers: std::ops::Range<usize>,
+    /// Whether the attention output projection's all-reduce is quantized.
+    pub o_proj: bool,
+    /// Whether the MLP down projection's all-reduce is quantized.
+    pub down_proj: bool,
+}
+
+impl Scope {
+    /// Every all-reduce of every layer.
+    pub fn all() -> Scope {
+        Scope {
+            layers: 0..usize::MAX,
+            o_proj: true,
+            down_proj: true,
+        }
+    }
+
+    /// Parses `LAYERS:SITES`: `LAYERS` is `all`, `N` or `A-B` (inclusive), `SITES` is `both`,
+    /// `o` or `down`. Example: `0-27:both`.
+    pub fn parse(s: &str) -> Result<Scope, String> {
+        let bad =
+            || format!("bad scope {s:?}: use LAYERS:SITES, e.g. all:both, 0-27:both, 11:down");
+        let (layers, sites) = s.split_once(':').ok_or_else(bad)?;
+        let num = |v: &str| v.parse::<usize>().map_err(|_| bad());
+        let layers = match layers.split_once('-') {
+            _ if layers == "all" => 0..usize::MAX,
+            Some((a, b)) => num(a)?..num(b)? + 1,
+            None => num(layers)?..num(layers)? + 1,
+        };
+        let (o_proj, down_proj) = match sites {
+            "both" => (true, true),
+            "o" => (true, false),
+            "down" => (false, true),
+            _ => return Err(bad()),
+        };
+        Ok(Scope {
+            layers,
+            o_proj,
+            down_proj,
+        })
+    }
+
+    /// Whether the all-reduce of `site` in `layer` is quantized.
+    pub fn contains(&self, layer: usize, site: Site) -> bool {
+        self.layers.contains(&layer)
+            && match site {
+                Site::OProj => self.o_proj,
+                Site::DownProj => self.down_proj,
+            }
+    }
+}
+
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.layers.end == usize::MAX {
+            write!(f, "layers {}-", self.layers.start)?;
+        } else {
+            write!(
+                f,
+                "layers {}-{}",
+                self.layers.start,
+                self.layers.end.saturating_sub(1)
+            )?;
+        }
+        let sites = match (self.o_proj, self.down_proj) {
+            (true, true) => "o_proj and down_proj",
+            (true, false) => "o_proj",
+            (false, true) => "down_proj",
+            (false, false) => "none",
+        };
+        write!(f, ", {sites}")
+    }
+}
+
 /// An [`AllReduce`] over `ranks` simulated ranks with a given [`Mode`].
 pub struct Simulated<'a> {
     ranks: usize,
     mode: Mode,
     backend: &'a dyn Backend,
+    scope: Scope,
     stats: Mutex<ErrorStats>,
 }
 
@@ -127,8 +207,15 @@ impl<'a> Simulated<'a> {
             ranks,
             mode,
             backend,
+            scope: Scope::all(),
             stats: Mutex::new(ErrorStats::default()),
         }
+    }
+
+    /// Restricts the quantized mode to some all-reduces; the others are exact.
+    pub fn with_scope(mut self, scope: Scope) -> Simulated<'a> {
+        self.scope = scope;
+        self
     }
 
     /// The statistics gathered so far.
@@ -142,7 +229,7 @@ impl AllReduce for Simulated<'_> {
         self.ranks
     }
 
-    fn all_reduce(&self, _layer: usize, _site: Site, partials: &[Vec<f32>]) -> Vec<f32> {
+    fn all_reduce(&self, layer: usize, site: Site, partials: &[Vec<f32>]) -> Vec<f32> {
         let max_in = partials
             .iter()
             .flat_map(|p| p.iter())
@@ -163,7 +250,12 @@ impl AllReduce for Simulated<'_> {
             .collect();
         let inputs: Vec<&[bf16]> = b16.iter().map(Vec::as_slice).collect();
         let exact = self.backend.lossless(&inputs);
-        let out = match self.mode {
+        let mode = if self.scope.contains(layer, site) {
+            self.mode
+        } else {
+            Mode::Lossless
+        };
+        let out = match mode {
             Mode::F32 | Mode::Lossless => Ok(exact.clone()),
             Mode::TwoStep { rs, ag } => self.backend.two_step(rs, ag, &inputs),
             Mode::OneShot(f) => self.backend.one_shot(f, &inputs),

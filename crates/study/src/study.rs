@@ -1,7 +1,7 @@
 //! The perplexity study: runs a set of (tensor-parallel degree, all-reduce mode) settings over
 //! windows of text, in parallel over jobs, and reports perplexities against the exact all-reduce.
 
-use crate::collective::{Backend, ErrorStats, Mode, Simulated, Spec};
+use crate::collective::{Backend, ErrorStats, Mode, Scope, Simulated, Spec};
 use crate::model::Model;
 use std::fmt::Write as _;
 use std::sync::Mutex;
@@ -220,12 +220,13 @@ pub fn parse_run(s: &str) -> Result<Run, String> {
 }
 
 /// Evaluates every setting over every window with `threads` worker threads (jobs are
-/// (setting, window) pairs taken in order). `on_done` is called, from a worker thread, as soon as
+/// (setting, window) pairs taken in order); quantized modes apply to the all-reduces in `scope`. `on_done` is called, from a worker thread, as soon as
 /// a setting has all its windows. Results come back in the order of `runs`.
 pub fn evaluate(
     model: &Model,
     backend: &dyn Backend,
     runs: &[Run],
+    scope: &Scope,
     windows: &[Vec<u32>],
     threads: usize,
     on_done: &(dyn Fn(&RunResult) + Sync),
@@ -248,9 +249,9 @@ pub fn evaluate(
     let state = Mutex::new((results, vec![0usize; runs.len()]));
     let next = AtomicUsize::new(0);
     let jobs = runs.len() * windows.len();
-    std::thread::scope(|scope| {
+    std::thread::scope(|threads_scope| {
         for _ in 0..threads.max(1) {
-            scope.spawn(|| {
+            threads_scope.spawn(|| {
                 loop {
                     let j = next.fetch_add(1, Ordering::Relaxed);
                     if j >= jobs {
@@ -258,7 +259,8 @@ pub fn evaluate(
                     }
                     let (r, w) = (j / windows.len(), j % windows.len());
                     let start = Instant::now();
-                    let ar = Simulated::new(runs[r].tp, runs[r].mode, backend);
+                    let ar =
+                        Simulated::new(runs[r].tp, runs[r].mode, backend).with_scope(scope.clone());
                     let (nll, n) = model.nll(&windows[w], &ar);
                     let elapsed = start.elapsed();
                     let mut st = state.lock().expect("results lock");

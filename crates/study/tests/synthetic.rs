@@ -202,3 +202,36 @@ fn settings_parse_and_plans_are_complete() {
     assert!(plan("full").unwrap().len() > tp2.len());
     assert!(plan("nope").is_err());
 }
+
+#[test]
+fn scope_limits_the_quantized_all_reduces() {
+    use flashcomm_study::collective::Scope;
+    use flashcomm_study::model::Site;
+    let s = Scope::parse("0-0:down").unwrap();
+    assert!(
+        s.contains(0, Site::DownProj)
+            && !s.contains(0, Site::OProj)
+            && !s.contains(1, Site::DownProj)
+    );
+    assert!(Scope::parse("all:both").unwrap().contains(29, Site::OProj));
+    assert!(Scope::parse("3:x").is_err());
+    let m = tiny_model();
+    let toks = tokens(64);
+    let f = Spec {
+        bits: 2,
+        group: 32,
+        spikes: 0,
+    };
+    let mode = Mode::TwoStep { rs: f, ag: f };
+    let none = Simulated::new(2, mode, &Codec).with_scope(Scope {
+        layers: 0..0,
+        o_proj: true,
+        down_proj: true,
+    });
+    let exact = Simulated::new(2, Mode::Lossless, &Codec);
+    assert_eq!(m.nll(&toks, &none), m.nll(&toks, &exact));
+    assert_eq!(none.stats().sq_err, 0.0);
+    let one = Simulated::new(2, mode, &Codec).with_scope(s);
+    m.nll(&toks, &one);
+    assert!(one.stats().sq_err > 0.0);
+}
