@@ -1,1 +1,27 @@
-//! stub
+//! The flashcomm communicator: peer memory, device-side epochs, the self-synchronizing
+//! collectives, the cost-guided selector, and the ways ranks find each other.
+//!
+//! A [`Communicator`] is one rank of a group of up to eight GPUs of one machine (or up to eight
+//! "virtual ranks" sharing one GPU, for testing) that exchange data through each other's memory.
+//! It is built collectively from a [`Bootstrap`] (an all-gather of small host buffers), runs
+//! AllReduce, ReduceScatter and AllGather on flashcomm's kernels, and reports device-side
+//! failures (a peer that never arrives, an abort, ranks calling different collectives) through
+//! [`Communicator::check_status`]. It knows nothing of the NCCL ABI: the shim maps NCCL calls onto
+//! it and passes everything else through to the real NCCL.
+//!
+//! `unsafe` code is confined to the [`gpu`] module.
+#![deny(unsafe_code)]
+
+pub mod abi;
+pub mod bootstrap;
+mod comm;
+pub mod error;
+pub mod gpu;
+pub mod plan;
+pub mod testing;
+
+pub use bootstrap::{Bootstrap, FileBootstrap, ThreadBootstrap, ThreadGroup};
+pub use comm::{CommConfig, Communicator};
+pub use error::Error;
+pub use gpu::{DeviceMem, DevicePtr, Stream};
+pub use plan::{Algorithm, Choice, Collective, CostModel, DataType, Plan, Protocol};

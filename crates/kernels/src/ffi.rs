@@ -49,17 +49,10 @@ impl Function {
     pub fn max_active_blocks_per_sm(&self, threads: u32, smem: usize) -> Result<u32, Error> {
         let mut n: i32 = 0;
         // SAFETY: `self.0` is a valid function handle; `n` is a valid out-pointer.
-        check(
-            unsafe {
-                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    &mut n,
-                    self.0,
-                    threads as i32,
-                    smem,
-                )
-            },
-            "querying occupancy",
-        )?;
+        let r = unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, self.0, threads as i32, smem)
+        };
+        check(r, "querying occupancy")?;
         Ok(n.max(0) as u32)
     }
 }

@@ -1,0 +1,764 @@
+//! The communicator: one rank's view of a group of GPUs that flashcomm's kernels serve.
+//!
+//! Set-up (collective: every rank calls [`Communicator::new`] at the same point):
+//! 1. allocate this rank's arena (zeroed) and host-mapped abort/status words;
+//! 2. exchange {process, host, device, arena address, IPC handle} with every rank;
+//! 3. map every peer's arena: the same address within one process (enabling peer access across
+//!    devices), a legacy IPC mapping across processes of one host; other hosts are refused;
+//! 4. agree: if any rank failed, every rank returns [`Error::Unsupported`] (the shim then passes
+//!    that communicator's calls through to the real NCCL);
+//! 5. probe: every rank writes a word into every peer's arena; each rank checks that all arrived
+//!    (peer access the driver reports is not always real), and all ranks agree again;
+//! 6. agree on the largest grid every rank can keep resident, and (optionally) calibrate the cost
+//!    model with a few timed collectives, agreeing on one model.
+//!
+//! Per call: plan (pure: same on every rank), order after this communicator's previous launch if
+//! the stream changed, launch one kernel. Nothing allocates or synchronizes, so calls may be
+//! captured into CUDA graphs; epochs live on the device.
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use flashcomm_kernels::{Function, Kernels, LaunchConfig};
+
+use crate::abi::{self, FcCollParams, FcProbeParams, MAX_RANKS, THREADS};
+use crate::bootstrap::Bootstrap;
+use crate::error::Error;
+use crate::gpu::{self, Device, DeviceMem, DevicePtr, Event, HostMapped, IpcMapping, Stream};
+use crate::plan::{
+    self, Algorithm, Arena, Choice, Collective, CostModel, DataType, Plan, Protocol,
+};
+
+/// Settings of one communicator (the same on every rank).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CommConfig {
+    /// Bound on every device-side wait.
+    pub timeout: Duration,
+    /// Cap on the arena each rank allocates.
+    pub arena_bytes: u64,
+    /// AllReduce algorithm override.
+    pub algo: Choice<Algorithm>,
+    /// Protocol override.
+    pub proto: Choice<Protocol>,
+    /// Cap on blocks per launch (default: what keeps every rank of this GPU resident).
+    pub max_blocks: Option<u32>,
+    /// Measure the cost model at set-up (otherwise use defaults).
+    pub calibrate: bool,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        CommConfig {
+            timeout: Duration::from_secs(300),
+            arena_bytes: 64 << 20,
+            algo: Choice::Auto,
+            proto: Choice::Auto,
+            max_blocks: None,
+            calibrate: true,
+        }
+    }
+}
+
+const INFO_MAGIC: u32 = 0x4643_4f4d; // "FCOM"
+const INFO_BYTES: usize = 160;
+const PROBE_MAGIC: u32 = 0x5052_0000;
+const HOST_ABORT: usize = 0;
+const HOST_STATUS: usize = 64;
+const HOST_BYTES: usize = 128;
+
+/// What one rank tells the others at set-up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct PeerInfo {
+    pid: u32,
+    host: u64,
+    uuid: [u8; 16],
+    arena: u64,
+    arena_bytes: u64,
+    ipc: Option<[u8; 64]>,
+    max_grid: u32,
+}
+
+impl PeerInfo {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(INFO_BYTES);
+        v.extend_from_slice(&INFO_MAGIC.to_le_bytes());
+        v.extend_from_slice(&self.pid.to_le_bytes());
+        v.extend_from_slice(&self.host.to_le_bytes());
+        v.extend_from_slice(&self.uuid);
+        v.extend_from_slice(&self.arena.to_le_bytes());
+        v.extend_from_slice(&self.arena_bytes.to_le_bytes());
+        v.push(self.ipc.is_some() as u8);
+        v.extend_from_slice(&self.ipc.unwrap_or([0; 64]));
+        v.extend_from_slice(&self.max_grid.to_le_bytes());
+        v.resize(INFO_BYTES, 0);
+        v
+    }
+
+    fn decode(b: &[u8]) -> Result<PeerInfo, Error> {
+        if b.len() != INFO_BYTES || b[0..4] != INFO_MAGIC.to_le_bytes() {
+            return Err(Error::Bootstrap(
+                "malformed set-up record from a peer (different flashcomm version?)".into(),
+            ));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        let mut uuid = [0u8; 16];
+        uuid.copy_from_slice(&b[16..32]);
+        let mut ipc = [0u8; 64];
+        ipc.copy_from_slice(&b[49..113]);
+        Ok(PeerInfo {
+            pid: u32_at(4),
+            host: u64_at(8),
+            uuid,
+            arena: u64_at(32),
+            arena_bytes: u64_at(40),
+            ipc: (b[48] != 0).then_some(ipc),
+            max_grid: u32_at(113),
+        })
+    }
+}
+
+/// A stable identity of this machine: hostname and boot id.
+fn host_id() -> u64 {
+    let hostname = std::fs::read("/proc/sys/kernel/hostname").unwrap_or_default();
+    let boot = std::fs::read("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in hostname.iter().chain(boot.iter()) {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// What a rank sets up before talking to the others.
+struct LocalSetup {
+    dev: Arc<Device>,
+    arena: Arena,
+    local: DeviceMem,
+    host: HostMapped,
+    kernels: Arc<Kernels>,
+    grid: u32,
+}
+
+struct LastLaunch {
+    stream: Option<Stream>,
+    event: Event,
+}
+
+/// One rank of a flashcomm communicator.
+pub struct Communicator {
+    rank: u32,
+    nranks: u32,
+    device: Arc<Device>,
+    arena: Arena,
+    local: DeviceMem,
+    peers: [u64; MAX_RANKS],
+    mappings: Vec<IpcMapping>,
+    host: HostMapped,
+    kernels: Arc<Kernels>,
+    max_grid: u32,
+    model: CostModel,
+    cfg: CommConfig,
+    last: Mutex<LastLaunch>,
+    launched: AtomicBool,
+}
+
+impl Communicator {
+    /// Builds rank `boot.rank()` of a communicator on CUDA device `device`. Collective: every rank
+    /// must call it at the same point, with the same `cfg`.
+    pub fn new(boot: &dyn Bootstrap, device: i32, cfg: CommConfig) -> Result<Communicator, Error> {
+        let rank = boot.rank();
+        let nranks = boot.size();
+        // A failure before the first exchange must still reach the other ranks, or they would
+        // wait for us in vain: every rank goes through the same exchanges and reports.
+        let local_setup = Self::local_setup(nranks, device, &cfg);
+        let LocalSetup {
+            dev,
+            arena,
+            local,
+            host,
+            kernels,
+            grid: my_grid,
+        } = match local_setup {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = boot.all_gather(&[]);
+                return Err(e);
+            }
+        };
+        let _ctx = dev.activate()?;
+        let info = PeerInfo {
+            pid: std::process::id(),
+            host: host_id(),
+            uuid: dev.uuid(),
+            arena: local.addr(),
+            arena_bytes: arena.total_bytes,
+            ipc: local.ipc_handle().ok(),
+            max_grid: my_grid,
+        };
+        let all = boot.all_gather(&info.encode())?;
+        if all.iter().any(|b| b.is_empty()) {
+            return Err(Error::Unsupported(
+                "another rank could not set up flashcomm".into(),
+            ));
+        }
+        let infos = all
+            .iter()
+            .map(|b| PeerInfo::decode(b))
+            .collect::<Result<Vec<_>, _>>()?;
+
+        // Map every peer.
+        let mut peers = [0u64; MAX_RANKS];
+        let mut mappings = Vec::new();
+        let mut failure: Option<String> = None;
+        for (r, p) in infos.iter().enumerate() {
+            if p.arena_bytes != arena.total_bytes {
+                failure = Some(format!(
+                    "rank {r} has a different arena size (different settings?)"
+                ));
+                break;
+            }
+            if r as u32 == rank {
+                peers[r] = local.addr();
+            } else if p.host != info.host {
+                failure = Some(format!(
+                    "rank {r} is on another machine (flashcomm kernels serve one node)"
+                ));
+                break;
+            } else if p.pid == info.pid {
+                match Self::in_process_peer(&dev, &p.uuid) {
+                    Ok(()) => peers[r] = p.arena,
+                    Err(e) => {
+                        failure = Some(format!("rank {r} (same process): {e}"));
+                        break;
+                    }
+                }
+            } else {
+                match p.ipc.as_ref().map(IpcMapping::open) {
+                    Some(Ok(m)) => {
+                        peers[r] = m.ptr();
+                        mappings.push(m);
+                    }
+                    Some(Err(e)) => {
+                        failure = Some(format!("rank {r}: {e}"));
+                        break;
+                    }
+                    None => {
+                        failure = Some(format!("rank {r} could not export its arena"));
+                        break;
+                    }
+                }
+            }
+        }
+        Self::agree(boot, failure)?;
+
+        let kernels_probe = kernels.function("fc_probe_write")?;
+        let stream = Stream::create()?;
+        // Probe: every rank writes into every arena; each checks what arrived.
+        let probe_value = PROBE_MAGIC | rank;
+        let params = FcProbeParams {
+            peer_base: peers,
+            rank,
+            nranks,
+            value: probe_value,
+            pad: 0,
+        };
+        gpu::launch(
+            kernels_probe,
+            LaunchConfig {
+                grid: 1,
+                block: 32,
+                smem: 0,
+            },
+            stream,
+            &params,
+        )?;
+        stream.synchronize()?;
+        boot.barrier()?;
+        let mut words = vec![0u8; 4 * MAX_RANKS];
+        local.download(abi::HDR_PROBE as usize, &mut words)?;
+        let mut failure = None;
+        for r in 0..nranks as usize {
+            let got = u32::from_le_bytes(words[4 * r..4 * r + 4].try_into().unwrap());
+            if got != PROBE_MAGIC | r as u32 {
+                failure = Some(format!(
+                    "rank {r}'s probe write did not arrive (peer access is not working)"
+                ));
+            }
+        }
+        Self::agree(boot, failure)?;
+
+        // One grid limit for all.
+        let grids = boot.all_gather(&my_grid.to_le_bytes())?;
+        let max_grid = grids
+            .iter()
+            .map(|b| {
+                b.get(0..4)
+                    .map(|x| u32::from_le_bytes(x.try_into().unwrap()))
+                    .unwrap_or(1)
+            })
+            .min()
+            .unwrap_or(1)
+            .max(1);
+
+        let mut comm = Communicator {
+            rank,
+            nranks,
+            device: dev.clone(),
+            arena,
+            local,
+            peers,
+            mappings,
+            host,
+            kernels,
+            max_grid,
+            model: CostModel::default_for(nranks),
+            cfg: cfg.clone(),
+            last: Mutex::new(LastLaunch {
+                stream: None,
+                event: Event::new(false)?,
+            }),
+            launched: AtomicBool::new(false),
+        };
+        if cfg.calibrate && nranks > 1 {
+            comm.calibrate(boot, stream)?;
+        }
+        boot.barrier()?;
+        Ok(comm)
+    }
+
+    fn local_setup(nranks: u32, device: i32, cfg: &CommConfig) -> Result<LocalSetup, Error> {
+        let arena = Arena::new(nranks, cfg.arena_bytes)?;
+        let dev = Device::open(device)?;
+        let _ctx = dev.activate()?;
+        let kernels = Kernels::for_context(dev.context())?;
+        let local = DeviceMem::alloc_zeroed(arena.total_bytes as usize)?;
+        let host = HostMapped::alloc(HOST_BYTES)?;
+        // Largest grid that keeps all co-located ranks resident at once (the kernels wait on one
+        // another across ranks): occupancy of the heaviest kernel times SMs, shared among the
+        // ranks of this GPU. The count of co-located ranks is not known yet; the caller's cap and
+        // the per-device share are applied after the exchange in `resident_grid`.
+        let mut per_sm = u32::MAX;
+        for name in [
+            "fc_allreduce_twoshot_block_f32",
+            "fc_allreduce_oneshot_ll_f32",
+            "fc_allreduce_twoshot_ll_bf16",
+        ] {
+            per_sm = per_sm.min(
+                kernels
+                    .function(name)?
+                    .max_active_blocks_per_sm(THREADS, 0)?,
+            );
+        }
+        let grid = (per_sm.max(1) * dev.sm_count()).min(arena.max_grid());
+        let grid = cfg.max_blocks.map_or(grid, |m| grid.min(m.max(1)));
+        Ok(LocalSetup {
+            dev,
+            arena,
+            local,
+            host,
+            kernels,
+            grid,
+        })
+    }
+
+    fn in_process_peer(me: &Arc<Device>, uuid: &[u8; 16]) -> Result<(), Error> {
+        if *uuid == me.uuid() {
+            return Ok(());
+        }
+        for ordinal in 0..gpu::device_count()? {
+            let d = Device::open(ordinal)?;
+            if d.uuid() == *uuid {
+                if !me.can_access_peer(&d)? {
+                    return Err(Error::Unsupported(format!(
+                        "device {} cannot access device {ordinal}",
+                        me.ordinal()
+                    )));
+                }
+                return me.enable_peer_access(&d);
+            }
+        }
+        Err(Error::Unsupported(
+            "peer device not found in this process".into(),
+        ))
+    }
+
+    /// Every rank learns whether any rank failed; all return the same verdict.
+    fn agree(boot: &dyn Bootstrap, failure: Option<String>) -> Result<(), Error> {
+        let mine = failure.clone().unwrap_or_default();
+        let all = boot.all_gather(mine.as_bytes())?;
+        for (r, msg) in all.iter().enumerate() {
+            if !msg.is_empty() {
+                return Err(Error::Unsupported(format!(
+                    "rank {r}: {}",
+                    String::from_utf8_lossy(msg)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Times each (algorithm, protocol) at two sizes and agrees on one model with every rank.
+    fn calibrate(&mut self, boot: &dyn Bootstrap, stream: Stream) -> Result<(), Error> {
+        let sizes = [32u64 << 10, 1 << 20];
+        let buf_bytes = *sizes.iter().max().unwrap() as usize;
+        let send = DeviceMem::alloc_zeroed(buf_bytes)?;
+        let recv = DeviceMem::alloc_zeroed(buf_bytes)?;
+        let (start, end) = (Event::new(true)?, Event::new(true)?);
+        let mut model = CostModel::default_for(self.nranks);
+        for algo in Algorithm::ALL {
+            for proto in Protocol::ALL {
+                let mut points = [(0u64, 0f64); 2];
+                for (i, &bytes) in sizes.iter().enumerate() {
+                    let count = bytes / 2;
+                    let p = plan::plan(
+                        &self.arena,
+                        &self.model,
+                        Collective::AllReduce,
+                        count,
+                        2,
+                        self.max_grid,
+                        Choice::Force(algo),
+                        Choice::Force(proto),
+                    );
+                    let reps = 8;
+                    for _ in 0..3 {
+                        self.launch_plan(
+                            &p,
+                            send.as_ptr(),
+                            recv.as_ptr(),
+                            count,
+                            2,
+                            Some(DataType::Bf16),
+                            stream,
+                        )?;
+                    }
+                    start.record(stream)?;
+                    for _ in 0..reps {
+                        self.launch_plan(
+                            &p,
+                            send.as_ptr(),
+                            recv.as_ptr(),
+                            count,
+                            2,
+                            Some(DataType::Bf16),
+                            stream,
+                        )?;
+                    }
+                    end.record(stream)?;
+                    end.synchronize()?;
+                    self.check_status()?;
+                    points[i] = (
+                        bytes,
+                        end.elapsed_ms_since(&start)? as f64 * 1000.0 / reps as f64,
+                    );
+                }
+                model.fit(algo, proto, points[0], points[1]);
+            }
+        }
+        stream.synchronize()?;
+        let all = boot.all_gather(&model.to_bytes())?;
+        self.model = CostModel::agree(&all)?;
+        tracing::info!(target: "flashcomm::tuning", rank = self.rank, model = ?self.model, "calibrated cost model");
+        Ok(())
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn nranks(&self) -> u32 {
+        self.nranks
+    }
+
+    /// The CUDA device ordinal.
+    pub fn device(&self) -> i32 {
+        self.device.ordinal()
+    }
+
+    /// Bytes of device memory this rank's arena takes.
+    pub fn arena_bytes(&self) -> u64 {
+        self.arena.total_bytes
+    }
+
+    /// The largest grid a launch uses.
+    pub fn max_grid(&self) -> u32 {
+        self.max_grid
+    }
+
+    /// The cost model in use.
+    pub fn cost_model(&self) -> &CostModel {
+        &self.model
+    }
+
+    /// The plan for a call (pure; identical on every rank for identical arguments).
+    pub fn plan(&self, coll: Collective, count: u64, elem: u64) -> Plan {
+        plan::plan(
+            &self.arena,
+            &self.model,
+            coll,
+            count,
+            elem,
+            self.max_grid,
+            self.cfg.algo,
+            self.cfg.proto,
+        )
+    }
+
+    /// The plan for a call with the algorithm and protocol forced (falls back where the forced
+    /// choice is invalid for this count, exactly as the overrides in [`CommConfig`] do).
+    pub fn plan_forced(
+        &self,
+        coll: Collective,
+        count: u64,
+        elem: u64,
+        algo: Choice<Algorithm>,
+        proto: Choice<Protocol>,
+    ) -> Plan {
+        plan::plan(
+            &self.arena,
+            &self.model,
+            coll,
+            count,
+            elem,
+            self.max_grid,
+            algo,
+            proto,
+        )
+    }
+
+    /// Sum AllReduce of `count` elements.
+    pub fn all_reduce(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        dtype: DataType,
+        stream: Stream,
+    ) -> Result<Plan, Error> {
+        let p = self.plan(Collective::AllReduce, count, dtype.bytes());
+        self.run(&p, send, recv, count, dtype.bytes(), Some(dtype), stream)?;
+        Ok(p)
+    }
+
+    /// Sum ReduceScatter: `recvcount` elements per rank.
+    pub fn reduce_scatter(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        recvcount: u64,
+        dtype: DataType,
+        stream: Stream,
+    ) -> Result<Plan, Error> {
+        let p = self.plan(Collective::ReduceScatter, recvcount, dtype.bytes());
+        self.run(
+            &p,
+            send,
+            recv,
+            recvcount,
+            dtype.bytes(),
+            Some(dtype),
+            stream,
+        )?;
+        Ok(p)
+    }
+
+    /// AllGather of `sendcount` elements of `elem` bytes each (any datatype).
+    pub fn all_gather(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        sendcount: u64,
+        elem: u64,
+        stream: Stream,
+    ) -> Result<Plan, Error> {
+        let p = self.plan(Collective::AllGather, sendcount, elem);
+        self.run(&p, send, recv, sendcount, elem, None, stream)?;
+        Ok(p)
+    }
+
+    /// Runs a plan (from [`Communicator::plan`], possibly with the algorithm or protocol changed
+    /// for testing; every rank must run the same plan).
+    pub fn run(
+        &self,
+        p: &Plan,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        elem: u64,
+        dtype: Option<DataType>,
+        stream: Stream,
+    ) -> Result<(), Error> {
+        self.check_status()?;
+        if count == 0 {
+            return Ok(());
+        }
+        let n = self.nranks as u64;
+        let (send_bytes, recv_bytes) = match p.coll {
+            Collective::AllReduce => (count * elem, count * elem),
+            Collective::ReduceScatter => (count * elem * n, count * elem),
+            Collective::AllGather => (count * elem, count * elem * n),
+        };
+        if send.len() < send_bytes || recv.len() < recv_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "buffers of {} and {} bytes are too small for {send_bytes} and {recv_bytes}",
+                send.len(),
+                recv.len()
+            )));
+        }
+        if p.coll != Collective::AllGather && dtype.is_none() {
+            return Err(Error::InvalidArgument(
+                "a reducing collective needs a datatype".into(),
+            ));
+        }
+        if p.algo == Algorithm::TwoShot && (p.shard_elems == 0 || (n - 1) * p.shard_elems >= count)
+        {
+            return Err(Error::InvalidArgument(
+                "two-shot plan with an empty shard".into(),
+            ));
+        }
+        self.launch_plan(p, send, recv, count, elem, dtype, stream)
+    }
+
+    fn kernel_for(&self, p: &Plan, dtype: Option<DataType>) -> Result<Function, Error> {
+        let name = match (p.coll, dtype) {
+            (Collective::AllGather, _) => format!("fc_allgather_{}", p.proto.name()),
+            (Collective::AllReduce, Some(t)) => format!(
+                "fc_allreduce_{}_{}_{}",
+                p.algo.name(),
+                p.proto.name(),
+                t.suffix()
+            ),
+            (Collective::ReduceScatter, Some(t)) => {
+                format!("fc_reducescatter_{}_{}", p.proto.name(), t.suffix())
+            }
+            _ => return Err(Error::InvalidArgument("missing datatype".into())),
+        };
+        Ok(self.kernels.function(&name)?)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_plan(
+        &self,
+        p: &Plan,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        elem: u64,
+        dtype: Option<DataType>,
+        stream: Stream,
+    ) -> Result<(), Error> {
+        let f = self.kernel_for(p, dtype)?;
+        let params = FcCollParams {
+            send: send.addr(),
+            recv: recv.addr(),
+            count,
+            peer_base: self.peers,
+            ctl: self.local.addr() + abi::HDR_CTL,
+            abort_flag: self.host.dev_ptr() + HOST_ABORT as u64,
+            status: self.host.dev_ptr() + HOST_STATUS as u64,
+            timeout_ns: self.cfg.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            half_bytes: self.arena.half_bytes,
+            region_bytes: self.arena.region_bytes,
+            slot_bytes: self.arena.slot_bytes,
+            sub_bytes: p.sub_bytes,
+            chunk_bytes: p.chunk_bytes,
+            shard_elems: p.shard_elems,
+            rank: self.rank,
+            nranks: self.nranks,
+            elem_bytes: elem as u32,
+            ..Default::default()
+        };
+        let _ctx = self.device.activate()?;
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let capturing = stream.is_capturing()?;
+        // Kernels of one communicator must not overlap: if this call comes on another stream than
+        // the previous one, order it after the previous launch (outside graph capture, where the
+        // graph's own order applies).
+        if !capturing
+            && self.launched.load(Ordering::Relaxed)
+            && last.stream.is_some_and(|s| s != stream)
+        {
+            last.event.wait_on(stream)?;
+        }
+        gpu::launch(
+            f,
+            LaunchConfig {
+                grid: p.grid,
+                block: THREADS,
+                smem: 0,
+            },
+            stream,
+            &params,
+        )?;
+        if !capturing {
+            last.event.record(stream)?;
+            last.stream = Some(stream);
+            self.launched.store(true, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// The device-reported error, if a kernel of this communicator gave up.
+    pub fn check_status(&self) -> Result<(), Error> {
+        let code = self.host.read_u32(HOST_STATUS);
+        if code == abi::status::OK {
+            return Ok(());
+        }
+        let peer = self.host.read_u32(HOST_STATUS + 4);
+        let seq = self.host.read_u64(HOST_STATUS + 16);
+        let what = match code {
+            abi::status::TIMEOUT => format!(
+                "rank {} timed out after {:?} waiting for rank {peer} in collective #{seq}",
+                self.rank, self.cfg.timeout
+            ),
+            abi::status::ABORTED => format!(
+                "rank {}: communicator aborted during collective #{seq}",
+                self.rank
+            ),
+            abi::status::PEER_ABORTED => format!(
+                "rank {}: a peer gave up during collective #{seq}",
+                self.rank
+            ),
+            abi::status::MISMATCH => format!(
+                "rank {}: rank {peer} ran a different collective than #{seq} (tag {:#x}): the ranks' call sequences differ",
+                self.rank,
+                self.host.read_u32(HOST_STATUS + 12)
+            ),
+            other => format!("rank {}: device status {other}", self.rank),
+        };
+        Err(Error::Remote(what))
+    }
+
+    /// Asks every running kernel of this communicator to stop (ncclCommAbort). Kernels leave
+    /// their waits within microseconds; the communicator is unusable afterwards.
+    pub fn abort(&self) {
+        self.host.write_u32(HOST_ABORT, 1);
+    }
+
+    /// Waits (bounded by the device timeout) until this communicator's last launch has finished.
+    pub fn wait_idle(&self) -> Result<(), Error> {
+        let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if self.launched.load(Ordering::Relaxed) {
+            let _ctx = self.device.activate()?;
+            last.event.synchronize()?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // The arena must outlive every kernel that uses it; peers' mappings are closed with this
+        // device's context current. The arena itself and the host words are freed when the fields
+        // drop right after (freeing needs no particular current context).
+        let _ = self.wait_idle();
+        if let Ok(_ctx) = self.device.activate() {
+            self.mappings.clear();
+        }
+    }
+}

@@ -1,0 +1,51 @@
+//! The communicator's error type.
+
+/// Everything that can go wrong in the communicator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// A caller passed something invalid (null buffer, bad count, unsupported combination).
+    InvalidArgument(String),
+    /// The communicator is in a state where the call is not allowed (aborted, failed earlier).
+    InvalidUsage(String),
+    /// This communicator, call or machine cannot use flashcomm's kernels; the caller should pass
+    /// the call through to the real NCCL.
+    Unsupported(String),
+    /// A CUDA driver call failed.
+    Cuda {
+        /// What was being done.
+        during: &'static str,
+        /// The driver's error code.
+        detail: String,
+    },
+    /// The exchange with the other ranks failed.
+    Bootstrap(String),
+    /// A peer did not arrive, gave up, or ran a different collective (reported by the device).
+    Remote(String),
+    /// A broken invariant.
+    Internal(String),
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
+            Error::InvalidUsage(m) => write!(f, "invalid usage: {m}"),
+            Error::Unsupported(m) => write!(f, "not supported by flashcomm kernels: {m}"),
+            Error::Cuda { during, detail } => write!(f, "CUDA error while {during}: {detail}"),
+            Error::Bootstrap(m) => write!(f, "exchange between ranks failed: {m}"),
+            Error::Remote(m) => write!(f, "remote error: {m}"),
+            Error::Internal(m) => write!(f, "internal error: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+impl From<flashcomm_kernels::Error> for Error {
+    fn from(e: flashcomm_kernels::Error) -> Self {
+        match e {
+            flashcomm_kernels::Error::Cuda { during, detail } => Error::Cuda { during, detail },
+            other => Error::Unsupported(other.to_string()),
+        }
+    }
+}

@@ -1,0 +1,632 @@
+//! Thin, checked wrappers over the CUDA driver calls the communicator needs: the primary
+//! context of a device, device and host-mapped memory, IPC handles, events, stream queries,
+//! kernel launches. This module (and only this module) contains `unsafe` code; every block states
+//! why it is sound. Everything here works on raw device addresses (`u64`), which the rest of the
+//! crate never dereferences on the host.
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use crate::error::Error;
+
+/// Converts a driver result into the crate's error.
+pub(crate) fn check(r: sys::CUresult, during: &'static str) -> Result<(), Error> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Cuda {
+            during,
+            detail: format!("{r:?}"),
+        })
+    }
+}
+
+/// A raw stream handle as NCCL callers pass it (`cudaStream_t` and `CUstream` are the same).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stream(pub sys::CUstream);
+
+// SAFETY: a stream handle is an opaque token that the driver accepts from any thread.
+unsafe impl Send for Stream {}
+// SAFETY: as above; it is only passed by value to the driver.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// The legacy default stream.
+    pub fn null() -> Stream {
+        Stream(std::ptr::null_mut())
+    }
+
+    /// A new non-blocking stream in the current context (never destroyed: used for tests and
+    /// internal work that lives as long as the process).
+    pub fn create() -> Result<Stream, Error> {
+        let mut s: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: `s` is a valid out-pointer; flag 1 is CU_STREAM_NON_BLOCKING.
+        let r = unsafe { sys::cuStreamCreate(&mut s, 1) };
+        check(r, "creating a stream")?;
+        Ok(Stream(s))
+    }
+
+    /// Whether work is being captured into a graph on this stream.
+    pub fn is_capturing(&self) -> Result<bool, Error> {
+        let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the stream handle came from the caller as a valid stream of the current context
+        // (or a special value the driver accepts); `st` is an out-pointer.
+        let r = unsafe { sys::cuStreamIsCapturing(self.0, &mut st) };
+        check(r, "querying stream capture")?;
+        Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// Blocks until all work queued on the stream has finished.
+    pub fn synchronize(&self) -> Result<(), Error> {
+        // SAFETY: valid stream handle of the current context.
+        let r = unsafe { sys::cuStreamSynchronize(self.0) };
+        check(r, "synchronizing a stream")
+    }
+}
+
+/// Initializes the driver API (idempotent).
+pub fn init() -> Result<(), Error> {
+    if !flashcomm_kernels::ffi::driver_present() {
+        return Err(Error::Unsupported(
+            "the CUDA driver library (libcuda.so.1) is not available".into(),
+        ));
+    }
+    // SAFETY: cuInit has no preconditions; it is idempotent.
+    let r = unsafe { sys::cuInit(0) };
+    check(r, "initializing the CUDA driver")
+}
+
+/// Number of CUDA devices.
+pub fn device_count() -> Result<i32, Error> {
+    init()?;
+    let mut n = 0;
+    // SAFETY: `n` is an out-pointer; the driver is initialized.
+    let r = unsafe { sys::cuDeviceGetCount(&mut n) };
+    check(r, "counting devices")?;
+    Ok(n)
+}
+
+/// A device and its primary context (the one PyTorch and the CUDA runtime use), retained for
+/// the life of the process.
+pub struct Device {
+    ordinal: i32,
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+    sms: u32,
+    uuid: [u8; 16],
+}
+
+// SAFETY: CUdevice is an integer and CUcontext an opaque handle that the driver accepts from any
+// thread; the primary context is never released (see Device::open).
+unsafe impl Send for Device {}
+// SAFETY: as above; all methods only pass the handles to the driver.
+unsafe impl Sync for Device {}
+
+impl Device {
+    /// Opens device `ordinal` (cached: one `Device` per ordinal per process).
+    pub fn open(ordinal: i32) -> Result<Arc<Device>, Error> {
+        use std::collections::HashMap;
+        use std::sync::{Mutex, OnceLock};
+        static DEVICES: OnceLock<Mutex<HashMap<i32, Arc<Device>>>> = OnceLock::new();
+        init()?;
+        let map = DEVICES.get_or_init(|| Mutex::new(HashMap::new()));
+        let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = map.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: out-pointer; the driver validates the ordinal.
+        let r = unsafe { sys::cuDeviceGet(&mut dev, ordinal) };
+        check(r, "getting a device")?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: out-pointer; `dev` is valid. The retain is never released: the primary context
+        // must outlive kernels that may still run when a communicator is dropped.
+        let r = unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) };
+        check(r, "retaining the primary context")?;
+        let mut sms = 0;
+        // SAFETY: out-pointer; valid device and attribute.
+        let r = unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut sms,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                dev,
+            )
+        };
+        check(r, "querying the SM count")?;
+        let mut uuid = sys::CUuuid_st { bytes: [0; 16] };
+        // SAFETY: out-pointer; valid device.
+        let r = unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) };
+        check(r, "querying the device UUID")?;
+        let d = Arc::new(Device {
+            ordinal,
+            dev,
+            ctx,
+            sms: sms.max(1) as u32,
+            uuid: uuid.bytes.map(|b| b as u8),
+        });
+        map.insert(ordinal, d.clone());
+        Ok(d)
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Multiprocessors.
+    pub fn sm_count(&self) -> u32 {
+        self.sms
+    }
+
+    /// The device UUID.
+    pub fn uuid(&self) -> [u8; 16] {
+        self.uuid
+    }
+
+    /// The primary context handle.
+    pub fn context(&self) -> sys::CUcontext {
+        self.ctx
+    }
+
+    /// Makes this device's primary context current on the calling thread until the guard drops
+    /// (restoring whatever was current before; nothing is pushed when it already is current).
+    pub fn activate(&self) -> Result<CtxGuard, Error> {
+        let mut cur: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: out-pointer.
+        let r = unsafe { sys::cuCtxGetCurrent(&mut cur) };
+        check(r, "reading the current context")?;
+        if cur == self.ctx {
+            return Ok(CtxGuard { pushed: false });
+        }
+        // SAFETY: `self.ctx` is a retained primary context.
+        let r = unsafe { sys::cuCtxPushCurrent_v2(self.ctx) };
+        check(r, "making the context current")?;
+        Ok(CtxGuard { pushed: true })
+    }
+
+    /// Whether this device can map memory of `other` (always true for itself).
+    pub fn can_access_peer(&self, other: &Device) -> Result<bool, Error> {
+        if other.dev == self.dev {
+            return Ok(true);
+        }
+        let mut ok = 0;
+        // SAFETY: out-pointer; both devices are valid.
+        let r = unsafe { sys::cuDeviceCanAccessPeer(&mut ok, self.dev, other.dev) };
+        check(r, "querying peer access")?;
+        Ok(ok != 0)
+    }
+
+    /// Enables access from this device's context to `other`'s memory (in-process peers).
+    pub fn enable_peer_access(&self, other: &Device) -> Result<(), Error> {
+        if other.dev == self.dev {
+            return Ok(());
+        }
+        let _g = self.activate()?;
+        // SAFETY: both contexts are retained primary contexts; flags must be 0.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(other.ctx, 0) };
+        if r == sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        check(r, "enabling peer access")
+    }
+}
+
+/// Restores the previously current context on drop.
+pub struct CtxGuard {
+    pushed: bool,
+}
+
+impl Drop for CtxGuard {
+    fn drop(&mut self) {
+        if self.pushed {
+            let mut old: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: pops exactly the context this guard pushed.
+            let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut old) };
+        }
+    }
+}
+
+/// A device address range that the holder promises is valid device memory for as long as the
+/// work it is used for runs. Obtained safely from a [`DeviceMem`] (which owns the memory) or
+/// unsafely from a raw address (the NCCL entry points, whose callers make that promise).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DevicePtr {
+    addr: u64,
+    len: u64,
+}
+
+impl DevicePtr {
+    /// Wraps a raw device address range.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must be device memory accessible from the communicator's device,
+    /// valid until every kernel that uses it has finished.
+    pub unsafe fn from_raw(addr: u64, len: u64) -> DevicePtr {
+        DevicePtr { addr, len }
+    }
+
+    /// The address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Bytes the range covers.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Device memory owned by this process (`cuMemAlloc`, so it can be exported with legacy IPC).
+pub struct DeviceMem {
+    ptr: u64,
+    bytes: usize,
+}
+
+impl DeviceMem {
+    /// Allocates `bytes` on the current context's device, zero-filled.
+    pub fn alloc_zeroed(bytes: usize) -> Result<DeviceMem, Error> {
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer; a context is current (callers hold a CtxGuard).
+        let r = unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(1)) };
+        check(r, "allocating device memory")?;
+        let m = DeviceMem { ptr: p, bytes };
+        // SAFETY: `p` points to `bytes` freshly allocated bytes.
+        let r = unsafe { sys::cuMemsetD8_v2(p, 0, bytes) };
+        check(r, "clearing device memory")?;
+        Ok(m)
+    }
+
+    /// The device address.
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The whole allocation as a [`DevicePtr`].
+    pub fn as_ptr(&self) -> DevicePtr {
+        DevicePtr {
+            addr: self.ptr,
+            len: self.bytes as u64,
+        }
+    }
+
+    /// `len` bytes at `offset` as a [`DevicePtr`] (any alignment; panics if out of bounds).
+    pub fn slice(&self, offset: usize, len: usize) -> DevicePtr {
+        assert!(
+            offset.checked_add(len).is_some_and(|e| e <= self.bytes),
+            "slice out of bounds"
+        );
+        DevicePtr {
+            addr: self.ptr + offset as u64,
+            len: len as u64,
+        }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether the allocation is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// Copies `src` to byte `offset` (synchronous).
+    pub fn upload(&self, offset: usize, src: &[u8]) -> Result<(), Error> {
+        assert!(offset + src.len() <= self.bytes, "upload out of bounds");
+        // SAFETY: the destination range lies inside this allocation (asserted); `src` is valid.
+        let r = unsafe {
+            sys::cuMemcpyHtoD_v2(
+                self.ptr + offset as u64,
+                src.as_ptr() as *const c_void,
+                src.len(),
+            )
+        };
+        check(r, "copying to the device")
+    }
+
+    /// Copies bytes at `offset` into `dst` (synchronous).
+    pub fn download(&self, offset: usize, dst: &mut [u8]) -> Result<(), Error> {
+        assert!(offset + dst.len() <= self.bytes, "download out of bounds");
+        // SAFETY: the source range lies inside this allocation (asserted); `dst` is valid.
+        let r = unsafe {
+            sys::cuMemcpyDtoH_v2(
+                dst.as_mut_ptr() as *mut c_void,
+                self.ptr + offset as u64,
+                dst.len(),
+            )
+        };
+        check(r, "copying to the host")
+    }
+
+    /// Fills the allocation with `byte` (synchronous).
+    pub fn fill(&self, byte: u8) -> Result<(), Error> {
+        // SAFETY: the range is exactly this allocation.
+        let r = unsafe { sys::cuMemsetD8_v2(self.ptr, byte, self.bytes) };
+        check(r, "filling device memory")
+    }
+
+    /// The 64-byte legacy IPC handle of this allocation.
+    pub fn ipc_handle(&self) -> Result<[u8; 64], Error> {
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: `self.ptr` is the base of a cuMemAlloc allocation; out-pointer.
+        let r = unsafe { sys::cuIpcGetMemHandle(&mut h, self.ptr) };
+        check(r, "exporting an IPC handle")?;
+        Ok(h.reserved.map(|b| b as u8))
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        // SAFETY: frees the allocation this value owns; callers make sure no kernel still uses
+        // it (communicators wait for their last launch before dropping their arena).
+        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// A peer's allocation opened through a legacy IPC handle; closed on drop.
+pub struct IpcMapping {
+    ptr: u64,
+}
+
+impl IpcMapping {
+    /// Opens `handle` in the current context.
+    pub fn open(handle: &[u8; 64]) -> Result<IpcMapping, Error> {
+        let h = sys::CUipcMemHandle_st {
+            reserved: handle.map(|b| b as _),
+        };
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer; the handle bytes came from a peer's cuIpcGetMemHandle (the driver
+        // rejects anything else with an error code).
+        let r = unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut p,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        };
+        check(r, "opening a peer's IPC handle")?;
+        Ok(IpcMapping { ptr: p })
+    }
+
+    /// The mapped address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        // SAFETY: closes the mapping this value opened.
+        let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+    }
+}
+
+/// Pinned host memory mapped into the device address space (abort flag, status words).
+pub struct HostMapped {
+    host: *mut u8,
+    dev: u64,
+    bytes: usize,
+}
+
+// SAFETY: the allocation is owned by this value; all host accesses are volatile reads/writes of
+// plain words, which any thread may do.
+unsafe impl Send for HostMapped {}
+// SAFETY: as above.
+unsafe impl Sync for HostMapped {}
+
+impl HostMapped {
+    /// Allocates `bytes` zeroed bytes (a context must be current).
+    pub fn alloc(bytes: usize) -> Result<HostMapped, Error> {
+        let mut h: *mut c_void = std::ptr::null_mut();
+        // SAFETY: out-pointer; portable + device-mapped pinned memory.
+        let r = unsafe {
+            sys::cuMemHostAlloc(
+                &mut h,
+                bytes,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        };
+        check(r, "allocating host-mapped memory")?;
+        // SAFETY: `h` points to `bytes` writable bytes just allocated.
+        unsafe { std::ptr::write_bytes(h as *mut u8, 0, bytes) };
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: `h` is a device-mapped pinned allocation; out-pointer.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, h, 0) };
+        check(r, "mapping host memory")?;
+        Ok(HostMapped {
+            host: h as *mut u8,
+            dev: d,
+            bytes,
+        })
+    }
+
+    /// Device address of the allocation.
+    pub fn dev_ptr(&self) -> u64 {
+        self.dev
+    }
+
+    /// Volatile read of the u32 at byte `offset`.
+    pub fn read_u32(&self, offset: usize) -> u32 {
+        assert!(offset + 4 <= self.bytes && offset.is_multiple_of(4));
+        // SAFETY: in bounds and aligned (asserted); the device writes the word concurrently, hence
+        // the volatile read of a plain integer.
+        unsafe { std::ptr::read_volatile(self.host.add(offset) as *const u32) }
+    }
+
+    /// Volatile read of the u64 at byte `offset`.
+    pub fn read_u64(&self, offset: usize) -> u64 {
+        assert!(offset + 8 <= self.bytes && offset.is_multiple_of(8));
+        // SAFETY: in bounds and aligned (asserted); volatile for concurrent device writes.
+        unsafe { std::ptr::read_volatile(self.host.add(offset) as *const u64) }
+    }
+
+    /// Volatile write of the u32 at byte `offset`.
+    pub fn write_u32(&self, offset: usize, v: u32) {
+        assert!(offset + 4 <= self.bytes && offset.is_multiple_of(4));
+        // SAFETY: in bounds and aligned (asserted); volatile so the device sees the store.
+        unsafe { std::ptr::write_volatile(self.host.add(offset) as *mut u32, v) }
+    }
+}
+
+impl Drop for HostMapped {
+    fn drop(&mut self) {
+        // SAFETY: frees the allocation this value owns (kernels that read it have finished).
+        let _ = unsafe { sys::cuMemFreeHost(self.host as *mut c_void) };
+    }
+}
+
+/// A CUDA event (timing disabled unless asked for).
+pub struct Event(sys::CUevent);
+
+// SAFETY: an event handle may be recorded, queried and synchronized from any thread.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// Creates an event in the current context.
+    pub fn new(timing: bool) -> Result<Event, Error> {
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        let mut e: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: out-pointer.
+        let r = unsafe { sys::cuEventCreate(&mut e, flags as u32) };
+        check(r, "creating an event")?;
+        Ok(Event(e))
+    }
+
+    /// Records the event on `stream`.
+    pub fn record(&self, stream: Stream) -> Result<(), Error> {
+        // SAFETY: valid event and stream of the current context.
+        let r = unsafe { sys::cuEventRecord(self.0, stream.0) };
+        check(r, "recording an event")
+    }
+
+    /// Makes `stream` wait for the event.
+    pub fn wait_on(&self, stream: Stream) -> Result<(), Error> {
+        // SAFETY: valid event and stream.
+        let r = unsafe { sys::cuStreamWaitEvent(stream.0, self.0, 0) };
+        check(r, "waiting on an event")
+    }
+
+    /// Whether the recorded work has finished.
+    pub fn is_done(&self) -> Result<bool, Error> {
+        // SAFETY: valid event.
+        let r = unsafe { sys::cuEventQuery(self.0) };
+        if r == sys::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check(r, "querying an event")?;
+        Ok(true)
+    }
+
+    /// Milliseconds between `start` and this event (both recorded with timing).
+    pub fn elapsed_ms_since(&self, start: &Event) -> Result<f32, Error> {
+        let mut ms = 0f32;
+        // SAFETY: both events are valid and completed (callers synchronize first).
+        let r = unsafe { sys::cuEventElapsedTime_v2(&mut ms, start.0, self.0) };
+        check(r, "reading event time")?;
+        Ok(ms)
+    }
+
+    /// Blocks until the event has completed.
+    pub fn synchronize(&self) -> Result<(), Error> {
+        // SAFETY: valid event.
+        let r = unsafe { sys::cuEventSynchronize(self.0) };
+        check(r, "waiting for an event")
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: destroys the event this value owns.
+        let _ = unsafe { sys::cuEventDestroy_v2(self.0) };
+    }
+}
+
+/// Launches a kernel whose single parameter is `params`.
+///
+/// Sound because of what the communicator guarantees for every launch it makes through this
+/// function: `P` is one of the `#[repr(C)]` mirrors in `abi.rs` (layouts asserted against the
+/// CUDA header) and matches the kernel; every arena address in it belongs to an allocation or
+/// mapping the communicator keeps alive until its last launch has finished; user buffers come in
+/// as [`DevicePtr`]s, whose creators promised they are valid device memory of the right length;
+/// the stream belongs to the current context (the communicator activated its device).
+pub(crate) fn launch<P: crate::abi::KernelParams>(
+    f: flashcomm_kernels::Function,
+    cfg: flashcomm_kernels::LaunchConfig,
+    stream: Stream,
+    params: &P,
+) -> Result<(), Error> {
+    // SAFETY: see the function's documentation: layout, lifetimes and stream are guaranteed by
+    // the communicator (the only caller) and by the DevicePtr contract.
+    unsafe { flashcomm_kernels::launch(f, cfg, stream.0, params) }.map_err(Error::from)
+}
+
+/// A CUDA graph captured from a stream and instantiated.
+pub struct Graph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+// SAFETY: graph handles may be launched and destroyed from any thread.
+unsafe impl Send for Graph {}
+
+impl Stream {
+    /// Starts capturing the work of this stream (relaxed mode: other threads may keep making
+    /// driver calls meanwhile).
+    pub fn begin_capture(&self) -> Result<(), Error> {
+        // SAFETY: valid stream of the current context.
+        let r = unsafe {
+            sys::cuStreamBeginCapture_v2(
+                self.0,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            )
+        };
+        check(r, "beginning stream capture")
+    }
+
+    /// Ends the capture and instantiates the graph.
+    pub fn end_capture(&self) -> Result<Graph, Error> {
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: valid stream that is capturing; out-pointer.
+        let r = unsafe { sys::cuStreamEndCapture(self.0, &mut graph) };
+        check(r, "ending stream capture")?;
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: `graph` was just captured; out-pointer; no flags.
+        let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
+        check(r, "instantiating a graph")?;
+        Ok(Graph { graph, exec })
+    }
+}
+
+impl Graph {
+    /// Launches the whole graph on `stream`.
+    pub fn launch(&self, stream: Stream) -> Result<(), Error> {
+        // SAFETY: valid instantiated graph and stream.
+        let r = unsafe { sys::cuGraphLaunch(self.exec, stream.0) };
+        check(r, "launching a graph")
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: destroys the handles this value owns.
+        unsafe {
+            let _ = sys::cuGraphExecDestroy(self.exec);
+            let _ = sys::cuGraphDestroy(self.graph);
+        }
+    }
+}

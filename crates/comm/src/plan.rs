@@ -1,0 +1,514 @@
+//! Pure planning: the arena geometry, how a call is cut into chunks, and the cost-guided choice
+//! of algorithm and protocol. Nothing here touches the GPU, so every rank computes the same plan
+//! from the same inputs, and everything here is unit-tested on the CPU.
+
+use crate::abi::{
+    ARENA_HEADER_BYTES, FRAME_BYTES, FRAME_PAYLOAD, LL_LINE, LL_PAYLOAD, MAX_RANKS, THREADS,
+};
+use crate::error::Error;
+
+/// A collective flashcomm's kernels implement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Collective {
+    /// Sum over ranks, result on every rank.
+    AllReduce,
+    /// Sum over ranks, rank r keeps block r.
+    ReduceScatter,
+    /// Concatenation of every rank's buffer.
+    AllGather,
+}
+
+/// Element types of the reducing collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DataType {
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl DataType {
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            DataType::F32 => 4,
+            DataType::F16 | DataType::Bf16 => 2,
+        }
+    }
+
+    /// Suffix of kernel names.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            DataType::F32 => "f32",
+            DataType::F16 => "f16",
+            DataType::Bf16 => "bf16",
+        }
+    }
+}
+
+/// How readiness travels with the data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Protocol {
+    /// 16-byte lines with a tag in every 8 bytes: lowest latency, half the payload density.
+    Ll,
+    /// 4 KiB frames with one tag written after a fence: full density, one fence per frame.
+    Block,
+}
+
+impl Protocol {
+    /// Both protocols.
+    pub const ALL: [Protocol; 2] = [Protocol::Ll, Protocol::Block];
+
+    /// Kernel-name fragment.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Ll => "ll",
+            Protocol::Block => "block",
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Protocol::Ll => 0,
+            Protocol::Block => 1,
+        }
+    }
+}
+
+/// AllReduce algorithms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Every rank pushes its whole input to every peer and reduces all of them.
+    OneShot,
+    /// Reduce-scatter to shard owners, then all-gather of the reduced shards.
+    TwoShot,
+}
+
+impl Algorithm {
+    /// Both algorithms.
+    pub const ALL: [Algorithm; 2] = [Algorithm::OneShot, Algorithm::TwoShot];
+
+    /// Kernel-name fragment.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::OneShot => "oneshot",
+            Algorithm::TwoShot => "twoshot",
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Algorithm::OneShot => 0,
+            Algorithm::TwoShot => 1,
+        }
+    }
+}
+
+/// A choice that is either automatic or forced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Choice<T> {
+    /// Let the cost model decide.
+    #[default]
+    Auto,
+    /// Always this one (where it is valid).
+    Force(T),
+}
+
+/// The arena every rank allocates: a header, then two halves (collective parity), each with two
+/// regions (A: first step, B: second step) of one slot per source rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Arena {
+    /// Ranks.
+    pub nranks: u32,
+    /// Bytes per source slot.
+    pub slot_bytes: u64,
+    /// Bytes per region (`nranks * slot_bytes`).
+    pub region_bytes: u64,
+    /// Bytes per half (two regions).
+    pub half_bytes: u64,
+    /// Total bytes including the header.
+    pub total_bytes: u64,
+}
+
+impl Arena {
+    /// The largest arena within `cap` bytes for `nranks` ranks. Slots are multiples of 64 KiB.
+    pub fn new(nranks: u32, cap: u64) -> Result<Arena, Error> {
+        if nranks == 0 || nranks as usize > MAX_RANKS {
+            return Err(Error::Unsupported(format!(
+                "{nranks} ranks (flashcomm kernels support 1..={MAX_RANKS})"
+            )));
+        }
+        let per = 2 * 2 * nranks as u64;
+        let slot = (cap.saturating_sub(ARENA_HEADER_BYTES) / per) & !(64 * 1024 - 1);
+        if slot < 2 * FRAME_BYTES {
+            return Err(Error::Unsupported(format!(
+                "arena cap of {cap} bytes is too small for {nranks} ranks (need at least {} bytes)",
+                ARENA_HEADER_BYTES + per * 64 * 1024
+            )));
+        }
+        let region = slot * nranks as u64;
+        Ok(Arena {
+            nranks,
+            slot_bytes: slot,
+            region_bytes: region,
+            half_bytes: 2 * region,
+            total_bytes: ARENA_HEADER_BYTES + 4 * region,
+        })
+    }
+
+    /// The most blocks a launch may use (each needs two sub-slots of at least one frame).
+    pub fn max_grid(&self) -> u32 {
+        (self.slot_bytes / (2 * FRAME_BYTES)).min(u32::MAX as u64) as u32
+    }
+
+    /// Sub-slot bytes and payload bytes per chunk for `proto` with `grid` blocks.
+    pub fn chunking(&self, proto: Protocol, grid: u32) -> (u64, u64) {
+        let sub = self.slot_bytes / (2 * grid as u64);
+        match proto {
+            Protocol::Ll => {
+                let sub = sub & !(LL_LINE - 1);
+                (sub, sub / LL_LINE * LL_PAYLOAD)
+            }
+            Protocol::Block => {
+                let frames = (sub / FRAME_BYTES).max(1);
+                (frames * FRAME_BYTES, frames * FRAME_PAYLOAD)
+            }
+        }
+    }
+}
+
+/// Elements per two-shot shard: `count / nranks` rounded up to 16 bytes; `None` when that would
+/// leave the last shard empty (then two-shot is not valid for this count).
+pub fn shard_elems(count: u64, nranks: u32, elem: u64) -> Option<u64> {
+    let n = nranks as u64;
+    let align = (16 / elem).max(1);
+    let per = count.div_ceil(n).div_ceil(align) * align;
+    ((n - 1) * per < count).then_some(per)
+}
+
+/// Blocks for a launch that moves `bytes` per source with `proto`, capped at `max_grid`.
+pub fn grid_for(proto: Protocol, bytes: u64, max_grid: u32) -> u32 {
+    let per_block = match proto {
+        Protocol::Ll => THREADS as u64 * LL_PAYLOAD,
+        Protocol::Block => (THREADS as u64 / 32) * FRAME_PAYLOAD,
+    };
+    bytes.div_ceil(per_block).clamp(1, max_grid.max(1) as u64) as u32
+}
+
+/// A linear latency model per (algorithm, protocol): `t = a + b * bytes` in microseconds, with
+/// `bytes` the message size of one rank.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostModel {
+    /// Fixed cost in microseconds, indexed [algorithm][protocol].
+    pub a_us: [[f64; 2]; 2],
+    /// Cost per byte in microseconds, indexed [algorithm][protocol].
+    pub b_us_per_byte: [[f64; 2]; 2],
+    /// Whether the constants were measured on this machine (false: defaults).
+    pub calibrated: bool,
+}
+
+impl CostModel {
+    /// Defaults for `nranks` ranks, used until calibration runs (or when it is disabled). They
+    /// encode the structure: LL halves the density but saves a fence per frame; two-shot moves
+    /// 2(N-1)/N of the message per rank instead of N-1 but takes two steps.
+    pub fn default_for(nranks: u32) -> CostModel {
+        let n = nranks.max(1) as f64;
+        let link = 150_000.0; // bytes per microsecond a rank can push (150 GB/s)
+        let one = (n - 1.0).max(1.0) / link;
+        let two = 2.0 * (n - 1.0).max(1.0) / n / link;
+        CostModel {
+            a_us: [[3.0, 6.0], [5.0, 10.0]],
+            b_us_per_byte: [[2.0 * one, one], [2.0 * two, two]],
+            calibrated: false,
+        }
+    }
+
+    /// Predicted microseconds.
+    pub fn predict(&self, algo: Algorithm, proto: Protocol, bytes: u64) -> f64 {
+        self.a_us[algo.index()][proto.index()]
+            + self.b_us_per_byte[algo.index()][proto.index()] * bytes as f64
+    }
+
+    /// Fits `a` and `b` of one combination from two measurements (bytes, microseconds).
+    pub fn fit(&mut self, algo: Algorithm, proto: Protocol, small: (u64, f64), large: (u64, f64)) {
+        let b = ((large.1 - small.1) / (large.0 as f64 - small.0 as f64)).max(1e-9);
+        let a = (small.1 - b * small.0 as f64).max(0.0);
+        self.a_us[algo.index()][proto.index()] = a;
+        self.b_us_per_byte[algo.index()][proto.index()] = b;
+    }
+
+    /// Serializes for the exchange between ranks.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(64);
+        for i in 0..2 {
+            for j in 0..2 {
+                v.extend_from_slice(&self.a_us[i][j].to_le_bytes());
+                v.extend_from_slice(&self.b_us_per_byte[i][j].to_le_bytes());
+            }
+        }
+        v
+    }
+
+    /// The element-wise maximum of every rank's model: one model all ranks agree on.
+    pub fn agree(models: &[Vec<u8>]) -> Result<CostModel, Error> {
+        let mut m = CostModel {
+            a_us: [[0.0; 2]; 2],
+            b_us_per_byte: [[0.0; 2]; 2],
+            calibrated: true,
+        };
+        for bytes in models {
+            if bytes.len() != 64 {
+                return Err(Error::Bootstrap("malformed cost model from a peer".into()));
+            }
+            let f = |k: usize| f64::from_le_bytes(bytes[k * 8..k * 8 + 8].try_into().unwrap());
+            for i in 0..2 {
+                for j in 0..2 {
+                    let k = (i * 2 + j) * 2;
+                    m.a_us[i][j] = m.a_us[i][j].max(f(k));
+                    m.b_us_per_byte[i][j] = m.b_us_per_byte[i][j].max(f(k + 1));
+                }
+            }
+        }
+        Ok(m)
+    }
+}
+
+/// Everything a launch needs besides buffers: chosen variant and geometry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// The collective.
+    pub coll: Collective,
+    /// AllReduce algorithm (one-shot for the others).
+    pub algo: Algorithm,
+    /// Protocol.
+    pub proto: Protocol,
+    /// Blocks.
+    pub grid: u32,
+    /// Sub-slot bytes.
+    pub sub_bytes: u64,
+    /// Payload bytes per chunk.
+    pub chunk_bytes: u64,
+    /// Two-shot shard elements (0 otherwise).
+    pub shard_elems: u64,
+}
+
+/// Chooses how to run one call. `bytes` is the per-rank message: AllReduce count*elem,
+/// ReduceScatter recvcount*elem*nranks, AllGather sendcount*elem.
+pub fn plan(
+    arena: &Arena,
+    model: &CostModel,
+    coll: Collective,
+    count: u64,
+    elem: u64,
+    max_grid: u32,
+    algo_choice: Choice<Algorithm>,
+    proto_choice: Choice<Protocol>,
+) -> Plan {
+    let n = arena.nranks;
+    let max_grid = max_grid.min(arena.max_grid()).max(1);
+    let bytes = match coll {
+        Collective::ReduceScatter => count * elem * n as u64,
+        _ => count * elem,
+    };
+    let shard = if coll == Collective::AllReduce {
+        shard_elems(count, n, elem)
+    } else {
+        None
+    };
+    let algos: Vec<Algorithm> = match coll {
+        Collective::AllReduce => match algo_choice {
+            Choice::Force(Algorithm::TwoShot) if shard.is_some() && n > 1 => {
+                vec![Algorithm::TwoShot]
+            }
+            Choice::Force(_) => vec![Algorithm::OneShot],
+            Choice::Auto if shard.is_some() && n > 1 => Algorithm::ALL.to_vec(),
+            Choice::Auto => vec![Algorithm::OneShot],
+        },
+        // ReduceScatter has the cost structure of the first half of two-shot, AllGather of
+        // one-shot's push; both use the corresponding model row.
+        Collective::ReduceScatter => vec![Algorithm::TwoShot],
+        Collective::AllGather => vec![Algorithm::OneShot],
+    };
+    let protos: Vec<Protocol> = match proto_choice {
+        Choice::Force(p) => vec![p],
+        Choice::Auto => Protocol::ALL.to_vec(),
+    };
+    let mut best: Option<(f64, Algorithm, Protocol)> = None;
+    for &a in &algos {
+        for &p in &protos {
+            let mut t = model.predict(a, p, bytes);
+            if coll == Collective::ReduceScatter {
+                t *= 0.5;
+            }
+            if best.is_none_or(|(bt, _, _)| t < bt) {
+                best = Some((t, a, p));
+            }
+        }
+    }
+    let (_, algo, proto) = best.expect("at least one candidate");
+    let per_block_bytes = match (coll, algo) {
+        (Collective::AllReduce, Algorithm::TwoShot) => shard.unwrap_or(count) * elem,
+        (Collective::ReduceScatter, _) => count * elem,
+        _ => bytes,
+    };
+    let grid = grid_for(proto, per_block_bytes, max_grid);
+    let (sub_bytes, chunk_bytes) = arena.chunking(proto, grid);
+    let coll_algo = if coll == Collective::AllReduce {
+        algo
+    } else {
+        Algorithm::OneShot
+    };
+    Plan {
+        coll,
+        algo: coll_algo,
+        proto,
+        grid,
+        sub_bytes,
+        chunk_bytes,
+        shard_elems: if coll_algo == Algorithm::TwoShot {
+            shard.unwrap_or(0)
+        } else {
+            0
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arena_fits_cap_and_is_aligned() {
+        for n in 1..=8 {
+            let a = Arena::new(n, 64 << 20).unwrap();
+            assert!(a.total_bytes <= 64 << 20);
+            assert_eq!(a.slot_bytes % (64 * 1024), 0);
+            assert_eq!(a.half_bytes, 2 * a.region_bytes);
+            assert!(a.max_grid() >= 16);
+        }
+        assert!(Arena::new(9, 64 << 20).is_err());
+        assert!(Arena::new(8, 1 << 20).is_err());
+    }
+
+    #[test]
+    fn chunking_fits_sub_slots() {
+        let a = Arena::new(8, 64 << 20).unwrap();
+        for grid in [1, 7, 16, 64, a.max_grid()] {
+            let (sub, chunk) = a.chunking(Protocol::Ll, grid);
+            assert!(2 * grid as u64 * sub <= a.slot_bytes);
+            assert_eq!(chunk * 2, sub);
+            assert_eq!(chunk % 8, 0);
+            let (sub, chunk) = a.chunking(Protocol::Block, grid);
+            assert!(2 * grid as u64 * sub <= a.slot_bytes);
+            assert_eq!(sub % FRAME_BYTES, 0);
+            assert_eq!(chunk, sub / FRAME_BYTES * FRAME_PAYLOAD);
+        }
+    }
+
+    #[test]
+    fn shards_are_aligned_and_never_empty() {
+        for n in 1..=8u32 {
+            for count in [1u64, 7, 8, 63, 64, 1000, 4097, 1 << 20] {
+                for elem in [2u64, 4] {
+                    if let Some(s) = shard_elems(count, n, elem) {
+                        assert_eq!((s * elem) % 16, 0);
+                        assert!(
+                            (n as u64 - 1) * s < count,
+                            "last shard empty n={n} count={count}"
+                        );
+                        assert!(n as u64 * s >= count);
+                    }
+                }
+            }
+        }
+        assert!(shard_elems(8, 8, 2).is_none());
+        assert!(shard_elems(1 << 20, 8, 2).is_some());
+    }
+
+    #[test]
+    fn selector_prefers_ll_one_shot_small_and_two_shot_block_large() {
+        let a = Arena::new(8, 64 << 20).unwrap();
+        let m = CostModel::default_for(8);
+        let small = plan(
+            &a,
+            &m,
+            Collective::AllReduce,
+            4096,
+            2,
+            16,
+            Choice::Auto,
+            Choice::Auto,
+        );
+        assert_eq!(
+            (small.algo, small.proto),
+            (Algorithm::OneShot, Protocol::Ll)
+        );
+        let large = plan(
+            &a,
+            &m,
+            Collective::AllReduce,
+            64 << 20,
+            2,
+            16,
+            Choice::Auto,
+            Choice::Auto,
+        );
+        assert_eq!(
+            (large.algo, large.proto),
+            (Algorithm::TwoShot, Protocol::Block)
+        );
+        let forced = plan(
+            &a,
+            &m,
+            Collective::AllReduce,
+            64 << 20,
+            2,
+            16,
+            Choice::Force(Algorithm::OneShot),
+            Choice::Force(Protocol::Ll),
+        );
+        assert_eq!(
+            (forced.algo, forced.proto),
+            (Algorithm::OneShot, Protocol::Ll)
+        );
+        // two-shot forced on a count too small for shards falls back to one-shot
+        let tiny = plan(
+            &a,
+            &m,
+            Collective::AllReduce,
+            3,
+            2,
+            16,
+            Choice::Force(Algorithm::TwoShot),
+            Choice::Auto,
+        );
+        assert_eq!(tiny.algo, Algorithm::OneShot);
+    }
+
+    #[test]
+    fn agreed_model_is_the_elementwise_max() {
+        let mut a = CostModel::default_for(4);
+        let mut b = CostModel::default_for(4);
+        a.fit(
+            Algorithm::OneShot,
+            Protocol::Ll,
+            (1000, 5.0),
+            (100_000, 20.0),
+        );
+        b.fit(
+            Algorithm::OneShot,
+            Protocol::Ll,
+            (1000, 6.0),
+            (100_000, 15.0),
+        );
+        let m = CostModel::agree(&[a.to_bytes(), b.to_bytes()]).unwrap();
+        assert!(m.calibrated);
+        assert!(m.a_us[0][0] >= a.a_us[0][0] && m.a_us[0][0] >= b.a_us[0][0]);
+        assert_eq!(
+            CostModel::agree(&[a.to_bytes(), b.to_bytes()]).unwrap(),
+            CostModel::agree(&[b.to_bytes(), a.to_bytes()]).unwrap()
+        );
+    }
+}

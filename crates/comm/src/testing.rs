@@ -1,0 +1,249 @@
+//! Device-side verification for the GPU tests and the benchmark tool (`cuda/testing.cu`):
+//! integer-valued inputs whose collective results are exact in every supported type and can be
+//! recomputed from indices on the device, so sweeps up to hundreds of MiB check every element
+//! without copying anything back.
+
+use std::sync::Arc;
+
+use flashcomm_kernels::{Kernels, LaunchConfig};
+
+use crate::abi::KernelParams;
+use crate::error::Error;
+use crate::gpu::{self, Device, DeviceMem, DevicePtr, Stream};
+use crate::plan::{Collective, DataType};
+
+/// Element types the verification kernels know.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TestType {
+    /// binary32
+    F32,
+    /// binary16
+    F16,
+    /// bfloat16
+    Bf16,
+    /// bytes (AllGather only)
+    U8,
+}
+
+impl TestType {
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            TestType::F32 => 4,
+            TestType::F16 | TestType::Bf16 => 2,
+            TestType::U8 => 1,
+        }
+    }
+
+    fn code(self) -> u32 {
+        match self {
+            TestType::F32 => 0,
+            TestType::F16 => 1,
+            TestType::Bf16 => 2,
+            TestType::U8 => 3,
+        }
+    }
+
+    /// The reducing datatype, if any.
+    pub fn dtype(self) -> Option<DataType> {
+        match self {
+            TestType::F32 => Some(DataType::F32),
+            TestType::F16 => Some(DataType::F16),
+            TestType::Bf16 => Some(DataType::Bf16),
+            TestType::U8 => None,
+        }
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct FcTestFill {
+    buf: u64,
+    n: u64,
+    dtype: u32,
+    rank: u32,
+    salt: u32,
+    pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct FcTestCheck {
+    out: u64,
+    n: u64,
+    chunk: u64,
+    errors: u64,
+    kind: u32,
+    dtype: u32,
+    nranks: u32,
+    rank: u32,
+    salt: u32,
+    pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct FcTestCompare {
+    a: u64,
+    b: u64,
+    n: u64,
+    errors: u64,
+}
+
+const _: () = {
+    assert!(std::mem::size_of::<FcTestFill>() == 32);
+    assert!(std::mem::size_of::<FcTestCheck>() == 56);
+    assert!(std::mem::size_of::<FcTestCompare>() == 32);
+};
+
+impl KernelParams for FcTestFill {}
+impl KernelParams for FcTestCheck {}
+impl KernelParams for FcTestCompare {}
+
+const GRID: u32 = 264;
+const BLOCK: u32 = 256;
+
+/// Fills, checks and compares buffers on one device, accumulating mismatches in device memory.
+pub struct Verifier {
+    device: Arc<Device>,
+    kernels: Arc<Kernels>,
+    errors: DeviceMem,
+}
+
+impl Verifier {
+    /// A verifier on CUDA device `device`.
+    pub fn new(device: i32) -> Result<Verifier, Error> {
+        let device = Device::open(device)?;
+        let _ctx = device.activate()?;
+        let kernels = Kernels::for_context(device.context())?;
+        let errors = DeviceMem::alloc_zeroed(16)?;
+        let v = Verifier {
+            device,
+            kernels,
+            errors,
+        };
+        v.reset()?;
+        Ok(v)
+    }
+
+    fn launch<P: KernelParams>(&self, name: &str, stream: Stream, p: &P) -> Result<(), Error> {
+        let _ctx = self.device.activate()?;
+        let f = self.kernels.function(name)?;
+        gpu::launch(
+            f,
+            LaunchConfig {
+                grid: GRID,
+                block: BLOCK,
+                smem: 0,
+            },
+            stream,
+            p,
+        )
+    }
+
+    /// Writes value(rank, i, salt) into the `n` elements at `buf`.
+    pub fn fill(
+        &self,
+        buf: DevicePtr,
+        n: u64,
+        ty: TestType,
+        rank: u32,
+        salt: u32,
+        stream: Stream,
+    ) -> Result<(), Error> {
+        assert!(n * ty.bytes() <= buf.len(), "fill out of bounds");
+        let p = FcTestFill {
+            buf: buf.addr(),
+            n,
+            dtype: ty.code(),
+            rank,
+            salt,
+            pad: 0,
+        };
+        self.launch("fc_test_fill", stream, &p)
+    }
+
+    /// Checks the `n` output elements at `out` of collective `coll` (for AllGather and
+    /// ReduceScatter `chunk` is the per-rank count) against the exact result.
+    #[allow(clippy::too_many_arguments)]
+    pub fn check(
+        &self,
+        out: DevicePtr,
+        n: u64,
+        chunk: u64,
+        coll: Collective,
+        ty: TestType,
+        nranks: u32,
+        rank: u32,
+        salt: u32,
+        stream: Stream,
+    ) -> Result<(), Error> {
+        assert!(n * ty.bytes() <= out.len(), "check out of bounds");
+        let kind = match coll {
+            Collective::AllReduce => 0,
+            Collective::AllGather => 1,
+            Collective::ReduceScatter => 2,
+        };
+        let p = FcTestCheck {
+            out: out.addr(),
+            n,
+            chunk: chunk.max(1),
+            errors: self.errors.addr(),
+            kind,
+            dtype: ty.code(),
+            nranks,
+            rank,
+            salt,
+            pad: 0,
+        };
+        self.launch("fc_test_check", stream, &p)
+    }
+
+    /// Counts differing bytes between `a` and `b` (first `n` bytes).
+    pub fn compare(&self, a: DevicePtr, b: DevicePtr, n: u64, stream: Stream) -> Result<(), Error> {
+        assert!(n <= a.len() && n <= b.len(), "compare out of bounds");
+        let p = FcTestCompare {
+            a: a.addr(),
+            b: b.addr(),
+            n,
+            errors: self.errors.addr(),
+        };
+        self.launch("fc_test_compare", stream, &p)
+    }
+
+    /// (mismatches, first bad index) accumulated since the last reset (synchronizes the device).
+    pub fn errors(&self) -> Result<(u64, u64), Error> {
+        let _ctx = self.device.activate()?;
+        let mut b = [0u8; 16];
+        self.errors.download(0, &mut b)?;
+        Ok((
+            u64::from_le_bytes(b[0..8].try_into().unwrap()),
+            u64::from_le_bytes(b[8..16].try_into().unwrap()),
+        ))
+    }
+
+    /// Clears the accumulated mismatches.
+    pub fn reset(&self) -> Result<(), Error> {
+        let _ctx = self.device.activate()?;
+        let mut b = [0u8; 16];
+        b[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        self.errors.upload(0, &b)
+    }
+
+    /// Allocates device memory on this verifier's device.
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceMem, Error> {
+        let _ctx = self.device.activate()?;
+        DeviceMem::alloc_zeroed(bytes)
+    }
+
+    /// A new stream on this verifier's device.
+    pub fn stream(&self) -> Result<Stream, Error> {
+        let _ctx = self.device.activate()?;
+        Stream::create()
+    }
+
+    /// Makes the device's context current for the caller's scope.
+    pub fn activate(&self) -> Result<gpu::CtxGuard, Error> {
+        self.device.activate()
+    }
+}

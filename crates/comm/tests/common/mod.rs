@@ -1,0 +1,126 @@
+//! Helpers for the GPU tests: N virtual ranks on one GPU, one thread and one stream each.
+#![allow(dead_code)]
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flashcomm_comm::testing::{TestType, Verifier};
+use flashcomm_comm::{
+    Bootstrap, CommConfig, Communicator, DeviceMem, Stream, ThreadBootstrap, ThreadGroup,
+};
+
+/// One virtual rank as a test sees it.
+pub struct Rank<'a> {
+    pub comm: Communicator,
+    pub v: Verifier,
+    pub stream: Stream,
+    pub boot: &'a ThreadBootstrap,
+    pub shared: Arc<Shared>,
+}
+
+impl Rank<'_> {
+    pub fn rank(&self) -> u32 {
+        self.comm.rank()
+    }
+    pub fn n(&self) -> u32 {
+        self.comm.nranks()
+    }
+    /// Waits for the stream, checks the device status, and meets the other ranks.
+    pub fn sync(&self) {
+        self.stream.synchronize().expect("stream sync");
+        self.comm.check_status().expect("device status");
+        self.boot.barrier().expect("barrier");
+    }
+    pub fn alloc(&self, bytes: usize) -> DeviceMem {
+        self.v.alloc(bytes).expect("alloc")
+    }
+    /// Asserts that no verification error was recorded, then clears the counter.
+    pub fn assert_clean(&self, what: &str) {
+        let (n, first) = self.v.errors().expect("read errors");
+        assert_eq!(
+            n,
+            0,
+            "rank {}: {what}: {n} wrong elements, first at index {first}",
+            self.rank()
+        );
+        self.v.reset().unwrap();
+    }
+}
+
+/// Addresses ranks publish to each other (all ranks live in this process).
+#[derive(Default)]
+pub struct Shared {
+    pub addrs: Mutex<Vec<u64>>,
+}
+
+/// Default test configuration: short timeouts so a bug fails fast instead of hanging.
+pub fn test_config() -> CommConfig {
+    CommConfig {
+        timeout: Duration::from_secs(20),
+        calibrate: false,
+        ..CommConfig::default()
+    }
+}
+
+/// Runs `f` on `n` virtual ranks of device 0, each in its own thread.
+pub fn run_ranks<F>(n: u32, cfg: CommConfig, f: F)
+where
+    F: Fn(&Rank) + Sync,
+{
+    let group = ThreadGroup::new(n, Duration::from_secs(120));
+    let members = group.members();
+    let shared = Arc::new(Shared {
+        addrs: Mutex::new(vec![0; n as usize]),
+    });
+    std::thread::scope(|s| {
+        let handles: Vec<_> = members
+            .iter()
+            .map(|m| {
+                let cfg = cfg.clone();
+                let shared = shared.clone();
+                let f = &f;
+                s.spawn(move || {
+                    let comm = Communicator::new(m, 0, cfg).expect("communicator set-up");
+                    let v = Verifier::new(0).expect("verifier");
+                    let stream = v.stream().expect("stream");
+                    let r = Rank {
+                        comm,
+                        v,
+                        stream,
+                        boot: m,
+                        shared,
+                    };
+                    f(&r);
+                    r.sync();
+                })
+            })
+            .collect();
+        for h in handles {
+            if let Err(e) = h.join() {
+                std::panic::resume_unwind(e);
+            }
+        }
+    });
+}
+
+pub const TYPES: [TestType; 3] = [TestType::F32, TestType::F16, TestType::Bf16];
+
+/// Counts for a sweep from 4 bytes to `max_bytes`, odd where the type allows.
+pub fn sweep_counts(elem: u64, max_bytes: u64) -> Vec<u64> {
+    let mut v: Vec<u64> = [
+        4u64, 6, 14, 62, 1026, 4098, 32770, 262146, 1048578, 8388610, 67108866, 268435458,
+    ]
+    .iter()
+    .filter(|&&b| b <= max_bytes)
+    .map(|&b| {
+        let c = (b / elem).max(1);
+        if c > 1 && c.is_multiple_of(2) {
+            c - 1
+        } else {
+            c
+        }
+    })
+    .collect();
+    v.dedup();
+    v
+}

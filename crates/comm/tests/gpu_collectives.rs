@@ -1,0 +1,645 @@
+//! GPU tests of the lossless collectives with virtual ranks on one GPU (N = 2, 4, 8): a sweep of
+//! sizes from 4 bytes to 256 MiB for every collective, type, algorithm and protocol, checked
+//! element by element on the device and bitwise across ranks; CUDA-graph replay; a
+//! 100,000-collective stress run; and faults (a rank that never calls, ranks that disagree).
+#![cfg(feature = "gpu")]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use flashcomm_comm::testing::TestType;
+use flashcomm_comm::{
+    Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DevicePtr, Protocol,
+    ThreadGroup,
+};
+
+const MAX_BYTES: u64 = 256 << 20;
+
+fn sweep(n: u32) {
+    let t0 = Instant::now();
+    run_ranks(n, test_config(), |r| {
+        let n = r.n() as u64;
+        let send = r.alloc(MAX_BYTES as usize + 64);
+        let recv = r.alloc(MAX_BYTES as usize * n as usize + 64);
+        r.shared.addrs.lock().unwrap()[r.rank() as usize] = recv.addr();
+        r.sync();
+        let rank0_recv = r.shared.addrs.lock().unwrap()[0];
+        let mut cases = 0;
+        let mut salt = 0u32;
+        let mut cover = |coll: Collective, ty: TestType, algo: Algorithm, proto: Protocol| {
+            for count in sweep_counts(ty.bytes(), MAX_BYTES) {
+                // ReduceScatter sweeps the send size: recvcount = count / n.
+                let count = if coll == Collective::ReduceScatter {
+                    (count / n).max(1)
+                } else {
+                    count
+                };
+                salt += 1;
+                let elem = ty.bytes();
+                let (send_elems, recv_elems) = match coll {
+                    Collective::AllReduce => (count, count),
+                    Collective::ReduceScatter => (count * n, count),
+                    Collective::AllGather => (count, count * n),
+                };
+                r.v.fill(send.as_ptr(), send_elems, ty, r.rank(), salt, r.stream)
+                    .unwrap();
+                recv.fill(0xA5).unwrap();
+                let p = r.comm.plan_forced(
+                    coll,
+                    count,
+                    elem,
+                    Choice::Force(algo),
+                    Choice::Force(proto),
+                );
+                r.comm
+                    .run(
+                        &p,
+                        send.slice(0, (send_elems * elem) as usize),
+                        recv.slice(0, (recv_elems * elem) as usize),
+                        count,
+                        elem,
+                        ty.dtype(),
+                        r.stream,
+                    )
+                    .unwrap();
+                r.v.check(
+                    recv.as_ptr(),
+                    recv_elems,
+                    count,
+                    coll,
+                    ty,
+                    r.n(),
+                    r.rank(),
+                    salt,
+                    r.stream,
+                )
+                .unwrap();
+                r.sync();
+                r.assert_clean(&format!("{coll:?} {ty:?} {p:?} count={count}"));
+                if coll != Collective::ReduceScatter && r.rank() != 0 {
+                    // SAFETY: rank 0's receive buffer lives until the group finishes (the barrier
+                    // below keeps rank 0 from reusing it before every rank has compared).
+                    let theirs = unsafe { DevicePtr::from_raw(rank0_recv, recv_elems * elem) };
+                    r.v.compare(recv.as_ptr(), theirs, recv_elems * elem, r.stream)
+                        .unwrap();
+                    r.stream.synchronize().unwrap();
+                    r.assert_clean(&format!(
+                        "bitwise identity with rank 0: {coll:?} {ty:?} count={count}"
+                    ));
+                }
+                r.boot.barrier().unwrap();
+                cases += 1;
+            }
+        };
+        for ty in TYPES {
+            for algo in Algorithm::ALL {
+                for proto in Protocol::ALL {
+                    cover(Collective::AllReduce, ty, algo, proto);
+                }
+            }
+            for proto in Protocol::ALL {
+                cover(Collective::ReduceScatter, ty, Algorithm::OneShot, proto);
+            }
+        }
+        for ty in [TestType::U8, TestType::Bf16] {
+            for proto in Protocol::ALL {
+                cover(Collective::AllGather, ty, Algorithm::OneShot, proto);
+            }
+        }
+        if r.rank() == 0 {
+            println!(
+                "N={n}: {cases} cases, sizes 4 B..256 MiB, all exact and bitwise identical across ranks ({:.1} s)",
+                t0.elapsed().as_secs_f64()
+            );
+        }
+    });
+}
+
+#[test]
+fn sweep_2_ranks() {
+    sweep(2);
+}
+
+#[test]
+fn sweep_4_ranks() {
+    sweep(4);
+}
+
+#[test]
+fn sweep_8_ranks() {
+    sweep(8);
+}
+
+/// Random (non-integer) inputs: every rank's AllReduce output equals the CPU reference (fp32
+/// accumulation in rank order, rounded once) bit for bit, for every algorithm and protocol.
+#[test]
+fn random_values_match_cpu_reference() {
+    use half::{bf16, f16};
+    let n = 4u32;
+    let counts = [1u64, 7, 1000, 4097, 100_003, 1 << 20];
+    run_ranks(n, test_config(), |r| {
+        let maxc = *counts.iter().max().unwrap() as usize;
+        let send = r.alloc(maxc * 4);
+        let recv = r.alloc(maxc * 4);
+        for (ci, &count) in counts.iter().enumerate() {
+            for (ti, ty) in TYPES.iter().enumerate() {
+                // Every rank generates every rank's input (same seeds), so each can compute the
+                // reference itself.
+                let make = |rank: u32| -> Vec<f32> {
+                    let mut s = 0x9e37_79b9_7f4a_7c15u64
+                        ^ ((ci as u64) << 32)
+                        ^ ((ti as u64) << 16)
+                        ^ rank as u64;
+                    (0..count)
+                        .map(|_| {
+                            s ^= s << 13;
+                            s ^= s >> 7;
+                            s ^= s << 17;
+                            ((s >> 11) as f64 / (1u64 << 53) as f64 * 8.0 - 4.0) as f32
+                        })
+                        .collect()
+                };
+                let inputs: Vec<Vec<f32>> = (0..n).map(make).collect();
+                let to_bytes = |v: &[f32]| -> Vec<u8> {
+                    match ty {
+                        TestType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                        TestType::F16 => v
+                            .iter()
+                            .flat_map(|x| f16::from_f32(*x).to_le_bytes())
+                            .collect(),
+                        _ => v
+                            .iter()
+                            .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
+                            .collect(),
+                    }
+                };
+                let as_f32 = |v: &[f32]| -> Vec<f32> {
+                    match ty {
+                        TestType::F32 => v.to_vec(),
+                        TestType::F16 => v.iter().map(|x| f16::from_f32(*x).to_f32()).collect(),
+                        _ => v.iter().map(|x| bf16::from_f32(*x).to_f32()).collect(),
+                    }
+                };
+                let rounded: Vec<Vec<f32>> = inputs.iter().map(|v| as_f32(v)).collect();
+                let mut acc = rounded[0].clone();
+                for x in &rounded[1..] {
+                    for (a, b) in acc.iter_mut().zip(x) {
+                        *a += *b;
+                    }
+                }
+                let expect = to_bytes(&acc);
+                send.upload(0, &to_bytes(&inputs[r.rank() as usize]))
+                    .unwrap();
+                for algo in Algorithm::ALL {
+                    for proto in Protocol::ALL {
+                        recv.fill(0xA5).unwrap();
+                        let elem = ty.bytes();
+                        let p = r.comm.plan_forced(
+                            Collective::AllReduce,
+                            count,
+                            elem,
+                            Choice::Force(algo),
+                            Choice::Force(proto),
+                        );
+                        r.comm
+                            .run(
+                                &p,
+                                send.slice(0, (count * elem) as usize),
+                                recv.slice(0, (count * elem) as usize),
+                                count,
+                                elem,
+                                ty.dtype(),
+                                r.stream,
+                            )
+                            .unwrap();
+                        r.sync();
+                        let mut got = vec![0u8; (count * elem) as usize];
+                        recv.download(0, &mut got).unwrap();
+                        if let Some(i) = got.iter().zip(&expect).position(|(a, b)| a != b) {
+                            panic!(
+                                "rank {} {ty:?} {p:?} count={count}: byte {i} differs from the CPU reference",
+                                r.rank()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// In-place AllReduce and AllGather (recvbuff + rank*count == sendbuff), and misaligned buffers.
+#[test]
+fn in_place_and_misaligned() {
+    run_ranks(4, test_config(), |r| {
+        let n = r.n() as u64;
+        let buf = r.alloc(64 << 20);
+        let mut salt = 1000;
+        for count in [1u64, 3, 1001, 65537, 3 << 20] {
+            for proto in Protocol::ALL {
+                for algo in Algorithm::ALL {
+                    for offset in [0usize, 2, 6] {
+                        salt += 1;
+                        let ty = TestType::Bf16;
+                        let bytes = (count * 2) as usize;
+                        r.v.fill(
+                            buf.slice(offset, bytes),
+                            count,
+                            ty,
+                            r.rank(),
+                            salt,
+                            r.stream,
+                        )
+                        .unwrap();
+                        let p = r.comm.plan_forced(
+                            Collective::AllReduce,
+                            count,
+                            2,
+                            Choice::Force(algo),
+                            Choice::Force(proto),
+                        );
+                        let io = buf.slice(offset, bytes);
+                        r.comm
+                            .run(&p, io, io, count, 2, ty.dtype(), r.stream)
+                            .unwrap();
+                        r.v.check(
+                            io,
+                            count,
+                            count,
+                            Collective::AllReduce,
+                            ty,
+                            r.n(),
+                            r.rank(),
+                            salt,
+                            r.stream,
+                        )
+                        .unwrap();
+                        r.sync();
+                        r.assert_clean(&format!(
+                            "in-place AllReduce offset={offset} count={count} {p:?}"
+                        ));
+                    }
+                }
+                // In-place AllGather: the send buffer is this rank's block of the receive buffer.
+                salt += 1;
+                let ty = TestType::U8;
+                let out = buf.slice(3, (count * n) as usize);
+                let mine = buf.slice(3 + (count * r.rank() as u64) as usize, count as usize);
+                r.v.fill(mine, count, ty, r.rank(), salt, r.stream).unwrap();
+                let p = r.comm.plan_forced(
+                    Collective::AllGather,
+                    count,
+                    1,
+                    Choice::Auto,
+                    Choice::Force(proto),
+                );
+                r.comm.run(&p, mine, out, count, 1, None, r.stream).unwrap();
+                r.v.check(
+                    out,
+                    count * n,
+                    count,
+                    Collective::AllGather,
+                    ty,
+                    r.n(),
+                    r.rank(),
+                    salt,
+                    r.stream,
+                )
+                .unwrap();
+                r.sync();
+                r.assert_clean(&format!("in-place AllGather count={count} {proto:?}"));
+            }
+        }
+    });
+}
+
+/// The same collectives captured into a CUDA graph on every rank and replayed 1,000 times, with
+/// the verification kernels inside the graph so every replay is checked.
+#[test]
+fn graph_capture_and_replay() {
+    run_ranks(4, test_config(), |r| {
+        let n = r.n() as u64;
+        let send = r.alloc(8 << 20);
+        let recv = r.alloc(32 << 20);
+        let recv2 = r.alloc(32 << 20);
+        type Case = (
+            Collective,
+            TestType,
+            u64,
+            Choice<Algorithm>,
+            Choice<Protocol>,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                Collective::AllReduce,
+                TestType::Bf16,
+                4097,
+                Choice::Auto,
+                Choice::Force(Protocol::Ll),
+            ),
+            (
+                Collective::AllReduce,
+                TestType::F32,
+                300_001,
+                Choice::Force(Algorithm::TwoShot),
+                Choice::Force(Protocol::Block),
+            ),
+            (
+                Collective::AllReduce,
+                TestType::F16,
+                100_001,
+                Choice::Force(Algorithm::OneShot),
+                Choice::Force(Protocol::Block),
+            ),
+            (
+                Collective::AllGather,
+                TestType::U8,
+                70_001,
+                Choice::Auto,
+                Choice::Auto,
+            ),
+            (
+                Collective::ReduceScatter,
+                TestType::Bf16,
+                50_001,
+                Choice::Auto,
+                Choice::Force(Protocol::Ll),
+            ),
+        ];
+        for (i, (coll, ty, count, _, _)) in cases.iter().enumerate() {
+            let elems = if *coll == Collective::ReduceScatter {
+                count * n
+            } else {
+                *count
+            };
+            r.v.fill(
+                send.slice(i * (1 << 20), (elems * ty.bytes()) as usize),
+                elems,
+                *ty,
+                r.rank(),
+                7 + i as u32,
+                r.stream,
+            )
+            .unwrap();
+        }
+        r.sync();
+        r.stream.begin_capture().unwrap();
+        for (i, (coll, ty, count, algo, proto)) in cases.iter().enumerate() {
+            let elem = ty.bytes();
+            let (se, re) = match coll {
+                Collective::AllReduce => (*count, *count),
+                Collective::ReduceScatter => (count * n, *count),
+                Collective::AllGather => (*count, count * n),
+            };
+            let out = if i % 2 == 0 { &recv } else { &recv2 };
+            let p = r.comm.plan_forced(*coll, *count, elem, *algo, *proto);
+            r.comm
+                .run(
+                    &p,
+                    send.slice(i * (1 << 20), (se * elem) as usize),
+                    out.slice(0, (re * elem) as usize),
+                    *count,
+                    elem,
+                    ty.dtype(),
+                    r.stream,
+                )
+                .unwrap();
+            r.v.check(
+                out.as_ptr(),
+                re,
+                *count,
+                *coll,
+                *ty,
+                r.n(),
+                r.rank(),
+                7 + i as u32,
+                r.stream,
+            )
+            .unwrap();
+        }
+        let graph = r.stream.end_capture().expect("capture");
+        for _ in 0..1000 {
+            graph.launch(r.stream).unwrap();
+        }
+        r.sync();
+        r.assert_clean("1000 graph replays");
+        if r.rank() == 0 {
+            println!(
+                "graph of {} collectives replayed 1000 times, every replay verified",
+                cases.len()
+            );
+        }
+    });
+}
+
+/// 100,000 back-to-back collectives of random sizes, kinds and types, each verified on the device.
+#[test]
+fn stress_100k_random_collectives() {
+    let t0 = Instant::now();
+    run_ranks(8, test_config(), |r| {
+        let n = r.n() as u64;
+        let send = r.alloc(4 << 20);
+        let recv = r.alloc(32 << 20);
+        let mut rng = 0x2545_f491_4f6c_dd1du64; // same seed on every rank: same sequence
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        for i in 0..100_000u32 {
+            let x = next();
+            let coll = [
+                Collective::AllReduce,
+                Collective::AllReduce,
+                Collective::AllGather,
+                Collective::ReduceScatter,
+            ][(x % 4) as usize];
+            let ty = if coll == Collective::AllGather && (x >> 8) % 2 == 0 {
+                TestType::U8
+            } else {
+                TYPES[((x >> 4) % 3) as usize]
+            };
+            let big = (x >> 12) % 64 == 0;
+            let max_bytes: u64 = if big { 2 << 20 } else { 64 << 10 };
+            let count = 1
+                + (x >> 20)
+                    % (max_bytes / ty.bytes() / if coll == Collective::AllReduce { 1 } else { n });
+            let (se, re) = match coll {
+                Collective::AllReduce => (count, count),
+                Collective::ReduceScatter => (count * n, count),
+                Collective::AllGather => (count, count * n),
+            };
+            let salt = i % 1024;
+            r.v.fill(send.as_ptr(), se, ty, r.rank(), salt, r.stream)
+                .unwrap();
+            let elem = ty.bytes();
+            let p = r.comm.plan(coll, count, elem);
+            r.comm
+                .run(
+                    &p,
+                    send.slice(0, (se * elem) as usize),
+                    recv.slice(0, (re * elem) as usize),
+                    count,
+                    elem,
+                    ty.dtype(),
+                    r.stream,
+                )
+                .unwrap();
+            r.v.check(
+                recv.as_ptr(),
+                re,
+                count,
+                coll,
+                ty,
+                r.n(),
+                r.rank(),
+                salt,
+                r.stream,
+            )
+            .unwrap();
+            if i % 10_000 == 9_999 {
+                r.sync();
+                r.assert_clean(&format!("stress up to call {i}"));
+            }
+        }
+        r.sync();
+        r.assert_clean("stress");
+    });
+    println!(
+        "100,000 random collectives on 8 ranks verified in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+}
+
+/// One rank never calls: the others leave their kernels with an error within timeout + 1 s,
+/// the communicators can be destroyed, and a new group works afterwards.
+#[test]
+fn missing_rank_times_out_and_process_goes_on() {
+    let timeout = Duration::from_secs(2);
+    let cfg = CommConfig {
+        timeout,
+        calibrate: false,
+        ..CommConfig::default()
+    };
+    let group = ThreadGroup::new(4, Duration::from_secs(60));
+    let members = group.members();
+    std::thread::scope(|s| {
+        for m in &members {
+            let cfg = cfg.clone();
+            s.spawn(move || {
+                let comm = Communicator::new(m, 0, cfg).unwrap();
+                let v = flashcomm_comm::testing::Verifier::new(0).unwrap();
+                let stream = v.stream().unwrap();
+                let buf = v.alloc(1 << 20).unwrap();
+                if m.rank() != 3 {
+                    let t = Instant::now();
+                    comm.all_reduce(
+                        buf.as_ptr(),
+                        buf.as_ptr(),
+                        1000,
+                        flashcomm_comm::DataType::Bf16,
+                        stream,
+                    )
+                    .unwrap();
+                    stream.synchronize().unwrap();
+                    let took = t.elapsed();
+                    let err = comm
+                        .check_status()
+                        .expect_err("a missing peer must be reported");
+                    assert!(
+                        took <= timeout + Duration::from_secs(1),
+                        "rank {} took {took:?}",
+                        m.rank()
+                    );
+                    println!("rank {} left after {took:?}: {err}", m.rank());
+                    // The next call reports the failure too.
+                    assert!(
+                        comm.all_reduce(
+                            buf.as_ptr(),
+                            buf.as_ptr(),
+                            1000,
+                            flashcomm_comm::DataType::Bf16,
+                            stream
+                        )
+                        .is_err()
+                    );
+                }
+                m.barrier().unwrap();
+                drop(comm);
+            });
+        }
+    });
+    // The process goes on: a fresh group works.
+    run_ranks(4, test_config(), |r| {
+        let buf = r.alloc(1 << 16);
+        r.v.fill(buf.as_ptr(), 1000, TestType::F32, r.rank(), 1, r.stream)
+            .unwrap();
+        r.comm
+            .all_reduce(
+                buf.as_ptr(),
+                buf.as_ptr(),
+                1000,
+                flashcomm_comm::DataType::F32,
+                r.stream,
+            )
+            .unwrap();
+        r.v.check(
+            buf.as_ptr(),
+            1000,
+            1000,
+            Collective::AllReduce,
+            TestType::F32,
+            r.n(),
+            r.rank(),
+            1,
+            r.stream,
+        )
+        .unwrap();
+        r.sync();
+        r.assert_clean("after a failed group");
+    });
+}
+
+/// Ranks that disagree (different counts, hence different kernels) end in an error, never a hang.
+#[test]
+fn disagreeing_ranks_get_an_error() {
+    let timeout = Duration::from_secs(2);
+    let cfg = CommConfig {
+        timeout,
+        calibrate: false,
+        ..CommConfig::default()
+    };
+    let group = ThreadGroup::new(2, Duration::from_secs(60));
+    let members = group.members();
+    std::thread::scope(|s| {
+        for m in &members {
+            let cfg = cfg.clone();
+            s.spawn(move || {
+                let comm = Communicator::new(m, 0, cfg).unwrap();
+                let v = flashcomm_comm::testing::Verifier::new(0).unwrap();
+                let stream = v.stream().unwrap();
+                let buf = v.alloc(16 << 20).unwrap();
+                let count = if m.rank() == 0 { 1000 } else { 4 << 20 };
+                let t = Instant::now();
+                comm.all_reduce(
+                    buf.as_ptr(),
+                    buf.as_ptr(),
+                    count,
+                    flashcomm_comm::DataType::Bf16,
+                    stream,
+                )
+                .unwrap();
+                stream.synchronize().unwrap();
+                let err = comm
+                    .check_status()
+                    .expect_err("disagreeing ranks must be reported");
+                assert!(t.elapsed() <= timeout + Duration::from_secs(1));
+                println!("rank {}: {err}", m.rank());
+                m.barrier().unwrap();
+            });
+        }
+    });
+}

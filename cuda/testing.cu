@@ -1,0 +1,112 @@
+// Verification kernels for the GPU test suite and the benchmark tool.
+//
+// Inputs are integer-valued ("verifiable", as nccl-tests calls it): rank r's element i of test
+// round k is value(r, i, k) in [-32, 31], so every sum over up to 8 ranks is exact in f32, f16 and
+// bf16, and the expected output of every collective can be recomputed on the device from the
+// indices alone. Byte buffers (u8) use (r*7 + i*13 + k*31) mod 256.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define FC_TEST_F32 0
+#define FC_TEST_F16 1
+#define FC_TEST_BF16 2
+#define FC_TEST_U8 3
+
+#define FC_TEST_ALLREDUCE 0
+#define FC_TEST_ALLGATHER 1
+#define FC_TEST_REDUCESCATTER 2
+
+__device__ __forceinline__ int fc_test_value(uint32_t r, uint64_t i, uint32_t k) {
+  return (int)((r * 7u + (uint32_t)(i & 63u) * 13u + k * 31u) & 63u) - 32;
+}
+
+__device__ __forceinline__ uint8_t fc_test_byte(uint32_t r, uint64_t i, uint32_t k) {
+  return (uint8_t)((r * 7u + (uint32_t)(i & 255u) * 13u + k * 31u) & 255u);
+}
+
+struct FcTestFill {
+  uint64_t buf;
+  uint64_t n;  // elements
+  uint32_t dtype;
+  uint32_t rank;
+  uint32_t salt;
+  uint32_t pad;
+};
+static_assert(sizeof(FcTestFill) == 32, "FcTestFill layout");
+
+extern "C" __global__ void fc_test_fill(const __grid_constant__ FcTestFill p) {
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < p.n; i += (uint64_t)gridDim.x * blockDim.x) {
+    const int v = fc_test_value(p.rank, i, p.salt);
+    switch (p.dtype) {
+      case FC_TEST_F32: reinterpret_cast<float*>(p.buf)[i] = (float)v; break;
+      case FC_TEST_F16: reinterpret_cast<__half*>(p.buf)[i] = __int2half_rn(v); break;
+      case FC_TEST_BF16: reinterpret_cast<__nv_bfloat16*>(p.buf)[i] = __int2bfloat16_rn(v); break;
+      default: reinterpret_cast<uint8_t*>(p.buf)[i] = fc_test_byte(p.rank, i, p.salt); break;
+    }
+  }
+}
+
+struct FcTestCheck {
+  uint64_t out;
+  uint64_t n;       // elements of `out` to check
+  uint64_t chunk;   // AllGather: sendcount; ReduceScatter: recvcount
+  uint64_t errors;  // u64[2] in device memory: error count, first bad index (atomicMin)
+  uint32_t kind;
+  uint32_t dtype;
+  uint32_t nranks;
+  uint32_t rank;
+  uint32_t salt;
+  uint32_t pad;
+};
+static_assert(sizeof(FcTestCheck) == 56, "FcTestCheck layout");
+
+extern "C" __global__ void fc_test_check(const __grid_constant__ FcTestCheck p) {
+  unsigned long long* err = reinterpret_cast<unsigned long long*>(p.errors);
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < p.n; i += (uint64_t)gridDim.x * blockDim.x) {
+    bool ok;
+    if (p.dtype == FC_TEST_U8) {
+      // Only AllGather moves bytes.
+      ok = reinterpret_cast<const uint8_t*>(p.out)[i] == fc_test_byte((uint32_t)(i / p.chunk), i % p.chunk, p.salt);
+    } else {
+      int expect = 0;
+      if (p.kind == FC_TEST_ALLREDUCE) {
+        for (uint32_t r = 0; r < p.nranks; ++r) expect += fc_test_value(r, i, p.salt);
+      } else if (p.kind == FC_TEST_ALLGATHER) {
+        expect = fc_test_value((uint32_t)(i / p.chunk), i % p.chunk, p.salt);
+      } else {
+        for (uint32_t r = 0; r < p.nranks; ++r) expect += fc_test_value(r, (uint64_t)p.rank * p.chunk + i, p.salt);
+      }
+      float got;
+      switch (p.dtype) {
+        case FC_TEST_F32: got = reinterpret_cast<const float*>(p.out)[i]; break;
+        case FC_TEST_F16: got = __half2float(reinterpret_cast<const __half*>(p.out)[i]); break;
+        default: got = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p.out)[i]); break;
+      }
+      ok = got == (float)expect;
+    }
+    if (!ok) {
+      atomicAdd(&err[0], 1ull);
+      atomicMin(&err[1], (unsigned long long)i);
+    }
+  }
+}
+
+// Byte-wise comparison of two buffers (bitwise identity across ranks).
+struct FcTestCompare {
+  uint64_t a;
+  uint64_t b;
+  uint64_t n;  // bytes
+  uint64_t errors;
+};
+static_assert(sizeof(FcTestCompare) == 32, "FcTestCompare layout");
+
+extern "C" __global__ void fc_test_compare(const __grid_constant__ FcTestCompare p) {
+  unsigned long long* err = reinterpret_cast<unsigned long long*>(p.errors);
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < p.n; i += (uint64_t)gridDim.x * blockDim.x) {
+    if (reinterpret_cast<const uint8_t*>(p.a)[i] != reinterpret_cast<const uint8_t*>(p.b)[i]) {
+      atomicAdd(&err[0], 1ull);
+      atomicMin(&err[1], (unsigned long long)i);
+    }
+  }
+}
