@@ -1,1 +1,684 @@
-//! stub
+//! The one typed configuration of flashcomm.
+//!
+//! [`Config::from_vars`] reads every `FLASHCOMM_*` variable (and NCCL's `NCCL_DEBUG*`) once from
+//! an iterator of `(name, value)` pairs, so tests need not touch the process environment; the
+//! library calls [`Config::from_env`] once. Each variable is declared exactly once, in the
+//! [`variables!`] invocations below: name, type, default, allowed values and meaning. The table in
+//! `docs/env.md` is generated from those declarations (`cargo run -p xtask -- gen-env-doc`).
+//!
+//! A bad value never fails the job. It is reported as a [`Problem`] that names the variable, the
+//! value and what is allowed; for a `FLASHCOMM_*` variable the library then passes every call
+//! through to NCCL unchanged ([`Config::passthrough_forced`] holds the reason). A bad
+//! `NCCL_DEBUG*` value only falls back to that variable's default, as NCCL itself does.
+#![forbid(unsafe_code)]
+
+pub mod values;
+
+use std::ffi::OsStr;
+use std::fmt;
+
+pub use values::{
+    Algo, Bounded, Bytes, DebugLevel, Dtype, FunctionName, GIB, KIB, LibPath, MIB, OneOf, Op,
+    Proto, QuantBits, Set, Subsystems, Text, Value,
+};
+
+/// The declaration of one variable, as documented in `docs/env.md`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VarSpec {
+    /// The environment variable.
+    pub name: &'static str,
+    /// Its type, for people.
+    pub kind: &'static str,
+    /// The default, in the variable's own syntax (`unset` when absent).
+    pub default: String,
+    /// The values it accepts.
+    pub allowed: &'static str,
+    /// What it does.
+    pub meaning: String,
+    /// Whether a bad value forces pass-through (`FLASHCOMM_*`) or only falls back to the default.
+    pub strict: bool,
+}
+
+fn doc_text(lines: &[&str]) -> String {
+    lines
+        .iter()
+        .map(|l| l.trim())
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Declares a group of variables: a struct with one typed field per variable, its defaults, and
+/// the parsing and documentation tables. Each entry reads
+/// `/// meaning` `field: Type = default => { name, kind, allowed, strict }`.
+macro_rules! variables {
+    (
+        $(#[$smeta:meta])*
+        pub struct $group:ident;
+        $(
+            $(#[doc = $doc:literal])*
+            $field:ident : $ty:ty = $default:expr => {
+                name: $name:literal,
+                kind: $kind:literal,
+                allowed: $allowed:literal,
+                strict: $strict:literal $(,)?
+            }
+        )*
+    ) => {
+        $(#[$smeta])*
+        #[derive(Debug, Clone, PartialEq)]
+        pub struct $group {
+            $( $(#[doc = $doc])* #[doc = concat!("\n\nVariable: `", $name, "`.")] pub $field: $ty, )*
+        }
+
+        impl Default for $group {
+            fn default() -> Self {
+                $group { $( $field: $default, )* }
+            }
+        }
+
+        impl $group {
+            /// The declaration of every variable of this group, in declaration order.
+            pub fn specs() -> Vec<VarSpec> {
+                let d = Self::default();
+                vec![$(VarSpec {
+                    name: $name,
+                    kind: $kind,
+                    default: Value::show(&d.$field),
+                    allowed: $allowed,
+                    meaning: doc_text(&[$($doc),*]),
+                    strict: $strict,
+                }),*]
+            }
+
+            /// `(variable, value shown in the variable's syntax)` for every variable.
+            pub fn shown(&self) -> Vec<(&'static str, String)> {
+                vec![$(($name, Value::show(&self.$field))),*]
+            }
+
+            /// Parses `raw` into the field of variable `name`. `None`: not a variable of this group.
+            fn apply(&mut self, name: &str, raw: &str) -> Option<Result<(), Option<String>>> {
+                match name {
+                    $($name => Some(<$ty as Value>::parse(raw).map(|v| self.$field = v)),)*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+variables! {
+    /// Everything that decides what the library does with a call.
+    pub struct Settings;
+
+    /// Path of the real `libnccl.so.2` to forward to. When unset, the library looks for it: an
+    /// NCCL already loaded in the process, the one torch ships next to itself
+    /// (`<site-packages>/nvidia/nccl/lib`), `LD_LIBRARY_PATH`, `$CUDA_HOME/lib64`, then the system
+    /// folders (see `docs/abi.md`).
+    nccl_lib: Option<LibPath> = None => {
+        name: "FLASHCOMM_NCCL_LIB",
+        kind: "path",
+        allowed: "a file path containing `/` (a bare name is refused: it would find flashcomm itself)",
+        strict: true,
+    }
+    /// Route every call to NCCL: flashcomm's own kernels take nothing.
+    disable: bool = false => {
+        name: "FLASHCOMM_DISABLE",
+        kind: "bool",
+        allowed: "`1`, `0`, `true`, `false`, `yes`, `no`, `on`, `off`",
+        strict: true,
+    }
+    /// Which collectives flashcomm's kernels may take; the others always go to NCCL.
+    ops: Set<Op> = Set(vec![Op::AllReduce, Op::ReduceScatter, Op::AllGather]) => {
+        name: "FLASHCOMM_OPS",
+        kind: "list",
+        allowed: "comma list of `allreduce`, `reducescatter`, `allgather`; or `none`",
+        strict: true,
+    }
+    /// Device protocol of the kernels: chosen per call, or forced.
+    proto: Proto = Proto::Auto => {
+        name: "FLASHCOMM_PROTO",
+        kind: "keyword",
+        allowed: "`auto`, `ll`, `block`",
+        strict: true,
+    }
+    /// All-reduce algorithm: chosen per call, or forced.
+    algo: Algo = Algo::Auto => {
+        name: "FLASHCOMM_ALGO",
+        kind: "keyword",
+        allowed: "`auto`, `oneshot`, `twoshot`",
+        strict: true,
+    }
+    /// Smallest message (bytes per rank) the lossless kernels take.
+    min_bytes: Bytes = Bytes(0) => {
+        name: "FLASHCOMM_MIN_BYTES",
+        kind: "size",
+        allowed: "bytes, with optional suffix `K`, `M`, `G` (powers of 1024); at most `FLASHCOMM_MAX_BYTES`",
+        strict: true,
+    }
+    /// Largest message (bytes per rank) the lossless kernels take.
+    max_bytes: Bytes = Bytes(GIB) => {
+        name: "FLASHCOMM_MAX_BYTES",
+        kind: "size",
+        allowed: "bytes, with optional suffix `K`, `M`, `G` (powers of 1024)",
+        strict: true,
+    }
+    /// Bound on every wait of a kernel for its peers, in milliseconds; when it expires the
+    /// communicator reports an error instead of hanging.
+    timeout_ms: Bounded<1, { u64::MAX }> = Bounded(300_000) => {
+        name: "FLASHCOMM_TIMEOUT_MS",
+        kind: "integer",
+        allowed: "an integer >= 1",
+        strict: true,
+    }
+    /// Peer-visible memory flashcomm may allocate per communicator and rank.
+    arena_bytes: Bytes = Bytes(64 * MIB) => {
+        name: "FLASHCOMM_ARENA_BYTES",
+        kind: "size",
+        allowed: "bytes, with optional suffix `K`, `M`, `G` (powers of 1024)",
+        strict: true,
+    }
+    /// Largest communicator (ranks) flashcomm's kernels serve; larger ones go to NCCL.
+    max_ranks: Bounded<1, 8> = Bounded(8) => {
+        name: "FLASHCOMM_MAX_RANKS",
+        kind: "integer",
+        allowed: "an integer in 1..=8",
+        strict: true,
+    }
+    /// Payload width of quantized collectives, for both steps (reduce-scatter and all-gather):
+    /// `off` is lossless, `16` sends 16-bit floats, 2..8 group-quantizes to that many bits.
+    quant_bits: QuantBits = QuantBits::Off => {
+        name: "FLASHCOMM_QUANT_BITS",
+        kind: "bits",
+        allowed: "`off`, `16`, or an integer in 2..=8",
+        strict: true,
+    }
+    /// Overrides `FLASHCOMM_QUANT_BITS` for the reduce-scatter step.
+    quant_rs_bits: Option<QuantBits> = None => {
+        name: "FLASHCOMM_QUANT_RS_BITS",
+        kind: "bits",
+        allowed: "`off`, `16`, or an integer in 2..=8",
+        strict: true,
+    }
+    /// Overrides `FLASHCOMM_QUANT_BITS` for the all-gather step.
+    quant_ag_bits: Option<QuantBits> = None => {
+        name: "FLASHCOMM_QUANT_AG_BITS",
+        kind: "bits",
+        allowed: "`off`, `16`, or an integer in 2..=8",
+        strict: true,
+    }
+    /// Values per quantization group (one range per group).
+    quant_group: OneOf<32, 64, 128, 256> = OneOf(128) => {
+        name: "FLASHCOMM_QUANT_GROUP",
+        kind: "integer",
+        allowed: "`32`, `64`, `128`, `256`",
+        strict: true,
+    }
+    /// Extreme values per group kept exactly (spike reserving); 0 switches it off.
+    quant_spikes: OneOf<0, 2, 4, 4> = OneOf(2) => {
+        name: "FLASHCOMM_QUANT_SPIKES",
+        kind: "integer",
+        allowed: "`0`, `2`, `4`",
+        strict: true,
+    }
+    /// Smallest message (bytes per rank) that may be quantized.
+    quant_min_bytes: Bytes = Bytes(0) => {
+        name: "FLASHCOMM_QUANT_MIN_BYTES",
+        kind: "size",
+        allowed: "bytes, with optional suffix `K`, `M`, `G` (powers of 1024); at most `FLASHCOMM_QUANT_MAX_BYTES`",
+        strict: true,
+    }
+    /// Largest message (bytes per rank) that may be quantized.
+    quant_max_bytes: Bytes = Bytes(GIB) => {
+        name: "FLASHCOMM_QUANT_MAX_BYTES",
+        kind: "size",
+        allowed: "bytes, with optional suffix `K`, `M`, `G` (powers of 1024)",
+        strict: true,
+    }
+    /// Which collectives may be quantized (when `FLASHCOMM_QUANT_BITS` is not `off`).
+    quant_ops: Set<Op> = Set(vec![Op::AllReduce]) => {
+        name: "FLASHCOMM_QUANT_OPS",
+        kind: "list",
+        allowed: "comma list of `allreduce`, `reducescatter`, `allgather`; or `none`",
+        strict: true,
+    }
+    /// Element types that may be quantized; other types stay lossless.
+    quant_dtypes: Set<Dtype> = Set(vec![Dtype::Bf16, Dtype::F16]) => {
+        name: "FLASHCOMM_QUANT_DTYPES",
+        kind: "list",
+        allowed: "comma list of `bf16`, `f16`, `f32`",
+        strict: true,
+    }
+    /// Fault injection for tests: the named API function panics inside flashcomm's panic
+    /// boundary, which must turn it into `ncclInternalError` and a message.
+    debug_panic: Option<FunctionName> = None => {
+        name: "FLASHCOMM_DEBUG_PANIC",
+        kind: "name",
+        allowed: "an exported function name such as `ncclCommCount`",
+        strict: true,
+    }
+}
+
+variables! {
+    /// Where log lines go and which ones are written.
+    pub struct Logging;
+
+    /// NCCL's log level; flashcomm honours it for its own lines. Unset: warnings only.
+    nccl_debug: Option<DebugLevel> = None => {
+        name: "NCCL_DEBUG",
+        kind: "keyword",
+        allowed: "`VERSION`, `WARN`, `INFO`, `ABORT`, `TRACE`, `NONE` (any case)",
+        strict: false,
+    }
+    /// Subsystems logged at INFO/TRACE (NCCL's default is `INIT,BOOTSTRAP,ENV`); `^` negates, `ALL`
+    /// selects all. Each maps to the tracing target `flashcomm::<name in lower case>`.
+    nccl_debug_subsys: Option<Subsystems> = None => {
+        name: "NCCL_DEBUG_SUBSYS",
+        kind: "list",
+        allowed: "comma list of subsystem names (`INIT`, `COLL`, `P2P`, `ENV`, `ALLOC`, `CALL`, `TUNING`, ...), `ALL`, or `^` followed by a list",
+        strict: false,
+    }
+    /// NCCL's log file (`%h` = host name, `%p` = process id). flashcomm writes its own lines to
+    /// the same name with `.flashcomm` appended, because NCCL truncates and overwrites its file.
+    nccl_debug_file: Option<Text> = None => {
+        name: "NCCL_DEBUG_FILE",
+        kind: "path",
+        allowed: "a file path; `%h` and `%p` are expanded",
+        strict: false,
+    }
+    /// `tracing` filter directives for flashcomm's lines (`EnvFilter` syntax, e.g.
+    /// `flashcomm=info,flashcomm::coll=trace`); overrides `NCCL_DEBUG` and `NCCL_DEBUG_SUBSYS`.
+    log: Option<Text> = None => {
+        name: "FLASHCOMM_LOG",
+        kind: "directives",
+        allowed: "tracing `EnvFilter` directives",
+        strict: true,
+    }
+    /// File for flashcomm's log lines (`%h` = host name, `%p` = process id); overrides
+    /// `NCCL_DEBUG_FILE`. Default: standard error.
+    log_file: Option<Text> = None => {
+        name: "FLASHCOMM_LOG_FILE",
+        kind: "path",
+        allowed: "a file path; `%h` and `%p` are expanded",
+        strict: true,
+    }
+}
+
+/// `FLASHCOMM_*` variables that the build and the tests read; the library ignores them without
+/// a warning.
+pub const BUILD_VARIABLES: &[&str] = &[
+    "FLASHCOMM_TOOLCHAIN",
+    "FLASHCOMM_NCCL_HOME",
+    "FLASHCOMM_CUDA_INCLUDE",
+];
+
+/// A variable with a value the library cannot use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// The variable.
+    pub variable: &'static str,
+    /// Its value as set.
+    pub value: String,
+    /// What the variable accepts.
+    pub allowed: &'static str,
+    /// More detail, when there is some.
+    pub detail: Option<String>,
+    /// Whether this problem forces pass-through (a `FLASHCOMM_*` variable).
+    pub strict: bool,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}={:?} is not valid", self.variable, self.value)?;
+        if let Some(d) = &self.detail {
+            write!(f, " ({d})")?;
+        }
+        write!(f, "; allowed: {}", self.allowed)
+    }
+}
+
+/// The whole configuration, read once.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// What the library does with calls.
+    pub settings: Settings,
+    /// Logging.
+    pub logging: Logging,
+    /// `Some(reason)`: a setting was invalid, so every call is forwarded to NCCL unchanged.
+    pub passthrough_forced: Option<String>,
+    /// Every invalid value found, strict or not.
+    pub problems: Vec<Problem>,
+    /// `FLASHCOMM_*` variables that are set but not known (probably misspelt).
+    pub unknown: Vec<String>,
+    /// Variables that were set (to a non-empty value) and valid, in declaration order.
+    pub set: Vec<&'static str>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::from_vars(std::iter::empty::<(&str, &str)>())
+    }
+}
+
+/// Every variable the library reads, in declaration order: the settings, then logging.
+pub fn variables() -> Vec<VarSpec> {
+    let mut v = Settings::specs();
+    v.extend(Logging::specs());
+    v
+}
+
+impl Config {
+    /// Reads the configuration from `(name, value)` pairs. Empty values count as unset.
+    pub fn from_vars<I, K, V>(vars: I) -> Config
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<OsStr>,
+        V: AsRef<OsStr>,
+    {
+        let specs = variables();
+        let mut settings = Settings::default();
+        let mut logging = Logging::default();
+        let mut problems = Vec::new();
+        let mut unknown = Vec::new();
+        let mut set_names = Vec::new();
+        for (k, v) in vars {
+            let Some(key) = k.as_ref().to_str() else {
+                continue;
+            };
+            let Some(spec) = specs.iter().find(|s| s.name == key) else {
+                if key.starts_with("FLASHCOMM_") && !BUILD_VARIABLES.contains(&key) {
+                    unknown.push(key.to_string());
+                }
+                continue;
+            };
+            let Some(raw) = v.as_ref().to_str() else {
+                problems.push(Problem {
+                    variable: spec.name,
+                    value: v.as_ref().to_string_lossy().into_owned(),
+                    allowed: spec.allowed,
+                    detail: Some("not valid UTF-8".into()),
+                    strict: spec.strict,
+                });
+                continue;
+            };
+            if raw.trim().is_empty() {
+                continue;
+            }
+            let result = settings
+                .apply(key, raw)
+                .or_else(|| logging.apply(key, raw))
+                .expect("every spec belongs to a group");
+            match result {
+                Ok(()) => set_names.push(spec.name),
+                Err(detail) => problems.push(Problem {
+                    variable: spec.name,
+                    value: raw.to_string(),
+                    allowed: spec.allowed,
+                    detail,
+                    strict: spec.strict,
+                }),
+            }
+        }
+        // Keep declaration order, whatever the order of the environment.
+        let set: Vec<&'static str> = specs
+            .iter()
+            .map(|s| s.name)
+            .filter(|n| set_names.contains(n))
+            .collect();
+        unknown.sort();
+
+        // Relations between variables.
+        for (lo, hi, lo_name, hi_name) in [
+            (
+                settings.min_bytes,
+                settings.max_bytes,
+                "FLASHCOMM_MIN_BYTES",
+                "FLASHCOMM_MAX_BYTES",
+            ),
+            (
+                settings.quant_min_bytes,
+                settings.quant_max_bytes,
+                "FLASHCOMM_QUANT_MIN_BYTES",
+                "FLASHCOMM_QUANT_MAX_BYTES",
+            ),
+        ] {
+            if lo > hi {
+                let spec = specs.iter().find(|s| s.name == lo_name).expect("declared");
+                problems.push(Problem {
+                    variable: spec.name,
+                    value: lo.show(),
+                    allowed: spec.allowed,
+                    detail: Some(format!("larger than {hi_name}={}", hi.show())),
+                    strict: true,
+                });
+            }
+        }
+
+        let strict: Vec<String> = problems
+            .iter()
+            .filter(|p| p.strict)
+            .map(ToString::to_string)
+            .collect();
+        let passthrough_forced = (!strict.is_empty()).then(|| {
+            format!(
+                "invalid configuration: {}; flashcomm forwards every call to NCCL unchanged",
+                strict.join("; ")
+            )
+        });
+        Config {
+            settings,
+            logging,
+            passthrough_forced,
+            problems,
+            unknown,
+            set,
+        }
+    }
+
+    /// Reads the process environment (once, by the library).
+    pub fn from_env() -> Config {
+        Config::from_vars(std::env::vars_os())
+    }
+
+    /// Forces pass-through for a reason found outside this crate (for example a `FLASHCOMM_LOG`
+    /// filter the logging library refuses). Reasons accumulate.
+    pub fn force_passthrough(&mut self, reason: impl Into<String>) {
+        let reason = reason.into();
+        self.passthrough_forced = Some(match self.passthrough_forced.take() {
+            Some(prev) => format!("{prev}; {reason}"),
+            None => reason,
+        });
+    }
+
+    /// Whether every call goes to NCCL: pass-through forced by a bad value, or `FLASHCOMM_DISABLE`.
+    pub fn passthrough(&self) -> bool {
+        self.passthrough_forced.is_some() || self.settings.disable
+    }
+
+    /// Bits of the reduce-scatter step (`FLASHCOMM_QUANT_RS_BITS`, else `FLASHCOMM_QUANT_BITS`).
+    pub fn quant_rs_bits(&self) -> QuantBits {
+        self.settings
+            .quant_rs_bits
+            .unwrap_or(self.settings.quant_bits)
+    }
+
+    /// Bits of the all-gather step (`FLASHCOMM_QUANT_AG_BITS`, else `FLASHCOMM_QUANT_BITS`).
+    pub fn quant_ag_bits(&self) -> QuantBits {
+        self.settings
+            .quant_ag_bits
+            .unwrap_or(self.settings.quant_bits)
+    }
+
+    /// The effective configuration, one `NAME=value` line per variable (`# default` marks values
+    /// not set in the environment), then the pass-through state.
+    pub fn describe(&self) -> String {
+        let mut s = String::new();
+        for (name, value) in self
+            .settings
+            .shown()
+            .into_iter()
+            .chain(self.logging.shown())
+        {
+            let note = if self.set.contains(&name) {
+                ""
+            } else {
+                "  # default"
+            };
+            s.push_str(&format!("{name}={value}{note}\n"));
+        }
+        match &self.passthrough_forced {
+            Some(reason) => s.push_str(&format!("passthrough=forced: {reason}\n")),
+            None if self.settings.disable => s.push_str("passthrough=FLASHCOMM_DISABLE\n"),
+            None => s.push_str("passthrough=no\n"),
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(vars: &[(&str, &str)]) -> Config {
+        Config::from_vars(vars.iter().copied())
+    }
+
+    #[test]
+    fn defaults() {
+        let c = cfg(&[]);
+        assert_eq!(c.passthrough_forced, None);
+        assert!(!c.passthrough());
+        assert_eq!(c.settings.max_bytes, Bytes(GIB));
+        assert_eq!(c.settings.arena_bytes, Bytes(64 * MIB));
+        assert_eq!(c.settings.timeout_ms.0, 300_000);
+        assert_eq!(c.settings.max_ranks.0, 8);
+        assert_eq!(c.settings.quant_group.0, 128);
+        assert_eq!(c.settings.quant_spikes.0, 2);
+        assert_eq!(c.quant_rs_bits(), QuantBits::Off);
+        assert_eq!(c.settings.ops.show(), "allreduce,reducescatter,allgather");
+        assert_eq!(c.settings.quant_dtypes.show(), "bf16,f16");
+        assert_eq!(c.logging.nccl_debug, None);
+    }
+
+    #[test]
+    fn values_are_read() {
+        let c = cfg(&[
+            ("FLASHCOMM_PROTO", "ll"),
+            ("FLASHCOMM_MAX_BYTES", "16M"),
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_AG_BITS", "8"),
+            ("FLASHCOMM_NCCL_LIB", "/opt/nccl/libnccl.so.2"),
+            ("NCCL_DEBUG", "info"),
+            ("NCCL_DEBUG_SUBSYS", "INIT,COLL"),
+            ("UNRELATED", "x"),
+        ]);
+        assert_eq!(c.passthrough_forced, None, "{:?}", c.problems);
+        assert_eq!(c.settings.proto, Proto::Ll);
+        assert_eq!(c.settings.max_bytes, Bytes(16 * MIB));
+        assert_eq!(c.quant_rs_bits(), QuantBits::Bits(4));
+        assert_eq!(c.quant_ag_bits(), QuantBits::Bits(8));
+        assert_eq!(c.logging.nccl_debug, Some(DebugLevel::Info));
+        // Declaration order, whatever the order of the environment.
+        assert_eq!(
+            c.set,
+            [
+                "FLASHCOMM_NCCL_LIB",
+                "FLASHCOMM_PROTO",
+                "FLASHCOMM_MAX_BYTES",
+                "FLASHCOMM_QUANT_BITS",
+                "FLASHCOMM_QUANT_AG_BITS",
+                "NCCL_DEBUG",
+                "NCCL_DEBUG_SUBSYS",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_bad_value_forces_passthrough_with_a_message_naming_it() {
+        let c = cfg(&[("FLASHCOMM_PROTO", "fast"), ("FLASHCOMM_QUANT_BITS", "12")]);
+        let reason = c.passthrough_forced.as_deref().expect("forced");
+        assert!(
+            reason.contains("FLASHCOMM_PROTO=\"fast\" is not valid"),
+            "{reason}"
+        );
+        assert!(reason.contains("`auto`, `ll`, `block`"), "{reason}");
+        assert!(reason.contains("FLASHCOMM_QUANT_BITS=\"12\""), "{reason}");
+        assert!(reason.contains("forwards every call to NCCL"), "{reason}");
+        assert!(c.passthrough());
+        // The bad variables keep their defaults.
+        assert_eq!(c.settings.proto, Proto::Auto);
+        assert_eq!(c.problems.len(), 2);
+    }
+
+    #[test]
+    fn a_bad_nccl_debug_is_only_a_warning() {
+        let c = cfg(&[("NCCL_DEBUG", "LOUD")]);
+        assert_eq!(c.passthrough_forced, None);
+        assert_eq!(c.problems.len(), 1);
+        assert!(!c.problems[0].strict);
+        assert_eq!(c.logging.nccl_debug, None);
+    }
+
+    #[test]
+    fn inverted_windows_are_problems() {
+        let c = cfg(&[("FLASHCOMM_MIN_BYTES", "2M"), ("FLASHCOMM_MAX_BYTES", "1M")]);
+        let reason = c.passthrough_forced.expect("forced");
+        assert!(
+            reason.contains("larger than FLASHCOMM_MAX_BYTES=1M"),
+            "{reason}"
+        );
+    }
+
+    #[test]
+    fn empty_values_are_unset_and_unknown_names_are_listed() {
+        let c = cfg(&[
+            ("FLASHCOMM_PROTO", ""),
+            ("FLASHCOMM_QUANT_BIT", "4"),
+            ("FLASHCOMM_NCCL_HOME", "/x"),
+        ]);
+        assert_eq!(c.passthrough_forced, None);
+        assert_eq!(c.unknown, vec!["FLASHCOMM_QUANT_BIT".to_string()]);
+        assert!(c.set.is_empty());
+    }
+
+    #[test]
+    fn bare_library_names_are_refused() {
+        let c = cfg(&[("FLASHCOMM_NCCL_LIB", "libnccl.so.2")]);
+        assert!(c.passthrough_forced.unwrap().contains("FLASHCOMM_NCCL_LIB"));
+        assert_eq!(c.settings.nccl_lib, None);
+    }
+
+    #[test]
+    fn describe_lists_every_variable() {
+        let mut c = cfg(&[("FLASHCOMM_ALGO", "twoshot")]);
+        let d = c.describe();
+        for spec in variables() {
+            assert!(
+                d.contains(&format!("{}=", spec.name)),
+                "{} missing",
+                spec.name
+            );
+        }
+        assert!(d.contains("FLASHCOMM_ALGO=twoshot\n"));
+        assert!(d.contains("FLASHCOMM_PROTO=auto  # default\n"));
+        assert!(d.ends_with("passthrough=no\n"));
+        c.force_passthrough("bad FLASHCOMM_LOG");
+        assert!(
+            c.describe()
+                .contains("passthrough=forced: bad FLASHCOMM_LOG")
+        );
+    }
+
+    #[test]
+    fn every_variable_is_documented_once() {
+        let v = variables();
+        let mut names: Vec<_> = v.iter().map(|s| s.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), v.len());
+        for s in &v {
+            assert!(!s.meaning.is_empty(), "{}", s.name);
+            assert!(s.name.starts_with("FLASHCOMM_") == s.strict, "{}", s.name);
+        }
+    }
+}
