@@ -1,0 +1,132 @@
+//! The support matrix of `docs/abi.md`: every public function, what flashcomm does with it, and
+//! what it returns when the real library lacks it.
+
+use crate::exports::{declarations, hand_written, read_bindings};
+use crate::{Error, Generated, repo_root};
+
+/// Collectives that flashcomm's kernels may take later (`FLASHCOMM_OPS`).
+const OURS_LATER: &[&str] = &[
+    "ncclAllReduce",
+    "ncclAllReduceConfig",
+    "ncclReduceScatter",
+    "ncclReduceScatterConfig",
+    "ncclAllGather",
+    "ncclAllGatherConfig",
+];
+
+/// What each hand-written export does.
+fn handling(name: &str) -> Option<&'static str> {
+    Some(match name {
+        n if OURS_LATER.contains(&n) => "inspected + forwarded; ours later",
+        "ncclAlltoAll"
+        | "ncclAlltoAllConfig"
+        | "ncclBroadcast"
+        | "ncclBroadcastConfig"
+        | "ncclBcast"
+        | "ncclReduce"
+        | "ncclReduceConfig"
+        | "ncclSend"
+        | "ncclRecv" => "inspected + forwarded",
+        "ncclCommInitRank"
+        | "ncclCommInitRankConfig"
+        | "ncclCommInitAll"
+        | "ncclCommInitRankScalable"
+        | "ncclCommSplit"
+        | "ncclCommShrink"
+        | "ncclCommGrow" => "forwarded; then the creation hook",
+        "ncclCommFinalize" | "ncclCommRevoke" | "ncclCommDestroy" | "ncclCommAbort" => {
+            "the ending hook; then forwarded"
+        }
+        "ncclGroupStart" | "ncclGroupEnd" => "forwarded; group depth tracked",
+        "ncclGetVersion" => "forwarded (reports the real library's version)",
+        "ncclGetErrorString" => "ours (NCCL's wording; no real library needed)",
+        "ncclGetLastError" => "ours, else the real library's",
+        _ => return None,
+    })
+}
+
+fn when_missing(name: &str, ret: &str) -> String {
+    if name == "ncclGetErrorString" || name == "ncclGetLastError" {
+        return "n/a (ours)".into();
+    }
+    if name.ends_with("Config")
+        && OURS_LATER
+            .iter()
+            .chain(
+                [
+                    "ncclAlltoAllConfig",
+                    "ncclBroadcastConfig",
+                    "ncclReduceConfig",
+                ]
+                .iter(),
+            )
+            .any(|n| *n == name)
+    {
+        return "the plain function if `config` is NULL, else `ncclInvalidUsage`".into();
+    }
+    match ret {
+        "ncclResult_t" => "`ncclInvalidUsage`".into(),
+        "" => "nothing happens".into(),
+        "::std::os::raw::c_int" => "`-1`".into(),
+        "ncclTeam_t" => "the empty team `{0, 0, 0}`".into(),
+        other => format!("`{other}`: no default defined"),
+    }
+}
+
+/// The Markdown table.
+pub fn matrix() -> Result<String, Error> {
+    let decls = declarations(&read_bindings()?)?;
+    let hand = hand_written()?;
+    let mut s =
+        String::from("| function | handling | when the real library lacks it |\n|---|---|---|\n");
+    let mut counts = (0, 0);
+    for d in &decls {
+        let name = d.sig.ident.to_string();
+        let ret = match &d.sig.output {
+            syn::ReturnType::Default => String::new(),
+            syn::ReturnType::Type(_, t) => {
+                let t: &syn::Type = t;
+                prettyplease::unparse(&syn::parse_quote!(type T = #t;))
+                    .trim()
+                    .trim_start_matches("type T = ")
+                    .trim_end_matches(';')
+                    .to_string()
+            }
+        };
+        let how = if hand.contains(&name) {
+            counts.1 += 1;
+            handling(&name).ok_or_else(|| {
+                Error::new(format!(
+                    "{name} is hand-written but xtask/src/abi.rs does not describe it"
+                ))
+            })?
+        } else {
+            counts.0 += 1;
+            "forwarded"
+        };
+        let missing = when_missing(&name, &ret);
+        if missing.contains("no default defined") {
+            return Err(Error::new(format!(
+                "{name} returns {ret}: define its default"
+            )));
+        }
+        s.push_str(&format!("| `{name}` | {how} | {missing} |\n"));
+    }
+    s.push_str(&format!(
+        "\n{} functions: {} plain forwarders (generated), {} hand-written. Each is exported as \
+         `ncclX` and `pncclX`.\n",
+        decls.len(),
+        counts.0,
+        counts.1
+    ));
+    Ok(s)
+}
+
+/// The generated section of `docs/abi.md`.
+pub fn outputs() -> Result<Vec<Generated>, Error> {
+    Ok(vec![Generated::section(
+        repo_root().join("docs/abi.md"),
+        "support-matrix",
+        matrix()?,
+    )])
+}
