@@ -454,6 +454,8 @@ impl Config {
             }
         }
 
+        // Report in declaration order, whatever the order of the environment.
+        problems.sort_by_key(|p: &Problem| specs.iter().position(|s| s.name == p.variable));
         let strict: Vec<String> = problems
             .iter()
             .filter(|p| p.strict)
