@@ -1,1 +1,33 @@
-//! stub
+//! flashcomm's `libnccl.so.2`.
+//!
+//! A drop-in NCCL: it exports every function of the NCCL 2.32.3 API as `ncclX` and `pncclX`,
+//! checks the arguments of the collectives, routes each collective (today: always to NCCL), and
+//! forwards to the real NCCL, which it finds and opens itself. See `docs/abi.md`.
+//!
+//! `unsafe` code lives only in the FFI modules `ffi` and `ext`; every other module is safe Rust.
+//!
+//! | module | role |
+//! |---|---|
+//! | `ffi::api` | hand-written exports (collectives, communicator lifecycle, groups, errors) |
+//! | `ffi::forwarders` | generated plain forwarders |
+//! | `ffi::boundary` | panic boundary, export macros, signature checks |
+//! | `ffi::real` | loading the real NCCL |
+//! | `ext` | flashcomm's own API (`include/flashcomm.h`) |
+//! | `route` | the routing seam: decisions, statistics, communicator and group hooks |
+//! | `args` | argument checks of the collectives |
+//! | `coll` | the common path of the collective exports |
+//! | `discovery` | where to look for the real NCCL |
+//! | `error`, `last_error` | errors, their codes, `ncclGetLastError` |
+//! | `init`, `logging` | lazy initialization, NCCL-style logging |
+#![deny(unsafe_code)]
+
+mod args;
+mod coll;
+mod discovery;
+mod error;
+pub mod ext;
+mod ffi;
+mod init;
+mod last_error;
+mod logging;
+pub mod route;

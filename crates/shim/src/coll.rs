@@ -1,0 +1,62 @@
+//! The common path of every collective export: checks, the empty case, then the router.
+
+use flashcomm_nccl_sys::{cudaStream_t, ncclCollConfig_t, ncclResult_t};
+
+use crate::args::{self, Args, Checked};
+use crate::error::Error;
+use crate::ffi::boundary::unavailable;
+use crate::ffi::sys::forked;
+use crate::route::{self, CollCall};
+
+/// What the checks do not look at.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Extra {
+    /// Root (broadcast, reduce) or peer (send, receive).
+    pub root_or_peer: Option<i32>,
+    /// The caller's stream.
+    pub stream: cudaStream_t,
+    /// `ncclXConfig`'s per-call configuration (null for the plain functions).
+    pub config: *const ncclCollConfig_t,
+}
+
+/// Runs one collective export. `forward` calls the real library with the caller's arguments.
+pub(crate) fn collective(
+    a: Args,
+    extra: Extra,
+    forward: impl FnOnce() -> Result<ncclResult_t, Error>,
+) -> ncclResult_t {
+    let forward = || forward().unwrap_or_else(unavailable);
+    if forked() {
+        return forward();
+    }
+    if tracing::enabled!(target: "flashcomm::call", tracing::Level::TRACE) {
+        tracing::trace!(
+            target: "flashcomm::call",
+            "{}: sendbuff {:p} recvbuff {:p} count {} datatype {} op {:?} root/peer {:?} comm {:p} \
+             stream {:p} config {:p}",
+            a.api, a.sendbuff, a.recvbuff, a.count, a.datatype.0, a.op.map(|o| o.0),
+            extra.root_or_peer, a.comm, extra.stream, extra.config
+        );
+    }
+    match args::check(&a) {
+        Err(e) => e.report(),
+        Ok(Checked::Empty) => ncclResult_t::ncclSuccess,
+        Ok(Checked::Bytes(bytes)) => {
+            let call = CollCall {
+                api: a.api,
+                kind: a.kind,
+                sendbuff: a.sendbuff,
+                recvbuff: a.recvbuff,
+                count: a.count,
+                datatype: a.datatype,
+                op: a.op,
+                root_or_peer: extra.root_or_peer,
+                comm: a.comm,
+                stream: extra.stream,
+                config: extra.config,
+                bytes,
+            };
+            route::run(&call, &crate::init::state().config, forward)
+        }
+    }
+}

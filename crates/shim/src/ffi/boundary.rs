@@ -1,0 +1,256 @@
+//! The boundary every export runs in, and the macros that define exports.
+//!
+//! * [`guard`] runs the body of an export inside `catch_unwind`: a panic becomes
+//!   `ncclInternalError` (or the function's documented default) and a message for
+//!   `ncclGetLastError`; nothing unwinds into C, and the process is never aborted.
+//! * [`nccl_api!`] defines one NCCL function twice, as `ncclX` and `pncclX` (NCCL's profiling
+//!   twin), both running the same body inside [`guard`], and proves at compile time that the
+//!   signature equals bindgen's declaration of `ncclX` in `flashcomm_nccl_sys::decls`.
+//! * [`forward!`] defines plain forwarders (used by the generated `forwarders.rs`).
+//! * [`call_real!`] calls the real library's function of a [`Slot`](super::real::Slot).
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::ffi::c_char;
+use std::panic::AssertUnwindSafe;
+
+use flashcomm_nccl_sys::{ncclResult_t, ncclTeam_t};
+
+use crate::error::Error;
+use crate::logging::Subsys;
+
+/// What an export returns when it cannot run: after a panic, or when the real library (or its
+/// function) is unavailable. `ncclResult_t` functions return an error code; the few others return
+/// a documented safe default (listed in `docs/abi.md`).
+pub(crate) trait CReturn: Copy {
+    /// The value after a caught panic.
+    fn on_panic() -> Self;
+    /// The value when the call cannot be forwarded because of `e`.
+    fn on_unavailable(e: &Error) -> Self;
+    /// Runs after the real function returned `self`.
+    fn after_real(&self) {}
+}
+
+impl CReturn for ncclResult_t {
+    fn on_panic() -> Self {
+        ncclResult_t::ncclInternalError
+    }
+    fn on_unavailable(e: &Error) -> Self {
+        e.code()
+    }
+    #[inline]
+    fn after_real(&self) {
+        if *self != ncclResult_t::ncclSuccess
+            && *self != ncclResult_t::ncclInProgress
+            && !super::sys::forked()
+        {
+            crate::last_error::record_real_failure();
+        }
+    }
+}
+
+/// `void` functions (`ncclParamDumpAll`, `ncclResetDebugInit`): nothing happens.
+impl CReturn for () {
+    fn on_panic() -> Self {}
+    fn on_unavailable(_: &Error) -> Self {}
+}
+
+/// `int` functions (`ncclTeamRankToWorld`, `ncclTeamRankToLsa`, `ncclLLA2ACalcSlots`): -1, which
+/// is neither a rank nor a slot count.
+impl CReturn for std::ffi::c_int {
+    fn on_panic() -> Self {
+        -1
+    }
+    fn on_unavailable(_: &Error) -> Self {
+        -1
+    }
+}
+
+/// Team functions (`ncclTeamWorld`, ...): the empty team `{nRanks 0, rank 0, stride 0}`.
+impl CReturn for ncclTeam_t {
+    fn on_panic() -> Self {
+        ncclTeam_t {
+            nRanks: 0,
+            rank: 0,
+            stride: 0,
+        }
+    }
+    fn on_unavailable(_: &Error) -> Self {
+        Self::on_panic()
+    }
+}
+
+/// String functions (`ncclGetErrorString`, `ncclGetLastError`): a static empty string.
+impl CReturn for *const c_char {
+    fn on_panic() -> Self {
+        c"".as_ptr()
+    }
+    fn on_unavailable(_: &Error) -> Self {
+        c"".as_ptr()
+    }
+}
+
+/// Reports `e` (WARN log and last error) and returns the export's value for it.
+#[cold]
+pub(crate) fn unavailable<R: CReturn>(e: Error) -> R {
+    e.report();
+    R::on_unavailable(&e)
+}
+
+thread_local! {
+    static PANIC_INFO: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// Installs the panic hook (once, from `init`). The cdylib carries its own copy of `std`, so this
+/// hook sees only panics of flashcomm's code: it keeps the location and message for [`guard`]
+/// instead of printing them. In unit tests the host's default hook stays.
+pub(crate) fn install_panic_hook() {
+    #[cfg(not(test))]
+    std::panic::set_hook(Box::new(|info| {
+        let text = info.to_string().replace('\n', " ");
+        let _ = PANIC_INFO.try_with(|p| {
+            if let Ok(mut p) = p.try_borrow_mut() {
+                *p = Some(text);
+            }
+        });
+    }));
+}
+
+fn panic_message(api: &str, payload: &(dyn Any + Send)) -> String {
+    let stashed = PANIC_INFO
+        .try_with(|p| p.borrow_mut().take())
+        .ok()
+        .flatten();
+    let text = stashed.unwrap_or_else(|| {
+        payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string())
+    });
+    format!("{api}: internal error in flashcomm ({text}); the call returned ncclInternalError")
+}
+
+/// Runs one export's body: the first call initializes configuration and logging, a panic is
+/// caught and reported, and `FLASHCOMM_DEBUG_PANIC` can inject one for tests.
+#[inline(always)]
+pub(crate) fn guard<R: CReturn>(api: &'static str, body: impl FnOnce() -> R) -> R {
+    match std::panic::catch_unwind(AssertUnwindSafe(|| {
+        crate::init::debug_panic_point(api);
+        body()
+    })) {
+        Ok(r) => r,
+        Err(payload) => {
+            // Reporting must not unwind either.
+            let _ = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                let msg = panic_message(api, payload.as_ref());
+                Error::internal(Subsys::Call, msg).report();
+            }));
+            R::on_panic()
+        }
+    }
+}
+
+/// Forces two values to have the same type; used with fn pointers to compare signatures.
+pub(crate) const fn same_signature<T: Copy>(_ours: T, _header: T) {}
+
+/// Calls the real function of `$slot` with the export's own arguments. Evaluates to
+/// `Result<R, Error>`: `Err` when the real library or the function is unavailable.
+macro_rules! call_real {
+    (@placeholder $e:expr) => { _ };
+    ($slot:expr, ($($arg:expr),* $(,)?) $(-> $ret:ty)?) => {
+        match $slot.get() {
+            Ok(p) => {
+                // SAFETY: `p` is the real library's function of the slot's name. Its C signature
+                // is the header's, which the export shares (checked at compile time against
+                // bindgen's declaration), and the arguments are the export's own parameters, so
+                // the inferred pointer type is that signature.
+                let f = unsafe {
+                    ::core::mem::transmute::<
+                        *mut ::core::ffi::c_void,
+                        unsafe extern "C" fn(
+                            $($crate::ffi::boundary::call_real!(@placeholder $arg)),*
+                        ) $(-> $ret)?,
+                    >(p)
+                };
+                // SAFETY: the caller's arguments go through unchanged, so the caller's
+                // obligations under NCCL's contract carry over to the real function.
+                let r = unsafe { f($($arg),*) };
+                $crate::ffi::boundary::CReturn::after_real(&r);
+                Ok(r)
+            }
+            Err(e) => Err(e),
+        }
+    };
+}
+pub(crate) use call_real;
+
+/// Defines NCCL exports: for each `fn ncclX(args) -> R { body }`, the symbols `ncclX` and
+/// `pncclX`, both running `body` inside [`guard`], plus a compile-time check that the signature
+/// is exactly bindgen's declaration `flashcomm_nccl_sys::decls::ncclX`.
+macro_rules! nccl_api {
+    ($(
+        $(#[$meta:meta])*
+        fn $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(-> $ret:ty)? $body:block
+    )*) => {$(
+        const _: () = {
+            #[inline(always)]
+            #[allow(non_snake_case, clippy::too_many_arguments, unused_unsafe)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+
+            $(#[$meta])*
+            #[unsafe(no_mangle)]
+            #[allow(non_snake_case, clippy::too_many_arguments)]
+            unsafe extern "C" fn $name($($arg: $ty),*) $(-> $ret)? {
+                $crate::ffi::boundary::guard(stringify!($name), || body($($arg),*))
+            }
+
+            /// NCCL's profiling twin (`pncclX`): the same function under the other name.
+            #[unsafe(export_name = concat!("p", stringify!($name)))]
+            #[allow(non_snake_case, clippy::too_many_arguments)]
+            unsafe extern "C" fn profiling_twin($($arg: $ty),*) $(-> $ret)? {
+                $crate::ffi::boundary::guard(stringify!($name), || body($($arg),*))
+            }
+
+            // Both symbols have exactly the header's signature: casting bindgen's declaration to
+            // our parameter list fails to compile if any type differs.
+            $crate::ffi::boundary::same_signature(
+                $name as unsafe extern "C" fn($($ty),*) $(-> $ret)?,
+                ::flashcomm_nccl_sys::decls::$name as unsafe extern "C" fn($($ty),*) $(-> $ret)?,
+            );
+            $crate::ffi::boundary::same_signature(
+                profiling_twin as unsafe extern "C" fn($($ty),*) $(-> $ret)?,
+                ::flashcomm_nccl_sys::decls::$name as unsafe extern "C" fn($($ty),*) $(-> $ret)?,
+            );
+        };
+    )*};
+}
+pub(crate) use nccl_api;
+
+/// Defines plain forwarders from declarations in bindgen's form (`pub fn ncclX(args) -> R;`):
+/// resolve the real function once, call it with the arguments unchanged.
+macro_rules! forward {
+    ($(
+        $(#[$meta:meta])*
+        pub fn $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(-> $ret:ty)? ;
+    )*) => {$(
+        $crate::ffi::boundary::nccl_api! {
+            $(#[$meta])*
+            fn $name($($arg: $ty),*) $(-> $ret)? {
+                static REAL: $crate::ffi::real::Slot = $crate::ffi::real::Slot::new(
+                    match ::core::ffi::CStr::from_bytes_with_nul(
+                        concat!(stringify!($name), "\0").as_bytes()
+                    ) {
+                        Ok(name) => name,
+                        Err(_) => panic!("function names contain no NUL"),
+                    },
+                );
+                match $crate::ffi::boundary::call_real!(REAL, ($($arg),*) $(-> $ret)?) {
+                    Ok(r) => r,
+                    Err(e) => $crate::ffi::boundary::unavailable(e),
+                }
+            }
+        }
+    )*};
+}
+pub(crate) use forward;

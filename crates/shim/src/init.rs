@@ -1,0 +1,78 @@
+//! Lazy initialization: configuration, logging, fork detection, the panic hook.
+//!
+//! Happens once, at the first call of any export (never in a library constructor). Loading the
+//! real library is separate and happens at the first call that needs it (`ffi::real`).
+
+use std::sync::OnceLock;
+
+use flashcomm_config::Config;
+
+use crate::logging::{self, Subsys};
+
+/// What is initialized once per process.
+#[derive(Debug)]
+pub(crate) struct State {
+    /// The configuration, read once.
+    pub(crate) config: Config,
+}
+
+static STATE: OnceLock<State> = OnceLock::new();
+
+/// The process state, initializing it on first use.
+#[inline]
+pub(crate) fn state() -> &'static State {
+    STATE.get_or_init(|| {
+        let mut config = Config::from_env();
+        let later = logging::install(&mut config);
+        crate::ffi::sys::watch_fork();
+        crate::ffi::boundary::install_panic_hook();
+        report(&config, &later);
+        State { config }
+    })
+}
+
+/// Logs what the configuration found: problems and unknown names at WARN, values that differ
+/// from their defaults at INFO, and the pass-through decision.
+fn report(config: &Config, later: &[String]) {
+    for p in &config.problems {
+        logging::warn(Subsys::Env, &p.to_string());
+    }
+    for msg in later {
+        logging::warn(Subsys::Env, msg);
+    }
+    for name in &config.unknown {
+        logging::warn(
+            Subsys::Env,
+            &format!("{name} is not a flashcomm variable (ignored; see docs/env.md)"),
+        );
+    }
+    let shown: Vec<(&str, String)> = config
+        .settings
+        .shown()
+        .into_iter()
+        .chain(config.logging.shown())
+        .collect();
+    for (name, value) in shown {
+        if config.set.contains(&name) {
+            logging::info(
+                Subsys::Env,
+                &format!("{name} set by environment to {value}"),
+            );
+        }
+    }
+    if let Some(reason) = &config.passthrough_forced {
+        logging::warn(Subsys::Env, reason);
+    } else if config.settings.disable {
+        logging::info(Subsys::Env, "FLASHCOMM_DISABLE: every call goes to NCCL");
+    }
+}
+
+/// Panics when `FLASHCOMM_DEBUG_PANIC` names `api` (fault injection for the boundary's tests).
+#[inline]
+pub(crate) fn debug_panic_point(api: &'static str) {
+    if let Some(name) = &state().config.settings.debug_panic
+        && (name.0 == api || name.0.strip_prefix('p') == Some(api))
+    {
+        panic!("panic injected into {api} by FLASHCOMM_DEBUG_PANIC");
+    }
+}

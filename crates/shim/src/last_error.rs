@@ -1,0 +1,71 @@
+//! The last error, for `ncclGetLastError`.
+//!
+//! NCCL keeps one process-wide message. We keep one per thread and one for the process, and we
+//! remember when the newest failure came from the real library instead, so that
+//! `ncclGetLastError` can answer with the message that belongs to the failure the caller saw:
+//! this thread's last failure if it was ours; the real library's own message if the thread's last
+//! failure came from there; else the process-wide one, with the same rule.
+
+use std::cell::RefCell;
+use std::sync::Mutex;
+
+/// Where the newest failure was detected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Last {
+    /// By flashcomm, with this message.
+    Ours(String),
+    /// By the real library, which holds the message.
+    Real,
+}
+
+thread_local! {
+    static THREAD: RefCell<Option<Last>> = const { RefCell::new(None) };
+}
+
+static PROCESS: Mutex<Option<Last>> = Mutex::new(None);
+
+fn set(last: Last) {
+    THREAD.with(|t| *t.borrow_mut() = Some(last.clone()));
+    // A poisoned lock only means another thread panicked while holding it; the value is a plain
+    // Option and always consistent.
+    *PROCESS.lock().unwrap_or_else(|e| e.into_inner()) = Some(last);
+}
+
+/// Records a failure detected by flashcomm.
+pub(crate) fn record(message: &str) {
+    set(Last::Ours(message.to_string()));
+}
+
+/// Records that the real library returned a failure (its message is its own).
+pub(crate) fn record_real_failure() {
+    set(Last::Real);
+}
+
+/// What `ncclGetLastError` should answer: this thread's newest failure, else the process's.
+/// `None`: no failure seen at all (ask the real library, which may still know of one).
+pub(crate) fn current() -> Option<Last> {
+    THREAD
+        .with(|t| t.borrow().clone())
+        .or_else(|| PROCESS.lock().unwrap_or_else(|e| e.into_inner()).clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_first_then_process() {
+        std::thread::spawn(|| {
+            record("from another thread");
+        })
+        .join()
+        .unwrap();
+        // This thread has no failure yet: the process-wide one answers (unless a parallel test
+        // set one meanwhile, which is also process-wide).
+        assert!(matches!(current(), Some(Last::Ours(_)) | Some(Last::Real)));
+        record("mine");
+        assert_eq!(current(), Some(Last::Ours("mine".into())));
+        record_real_failure();
+        assert_eq!(current(), Some(Last::Real));
+    }
+}

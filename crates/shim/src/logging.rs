@@ -1,0 +1,290 @@
+//! Logging: `tracing` events written in NCCL's line format.
+//!
+//! Lines look like NCCL's, with `FLASHCOMM` where NCCL writes `NCCL`:
+//! `host:pid:tid [cudaDev] FLASHCOMM INFO message`, so that the usual grep habits work and our
+//! lines are told apart from the real library's. Which lines are written follows `NCCL_DEBUG` and
+//! `NCCL_DEBUG_SUBSYS` (each subsystem is the target `flashcomm::<name>`), unless `FLASHCOMM_LOG`
+//! gives `tracing` filter directives. Output goes to standard error, `FLASHCOMM_LOG_FILE`, or
+//! `NCCL_DEBUG_FILE` + `.flashcomm`. The subscriber is installed once, lazily, and only if no
+//! global subscriber exists yet (`try_init` semantics); inside the cdylib this is our own copy of
+//! `tracing`, so a host program's subscriber is never replaced. See `docs/logging.md`.
+
+use std::fmt::Write as _;
+use std::fs::OpenOptions;
+use std::sync::Arc;
+
+use flashcomm_config::{Config, DebugLevel, Subsystems};
+use tracing::{Event, Level, Subscriber};
+use tracing_subscriber::EnvFilter;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::registry::LookupSpan;
+
+/// A subsystem: the `NCCL_DEBUG_SUBSYS` token and the tracing target of its events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Subsys {
+    /// Loading the real library, communicator creation and destruction.
+    Init,
+    /// Collectives.
+    Coll,
+    /// Send and receive.
+    P2p,
+    /// Configuration.
+    Env,
+    /// API calls (TRACE: one line per call).
+    Call,
+}
+
+/// Emits one event under `sub`'s target. Targets must be literals, hence the match.
+macro_rules! event_at {
+    ($level:ident, $sub:expr, $msg:expr) => {
+        match $sub {
+            Subsys::Init => tracing::$level!(target: "flashcomm::init", "{}", $msg),
+            Subsys::Coll => tracing::$level!(target: "flashcomm::coll", "{}", $msg),
+            Subsys::P2p => tracing::$level!(target: "flashcomm::p2p", "{}", $msg),
+            Subsys::Env => tracing::$level!(target: "flashcomm::env", "{}", $msg),
+            Subsys::Call => tracing::$level!(target: "flashcomm::call", "{}", $msg),
+        }
+    };
+}
+
+/// Logs `msg` at WARN under `sub`.
+pub(crate) fn warn(sub: Subsys, msg: &str) {
+    event_at!(warn, sub, msg);
+}
+
+/// Logs `msg` at INFO under `sub`.
+pub(crate) fn info(sub: Subsys, msg: &str) {
+    event_at!(info, sub, msg);
+}
+
+/// Logs the version banner (shown from `NCCL_DEBUG=VERSION` up).
+pub(crate) fn version_banner(msg: &str) {
+    tracing::info!(target: "flashcomm::version", "{}", msg);
+}
+
+/// The filter directives that `NCCL_DEBUG` and `NCCL_DEBUG_SUBSYS` ask for.
+pub(crate) fn directives_from_nccl(
+    level: Option<DebugLevel>,
+    subsys: Option<&Subsystems>,
+) -> String {
+    let default_subsys = Subsystems::nccl_default();
+    let subsys = subsys.unwrap_or(&default_subsys);
+    let verbose = match level {
+        None | Some(DebugLevel::Warn) => return "warn".to_string(),
+        Some(DebugLevel::None) => return "off".to_string(),
+        Some(DebugLevel::Version) => return "warn,flashcomm::version=info".to_string(),
+        Some(DebugLevel::Info) | Some(DebugLevel::Abort) => "info",
+        Some(DebugLevel::Trace) => "trace",
+    };
+    let mut d = String::from("warn,flashcomm::version=info");
+    let all = subsys.names.iter().any(|n| n == "ALL");
+    if subsys.negated {
+        if !all {
+            let _ = write!(d, ",flashcomm={verbose}");
+            for n in &subsys.names {
+                let _ = write!(d, ",flashcomm::{}=warn", n.to_ascii_lowercase());
+            }
+        }
+    } else if all {
+        let _ = write!(d, ",flashcomm={verbose}");
+    } else {
+        for n in &subsys.names {
+            let _ = write!(d, ",flashcomm::{}={verbose}", n.to_ascii_lowercase());
+        }
+    }
+    d
+}
+
+/// Expands `%h` (host name) and `%p` (process id) in a log file name, as NCCL does.
+pub(crate) fn expand_file_name(pattern: &str, host: &str, pid: u32) -> String {
+    let mut out = String::new();
+    let mut chars = pattern.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '%' {
+            match chars.peek() {
+                Some('h') => {
+                    out.push_str(host);
+                    chars.next();
+                }
+                Some('p') => {
+                    let _ = write!(out, "{pid}");
+                    chars.next();
+                }
+                _ => out.push('%'),
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The host name as NCCL prints it (up to the first dot).
+pub(crate) fn host_name() -> String {
+    let h = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let h = h.trim();
+    let short = h.split('.').next().unwrap_or_default();
+    if short.is_empty() {
+        "localhost".to_string()
+    } else {
+        short.to_string()
+    }
+}
+
+/// NCCL's line format.
+struct NcclFormat {
+    host: String,
+}
+
+impl<S, N> FormatEvent<S, N> for NcclFormat
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> std::fmt::Result {
+        let level = match *event.metadata().level() {
+            Level::ERROR | Level::WARN => "WARN",
+            Level::INFO => "INFO",
+            Level::DEBUG | Level::TRACE => "TRACE",
+        };
+        let dev = crate::ffi::sys::cuda_device().unwrap_or(-1);
+        write!(
+            writer,
+            "{}:{}:{} [{}] FLASHCOMM {} ",
+            self.host,
+            std::process::id(),
+            crate::ffi::sys::thread_id(),
+            dev,
+            level
+        )?;
+        ctx.field_format().format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
+    }
+}
+
+/// Installs the subscriber (once per process, by `init`). A `FLASHCOMM_LOG` that does not parse
+/// forces pass-through, like any bad `FLASHCOMM_*` value. Returns messages to log at WARN once
+/// the subscriber is in place.
+pub(crate) fn install(config: &mut Config) -> Vec<String> {
+    let mut later = Vec::new();
+    let nccl = directives_from_nccl(
+        config.logging.nccl_debug,
+        config.logging.nccl_debug_subsys.as_ref(),
+    );
+    let filter = match &config.logging.log {
+        Some(text) => match EnvFilter::builder().parse(&text.0) {
+            Ok(f) => f,
+            Err(e) => {
+                let msg = format!(
+                    "FLASHCOMM_LOG={:?} is not valid ({e}); allowed: tracing `EnvFilter` directives",
+                    text.0
+                );
+                later.push(msg.clone());
+                config.force_passthrough(format!(
+                    "invalid configuration: {msg}; flashcomm forwards every call to NCCL unchanged"
+                ));
+                EnvFilter::new(&nccl)
+            }
+        },
+        None => EnvFilter::new(&nccl),
+    };
+
+    let host = host_name();
+    let pid = std::process::id();
+    let file = match (&config.logging.log_file, &config.logging.nccl_debug_file) {
+        (Some(f), _) => Some(expand_file_name(&f.0, &host, pid)),
+        (None, Some(f)) => Some(format!("{}.flashcomm", expand_file_name(&f.0, &host, pid))),
+        (None, None) => None,
+    };
+    let file =
+        file.and_then(
+            |path| match OpenOptions::new().create(true).append(true).open(&path) {
+                Ok(f) => Some(Arc::new(f)),
+                Err(e) => {
+                    later.push(format!(
+                        "cannot open log file {path}: {e}; logging to standard error"
+                    ));
+                    None
+                }
+            },
+        );
+
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .event_format(NcclFormat { host });
+    // Ignore "a global default is already set": a host's subscriber wins (try_init semantics).
+    let _ = match file {
+        Some(f) => tracing::subscriber::set_global_default(builder.with_writer(f).finish()),
+        None => {
+            tracing::subscriber::set_global_default(builder.with_writer(std::io::stderr).finish())
+        }
+    };
+    later
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flashcomm_config::Value;
+
+    fn subsys(s: &str) -> Subsystems {
+        Subsystems::parse(s).unwrap()
+    }
+
+    #[test]
+    fn nccl_debug_maps_to_directives() {
+        assert_eq!(directives_from_nccl(None, None), "warn");
+        assert_eq!(directives_from_nccl(Some(DebugLevel::None), None), "off");
+        assert_eq!(directives_from_nccl(Some(DebugLevel::Warn), None), "warn");
+        assert_eq!(
+            directives_from_nccl(Some(DebugLevel::Version), None),
+            "warn,flashcomm::version=info"
+        );
+        assert_eq!(
+            directives_from_nccl(Some(DebugLevel::Info), None),
+            "warn,flashcomm::version=info,flashcomm::init=info,flashcomm::bootstrap=info,flashcomm::env=info"
+        );
+        assert_eq!(
+            directives_from_nccl(Some(DebugLevel::Trace), Some(&subsys("COLL,P2P"))),
+            "warn,flashcomm::version=info,flashcomm::coll=trace,flashcomm::p2p=trace"
+        );
+        assert_eq!(
+            directives_from_nccl(Some(DebugLevel::Info), Some(&subsys("^COLL"))),
+            "warn,flashcomm::version=info,flashcomm=info,flashcomm::coll=warn"
+        );
+        assert_eq!(
+            directives_from_nccl(Some(DebugLevel::Abort), Some(&subsys("ALL"))),
+            "warn,flashcomm::version=info,flashcomm=info"
+        );
+        // Every mapping parses as a filter.
+        for d in [
+            directives_from_nccl(Some(DebugLevel::Info), Some(&subsys("^COLL,INIT"))),
+            directives_from_nccl(Some(DebugLevel::Trace), Some(&subsys("ALL"))),
+        ] {
+            EnvFilter::builder().parse(&d).unwrap();
+        }
+    }
+
+    #[test]
+    fn file_names_expand() {
+        assert_eq!(
+            expand_file_name("/tmp/nccl.%h.%p.log", "node1", 42),
+            "/tmp/nccl.node1.42.log"
+        );
+        assert_eq!(expand_file_name("a%%b%x", "h", 1), "a%%b%x");
+        assert_eq!(expand_file_name("plain", "h", 1), "plain");
+    }
+
+    #[test]
+    fn host_name_is_short() {
+        let h = host_name();
+        assert!(!h.is_empty() && !h.contains('.'));
+    }
+}

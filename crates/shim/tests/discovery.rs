@@ -1,0 +1,210 @@
+//! Finding the real NCCL: each scenario runs in a child process with its own environment.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+
+fn symlink(target: &Path, link: &Path) {
+    let _ = std::fs::remove_file(link);
+    std::os::unix::fs::symlink(target, link).unwrap();
+}
+
+/// In a child: our library, loaded by path.
+fn ours() -> Nccl {
+    Nccl::open(&cdylib())
+}
+
+#[test]
+fn refuses_its_own_image_as_the_real_library() {
+    let name = "refuses_its_own_image_as_the_real_library";
+    if is_child(name) {
+        let n = ours();
+        let (rc, _) = n.version();
+        assert_eq!(rc, SYSTEM_ERROR);
+        let msg = n.last_error();
+        assert!(msg.contains("is flashcomm itself"), "{msg}");
+        assert!(msg.contains("FLASHCOMM_NCCL_LIB"), "{msg}");
+        // Every other forwarded call fails the same way, and nothing recursed.
+        assert_eq!(n.comm_int("ncclCommCount", 0x10).0, SYSTEM_ERROR);
+        assert_eq!(n.error_string(0), "no error");
+        return;
+    }
+    let ours = cdylib();
+    let link = scratch("own-image").join("libnccl.so.2");
+    symlink(&ours, &link);
+    for path in [ours.clone(), link] {
+        let out = run_child(name, &[("FLASHCOMM_NCCL_LIB", path.to_str().unwrap())], &[]);
+        let err = stderr(&out);
+        assert!(
+            err.contains("FLASHCOMM WARN no usable real NCCL library found"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn refuses_a_copy_of_itself() {
+    let name = "refuses_a_copy_of_itself";
+    if is_child(name) {
+        let n = ours();
+        assert_eq!(n.version().0, SYSTEM_ERROR);
+        let msg = n.last_error();
+        assert!(msg.contains("another copy of flashcomm"), "{msg}");
+        return;
+    }
+    let copy = scratch("copy").join("libnccl.so.2");
+    std::fs::copy(cdylib(), &copy).unwrap();
+    run_child(name, &[("FLASHCOMM_NCCL_LIB", copy.to_str().unwrap())], &[]);
+}
+
+#[test]
+fn finds_the_real_library_on_ld_library_path() {
+    let name = "finds_the_real_library_on_ld_library_path";
+    if is_child(name) {
+        let n = ours();
+        let (rc, v) = n.version();
+        assert_eq!(rc, SUCCESS, "{}", n.last_error());
+        assert_eq!(
+            v,
+            std::env::var("EXPECT_VERSION")
+                .unwrap()
+                .parse::<i32>()
+                .unwrap()
+        );
+        return;
+    }
+    let expect = real_version().to_string();
+    // First folder: a libnccl.so.2 that is flashcomm (must be skipped); second: the real one.
+    let decoy = scratch("decoy");
+    symlink(&cdylib(), &decoy.join("libnccl.so.2"));
+    let real_dir = real_lib().parent().unwrap().to_path_buf();
+    let lp = format!("{}:{}", decoy.display(), real_dir.display());
+    let out = run_child(
+        name,
+        &[
+            ("LD_LIBRARY_PATH", &lp),
+            ("EXPECT_VERSION", &expect),
+            ("NCCL_DEBUG", "INFO"),
+        ],
+        &["FLASHCOMM_NCCL_LIB", "CUDA_HOME"],
+    );
+    let err = stderr(&out);
+    assert!(err.contains("(found via LD_LIBRARY_PATH)"), "{err}");
+    assert!(
+        err.contains("is flashcomm itself"),
+        "the decoy is reported as skipped: {err}"
+    );
+    assert!(err.contains(" FLASHCOMM INFO using the real NCCL"), "{err}");
+}
+
+#[test]
+fn finds_an_nccl_that_is_already_loaded() {
+    let name = "finds_an_nccl_that_is_already_loaded";
+    if is_child(name) {
+        // Loaded by path before our library, as torch's preloading does.
+        let _real = Lib::open(Path::new(&std::env::var("REAL").unwrap()));
+        let n = ours();
+        assert_eq!(n.version().0, SUCCESS, "{}", n.last_error());
+        return;
+    }
+    let real = real_lib();
+    let out = run_child(
+        name,
+        &[
+            ("REAL", real.to_str().unwrap()),
+            ("LD_LIBRARY_PATH", ""),
+            ("NCCL_DEBUG", "INFO"),
+        ],
+        &["FLASHCOMM_NCCL_LIB", "CUDA_HOME"],
+    );
+    assert!(
+        stderr(&out).contains("(found via already loaded in the process)"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn finds_the_nccl_wheel_next_to_torch() {
+    let name = "finds_the_nccl_wheel_next_to_torch";
+    if is_child(name) {
+        let _torch = Lib::open(Path::new(&std::env::var("TORCH").unwrap()));
+        let n = ours();
+        assert_eq!(n.version().0, SUCCESS, "{}", n.last_error());
+        return;
+    }
+    // A fake site-packages: torch/lib/libtorch_cuda.so (an empty library) and the NCCL wheel.
+    let sp = scratch("venv").join("lib/python3/site-packages");
+    let torch = sp.join("torch/lib/libtorch_cuda.so");
+    let wheel = sp.join("nvidia/nccl/lib");
+    std::fs::create_dir_all(torch.parent().unwrap()).unwrap();
+    std::fs::create_dir_all(&wheel).unwrap();
+    let src = torch.with_extension("c");
+    std::fs::write(&src, "int fake_torch_symbol = 1;\n").unwrap();
+    build_shared(&src, &torch, &[]);
+    symlink(&real_lib(), &wheel.join("libnccl.so.2"));
+    let out = run_child(
+        name,
+        &[
+            ("TORCH", torch.to_str().unwrap()),
+            ("LD_LIBRARY_PATH", ""),
+            ("NCCL_DEBUG", "INFO"),
+        ],
+        &["FLASHCOMM_NCCL_LIB", "CUDA_HOME"],
+    );
+    let err = stderr(&out);
+    assert!(err.contains("(found via the NCCL wheel next to"), "{err}");
+    assert!(err.contains("libtorch_cuda.so)"), "{err}");
+}
+
+#[test]
+fn a_missing_real_library_is_a_clear_error() {
+    let name = "a_missing_real_library_is_a_clear_error";
+    if is_child(name) {
+        let n = ours();
+        // Functions that need no real library work.
+        assert_eq!(
+            n.error_string(5),
+            "invalid usage (run with NCCL_DEBUG=WARN for details)"
+        );
+        assert_eq!(n.all_reduce(0, 0, 4, 7, 0, 0), INVALID_ARGUMENT);
+        // The others fail with ncclSystemError and say what was tried.
+        assert_eq!(n.version().0, SYSTEM_ERROR);
+        let msg = n.last_error();
+        assert!(msg.contains("no usable real NCCL library found"), "{msg}");
+        assert!(
+            msg.contains("/nonexistent/libnccl.so.2 [LD_LIBRARY_PATH]: not found"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("/usr/local/cuda/lib64/libnccl.so.2 [system library folder]"),
+            "{msg}"
+        );
+        assert!(msg.contains("Set FLASHCOMM_NCCL_LIB"), "{msg}");
+        assert_eq!(n.comm_call("ncclCommDestroy", 0x10), SYSTEM_ERROR);
+        return;
+    }
+    // This test assumes no NCCL in the system folders of the test machine.
+    if discovery_finds_system_nccl() {
+        eprintln!("skipped: this machine has an NCCL in a system folder");
+        return;
+    }
+    run_child(
+        name,
+        &[("LD_LIBRARY_PATH", "/nonexistent")],
+        &["FLASHCOMM_NCCL_LIB", "CUDA_HOME"],
+    );
+}
+
+fn discovery_finds_system_nccl() -> bool {
+    [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib64",
+        "/usr/local/lib",
+        "/usr/local/cuda/lib64",
+    ]
+    .iter()
+    .any(|d| Path::new(d).join("libnccl.so.2").exists())
+}

@@ -1,0 +1,311 @@
+//! Forwarding semantics against a fake "older real NCCL" (tests/fake/fake_nccl.c: version
+//! 2.19.3, records what it receives, lacks many functions). Each scenario runs in a child process
+//! with `FLASHCOMM_NCCL_LIB` pointing at the fake.
+
+mod common;
+
+use std::ffi::c_int;
+
+use common::*;
+
+const FLOAT32: c_int = 7;
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Team {
+    n_ranks: c_int,
+    rank: c_int,
+    stride: c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UniqueId([u8; 128]);
+
+struct Both {
+    ours: Nccl,
+    fake: Lib,
+}
+
+/// In a child: our library and the fake it forwards to (the same object our library opened).
+fn both() -> Both {
+    let ours = Nccl::open(&cdylib());
+    assert_eq!(ours.version(), (SUCCESS, 21903), "{}", ours.last_error());
+    let fake = Lib::open(std::path::Path::new(
+        &std::env::var("FLASHCOMM_NCCL_LIB").unwrap(),
+    ));
+    Both { ours, fake }
+}
+
+fn child(name: &str, extra: &[(&str, &str)]) -> std::process::Output {
+    let fake = fake_lib();
+    let mut env = vec![("FLASHCOMM_NCCL_LIB", fake.to_str().unwrap())];
+    env.extend_from_slice(extra);
+    run_child(name, &env, &[])
+}
+
+fn init_rank(n: &Nccl) -> usize {
+    let f: unsafe extern "C" fn(*mut usize, c_int, UniqueId, c_int) -> c_int =
+        n.lib.get("ncclCommInitRank");
+    let mut comm = 0usize;
+    // SAFETY: valid out pointer; the id is passed by value as the header declares.
+    assert_eq!(unsafe { f(&mut comm, 1, UniqueId([0; 128]), 0) }, SUCCESS);
+    comm
+}
+
+#[test]
+fn functions_the_real_library_lacks() {
+    let name = "functions_the_real_library_lacks";
+    if is_child(name) {
+        let Both { ours, .. } = both();
+        type Shrink =
+            unsafe extern "C" fn(usize, *mut c_int, c_int, *mut usize, usize, c_int) -> c_int;
+        let shrink: Shrink = ours.lib.get("ncclCommShrink");
+        let mut out = 0usize;
+        // SAFETY: the call fails before anything is used.
+        let rc = unsafe { shrink(0x10, std::ptr::null_mut(), 0, &mut out, 0, 0) };
+        assert_eq!(rc, INVALID_USAGE);
+        let msg = ours.last_error();
+        for part in [
+            "ncclCommShrink",
+            "2.19.3",
+            "2.32.3",
+            "is not provided by the real NCCL",
+        ] {
+            assert!(msg.contains(part), "{part}: {msg}");
+        }
+        // Functions without an ncclResult_t return their documented defaults.
+        let world: unsafe extern "C" fn(usize) -> Team = ours.lib.get("ncclTeamWorld");
+        // SAFETY: the fake lacks the function; nothing is dereferenced.
+        let rc = unsafe { world(0x10) };
+        assert_eq!(
+            rc,
+            Team {
+                n_ranks: 0,
+                rank: 0,
+                stride: 0
+            }
+        );
+        assert!(ours.last_error().contains("ncclTeamWorld"));
+        let to_world: unsafe extern "C" fn(usize, Team, c_int) -> c_int =
+            ours.lib.get("pncclTeamRankToWorld");
+        let team = Team {
+            n_ranks: 1,
+            rank: 0,
+            stride: 1,
+        };
+        // SAFETY: as above.
+        let rc = unsafe { to_world(0x10, team, 0) };
+        assert_eq!(rc, -1);
+        let dump: unsafe extern "C" fn() = ours.lib.get("ncclParamDumpAll");
+        // SAFETY: no arguments.
+        unsafe { dump() };
+        assert!(ours.last_error().contains("ncclParamDumpAll"));
+        return;
+    }
+    let out = child(name, &[]);
+    assert!(
+        stderr(&out).contains("FLASHCOMM WARN ncclCommShrink is not provided"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn config_collectives_fall_back_to_the_plain_ones_when_config_is_null() {
+    let name = "config_collectives_fall_back_to_the_plain_ones_when_config_is_null";
+    if is_child(name) {
+        let Both { ours, fake } = both();
+        let before = fake.int("fake_allreduce_calls");
+        assert_eq!(ours.all_reduce_config(4, FLOAT32, 0, 0x10, 0), SUCCESS);
+        assert_eq!(fake.int("fake_allreduce_calls"), before + 1);
+        let config = [0u8; 64];
+        assert_eq!(
+            ours.all_reduce_config(4, FLOAT32, 0, 0x10, config.as_ptr() as usize),
+            INVALID_USAGE
+        );
+        assert_eq!(fake.int("fake_allreduce_calls"), before + 1);
+        assert!(
+            ours.last_error()
+                .contains("ncclAllReduceConfig is not provided")
+        );
+        return;
+    }
+    child(name, &[]);
+}
+
+#[test]
+fn handles_configs_and_operators_pass_through_unchanged() {
+    let name = "handles_configs_and_operators_pass_through_unchanged";
+    if is_child(name) {
+        let Both { ours, fake } = both();
+        let fake_comm = fake.addr("fake_comm_object") as usize;
+        let comm = init_rank(&ours);
+        assert_eq!(comm, fake_comm, "the real handle is returned unchanged");
+
+        // The config pointer reaches the real library untouched, whatever the struct holds.
+        type InitConfig =
+            unsafe extern "C" fn(*mut usize, c_int, UniqueId, c_int, *const u8) -> c_int;
+        let init_config: InitConfig = ours.lib.get("ncclCommInitRankConfig");
+        let config = [0xa5u8; 200]; // larger than our header's ncclConfig_t
+        let mut comm2 = 0usize;
+        // SAFETY: valid pointers; the fake only records the config address.
+        let rc = unsafe { init_config(&mut comm2, 1, UniqueId([0; 128]), 0, config.as_ptr()) };
+        assert_eq!(rc, SUCCESS);
+        assert_eq!(fake.ptr("fake_last_config"), config.as_ptr() as usize);
+
+        // PreMulSum handles (>= ncclNumOps) are forwarded as they are.
+        assert_eq!(
+            ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, 8, comm),
+            SUCCESS
+        );
+        assert_eq!(fake.int("fake_last_op"), 8);
+        assert_eq!(fake.ptr("fake_last_comm"), comm);
+        let calls = fake.int("fake_allreduce_calls");
+        // A negative operator never reaches it.
+        assert_eq!(
+            ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, -3, comm),
+            INVALID_ARGUMENT
+        );
+        assert_eq!(fake.int("fake_allreduce_calls"), calls);
+
+        // Statistics: per communicator, both names count.
+        assert_eq!(
+            ours.all_reduce_named("pncclAllReduce", 0x1000, 0x2000, 10, FLOAT32, 0, comm),
+            SUCCESS
+        );
+        let (rc, s) = ours.stats(comm);
+        assert_eq!(rc, SUCCESS);
+        assert_eq!(s.calls[0][0], 2, "{s:?}");
+        assert_eq!(s.bytes[0][0], 4 * 4 + 10 * 4);
+        assert_eq!(s.calls[1], [0; 8]);
+        let (_, total) = ours.stats(0);
+        assert!(total.calls[0][0] >= 2);
+
+        // Destroy: the communicator leaves the registry; totals stay.
+        assert_eq!(ours.comm_call("ncclCommDestroy", comm), SUCCESS);
+        assert_eq!(ours.stats(comm).0, INVALID_ARGUMENT);
+        assert_eq!(ours.stats(0).1.calls[0][0], total.calls[0][0]);
+        return;
+    }
+    child(name, &[]);
+}
+
+#[test]
+fn the_real_librarys_failures_keep_its_message() {
+    let name = "the_real_librarys_failures_keep_its_message";
+    if is_child(name) {
+        let Both { ours, fake } = both();
+        type SendFn = unsafe extern "C" fn(usize, usize, c_int, c_int, usize, usize) -> c_int;
+        let send: SendFn = ours.lib.get("ncclSend");
+        // Ours first...
+        assert_eq!(ours.all_reduce(0, 0, 1, FLOAT32, 0, 0), INVALID_ARGUMENT);
+        assert_eq!(ours.last_error(), "ncclAllReduce: comm argument is NULL");
+        // ...then the real library fails: its own message answers.
+        // SAFETY: the fake ignores every argument.
+        let rc = unsafe { send(0x1000, 4, FLOAT32, 1, 0x10, 0) };
+        assert_eq!(rc, INVALID_USAGE);
+        assert_eq!(fake.int("fake_send_calls"), 1);
+        assert_eq!(ours.last_error(), "fake: send refused");
+        // ...and ours again.
+        assert_eq!(
+            ours.all_reduce(0x1000, 0x2000, 1, 42, 0, 0x10),
+            INVALID_ARGUMENT
+        );
+        assert!(ours.last_error().contains("invalid datatype 42"));
+        return;
+    }
+    child(name, &[]);
+}
+
+#[test]
+fn a_panic_becomes_an_internal_error() {
+    let name = "a_panic_becomes_an_internal_error";
+    if is_child(name) {
+        let Both { ours, .. } = both();
+        for f in ["ncclCommCount", "pncclCommCount"] {
+            let (rc, _) = ours.comm_int(f, 0x10);
+            assert_eq!(rc, INTERNAL_ERROR, "{f}");
+            let msg = ours.last_error();
+            assert!(
+                msg.contains("ncclCommCount: internal error in flashcomm"),
+                "{msg}"
+            );
+            assert!(msg.contains("FLASHCOMM_DEBUG_PANIC"), "{msg}");
+        }
+        // The library keeps working.
+        assert_eq!(ours.version(), (SUCCESS, 21903));
+        return;
+    }
+    let out = child(name, &[("FLASHCOMM_DEBUG_PANIC", "ncclCommCount")]);
+    let err = stderr(&out);
+    assert!(
+        err.contains("FLASHCOMM WARN ncclCommCount: internal error in flashcomm"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("thread '"),
+        "the default panic hook must not print: {err}"
+    );
+}
+
+#[test]
+fn a_panic_in_a_function_without_result_code_returns_its_default() {
+    let name = "a_panic_in_a_function_without_result_code_returns_its_default";
+    if is_child(name) {
+        let Both { ours, .. } = both();
+        let world: unsafe extern "C" fn(usize) -> Team = ours.lib.get("ncclTeamWorld");
+        // SAFETY: the boundary panics before anything is used.
+        let rc = unsafe { world(0x10) };
+        assert_eq!(
+            rc,
+            Team {
+                n_ranks: 0,
+                rank: 0,
+                stride: 0
+            }
+        );
+        let es: unsafe extern "C" fn(c_int) -> *const std::ffi::c_char =
+            ours.lib.get("ncclGetErrorString");
+        // SAFETY: returns a static string.
+        let s = unsafe { std::ffi::CStr::from_ptr(es(0)) };
+        assert_eq!(s.to_bytes(), b"no error", "only the named function panics");
+        return;
+    }
+    child(name, &[("FLASHCOMM_DEBUG_PANIC", "pncclTeamWorld")]);
+}
+
+#[test]
+fn a_fork_child_only_forwards() {
+    let name = "a_fork_child_only_forwards";
+    if is_child(name) {
+        let Both { ours, fake } = both();
+        // In this process, a NULL communicator is refused by our checks...
+        assert_eq!(ours.all_reduce(0, 0, 4, FLOAT32, 0, 0), INVALID_ARGUMENT);
+        let calls = fake.int("fake_allreduce_calls");
+        // SAFETY: the child only calls into the libraries and _exit()s.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            // ...in a fork child, flashcomm's state is bypassed and the call goes to NCCL.
+            let rc = ours.all_reduce(0, 0, 4, FLOAT32, 0, 0);
+            let ok = rc == SUCCESS && fake.int("fake_allreduce_calls") == calls + 1;
+            // SAFETY: _exit ends the child without running the parent's atexit handlers.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child just forked.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "fork child failed"
+        );
+        assert_eq!(
+            fake.int("fake_allreduce_calls"),
+            calls,
+            "the parent is unchanged"
+        );
+        return;
+    }
+    child(name, &[]);
+}

@@ -1,0 +1,59 @@
+/* A tiny stand-in for an older real NCCL, used by the shim's tests. It reports version 2.19.3,
+ * implements a handful of functions (recording what it received), and lacks many others
+ * (ncclAllReduceConfig, ncclCommShrink, ncclTeamWorld, ncclTeamRankToWorld, ncclParamDumpAll,
+ * ...), so that the tests can see what flashcomm does with a function the real library lacks.
+ * Types are spelled with plain C types: the ABI is what matters. */
+#include <stddef.h>
+#include <stdint.h>
+
+struct fake_comm { int magic; };
+struct fake_comm fake_comm_object = { 0x5eed };
+
+/* What the last calls received; read by the tests through dlsym. */
+int fake_allreduce_calls = 0;
+int fake_last_op = -1;
+size_t fake_last_count = 0;
+void* fake_last_comm = 0;
+const void* fake_last_config = 0;
+int fake_send_calls = 0;
+
+static const char* last_error = "";
+
+int ncclGetVersion(int* version) { *version = 21903; return 0; }
+const char* ncclGetErrorString(int result) { (void)result; return "fake error string"; }
+const char* ncclGetLastError(void* comm) { (void)comm; return last_error; }
+
+int ncclCommInitRank(void** comm, int nranks, struct { char internal[128]; } id, int rank) {
+  (void)nranks; (void)id; (void)rank;
+  *comm = &fake_comm_object;
+  return 0;
+}
+
+int ncclCommInitRankConfig(void** comm, int nranks, struct { char internal[128]; } id, int rank,
+                           const void* config) {
+  (void)nranks; (void)id; (void)rank;
+  fake_last_config = config;
+  *comm = &fake_comm_object;
+  return 0;
+}
+
+int ncclCommDestroy(void* comm) { (void)comm; return 0; }
+int ncclCommCount(void* comm, int* count) { (void)comm; *count = 1; return 0; }
+int ncclGroupStart(void) { return 0; }
+int ncclGroupEnd(void) { return 0; }
+
+int ncclAllReduce(const void* s, void* r, size_t count, int dt, int op, void* comm, void* stream) {
+  (void)s; (void)r; (void)dt; (void)stream;
+  fake_allreduce_calls++;
+  fake_last_op = op;
+  fake_last_count = count;
+  fake_last_comm = comm;
+  return 0;
+}
+
+int ncclSend(const void* s, size_t count, int dt, int peer, void* comm, void* stream) {
+  (void)s; (void)count; (void)dt; (void)peer; (void)comm; (void)stream;
+  fake_send_calls++;
+  last_error = "fake: send refused";
+  return 5; /* ncclInvalidUsage */
+}

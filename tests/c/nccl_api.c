@@ -1,0 +1,147 @@
+/* Exercises flashcomm's libnccl.so.2 through NCCL's own header, as a C program linked with
+ * -lnccl would. Without arguments it checks what works on any machine (versions, error strings,
+ * argument checks, the last error); with --gpu it also creates a world-size-1 communicator on
+ * device 0 and runs all-reduces (the CUDA driver is loaded at run time, so the program links
+ * without CUDA libraries).
+ *
+ *   nccl_api [--expect-version N] [--gpu]
+ *
+ * Prints one PASS/FAIL line per check and exits with the number of failures. */
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nccl.h"
+#include "flashcomm.h"
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                   \
+  do {                                                     \
+    if (cond) {                                            \
+      printf("PASS %s\n", #cond);                          \
+    } else {                                               \
+      printf("FAIL %s: ", #cond);                          \
+      printf(__VA_ARGS__);                                 \
+      printf("\n");                                        \
+      failures++;                                          \
+    }                                                      \
+  } while (0)
+
+static int contains(const char* s, const char* part) { return s != NULL && strstr(s, part) != NULL; }
+
+static void cpu_checks(int expect_version) {
+  int v = 0, pv = 0;
+  CHECK(ncclGetVersion(&v) == ncclSuccess, "%s", ncclGetLastError(NULL));
+  if (expect_version) CHECK(v == expect_version, "got %d, expected %d", v, expect_version);
+  else CHECK(v >= NCCL_VERSION(2, 18, 0), "got %d", v);
+  CHECK(pncclGetVersion(&pv) == ncclSuccess && pv == v, "pnccl twin: %d", pv);
+
+  CHECK(strcmp(ncclGetErrorString(ncclSuccess), "no error") == 0, "%s", ncclGetErrorString(ncclSuccess));
+  CHECK(strcmp(ncclGetErrorString(ncclInvalidArgument),
+               "invalid argument (run with NCCL_DEBUG=WARN for details)") == 0, "wording");
+  CHECK(strcmp(ncclGetErrorString((ncclResult_t)99), "unknown result code") == 0, "unknown code");
+
+  float host[4] = {1, 2, 3, 4};
+  ncclComm_t bogus = (ncclComm_t)(uintptr_t)0x10; /* never dereferenced: every call below fails its checks or has count 0 */
+  CHECK(ncclAllReduce(host, host, 4, ncclFloat32, ncclSum, NULL, NULL) == ncclInvalidArgument, "null comm");
+  CHECK(contains(ncclGetLastError(NULL), "comm argument is NULL"), "%s", ncclGetLastError(NULL));
+  CHECK(ncclAllReduce(host, host, 4, (ncclDataType_t)ncclNumTypes, ncclSum, bogus, NULL) == ncclInvalidArgument, "datatype");
+  CHECK(contains(ncclGetLastError(NULL), "invalid datatype 12"), "%s", ncclGetLastError(NULL));
+  CHECK(ncclAllReduce(host, host, 4, ncclFloat32, (ncclRedOp_t)-1, bogus, NULL) == ncclInvalidArgument, "operator");
+  CHECK(contains(ncclGetLastError(NULL), "invalid reduction operation -1"), "%s", ncclGetLastError(NULL));
+  CHECK(ncclAllReduce(NULL, NULL, 0, ncclFloat32, ncclSum, bogus, NULL) == ncclSuccess, "count 0");
+  CHECK(ncclBroadcast(host, NULL, 4, ncclFloat32, 0, bogus, NULL) == ncclInvalidArgument, "null recvbuff");
+  CHECK(ncclReduceScatter(NULL, host, 1, ncclFloat32, ncclSum, bogus, NULL) == ncclInvalidArgument, "null sendbuff");
+  CHECK(ncclSend(NULL, 0, ncclFloat32, 0, bogus, NULL) == ncclSuccess, "send count 0");
+  CHECK(ncclAllGatherConfig(host, host, 1, ncclFloat32, NULL, NULL, NULL) == ncclInvalidArgument, "config variant");
+
+  int fv = 0;
+  CHECK(flashcommGetVersion(&fv) == ncclSuccess && fv > 0, "flashcomm version %d", fv);
+  char cfg[4096];
+  CHECK(flashcommGetConfigString(cfg, sizeof cfg) == ncclSuccess && contains(cfg, "passthrough="), "%s", cfg);
+}
+
+/* CUDA driver API, loaded at run time. */
+typedef int (*cuInit_t)(unsigned);
+typedef int (*cuDeviceGet_t)(int*, int);
+typedef int (*cuPrimaryCtxRetain_t)(void**, int);
+typedef int (*cuCtxSetCurrent_t)(void*);
+typedef int (*cuMemAlloc_t)(unsigned long long*, size_t);
+typedef int (*cuMemFree_t)(unsigned long long);
+typedef int (*cuMemcpyHtoD_t)(unsigned long long, const void*, size_t);
+typedef int (*cuMemcpyDtoH_t)(void*, unsigned long long, size_t);
+typedef int (*cuCtxSynchronize_t)(void);
+
+static void* need(void* lib, const char* name) {
+  void* p = dlsym(lib, name);
+  if (!p) { printf("FAIL missing %s\n", name); exit(100); }
+  return p;
+}
+
+static void gpu_checks(void) {
+  void* cu = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  CHECK(cu != NULL, "libcuda.so.1: %s", dlerror());
+  if (!cu) return;
+  cuInit_t cuInit = (cuInit_t)need(cu, "cuInit");
+  cuDeviceGet_t cuDeviceGet = (cuDeviceGet_t)need(cu, "cuDeviceGet");
+  cuPrimaryCtxRetain_t retain = (cuPrimaryCtxRetain_t)need(cu, "cuDevicePrimaryCtxRetain");
+  cuCtxSetCurrent_t setCurrent = (cuCtxSetCurrent_t)need(cu, "cuCtxSetCurrent");
+  cuMemAlloc_t memAlloc = (cuMemAlloc_t)need(cu, "cuMemAlloc_v2");
+  cuMemFree_t memFree = (cuMemFree_t)need(cu, "cuMemFree_v2");
+  cuMemcpyHtoD_t htod = (cuMemcpyHtoD_t)need(cu, "cuMemcpyHtoD_v2");
+  cuMemcpyDtoH_t dtoh = (cuMemcpyDtoH_t)need(cu, "cuMemcpyDtoH_v2");
+  cuCtxSynchronize_t sync = (cuCtxSynchronize_t)need(cu, "cuCtxSynchronize");
+
+  int dev = 0; void* ctx = NULL;
+  CHECK(cuInit(0) == 0 && cuDeviceGet(&dev, 0) == 0 && retain(&ctx, dev) == 0 && setCurrent(ctx) == 0, "CUDA context");
+
+  ncclUniqueId id;
+  ncclComm_t comm = NULL;
+  CHECK(ncclGetUniqueId(&id) == ncclSuccess, "%s", ncclGetLastError(NULL));
+  CHECK(ncclCommInitRank(&comm, 1, id, 0) == ncclSuccess && comm != NULL, "%s", ncclGetLastError(NULL));
+  int count = 0, rank = -1;
+  CHECK(ncclCommCount(comm, &count) == ncclSuccess && count == 1, "count %d", count);
+  CHECK(ncclCommUserRank(comm, &rank) == ncclSuccess && rank == 0, "rank %d", rank);
+
+  enum { N = 1 << 20 };
+  float* host = (float*)malloc(N * sizeof(float));
+  float* back = (float*)malloc(N * sizeof(float));
+  for (int i = 0; i < N; i++) host[i] = (float)(i % 1000) * 0.5f;
+  unsigned long long a = 0, b = 0;
+  CHECK(memAlloc(&a, N * sizeof(float)) == 0 && memAlloc(&b, N * sizeof(float)) == 0, "alloc");
+  htod(a, host, N * sizeof(float));
+  CHECK(ncclAllReduce((void*)a, (void*)b, N, ncclFloat32, ncclSum, comm, NULL) == ncclSuccess,
+        "out of place: %s", ncclGetLastError(comm));
+  CHECK(ncclAllReduce((void*)a, (void*)a, N, ncclFloat32, ncclSum, comm, NULL) == ncclSuccess,
+        "in place: %s", ncclGetLastError(comm));
+  sync();
+  dtoh(back, b, N * sizeof(float));
+  CHECK(memcmp(back, host, N * sizeof(float)) == 0, "out-of-place result differs");
+  dtoh(back, a, N * sizeof(float));
+  CHECK(memcmp(back, host, N * sizeof(float)) == 0, "in-place result differs");
+
+  flashcommStats_t stats;
+  CHECK(flashcommGetStats(comm, &stats) == ncclSuccess, "%s", ncclGetLastError(NULL));
+  CHECK(stats.calls[FLASHCOMM_ROUTE_NCCL][FLASHCOMM_COLL_ALLREDUCE] == 2, "calls %llu",
+        (unsigned long long)stats.calls[FLASHCOMM_ROUTE_NCCL][FLASHCOMM_COLL_ALLREDUCE]);
+  CHECK(stats.bytes[FLASHCOMM_ROUTE_NCCL][FLASHCOMM_COLL_ALLREDUCE] == 2ull * N * sizeof(float), "bytes");
+  CHECK(ncclCommDestroy(comm) == ncclSuccess, "%s", ncclGetLastError(NULL));
+  memFree(a); memFree(b);
+  free(host); free(back);
+}
+
+int main(int argc, char** argv) {
+  int gpu = 0, expect_version = 0;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--gpu") == 0) gpu = 1;
+    else if (strcmp(argv[i], "--expect-version") == 0 && i + 1 < argc) expect_version = atoi(argv[++i]);
+    else { fprintf(stderr, "usage: %s [--expect-version N] [--gpu]\n", argv[0]); return 2; }
+  }
+  cpu_checks(expect_version);
+  if (gpu) gpu_checks();
+  printf("%s: %d failure(s)\n", failures ? "FAIL" : "PASS", failures);
+  return failures;
+}

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""PyTorch on flashcomm: with flashcomm's library in LD_PRELOAD, runs torch.distributed's NCCL
+backend on N GPUs and checks the results exactly, and that the calls went through flashcomm.
+
+    python3 torch_preload.py --lib PATH/libnccl.so --world-size N [--real PATH/libnccl.so.2]
+
+GPU machine only. The script re-executes itself with LD_PRELOAD set if needed, then spawns N
+processes (one per GPU). Without --real, flashcomm finds the NCCL that torch ships with. Each check
+prints a PASS/FAIL line; the exit status is 0 only if every rank passed.
+"""
+import argparse
+import ctypes
+import os
+import socket
+import sys
+
+COLLS = ["allreduce", "reducescatter", "allgather", "alltoall", "broadcast", "reduce", "send", "recv"]
+
+
+class flashcommStats_t(ctypes.Structure):
+    _fields_ = [("calls", (ctypes.c_uint64 * 8) * 3), ("bytes", (ctypes.c_uint64 * 8) * 3)]
+
+
+def stats(lib_path):
+    # The library is already loaded (preloaded): CDLL returns the same object.
+    lib = ctypes.CDLL(lib_path)
+    lib.flashcommGetStats.restype = ctypes.c_int
+    lib.flashcommGetStats.argtypes = [ctypes.c_void_p, ctypes.POINTER(flashcommStats_t)]
+    s = flashcommStats_t()
+    rc = lib.flashcommGetStats(None, ctypes.byref(s))
+    if rc != 0:
+        raise RuntimeError(f"flashcommGetStats failed: {rc}")
+    return {name: s.calls[0][i] for i, name in enumerate(COLLS)}
+
+
+def worker(rank, world, port, lib_path):
+    import torch
+    import torch.distributed as dist
+
+    failures = []
+
+    def check(ok, what, detail=""):
+        print(f"[rank {rank}] {'PASS' if ok else 'FAIL'} {what}{'' if ok else ': ' + str(detail)}", flush=True)
+        if not ok:
+            failures.append(what)
+
+    torch.cuda.set_device(rank)
+    dev = torch.device(f"cuda:{rank}")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=dev)
+    check(True, f"init_process_group (torch {torch.__version__}, NCCL {torch.cuda.nccl.version()})")
+    before = stats(lib_path)
+
+    n = 4096
+    expected_sum = world * (world + 1) / 2
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        # Small integers: exact in every type, and so is their sum.
+        base = (torch.arange(n, device=dev) % 7).to(dtype)
+        t = base + (rank + 1)
+        dist.all_reduce(t)
+        want = base * world + expected_sum
+        check(torch.equal(t, want), f"all_reduce sum {dtype}", (t - want).abs().max().item())
+
+    x = torch.full((n,), float(rank), device=dev)
+    out = torch.empty(world * n, device=dev)
+    dist.all_gather_into_tensor(out, x)
+    want = torch.arange(world, device=dev, dtype=torch.float32).repeat_interleave(n)
+    check(torch.equal(out, want), "all_gather_into_tensor")
+
+    k = 16
+    inp = torch.cat([torch.full((k,), float(rank * 100 + j), device=dev) for j in range(world)])
+    got = torch.empty_like(inp)
+    dist.all_to_all_single(got, inp)
+    want = torch.cat([torch.full((k,), float(j * 100 + rank), device=dev) for j in range(world)])
+    check(torch.equal(got, want), "all_to_all_single")
+
+    b = torch.full((n,), float(rank + 42), device=dev)
+    dist.broadcast(b, src=0)
+    check(torch.equal(b, torch.full_like(b, 42.0)), "broadcast from rank 0")
+
+    if world > 1:
+        full = torch.arange(world * n, device=dev, dtype=torch.float32) + rank
+        part = torch.empty(n, device=dev)
+        dist.reduce_scatter_tensor(part, full)
+        idx = torch.arange(rank * n, (rank + 1) * n, device=dev, dtype=torch.float32)
+        check(torch.equal(part, idx * world + world * (world - 1) / 2), "reduce_scatter_tensor")
+
+    members = list(range(0, world, 2))
+    sub = dist.new_group(ranks=members)
+    if rank in members:
+        s = torch.full((n,), float(rank + 1), device=dev)
+        dist.all_reduce(s, group=sub)
+        check(torch.equal(s, torch.full_like(s, float(sum(m + 1 for m in members)))), "new_group all_reduce")
+
+    torch.cuda.synchronize()
+    after = stats(lib_path)
+    moved = {c: after[c] - before[c] for c in after}
+    print(f"[rank {rank}] flashcomm calls forwarded to NCCL during the test: {moved}", flush=True)
+    check(moved["allreduce"] >= 3, "all-reduces went through flashcomm", moved)
+    check(moved["allgather"] >= 1, "all-gathers went through flashcomm", moved)
+    check(moved["broadcast"] >= 1, "broadcasts went through flashcomm", moved)
+    check(moved["alltoall"] + moved["send"] >= 1, "all-to-all went through flashcomm", moved)
+    if world > 1:
+        check(moved["reducescatter"] >= 1, "reduce-scatters went through flashcomm", moved)
+
+    dist.destroy_process_group()
+    if failures:
+        sys.exit(1)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lib", required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--real", help="the real libnccl.so.2 (default: found by flashcomm)")
+    args = p.parse_args()
+    lib = os.path.abspath(args.lib)
+
+    if lib not in os.environ.get("LD_PRELOAD", "").split(":"):
+        env = dict(os.environ)
+        env["LD_PRELOAD"] = ":".join(x for x in [lib, env.get("LD_PRELOAD", "")] if x)
+        if args.real:
+            env["FLASHCOMM_NCCL_LIB"] = os.path.abspath(args.real)
+        os.execve(sys.executable, [sys.executable] + sys.argv, env)
+
+    import torch
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < args.world_size:
+        print(f"FAIL need {args.world_size} GPUs, found {torch.cuda.device_count()}")
+        return 1
+    try:
+        mp.spawn(worker, args=(args.world_size, free_port(), lib), nprocs=args.world_size, join=True)
+    except Exception as e:  # a rank failed or crashed
+        print(f"FAIL {e}")
+        return 1
+    print(f"PASS torch on flashcomm, world size {args.world_size}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
