@@ -1,14 +1,17 @@
 /* Per-call overhead of flashcomm's forwarding: times small calls through flashcomm's library and
  * through the real NCCL opened directly, and prints nanoseconds per call for both and the
- * difference. ncclGetVersion needs no GPU; with --gpu a world-size-1 communicator on device 0 is
- * created and ncclCommCount / ncclCommUserRank are timed too.
+ * difference. ncclGetVersion needs no GPU; when a GPU is there (or with --gpu) a world-size-1
+ * communicator on device 0 is created and ncclCommCount / ncclCommUserRank are timed too.
  *
- *   overhead --ours PATH/libnccl.so --real PATH/libnccl.so.2 [--gpu] [--iters N]
+ *   overhead [--ours] PATH/libnccl.so [--real PATH/libnccl.so.2] [--gpu | --cpu] [--iters N]
  *
- * flashcomm is pointed at the same real library (FLASHCOMM_NCCL_LIB) unless the variable is set.
- * Each figure is the best of 7 rounds of N calls. */
-#define _POSIX_C_SOURCE 200809L
+ * The real library is --real, else $FLASHCOMM_NCCL_LIB, else the one flashcomm itself found
+ * (the other libnccl.so* loaded in the process after a first call through flashcomm). Each figure
+ * is the best of 7 rounds of N calls. */
+#define _GNU_SOURCE
 #include <dlfcn.h>
+#include <link.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,7 +72,25 @@ static void report(const char* name, double real, double ours) {
   printf("%-20s real %8.1f ns   flashcomm %8.1f ns   overhead %+8.1f ns\n", name, real, ours, ours - real);
 }
 
+/* The path of a loaded libnccl.so* that is not `ours` (the real library flashcomm opened). */
+static char found_real[PATH_MAX];
+static const char* ours_real_path;
+
+static int find_other_nccl(struct dl_phdr_info* info, size_t size, void* data) {
+  (void)size; (void)data;
+  const char* name = info->dlpi_name;
+  if (!name || !*name) return 0;
+  const char* base = strrchr(name, '/');
+  base = base ? base + 1 : name;
+  if (strncmp(base, "libnccl.so", 10) != 0) return 0;
+  char resolved[PATH_MAX];
+  if (!realpath(name, resolved) || strcmp(resolved, ours_real_path) == 0) return 0;
+  snprintf(found_real, sizeof found_real, "%s", resolved);
+  return 1;
+}
+
 typedef int (*cu_int_t)(unsigned);
+typedef int (*cu_count_t)(int*);
 typedef int (*cu_dev_t)(int*, int);
 typedef int (*cu_retain_t)(void**, int);
 typedef int (*cu_set_t)(void*);
@@ -77,20 +98,36 @@ typedef int (*cu_set_t)(void*);
 int main(int argc, char** argv) {
   const char* ours_path = NULL;
   const char* real_path = NULL;
-  int gpu = 0;
+  int gpu = -1; /* -1: if a GPU is there */
   long iters = 1000000;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--ours") && i + 1 < argc) ours_path = argv[++i];
     else if (!strcmp(argv[i], "--real") && i + 1 < argc) real_path = argv[++i];
     else if (!strcmp(argv[i], "--gpu")) gpu = 1;
+    else if (!strcmp(argv[i], "--cpu")) gpu = 0;
     else if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atol(argv[++i]);
-    else { fprintf(stderr, "usage: %s --ours PATH --real PATH [--gpu] [--iters N]\n", argv[0]); return 2; }
+    else if (argv[i][0] != '-' && !ours_path) ours_path = argv[i];
+    else { fprintf(stderr, "usage: %s [--ours] PATH [--real PATH] [--gpu|--cpu] [--iters N]\n", argv[0]); return 2; }
   }
-  if (!ours_path || !real_path) { fprintf(stderr, "--ours and --real are required\n"); return 2; }
-  setenv("FLASHCOMM_NCCL_LIB", real_path, 0);
+  if (!ours_path) { fprintf(stderr, "the path of flashcomm's library is required\n"); return 2; }
+  if (!real_path) real_path = getenv("FLASHCOMM_NCCL_LIB");
+  if (real_path) setenv("FLASHCOMM_NCCL_LIB", real_path, 0);
 
-  void* real = open_lib(real_path);
+  static char ours_resolved[PATH_MAX];
+  if (!realpath(ours_path, ours_resolved)) { perror(ours_path); return 2; }
+  ours_real_path = ours_resolved;
   void* ours = open_lib(ours_path);
+  if (!real_path) {
+    int v = 0;
+    if (((get_version_t)sym(ours, "ncclGetVersion"))(&v) != 0 ||
+        !dl_iterate_phdr(find_other_nccl, NULL)) {
+      fprintf(stderr, "flashcomm found no real NCCL; pass --real or set FLASHCOMM_NCCL_LIB\n");
+      return 2;
+    }
+    real_path = found_real;
+  }
+  printf("flashcomm %s\nreal NCCL %s\n", ours_path, real_path);
+  void* real = open_lib(real_path);
   get_version_t real_version = (get_version_t)sym(real, "ncclGetVersion");
   get_version_t ours_version = (get_version_t)sym(ours, "ncclGetVersion");
   int v1 = 0, v2 = 0;
@@ -101,8 +138,13 @@ int main(int argc, char** argv) {
   printf("NCCL %d, %ld calls per round, best of 7 rounds\n", v1, iters);
   report("ncclGetVersion", time_version(real_version, iters), time_version(ours_version, iters));
 
+  void* cu = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (gpu == -1) {
+    int n = 0;
+    gpu = cu && ((cu_int_t)sym(cu, "cuInit"))(0) == 0 && ((cu_count_t)sym(cu, "cuDeviceGetCount"))(&n) == 0 && n > 0;
+  }
   if (gpu) {
-    void* cu = open_lib("libcuda.so.1");
+    if (!cu) { fprintf(stderr, "libcuda.so.1: %s\n", dlerror()); return 1; }
     int dev = 0; void* ctx = NULL;
     if (((cu_int_t)sym(cu, "cuInit"))(0) || ((cu_dev_t)sym(cu, "cuDeviceGet"))(&dev, 0) ||
         ((cu_retain_t)sym(cu, "cuDevicePrimaryCtxRetain"))(&ctx, dev) || ((cu_set_t)sym(cu, "cuCtxSetCurrent"))(ctx)) {

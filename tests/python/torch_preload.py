@@ -2,10 +2,11 @@
 """PyTorch on flashcomm: with flashcomm's library in LD_PRELOAD, runs torch.distributed's NCCL
 backend on N GPUs and checks the results exactly, and that the calls went through flashcomm.
 
-    python3 torch_preload.py --lib PATH/libnccl.so --world-size N [--real PATH/libnccl.so.2]
+    python3 torch_preload.py [--lib PATH/libnccl.so] --world-size N [--real PATH/libnccl.so.2]
+    LD_PRELOAD=PATH/libnccl.so.2 python3 torch_preload.py --world-size N
 
-GPU machine only. The script re-executes itself with LD_PRELOAD set if needed, then spawns N
-processes (one per GPU). Without --real, flashcomm finds the NCCL that torch ships with. Each check
+GPU machine only. Without --lib, the library is the libnccl* entry of LD_PRELOAD. The script
+re-executes itself with LD_PRELOAD set if needed, then spawns N processes (one per GPU). Without --real, flashcomm finds the NCCL that torch ships with. Each check
 prints a PASS/FAIL line; the exit status is 0 only if every rank passed.
 """
 import argparse
@@ -116,13 +117,16 @@ def free_port():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lib", required=True)
+    p.add_argument("--lib", help="flashcomm's library (default: the libnccl* entry of LD_PRELOAD)")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--real", help="the real libnccl.so.2 (default: found by flashcomm)")
     args = p.parse_args()
-    lib = os.path.abspath(args.lib)
+    preloaded = [x for x in os.environ.get("LD_PRELOAD", "").split(":") if "libnccl" in os.path.basename(x)]
+    if not args.lib and not preloaded:
+        p.error("--lib is required when LD_PRELOAD holds no libnccl library")
+    lib = os.path.abspath(args.lib or preloaded[0])
 
-    if lib not in os.environ.get("LD_PRELOAD", "").split(":"):
+    if lib not in [os.path.abspath(x) for x in os.environ.get("LD_PRELOAD", "").split(":") if x]:
         env = dict(os.environ)
         env["LD_PRELOAD"] = ":".join(x for x in [lib, env.get("LD_PRELOAD", "")] if x)
         if args.real:

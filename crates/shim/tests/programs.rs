@@ -54,7 +54,7 @@ fn c_program_linked_with_lnccl() {
     let nccl_include = env_dir("FLASHCOMM_NCCL_HOME").join("include");
     let cuda_include = env_dir("FLASHCOMM_CUDA_INCLUDE");
     let dir = link_dir();
-    let exe = dir.join("nccl_api");
+    let exe = dir.join("abi_smoke");
     run(Command::new("cc")
         .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
         .arg(&nccl_include)
@@ -62,7 +62,7 @@ fn c_program_linked_with_lnccl() {
         .arg(&cuda_include)
         .arg("-I")
         .arg(repo().join("include"))
-        .arg(repo().join("tests/c/nccl_api.c"))
+        .arg(repo().join("tests/c/abi_smoke.c"))
         .arg("-L")
         .arg(&dir)
         .args(["-lnccl", "-ldl"])
