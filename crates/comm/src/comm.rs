@@ -209,6 +209,15 @@ impl Communicator {
             .map(|b| PeerInfo::decode(b))
             .collect::<Result<Vec<_>, _>>()?;
 
+        // Ranks that share this GPU share its multiprocessors: each may keep only its share of
+        // blocks resident, or ranks would wait on blocks that cannot be scheduled.
+        let colocated = infos
+            .iter()
+            .filter(|p| p.host == info.host && p.uuid == info.uuid)
+            .count()
+            .max(1) as u32;
+        let my_grid = (my_grid / colocated).max(1);
+
         // Map every peer.
         let mut peers = [0u64; MAX_RANKS];
         let mut mappings = Vec::new();
@@ -334,7 +343,7 @@ impl Communicator {
         let dev = Device::open(device)?;
         let _ctx = dev.activate()?;
         let kernels = Kernels::for_context(dev.context())?;
-        let local = DeviceMem::alloc_zeroed(arena.total_bytes as usize)?;
+        let local = DeviceMem::alloc_zeroed(&dev, arena.total_bytes as usize)?;
         let host = HostMapped::alloc(HOST_BYTES)?;
         // Largest grid that keeps all co-located ranks resident at once (the kernels wait on one
         // another across ranks): occupancy of the heaviest kernel times SMs, shared among the
@@ -404,8 +413,8 @@ impl Communicator {
     fn calibrate(&mut self, boot: &dyn Bootstrap, stream: Stream) -> Result<(), Error> {
         let sizes = [32u64 << 10, 1 << 20];
         let buf_bytes = *sizes.iter().max().unwrap() as usize;
-        let send = DeviceMem::alloc_zeroed(buf_bytes)?;
-        let recv = DeviceMem::alloc_zeroed(buf_bytes)?;
+        let send = DeviceMem::alloc_zeroed(&self.device, buf_bytes)?;
+        let recv = DeviceMem::alloc_zeroed(&self.device, buf_bytes)?;
         let (start, end) = (Event::new(true)?, Event::new(true)?);
         let mut model = CostModel::default_for(self.nranks);
         for algo in Algorithm::ALL {

@@ -116,7 +116,7 @@ impl Verifier {
         let device = Device::open(device)?;
         let _ctx = device.activate()?;
         let kernels = Kernels::for_context(device.context())?;
-        let errors = DeviceMem::alloc_zeroed(16)?;
+        let errors = DeviceMem::alloc_zeroed(&device, 16)?;
         let v = Verifier {
             device,
             kernels,
@@ -232,8 +232,7 @@ impl Verifier {
 
     /// Allocates device memory on this verifier's device.
     pub fn alloc(&self, bytes: usize) -> Result<DeviceMem, Error> {
-        let _ctx = self.device.activate()?;
-        DeviceMem::alloc_zeroed(bytes)
+        DeviceMem::alloc_zeroed(&self.device, bytes)
     }
 
     /// A new stream on this verifier's device.

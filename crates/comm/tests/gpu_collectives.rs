@@ -532,6 +532,7 @@ fn missing_rank_times_out_and_process_goes_on() {
             s.spawn(move || {
                 let comm = Communicator::new(m, 0, cfg).unwrap();
                 let v = flashcomm_comm::testing::Verifier::new(0).unwrap();
+                let _ctx = v.activate().unwrap();
                 let stream = v.stream().unwrap();
                 let buf = v.alloc(1 << 20).unwrap();
                 if m.rank() != 3 {
@@ -620,6 +621,7 @@ fn disagreeing_ranks_get_an_error() {
             s.spawn(move || {
                 let comm = Communicator::new(m, 0, cfg).unwrap();
                 let v = flashcomm_comm::testing::Verifier::new(0).unwrap();
+                let _ctx = v.activate().unwrap();
                 let stream = v.stream().unwrap();
                 let buf = v.alloc(16 << 20).unwrap();
                 let count = if m.rank() == 0 { 1000 } else { 4 << 20 };

@@ -265,19 +265,26 @@ impl DevicePtr {
 }
 
 /// Device memory owned by this process (`cuMemAlloc`, so it can be exported with legacy IPC).
+/// Every operation makes the owning device's context current for its duration.
 pub struct DeviceMem {
     ptr: u64,
     bytes: usize,
+    device: Arc<Device>,
 }
 
 impl DeviceMem {
-    /// Allocates `bytes` on the current context's device, zero-filled.
-    pub fn alloc_zeroed(bytes: usize) -> Result<DeviceMem, Error> {
+    /// Allocates `bytes` on `device`, zero-filled.
+    pub fn alloc_zeroed(device: &Arc<Device>, bytes: usize) -> Result<DeviceMem, Error> {
+        let _ctx = device.activate()?;
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: out-pointer; a context is current (callers hold a CtxGuard).
         let r = unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(1)) };
         check(r, "allocating device memory")?;
-        let m = DeviceMem { ptr: p, bytes };
+        let m = DeviceMem {
+            ptr: p,
+            bytes,
+            device: device.clone(),
+        };
         // SAFETY: `p` points to `bytes` freshly allocated bytes.
         let r = unsafe { sys::cuMemsetD8_v2(p, 0, bytes) };
         check(r, "clearing device memory")?;
@@ -321,6 +328,7 @@ impl DeviceMem {
 
     /// Copies `src` to byte `offset` (synchronous).
     pub fn upload(&self, offset: usize, src: &[u8]) -> Result<(), Error> {
+        let _ctx = self.device.activate()?;
         assert!(offset + src.len() <= self.bytes, "upload out of bounds");
         // SAFETY: the destination range lies inside this allocation (asserted); `src` is valid.
         let r = unsafe {
@@ -335,6 +343,7 @@ impl DeviceMem {
 
     /// Copies bytes at `offset` into `dst` (synchronous).
     pub fn download(&self, offset: usize, dst: &mut [u8]) -> Result<(), Error> {
+        let _ctx = self.device.activate()?;
         assert!(offset + dst.len() <= self.bytes, "download out of bounds");
         // SAFETY: the source range lies inside this allocation (asserted); `dst` is valid.
         let r = unsafe {
@@ -349,6 +358,7 @@ impl DeviceMem {
 
     /// Fills the allocation with `byte` (synchronous).
     pub fn fill(&self, byte: u8) -> Result<(), Error> {
+        let _ctx = self.device.activate()?;
         // SAFETY: the range is exactly this allocation.
         let r = unsafe { sys::cuMemsetD8_v2(self.ptr, byte, self.bytes) };
         check(r, "filling device memory")
@@ -356,6 +366,7 @@ impl DeviceMem {
 
     /// The 64-byte legacy IPC handle of this allocation.
     pub fn ipc_handle(&self) -> Result<[u8; 64], Error> {
+        let _ctx = self.device.activate()?;
         let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
         // SAFETY: `self.ptr` is the base of a cuMemAlloc allocation; out-pointer.
         let r = unsafe { sys::cuIpcGetMemHandle(&mut h, self.ptr) };
@@ -366,6 +377,7 @@ impl DeviceMem {
 
 impl Drop for DeviceMem {
     fn drop(&mut self) {
+        let _ctx = self.device.activate();
         // SAFETY: frees the allocation this value owns; callers make sure no kernel still uses
         // it (communicators wait for their last launch before dropping their arena).
         let _ = unsafe { sys::cuMemFree_v2(self.ptr) };

@@ -82,6 +82,8 @@ where
                 s.spawn(move || {
                     let comm = Communicator::new(m, 0, cfg).expect("communicator set-up");
                     let v = Verifier::new(0).expect("verifier");
+                    // Streams, graphs and copies in this thread use device 0's context.
+                    let _ctx = v.activate().expect("context");
                     let stream = v.stream().expect("stream");
                     let r = Rank {
                         comm,

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Builds everything the GPU tests need into one folder that can be copied to a GPU machine that
+# has no Rust toolchain and no network: the library (as libnccl.so.2), the GPU test executables,
+# the tools, the C and Python test programs, and run.sh, which runs them all there.
+#
+#   ci/gpu-bundle.sh <bundle-dir>          # here (needs ci/setup.sh's toolchain)
+#   <bundle-dir>/run.sh <results-dir>      # on the GPU machine; ends with "N passed, N failed"
+#
+# FLASHCOMM_CUDA_ARCHS (default 80;90;100) selects the GPU architectures compiled in.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${1:?usage: ci/gpu-bundle.sh <bundle-dir>}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+"$root/ci/setup.sh" >/dev/null
+# shellcheck disable=SC1091
+source "$root/.toolchain/env.sh"
+export FLASHCOMM_REQUIRE_KERNELS=1
+cd "$root"
+
+rm -rf "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c"
+mkdir -p "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c"
+
+# The library and the tools.
+cargo build --release -p flashcomm-shim --quiet
+cp target/release/libnccl.so "$out/lib/libnccl.so.2"
+cp target/release/libnccl.so "$out/lib/libnccl.so"
+if cargo metadata --no-deps --format-version 1 | grep -q '"name":"flashcomm-perf"'; then
+  cargo build --release -p flashcomm-perf --quiet 2>/dev/null && cp target/release/flashcomm-perf "$out/bin/" 2>/dev/null || true
+fi
+
+# GPU test executables (cargo test --features gpu --no-run), one per test target.
+python3 - "$out/tests" <<'PY'
+import json, os, shutil, subprocess, sys
+dest = sys.argv[1]
+pkgs = ["flashcomm-comm", "flashcomm-kernels", "flashcomm-shim"]
+cmd = ["cargo", "test", "--release", "--no-run", "--message-format=json", "--features", "gpu"]
+for p in pkgs:
+    cmd += ["-p", p]
+res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+if res.returncode != 0:
+    sys.exit("building the GPU tests failed")
+for line in res.stdout.splitlines():
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
+        name = m["target"]["name"]
+        if not name.startswith("gpu"):
+            continue
+        exe = m["executable"]
+        shutil.copy(exe, os.path.join(dest, f"{m['package_id'].split('#')[0].split('/')[-1]}-{name}"))
+PY
+for f in "$out"/tests/* "$out"/bin/*; do [ -f "$f" ] && strip "$f" 2>/dev/null || true; done
+
+# C and Python test programs.
+if [ -d tests/c ]; then
+  cp tests/c/*.c "$out/c/" 2>/dev/null || true
+  for src in tests/c/*.c; do
+    [ -f "$src" ] || continue
+    exe="$out/c/$(basename "${src%.c}")"
+    cc -O2 -o "$exe" "$src" -I"$FLASHCOMM_NCCL_HOME/include" -I"$FLASHCOMM_CUDA_INCLUDE" \
+      -L"$out/lib" -lnccl -ldl -Wl,-rpath,'$ORIGIN/../lib' 2>"$exe.build.log" || echo "note: $src did not build (see $exe.build.log)"
+  done
+fi
+cp tests/python/*.py "$out/python/" 2>/dev/null || true
+cp ci/gpu-run.sh "$out/run.sh"
+chmod +x "$out/run.sh"
+git rev-parse HEAD > "$out/COMMIT" 2>/dev/null || true
+du -sh "$out"
