@@ -114,10 +114,12 @@ impl ErrorStats {
 
 /// The all-reduces that a quantized mode applies to; the others use the exact all-reduce. Used
 /// to find which layers the perplexity is most sensitive to.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Scope {
-    /// Layers whose all-reduces are quantized.
-    pub layers: std::ops::Range<usize>,
+    /// First layer whose all-reduces are quantized.
+    pub first_layer: usize,
+    /// One past the last layer whose all-reduces are quantized.
+    pub end_layer: usize,
     /// Whether the attention output projection's all-reduce is quantized.
     pub o_proj: bool,
     /// Whether the MLP down projection's all-reduce is quantized.
@@ -126,13 +128,12 @@ pub struct Scope {
 
 impl Scope {
     /// Every all-reduce of every layer.
-    pub fn all() -> Scope {
-        Scope {
-            layers: 0..usize::MAX,
-            o_proj: true,
-            down_proj: true,
-        }
-    }
+    pub const ALL: Scope = Scope {
+        first_layer: 0,
+        end_layer: usize::MAX,
+        o_proj: true,
+        down_proj: true,
+    };
 
     /// Parses `LAYERS:SITES`: `LAYERS` is `all`, `N` or `A-B` (inclusive), `SITES` is `both`,
     /// `o` or `down`. Example: `0-27:both`.
@@ -141,10 +142,10 @@ impl Scope {
             || format!("bad scope {s:?}: use LAYERS:SITES, e.g. all:both, 0-27:both, 11:down");
         let (layers, sites) = s.split_once(':').ok_or_else(bad)?;
         let num = |v: &str| v.parse::<usize>().map_err(|_| bad());
-        let layers = match layers.split_once('-') {
-            _ if layers == "all" => 0..usize::MAX,
-            Some((a, b)) => num(a)?..num(b)? + 1,
-            None => num(layers)?..num(layers)? + 1,
+        let (first_layer, end_layer) = match layers.split_once('-') {
+            _ if layers == "all" => (0, usize::MAX),
+            Some((a, b)) => (num(a)?, num(b)? + 1),
+            None => (num(layers)?, num(layers)? + 1),
         };
         let (o_proj, down_proj) = match sites {
             "both" => (true, true),
@@ -153,7 +154,8 @@ impl Scope {
             _ => return Err(bad()),
         };
         Ok(Scope {
-            layers,
+            first_layer,
+            end_layer,
             o_proj,
             down_proj,
         })
@@ -161,7 +163,7 @@ impl Scope {
 
     /// Whether the all-reduce of `site` in `layer` is quantized.
     pub fn contains(&self, layer: usize, site: Site) -> bool {
-        self.layers.contains(&layer)
+        (self.first_layer..self.end_layer).contains(&layer)
             && match site {
                 Site::OProj => self.o_proj,
                 Site::DownProj => self.down_proj,
@@ -171,23 +173,18 @@ impl Scope {
 
 impl fmt::Display for Scope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.layers.end == usize::MAX {
-            write!(f, "layers {}-", self.layers.start)?;
-        } else {
-            write!(
-                f,
-                "layers {}-{}",
-                self.layers.start,
-                self.layers.end.saturating_sub(1)
-            )?;
-        }
         let sites = match (self.o_proj, self.down_proj) {
-            (true, true) => "o_proj and down_proj",
-            (true, false) => "o_proj",
-            (false, true) => "down_proj",
+            (true, true) => "both",
+            (true, false) => "o",
+            (false, true) => "down",
             (false, false) => "none",
         };
-        write!(f, ", {sites}")
+        match (self.first_layer, self.end_layer) {
+            (0, usize::MAX) => write!(f, "all:{sites}"),
+            (a, usize::MAX) => write!(f, "{a}-:{sites}"),
+            (a, b) if b == a + 1 => write!(f, "{a}:{sites}"),
+            (a, b) => write!(f, "{a}-{}:{sites}", b.saturating_sub(1)),
+        }
     }
 }
 
@@ -207,7 +204,7 @@ impl<'a> Simulated<'a> {
             ranks,
             mode,
             backend,
-            scope: Scope::all(),
+            scope: Scope::ALL,
             stats: Mutex::new(ErrorStats::default()),
         }
     }

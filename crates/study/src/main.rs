@@ -3,7 +3,7 @@
 
 #![forbid(unsafe_code)]
 
-use flashcomm_study::collective::{Codec, Mode, Scope, Simulated};
+use flashcomm_study::collective::{Codec, Mode, Simulated};
 use flashcomm_study::gguf::Gguf;
 use flashcomm_study::model::Model;
 use flashcomm_study::study::{self, Run, RunResult};
@@ -21,9 +21,9 @@ usage: flashcomm-tp-study --model FILE.gguf --text FILE [options]
   --ctx N          tokens per window [512]
   --plan NAME      quick | tp2 | tp48 | full [quick]
   --run SETTING    a single setting, repeatable, replaces --plan:
-                   TP:exact, TP:f32, TP:two:B:G:K, TP:one:B:G:K, TP:mixed:BRS:BAG:G:K
-  --scope L:S      quantize only these all-reduces, the others stay exact: L is all, N or A-B
-                   (layers, inclusive), S is both, o or down [all:both]
+                   TP:exact, TP:f32, TP:two:B:G:K, TP:one:B:G:K, TP:mixed:BRS:BAG:G:K,
+                   optionally followed by @L:S to quantize only some all-reduces (the others
+                   stay exact): L is all, N or A-B (layers, inclusive), S is both, o or down
   --threads N      worker threads [available cores]
   --json FILE      also write the results as JSON (rewritten as settings finish)
   --prompt TEXT    prompt of the next-token check [The capital of France is]
@@ -37,7 +37,6 @@ struct Args {
     ctx: usize,
     plan: String,
     runs: Vec<Run>,
-    scope: Scope,
     threads: usize,
     json: Option<PathBuf>,
     prompt: String,
@@ -54,7 +53,6 @@ fn parse_args() -> Result<Args, String> {
         ctx: 512,
         plan: "quick".into(),
         runs: Vec::new(),
-        scope: Scope::all(),
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         json: None,
         prompt: "The capital of France is".into(),
@@ -70,7 +68,6 @@ fn parse_args() -> Result<Args, String> {
             "--ctx" => a.ctx = num(val()?)?,
             "--plan" => a.plan = val()?,
             "--run" => a.runs.push(study::parse_run(&val()?)?),
-            "--scope" => a.scope = Scope::parse(&val()?)?,
             "--threads" => a.threads = num(val()?)?.max(1),
             "--json" => a.json = Some(PathBuf::from(val()?)),
             "--prompt" => a.prompt = val()?,
@@ -209,7 +206,6 @@ fn run() -> Result<(), String> {
             ("windows", windows.len().to_string()),
             ("ctx", args.ctx.to_string()),
             ("threads", args.threads.to_string()),
-            ("quantized_scope", args.scope.to_string()),
             ("cpu", cpu_name()),
             ("wall_seconds", format!("{wall:.1}")),
             ("next_token_check", top.join(", ")),
@@ -242,22 +238,13 @@ fn run() -> Result<(), String> {
             let _ = std::fs::write(path, study::json(&done, &meta(t2.elapsed().as_secs_f64())));
         }
     };
-    let results = study::evaluate(
-        &model,
-        &Codec,
-        &runs,
-        &args.scope,
-        &windows,
-        args.threads,
-        &on_done,
-    )?;
+    let results = study::evaluate(&model, &Codec, &runs, &windows, args.threads, &on_done)?;
     let wall = t2.elapsed().as_secs_f64();
     println!(
-        "\nWikiText-2 test, {} windows x {} tokens ({} predictions per setting), quantized: {}, {} threads, {:.0}s\n",
+        "\nWikiText-2 test, {} windows x {} tokens ({} predictions per setting), {} threads, {:.0}s\n",
         windows.len(),
         args.ctx,
         results.first().map_or(0, |r| r.tokens),
-        args.scope,
         args.threads,
         wall
     );

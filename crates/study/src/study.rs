@@ -15,6 +15,19 @@ pub struct Run {
     pub tp: usize,
     /// How the partial sums are reduced.
     pub mode: Mode,
+    /// The all-reduces the quantized mode applies to (the others are exact).
+    pub scope: Scope,
+}
+
+impl Run {
+    /// A setting whose quantized mode applies to every all-reduce.
+    pub fn new(tp: usize, mode: Mode) -> Run {
+        Run {
+            tp,
+            mode,
+            scope: Scope::ALL,
+        }
+    }
 }
 
 /// The outcome of one setting over all windows.
@@ -78,80 +91,50 @@ pub fn plan(name: &str) -> Result<Vec<Run>, String> {
     match name {
         "tp2" => {
             let tp = 2;
-            runs.push(Run {
-                tp,
-                mode: Mode::F32,
-            });
-            runs.push(Run {
-                tp,
-                mode: Mode::Lossless,
-            });
+            runs.push(Run::new(tp, Mode::F32));
+            runs.push(Run::new(tp, Mode::Lossless));
             for b in 2..=8 {
                 for g in [32, 64, 128, 256] {
                     for k in [0, 2] {
-                        runs.push(Run {
-                            tp,
-                            mode: two(b, g, k),
-                        });
+                        runs.push(Run::new(tp, two(b, g, k)));
                     }
                 }
             }
             for g in [32, 64, 128, 256] {
                 for k in [0, 2] {
-                    runs.push(Run {
-                        tp,
-                        mode: mixed(g, k),
-                    });
+                    runs.push(Run::new(tp, mixed(g, k)));
                 }
             }
             for b in [2, 3, 4] {
                 for g in [32, 128] {
-                    runs.push(Run {
-                        tp,
-                        mode: two(b, g, 4),
-                    });
+                    runs.push(Run::new(tp, two(b, g, 4)));
                 }
             }
             for b in 2..=8 {
                 for g in [32, 64, 128, 256] {
                     for k in [0, 2] {
-                        runs.push(Run {
-                            tp,
-                            mode: Mode::OneShot(spec(b, g, k)),
-                        });
+                        runs.push(Run::new(tp, Mode::OneShot(spec(b, g, k))));
                     }
                 }
             }
         }
         "tp48" => {
             for tp in [4, 8] {
-                runs.push(Run {
-                    tp,
-                    mode: Mode::Lossless,
-                });
+                runs.push(Run::new(tp, Mode::Lossless));
                 for b in [2, 3, 4, 8] {
                     for g in [32, 128] {
                         for k in [0, 2] {
-                            runs.push(Run {
-                                tp,
-                                mode: two(b, g, k),
-                            });
+                            runs.push(Run::new(tp, two(b, g, k)));
                         }
                     }
                 }
                 for b in [2, 3, 4] {
                     for g in [32, 128] {
-                        runs.push(Run {
-                            tp,
-                            mode: Mode::OneShot(spec(b, g, 2)),
-                        });
+                        runs.push(Run::new(tp, Mode::OneShot(spec(b, g, 2))));
                     }
                 }
                 for g in [32, 128] {
-                    runs.push(Run {
-                        tp,
-                        mode: mixed(g, 2),
-                    });
+                    runs.push(Run::new(tp, mixed(g, 2)));
                 }
             }
         }
@@ -161,24 +144,12 @@ pub fn plan(name: &str) -> Result<Vec<Run>, String> {
         }
         "quick" => {
             let tp = 2;
-            runs.push(Run {
-                tp,
-                mode: Mode::Lossless,
-            });
+            runs.push(Run::new(tp, Mode::Lossless));
             for b in [2, 3, 4, 8] {
-                runs.push(Run {
-                    tp,
-                    mode: two(b, 32, 2),
-                });
+                runs.push(Run::new(tp, two(b, 32, 2)));
             }
-            runs.push(Run {
-                tp,
-                mode: Mode::OneShot(spec(4, 32, 2)),
-            });
-            runs.push(Run {
-                tp,
-                mode: mixed(32, 2),
-            });
+            runs.push(Run::new(tp, Mode::OneShot(spec(4, 32, 2))));
+            runs.push(Run::new(tp, mixed(32, 2)));
         }
         other => return Err(format!("unknown plan {other:?} (tp2, tp48, full, quick)")),
     }
@@ -186,8 +157,13 @@ pub fn plan(name: &str) -> Result<Vec<Run>, String> {
 }
 
 /// Parses one setting: `TP:exact`, `TP:f32`, `TP:two:B:G:K`, `TP:one:B:G:K` or
-/// `TP:mixed:BRS:BAG:G:K`, e.g. `2:two:4:32:2`.
+/// `TP:mixed:BRS:BAG:G:K`, e.g. `2:two:4:32:2`, optionally followed by `@SCOPE` (see
+/// [`Scope::parse`]) to quantize only some all-reduces, e.g. `2:two:4:32:2@0-27:both`.
 pub fn parse_run(s: &str) -> Result<Run, String> {
+    let (s, scope) = match s.split_once('@') {
+        Some((run, scope)) => (run, Scope::parse(scope)?),
+        None => (s, Scope::ALL),
+    };
     let parts: Vec<&str> = s.split(':').collect();
     let bad = || {
         format!(
@@ -216,17 +192,16 @@ pub fn parse_run(s: &str) -> Result<Run, String> {
         },
         _ => return Err(bad()),
     };
-    Ok(Run { tp, mode })
+    Ok(Run { tp, mode, scope })
 }
 
 /// Evaluates every setting over every window with `threads` worker threads (jobs are
-/// (setting, window) pairs taken in order); quantized modes apply to the all-reduces in `scope`. `on_done` is called, from a worker thread, as soon as
+/// (setting, window) pairs taken in order). `on_done` is called, from a worker thread, as soon as
 /// a setting has all its windows. Results come back in the order of `runs`.
 pub fn evaluate(
     model: &Model,
     backend: &dyn Backend,
     runs: &[Run],
-    scope: &Scope,
     windows: &[Vec<u32>],
     threads: usize,
     on_done: &(dyn Fn(&RunResult) + Sync),
@@ -260,7 +235,7 @@ pub fn evaluate(
                     let (r, w) = (j / windows.len(), j % windows.len());
                     let start = Instant::now();
                     let ar =
-                        Simulated::new(runs[r].tp, runs[r].mode, backend).with_scope(scope.clone());
+                        Simulated::new(runs[r].tp, runs[r].mode, backend).with_scope(runs[r].scope);
                     let (nll, n) = model.nll(&windows[w], &ar);
                     let elapsed = start.elapsed();
                     let mut st = state.lock().expect("results lock");
@@ -304,6 +279,9 @@ pub fn relative_change(results: &[RunResult], r: &RunResult) -> Option<f64> {
 }
 
 fn target_cell(results: &[RunResult], r: &RunResult) -> String {
+    if r.run.scope != Scope::ALL {
+        return String::new();
+    }
     let (Some((rs, _)), Some(rel)) = (r.run.mode.formats(), relative_change(results, r)) else {
         return String::new();
     };
@@ -316,9 +294,18 @@ fn target_cell(results: &[RunResult], r: &RunResult) -> String {
 
 /// The full results as a markdown table.
 pub fn markdown_table(results: &[RunResult]) -> String {
+    let scoped = results.iter().any(|r| r.run.scope != Scope::ALL);
     let mut s = String::new();
-    s.push_str("| TP | all-reduce | bits (RS/AG) | group | spikes | eff. bits/value | PPL | Δ vs exact | AR rel. L2 err | target |\n");
-    s.push_str("|---:|---|---|---:|---:|---:|---:|---:|---:|---|\n");
+    s.push_str("| TP | all-reduce | bits (RS/AG) | group | spikes |");
+    if scoped {
+        s.push_str(" quantized ARs (layers:sites) |");
+    }
+    s.push_str(" eff. bits/value | PPL | Δ vs exact | AR rel. L2 err | target |\n");
+    s.push_str("|---:|---|---|---:|---:|");
+    if scoped {
+        s.push_str("---|");
+    }
+    s.push_str("---:|---:|---:|---:|---|\n");
     for r in results {
         let (bits, group, spikes) = match r.run.mode.formats() {
             None => ("-".to_string(), "-".to_string(), "-".to_string()),
@@ -348,9 +335,14 @@ pub fn markdown_table(results: &[RunResult]) -> String {
         } else {
             String::new()
         };
+        let scope = if scoped {
+            format!(" {} |", r.run.scope)
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             s,
-            "| {} | {} | {bits} | {group} | {spikes} | {eff} | {:.3} | {rel} | {l2} | {} |",
+            "| {} | {} | {bits} | {group} | {spikes} |{scope} {eff} | {:.3} | {rel} | {l2} | {} |",
             r.run.tp,
             r.run.mode.algorithm(),
             r.ppl(),
@@ -366,6 +358,7 @@ pub fn pivot(results: &[RunResult], tp: usize, one_shot: bool) -> String {
     let pick = |b: u8, g: u16, k: u8| {
         results.iter().find(|r| {
             r.run.tp == tp
+                && r.run.scope == Scope::ALL
                 && match r.run.mode {
                     Mode::OneShot(f) => one_shot && f == spec(b, g, k),
                     Mode::TwoStep { rs, ag } => !one_shot && rs == ag && rs == spec(b, g, k),
@@ -442,9 +435,10 @@ pub fn json(results: &[RunResult], meta: &[(&str, String)]) -> String {
         let (eb_rs, eb_ag) = r.effective_bits.unwrap_or((f64::NAN, f64::NAN));
         let _ = write!(
             s,
-            "    {{\"tp\": {}, \"algorithm\": \"{}\", \"rs\": {rs}, \"ag\": {ag}, \"effective_bits_rs\": {}, \"effective_bits_ag\": {}, \"effective_bits\": {}, \"ppl\": {}, \"nll_sum\": {}, \"tokens\": {}, \"relative_change\": {}, \"ar_rel_l2_error\": {}, \"ar_max_abs_error\": {}, \"max_abs_partial\": {}, \"allreduce_calls\": {}, \"cpu_seconds\": {:.3}}}",
+            "    {{\"tp\": {}, \"algorithm\": \"{}\", \"scope\": \"{}\", \"rs\": {rs}, \"ag\": {ag}, \"effective_bits_rs\": {}, \"effective_bits_ag\": {}, \"effective_bits\": {}, \"ppl\": {}, \"nll_sum\": {}, \"tokens\": {}, \"relative_change\": {}, \"ar_rel_l2_error\": {}, \"ar_max_abs_error\": {}, \"max_abs_partial\": {}, \"allreduce_calls\": {}, \"cpu_seconds\": {:.3}}}",
             r.run.tp,
             r.run.mode.algorithm(),
+            r.run.scope,
             json_f(eb_rs),
             json_f(eb_ag),
             json_f(r.mean_effective_bits().unwrap_or(f64::NAN)),

@@ -166,37 +166,25 @@ fn settings_parse_and_plans_are_complete() {
         group: 32,
         spikes: 2,
     };
-    assert_eq!(
-        parse_run("2:exact").unwrap(),
-        Run {
-            tp: 2,
-            mode: Mode::Lossless
-        }
-    );
+    assert_eq!(parse_run("2:exact").unwrap(), Run::new(2, Mode::Lossless));
     assert_eq!(
         parse_run("4:two:4:32:2").unwrap(),
-        Run {
-            tp: 4,
-            mode: Mode::TwoStep { rs: f, ag: f }
-        }
+        Run::new(4, Mode::TwoStep { rs: f, ag: f })
     );
     assert_eq!(
         parse_run("2:one:4:32:2").unwrap(),
-        Run {
-            tp: 2,
-            mode: Mode::OneShot(f)
-        }
+        Run::new(2, Mode::OneShot(f))
     );
     let ag = Spec { bits: 8, ..f };
     assert_eq!(
         parse_run("8:mixed:4:8:32:2").unwrap(),
-        Run {
-            tp: 8,
-            mode: Mode::TwoStep { rs: f, ag }
-        }
+        Run::new(8, Mode::TwoStep { rs: f, ag })
     );
     assert!(parse_run("2:two:4:32").is_err());
     assert!(parse_run("x:exact").is_err());
+    let scoped = parse_run("2:two:4:32:2@0-27:both").unwrap();
+    assert_eq!((scoped.scope.first_layer, scoped.scope.end_layer), (0, 28));
+    assert!(parse_run("2:exact@x").is_err());
     let tp2 = plan("tp2").unwrap();
     assert_eq!(tp2.len(), 2 + 56 + 8 + 6 + 56);
     assert!(plan("full").unwrap().len() > tp2.len());
@@ -213,7 +201,9 @@ fn scope_limits_the_quantized_all_reduces() {
             && !s.contains(0, Site::OProj)
             && !s.contains(1, Site::DownProj)
     );
-    assert!(Scope::parse("all:both").unwrap().contains(29, Site::OProj));
+    assert_eq!(Scope::parse("all:both").unwrap(), Scope::ALL);
+    assert_eq!(Scope::parse("0-27:both").unwrap().to_string(), "0-27:both");
+    assert_eq!(s.to_string(), "0:down");
     assert!(Scope::parse("3:x").is_err());
     let m = tiny_model();
     let toks = tokens(64);
@@ -224,7 +214,8 @@ fn scope_limits_the_quantized_all_reduces() {
     };
     let mode = Mode::TwoStep { rs: f, ag: f };
     let none = Simulated::new(2, mode, &Codec).with_scope(Scope {
-        layers: 0..0,
+        first_layer: 0,
+        end_layer: 0,
         o_proj: true,
         down_proj: true,
     });
