@@ -3,7 +3,7 @@
 
 #![forbid(unsafe_code)]
 
-use flashcomm_study::collective::{Codec, Mode, Simulated};
+use flashcomm_study::collective::{Codec, Mode, Scope, Simulated};
 use flashcomm_study::gguf::Gguf;
 use flashcomm_study::model::Model;
 use flashcomm_study::study::{self, Run, RunResult};
@@ -219,18 +219,22 @@ fn run() -> Result<(), String> {
         let rel = study::relative_change(&done, r)
             .map_or(String::new(), |v| format!(" ({:+.2}%)", v * 100.0));
         eprintln!(
-            "[{:>4.0}s] tp{} {:<16} {:<24} ppl {:.3}{rel}  ({:.1}s)",
+            "[{:>4.0}s] tp{} {:<16} {:<28} ppl {:.3}{rel}  ({:.1}s)",
             t2.elapsed().as_secs_f64(),
             r.run.tp,
             r.run.mode.algorithm(),
-            r.run
-                .mode
-                .formats()
-                .map_or(String::new(), |(a, b)| if a == b {
+            r.run.mode.formats().map_or(String::new(), |(a, b)| {
+                let f = if a == b {
                     a.to_string()
                 } else {
                     format!("{a} / {b}")
-                }),
+                };
+                if r.run.scope == Scope::ALL {
+                    f
+                } else {
+                    format!("{f} @{}", r.run.scope)
+                }
+            }),
             r.ppl(),
             r.cpu_time.as_secs_f64()
         );

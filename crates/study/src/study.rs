@@ -328,8 +328,7 @@ pub fn markdown_table(results: &[RunResult]) -> String {
         } else {
             eff
         };
-        let rel =
-            relative_change(results, r).map_or(String::new(), |v| format!("{:+.2}%", v * 100.0));
+        let rel = relative_change(results, r).map_or(String::new(), change_cell);
         let l2 = if r.run.mode.formats().is_some() {
             format!("{:.2e}", r.stats.rel_l2())
         } else {
@@ -391,8 +390,8 @@ pub fn pivot(results: &[RunResult], tp: usize, one_shot: bool) -> String {
                 Some((v, r)) => {
                     let _ = write!(
                         s,
-                        " {:+.2}% ({:.2}) |",
-                        v * 100.0,
+                        " {} ({:.2}) |",
+                        change_cell(v),
                         r.mean_effective_bits().unwrap_or(0.0)
                     );
                 }
@@ -402,6 +401,17 @@ pub fn pivot(results: &[RunResult], tp: usize, one_shot: bool) -> String {
         s.push('\n');
     }
     s
+}
+
+/// A relative change for a table cell: a percentage up to +100%, a ratio of perplexities above.
+pub fn change_cell(v: f64) -> String {
+    if v < 1.0 {
+        format!("{:+.2}%", v * 100.0)
+    } else if v < 99.0 {
+        format!("×{:.1}", v + 1.0)
+    } else {
+        format!("×{:.0}", v + 1.0)
+    }
 }
 
 fn json_f(v: f64) -> String {

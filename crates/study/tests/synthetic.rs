@@ -226,3 +226,12 @@ fn scope_limits_the_quantized_all_reduces() {
     m.nll(&toks, &one);
     assert!(one.stats().sq_err > 0.0);
 }
+
+#[test]
+fn change_cells() {
+    use flashcomm_study::study::change_cell;
+    assert_eq!(change_cell(0.0455), "+4.55%");
+    assert_eq!(change_cell(-0.002), "-0.20%");
+    assert_eq!(change_cell(3.3535), "×4.4");
+    assert_eq!(change_cell(5955.84), "×5957");
+}
