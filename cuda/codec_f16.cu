@@ -1,0 +1,5 @@
+// Codec kernels for f16 values (all widths 2..8); see flashcomm/codec_kernels.cuh. One file per
+// element type so that the three modules compile in parallel.
+#include "flashcomm/codec_kernels.cuh"
+
+FC_CODEC_ALL_WIDTHS(__half, f16)
