@@ -8,6 +8,7 @@
 //! All `unsafe` code (CUDA driver calls through cudarc's `sys` and `result` layers) lives in the
 //! [`ffi`] module.
 
+pub mod codec;
 pub mod ffi;
 
 pub use ffi::{Function, Kernels, LaunchConfig, launch};
@@ -48,6 +49,8 @@ pub enum Error {
     },
     /// The named kernel is in none of the embedded modules.
     MissingKernel(String),
+    /// A launcher refused its arguments (sizes, alignment, formats).
+    InvalidArgument(String),
 }
 
 impl std::fmt::Display for Error {
@@ -63,6 +66,7 @@ impl std::fmt::Display for Error {
             ),
             Error::Cuda { during, detail } => write!(f, "CUDA error while {during}: {detail}"),
             Error::MissingKernel(n) => write!(f, "kernel {n} is not in the embedded CUDA modules"),
+            Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
         }
     }
 }

@@ -1,6 +1,9 @@
 //! CUDA driver calls: module loading, function lookup and kernel launch.
 //!
-//! Every `unsafe` block of the crate is here, each with the reason it is sound.
+//! Every `unsafe` block of the crate is here (this module and its children), each with the reason
+//! it is sound.
+
+pub mod codec;
 
 use std::collections::HashMap;
 use std::ffi::{CString, c_void};
@@ -43,6 +46,21 @@ impl Function {
     /// The raw handle.
     pub fn raw(&self) -> sys::CUfunction {
         self.0
+    }
+
+    /// Allows launches with up to `bytes` of dynamic shared memory (needed above 48 KiB).
+    pub fn set_max_dynamic_smem(&self, bytes: u32) -> Result<(), Error> {
+        // SAFETY: `self.0` is a valid function handle; the attribute takes a plain integer.
+        check(
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    self.0,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+            },
+            "setting the dynamic shared memory limit",
+        )
     }
 
     /// How many blocks of `threads` threads fit on one multiprocessor at once.
