@@ -27,7 +27,12 @@ run_one() { # name timeout cmd...
   local rc=$?
   local dt=$(python3 -c "print(round($(date +%s.%N)-$t0,1))")
   if [ $rc -eq 0 ]; then passed=$((passed+1)); record "$name" pass "$dt"; echo "PASS $name (${dt}s)"
-  else failed=$((failed+1)); record "$name" fail "$dt"; echo "FAIL $name (rc=$rc, ${dt}s)"; tail -n 25 "$log" | sed 's/^/    /'; fi
+  else
+    failed=$((failed+1)); record "$name" fail "$dt"; echo "FAIL $name (rc=$rc, ${dt}s)"
+    { grep -m 6 -A 2 -E "panicked|Error|error:|FAIL" "$log" || tail -n 12 "$log"; } | cut -c1-400 | sed 's/^/    /'
+  fi
+  # Keep the archive current, so the logs come back even if the whole run is cut short.
+  tar -C "$res" -czf "$res/logs.tar.gz" logs 2>/dev/null
 }
 
 {
@@ -43,7 +48,7 @@ for t in "$here"/tests/*; do
   [ -x "$t" ] || continue
   name=$(basename "$t")
   for case in $("$t" --list 2>/dev/null | sed -n 's/: test$//p'); do
-    run_one "$name::$case" 900 "$t" --exact "$case" --nocapture --test-threads=1
+    run_one "$name::$case" "${FLASHCOMM_TEST_LIMIT:-300}" "$t" --exact "$case" --nocapture --test-threads=1
   done
 done
 

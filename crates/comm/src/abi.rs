@@ -120,8 +120,8 @@ pub struct FcCollParams {
     pub q_block_bytes_rs: u32,
     /// Encoded bytes per block, all-gather step.
     pub q_block_bytes_ag: u32,
-    /// Reserved.
-    pub reserved: [u32; 2],
+    /// Offset of this protocol's area inside every slot.
+    pub area_offset: u64,
 }
 
 /// `FcProbeParams`.
@@ -150,7 +150,7 @@ const _: () = {
     assert!(offset_of!(FcCollParams, shard_elems) == 160);
     assert!(offset_of!(FcCollParams, rank) == 168);
     assert!(offset_of!(FcCollParams, q_bits_rs) == 184);
-    assert!(offset_of!(FcCollParams, reserved) == 208);
+    assert!(offset_of!(FcCollParams, area_offset) == 208);
     assert!(size_of::<FcProbeParams>() == 80);
 };
 

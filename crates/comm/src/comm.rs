@@ -680,6 +680,7 @@ impl Communicator {
             rank: self.rank,
             nranks: self.nranks,
             elem_bytes: elem as u32,
+            area_offset: self.arena.area_offset(p.proto),
             ..Default::default()
         };
         let _ctx = self.device.activate()?;

@@ -117,13 +117,17 @@ pub enum Choice<T> {
 }
 
 /// The arena every rank allocates: a header, then two halves (collective parity), each with two
-/// regions (A: first step, B: second step) of one slot per source rank.
+/// regions (A: first step, B: second step) of one slot per source rank. A slot has one area per
+/// protocol (LL first, a quarter of the slot; then BLOCK), so neither protocol ever reads what the
+/// other left behind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Arena {
     /// Ranks.
     pub nranks: u32,
     /// Bytes per source slot.
     pub slot_bytes: u64,
+    /// Bytes of the LL area at the start of every slot (the BLOCK area follows).
+    pub ll_bytes: u64,
     /// Bytes per region (`nranks * slot_bytes`).
     pub region_bytes: u64,
     /// Bytes per half (two regions).
@@ -152,27 +156,40 @@ impl Arena {
         Ok(Arena {
             nranks,
             slot_bytes: slot,
+            ll_bytes: slot / 4,
             region_bytes: region,
             half_bytes: 2 * region,
             total_bytes: ARENA_HEADER_BYTES + 4 * region,
         })
     }
 
+    /// Bytes of the BLOCK area of every slot.
+    pub fn block_bytes(&self) -> u64 {
+        self.slot_bytes - self.ll_bytes
+    }
+
+    /// Offset of `proto`'s area inside every slot.
+    pub fn area_offset(&self, proto: Protocol) -> u64 {
+        match proto {
+            Protocol::Ll => 0,
+            Protocol::Block => self.ll_bytes,
+        }
+    }
+
     /// The most blocks a launch may use (each needs two sub-slots of at least one frame).
     pub fn max_grid(&self) -> u32 {
-        (self.slot_bytes / (2 * FRAME_BYTES)).min(u32::MAX as u64) as u32
+        (self.block_bytes() / (2 * FRAME_BYTES)).min(u32::MAX as u64) as u32
     }
 
     /// Sub-slot bytes and payload bytes per chunk for `proto` with `grid` blocks.
     pub fn chunking(&self, proto: Protocol, grid: u32) -> (u64, u64) {
-        let sub = self.slot_bytes / (2 * grid as u64);
         match proto {
             Protocol::Ll => {
-                let sub = sub & !(LL_LINE - 1);
+                let sub = (self.ll_bytes / (2 * grid as u64)) & !(LL_LINE - 1);
                 (sub, sub / LL_LINE * LL_PAYLOAD)
             }
             Protocol::Block => {
-                let frames = (sub / FRAME_BYTES).max(1);
+                let frames = (self.block_bytes() / (2 * grid as u64) / FRAME_BYTES).max(1);
                 (frames * FRAME_BYTES, frames * FRAME_PAYLOAD)
             }
         }
@@ -397,11 +414,12 @@ mod tests {
         let a = Arena::new(8, 64 << 20).unwrap();
         for grid in [1, 7, 16, 64, a.max_grid()] {
             let (sub, chunk) = a.chunking(Protocol::Ll, grid);
-            assert!(2 * grid as u64 * sub <= a.slot_bytes);
+            assert!(2 * grid as u64 * sub <= a.ll_bytes);
             assert_eq!(chunk * 2, sub);
             assert_eq!(chunk % 8, 0);
             let (sub, chunk) = a.chunking(Protocol::Block, grid);
-            assert!(2 * grid as u64 * sub <= a.slot_bytes);
+            assert!(2 * grid as u64 * sub <= a.block_bytes());
+            assert_eq!(a.area_offset(Protocol::Block) % FRAME_BYTES % 16, 0);
             assert_eq!(sub % FRAME_BYTES, 0);
             assert_eq!(chunk, sub / FRAME_BYTES * FRAME_PAYLOAD);
         }

@@ -15,21 +15,28 @@ use flashcomm_comm::{
     ThreadGroup,
 };
 
-const MAX_BYTES: u64 = 256 << 20;
+/// Largest message of the sweeps (256 MiB; `FLASHCOMM_SWEEP_MAX_MIB` lowers it for quick runs).
+fn max_bytes() -> u64 {
+    std::env::var("FLASHCOMM_SWEEP_MAX_MIB")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(256)
+        << 20
+}
 
 fn sweep(n: u32) {
     let t0 = Instant::now();
     run_ranks(n, test_config(), |r| {
         let n = r.n() as u64;
-        let send = r.alloc(MAX_BYTES as usize + 64);
-        let recv = r.alloc(MAX_BYTES as usize * n as usize + 64);
+        let send = r.alloc(max_bytes() as usize + 64);
+        let recv = r.alloc(max_bytes() as usize * n as usize + 64);
         r.shared.addrs.lock().unwrap()[r.rank() as usize] = recv.addr();
         r.sync();
         let rank0_recv = r.shared.addrs.lock().unwrap()[0];
         let mut cases = 0;
         let mut salt = 0u32;
         let mut cover = |coll: Collective, ty: TestType, algo: Algorithm, proto: Protocol| {
-            for count in sweep_counts(ty.bytes(), MAX_BYTES) {
+            for count in sweep_counts(ty.bytes(), max_bytes()) {
                 // ReduceScatter sweeps the send size: recvcount = count / n.
                 let count = if coll == Collective::ReduceScatter {
                     (count / n).max(1)

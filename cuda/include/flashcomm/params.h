@@ -57,7 +57,7 @@ struct FcCollParams {
   uint64_t timeout_ns;               // bound on every wait
   uint64_t half_bytes;               // bytes of one call-parity half
   uint64_t region_bytes;             // bytes of one region (region B starts this far into a half)
-  uint64_t slot_bytes;               // bytes per source rank inside a region
+  uint64_t slot_bytes;               // bytes per source rank inside a region (LL area, then BLOCK area)
   uint64_t sub_bytes;                // bytes per (block, round parity) inside a slot
   uint64_t chunk_bytes;              // payload bytes carried per (block, round) per source
   uint64_t shard_elems;              // two-shot: elements per shard (last shard may be shorter)
@@ -72,7 +72,7 @@ struct FcCollParams {
   uint32_t q_spikes;                 // spikes per group
   uint32_t q_block_bytes_rs;         // encoded bytes per 1024-value block, first step
   uint32_t q_block_bytes_ag;         // encoded bytes per 1024-value block, second step
-  uint32_t reserved[2];
+  uint64_t area_offset;              // where this protocol's area starts inside every slot
 };
 
 #ifdef __cplusplus

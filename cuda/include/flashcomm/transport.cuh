@@ -4,7 +4,9 @@
 // * Every rank owns an arena (device memory, mapped into every peer). Peers PUSH data into it;
 //   a rank only ever reads its own arena. The data area has two halves; collective number `seq`
 //   uses half `seq & 1`. A half is divided into two regions (A: first step, B: second step), a
-//   region into one slot per source rank, a slot into one sub-slot per (block, round parity).
+//   region into one slot per source rank. A slot has two disjoint areas, one per protocol (so an
+//   LL line is never read where a frame's payload was left, and frame tags always sit on the same
+//   4112-byte grid), and an area is divided into one sub-slot per (block, round parity).
 // * The tag of collective `seq` is `seq % (2^32 - 1) + 1`: never 0. Receivers clear every tag they
 //   consume back to 0, so a non-zero tag that differs from the expected one can only come from a
 //   peer that is running a different collective: that is reported as a mismatch.
@@ -81,7 +83,7 @@ __device__ __forceinline__ char* arena_local(const FcCollParams& p) {
 __device__ __forceinline__ char* sub_slot(const FcCollParams& p, const Ctx& c, uint32_t owner, uint32_t region,
                                           uint32_t src, uint64_t round) {
   uint64_t off = FC_ARENA_HEADER_BYTES + (uint64_t)c.half * p.half_bytes + (uint64_t)region * p.region_bytes +
-                 (uint64_t)src * p.slot_bytes + ((uint64_t)blockIdx.x * 2 + (round & 1)) * p.sub_bytes;
+                 (uint64_t)src * p.slot_bytes + p.area_offset + ((uint64_t)blockIdx.x * 2 + (round & 1)) * p.sub_bytes;
   return reinterpret_cast<char*>(p.peer_base[owner]) + off;
 }
 

@@ -67,7 +67,7 @@ pub fn run_ranks<F>(n: u32, cfg: CommConfig, f: F)
 where
     F: Fn(&Rank) + Sync,
 {
-    let group = ThreadGroup::new(n, Duration::from_secs(120));
+    let group = ThreadGroup::new(n, Duration::from_secs(30));
     let members = group.members();
     let shared = Arc::new(Shared {
         addrs: Mutex::new(vec![0; n as usize]),
