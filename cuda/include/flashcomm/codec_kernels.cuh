@@ -116,25 +116,10 @@ __device__ __forceinline__ void encode_kernel(const FcCodecEncodeParams& p) {
   uint8_t* out = reinterpret_cast<uint8_t*>(p.output);
   uint64_t b = (uint64_t)blockIdx.x * kWarps + wib;
 
-  if (p.flags & FC_CODEC_FLAG_DIRECT_IO) {
-    for (; b < nblocks; b += tw) {
-      Vals<T> x;
-      const uint64_t base = b * I::kBlockBytes + (uint64_t)lane * I::kChunks * 16u;
-#pragma unroll
-      for (uint32_t c = 0; c < I::kChunks; ++c) {
-        const uint4 v = load_chunk(in + base + 16u * c, chunk_bytes(base + 16u * c, total));
-        x.w[4 * c] = v.x;
-        x.w[4 * c + 1] = v.y;
-        x.w[4 * c + 2] = v.z;
-        x.w[4 * c + 3] = v.w;
-      }
-      encode<T, B>(x, block_nvalues(p.n, b), L, out + b * L.block_bytes, HeaderMode::kZeroTag);
-    }
-    return;
-  }
-
-  // Staged: a ring of kStages blocks per warp, filled with coalesced cp.async.
-  require_smem(I::kStages * I::kBlockBytes);
+  // Staged (default): a ring of kStages blocks per warp, filled with coalesced cp.async; block
+  // b + kStages * warps is in flight while block b is encoded. Direct: each lane loads its own
+  // 16-byte chunks. One loop, so that the encoder is instantiated once.
+  const bool direct = (p.flags & FC_CODEC_FLAG_DIRECT_IO) != 0;
   extern __shared__ uint4 smem[];
   uint4* ring = smem + (size_t)wib * I::kStages * (I::kBlockBytes / 16u);
   auto issue = [&](uint64_t blk, uint32_t slot) {
@@ -150,27 +135,42 @@ __device__ __forceinline__ void encode_kernel(const FcCodecEncodeParams& p) {
     }
     cp_async_commit();
   };
+  if (!direct) {
+    require_smem(I::kStages * I::kBlockBytes);
 #pragma unroll
-  for (uint32_t s = 0; s < I::kStages; ++s) issue(b + s * tw, s);
+    for (uint32_t s = 0; s < I::kStages; ++s) issue(b + s * tw, s);
+  }
   for (uint32_t it = 0; b < nblocks; b += tw, ++it) {
-    const uint32_t slot = it % I::kStages;
-    cp_async_wait<I::kStages - 1>();
-    __syncwarp();
-    const uint4* st = ring + slot * (I::kBlockBytes / 16u);
     Vals<T> x;
+    if (direct) {
+      const uint64_t base = b * I::kBlockBytes + (uint64_t)lane * I::kChunks * 16u;
 #pragma unroll
-    for (uint32_t c = 0; c < I::kChunks; ++c) {
-      const uint4 v = st[stage_pos<T>(lane * I::kChunks + c)];
-      x.w[4 * c] = v.x;
-      x.w[4 * c + 1] = v.y;
-      x.w[4 * c + 2] = v.z;
-      x.w[4 * c + 3] = v.w;
+      for (uint32_t c = 0; c < I::kChunks; ++c) {
+        const uint4 v = load_chunk(in + base + 16u * c, chunk_bytes(base + 16u * c, total));
+        x.w[4 * c] = v.x;
+        x.w[4 * c + 1] = v.y;
+        x.w[4 * c + 2] = v.z;
+        x.w[4 * c + 3] = v.w;
+      }
+    } else {
+      const uint32_t slot = it % I::kStages;
+      cp_async_wait<I::kStages - 1>();
+      __syncwarp();
+      const uint4* st = ring + slot * (I::kBlockBytes / 16u);
+#pragma unroll
+      for (uint32_t c = 0; c < I::kChunks; ++c) {
+        const uint4 v = st[stage_pos<T>(lane * I::kChunks + c)];
+        x.w[4 * c] = v.x;
+        x.w[4 * c + 1] = v.y;
+        x.w[4 * c + 2] = v.z;
+        x.w[4 * c + 3] = v.w;
+      }
+      __syncwarp();
+      issue(b + I::kStages * tw, slot);
     }
-    __syncwarp();
-    issue(b + I::kStages * tw, slot);
     encode<T, B>(x, block_nvalues(p.n, b), L, out + b * L.block_bytes, HeaderMode::kZeroTag);
   }
-  cp_async_wait<0>();
+  if (!direct) cp_async_wait<0>();
 }
 
 // ================================================================================== decode ====
