@@ -36,6 +36,8 @@ pub mod status {
     pub const PEER_ABORTED: u32 = 3;
     /// A peer ran a different collective.
     pub const MISMATCH: u32 = 4;
+    /// A kernel is writing the record; the code follows.
+    pub const CLAIMED: u32 = 0xffff_ffff;
 }
 
 /// `FcCtl`.

@@ -287,7 +287,7 @@ impl Communicator {
         stream.synchronize()?;
         boot.barrier()?;
         let mut words = vec![0u8; 4 * MAX_RANKS];
-        local.download(abi::HDR_PROBE as usize, &mut words)?;
+        local.download(abi::HDR_PROBE as usize, &mut words, stream)?;
         let mut failure = None;
         for r in 0..nranks as usize {
             let got = u32::from_le_bytes(words[4 * r..4 * r + 4].try_into().unwrap());
@@ -715,9 +715,17 @@ impl Communicator {
 
     /// The device-reported error, if a kernel of this communicator gave up.
     pub fn check_status(&self) -> Result<(), Error> {
-        let code = self.host.read_u32(HOST_STATUS);
+        let mut code = self.host.read_u32(HOST_STATUS);
         if code == abi::status::OK {
             return Ok(());
+        }
+        // A kernel claimed the record and is filling it: give it a moment.
+        for _ in 0..1000 {
+            if code != abi::status::CLAIMED {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(10));
+            code = self.host.read_u32(HOST_STATUS);
         }
         let peer = self.host.read_u32(HOST_STATUS + 4);
         let seq = self.host.read_u64(HOST_STATUS + 16);

@@ -108,6 +108,7 @@ pub struct Verifier {
     device: Arc<Device>,
     kernels: Arc<Kernels>,
     errors: DeviceMem,
+    stream: Stream,
 }
 
 impl Verifier {
@@ -117,10 +118,12 @@ impl Verifier {
         let _ctx = device.activate()?;
         let kernels = Kernels::for_context(device.context())?;
         let errors = DeviceMem::alloc_zeroed(&device, 16)?;
+        let stream = Stream::create()?;
         let v = Verifier {
             device,
             kernels,
             errors,
+            stream,
         };
         v.reset()?;
         Ok(v)
@@ -215,7 +218,7 @@ impl Verifier {
     pub fn errors(&self) -> Result<(u64, u64), Error> {
         let _ctx = self.device.activate()?;
         let mut b = [0u8; 16];
-        self.errors.download(0, &mut b)?;
+        self.errors.download(0, &mut b, self.stream)?;
         Ok((
             u64::from_le_bytes(b[0..8].try_into().unwrap()),
             u64::from_le_bytes(b[8..16].try_into().unwrap()),
@@ -227,7 +230,7 @@ impl Verifier {
         let _ctx = self.device.activate()?;
         let mut b = [0u8; 16];
         b[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
-        self.errors.upload(0, &b)
+        self.errors.upload(0, &b, self.stream)
     }
 
     /// Allocates device memory on this verifier's device.
@@ -235,10 +238,10 @@ impl Verifier {
         DeviceMem::alloc_zeroed(&self.device, bytes)
     }
 
-    /// A new stream on this verifier's device.
+    /// The verifier's own stream (non-blocking; use it for the rank's work so that reading the
+    /// error counters is ordered after everything the rank queued).
     pub fn stream(&self) -> Result<Stream, Error> {
-        let _ctx = self.device.activate()?;
-        Stream::create()
+        Ok(self.stream)
     }
 
     /// Makes the device's context current for the caller's scope.

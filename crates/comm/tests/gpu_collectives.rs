@@ -52,7 +52,7 @@ fn sweep(n: u32) {
                 };
                 r.v.fill(send.as_ptr(), send_elems, ty, r.rank(), salt, r.stream)
                     .unwrap();
-                recv.fill(0xA5).unwrap();
+                recv.fill(0xA5, r.stream).unwrap();
                 let p = r.comm.plan_forced(
                     coll,
                     count,
@@ -150,6 +150,7 @@ fn random_values_match_cpu_reference() {
         let maxc = *counts.iter().max().unwrap() as usize;
         let send = r.alloc(maxc * 4);
         let recv = r.alloc(maxc * 4);
+        r.sync();
         for (ci, &count) in counts.iter().enumerate() {
             for (ti, ty) in TYPES.iter().enumerate() {
                 // Every rank generates every rank's input (same seeds), so each can compute the
@@ -197,11 +198,11 @@ fn random_values_match_cpu_reference() {
                     }
                 }
                 let expect = to_bytes(&acc);
-                send.upload(0, &to_bytes(&inputs[r.rank() as usize]))
+                send.upload(0, &to_bytes(&inputs[r.rank() as usize]), r.stream)
                     .unwrap();
                 for algo in Algorithm::ALL {
                     for proto in Protocol::ALL {
-                        recv.fill(0xA5).unwrap();
+                        recv.fill(0xA5, r.stream).unwrap();
                         let elem = ty.bytes();
                         let p = r.comm.plan_forced(
                             Collective::AllReduce,
@@ -223,7 +224,7 @@ fn random_values_match_cpu_reference() {
                             .unwrap();
                         r.sync();
                         let mut got = vec![0u8; (count * elem) as usize];
-                        recv.download(0, &mut got).unwrap();
+                        recv.download(0, &mut got, r.stream).unwrap();
                         if let Some(i) = got.iter().zip(&expect).position(|(a, b)| a != b) {
                             panic!(
                                 "rank {} {ty:?} {p:?} count={count}: byte {i} differs from the CPU reference",
@@ -243,6 +244,7 @@ fn in_place_and_misaligned() {
     run_ranks(4, test_config(), |r| {
         let n = r.n() as u64;
         let buf = r.alloc(64 << 20);
+        r.sync();
         let mut salt = 1000;
         for count in [1u64, 3, 1001, 65537, 3 << 20] {
             for proto in Protocol::ALL {
@@ -328,9 +330,10 @@ fn in_place_and_misaligned() {
 fn graph_capture_and_replay() {
     run_ranks(4, test_config(), |r| {
         let n = r.n() as u64;
-        let send = r.alloc(8 << 20);
+        let send = r.alloc(32 << 20);
         let recv = r.alloc(32 << 20);
         let recv2 = r.alloc(32 << 20);
+        r.sync();
         type Case = (
             Collective,
             TestType,
@@ -382,7 +385,7 @@ fn graph_capture_and_replay() {
                 *count
             };
             r.v.fill(
-                send.slice(i * (1 << 20), (elems * ty.bytes()) as usize),
+                send.slice(i * (4 << 20), (elems * ty.bytes()) as usize),
                 elems,
                 *ty,
                 r.rank(),
@@ -405,7 +408,7 @@ fn graph_capture_and_replay() {
             r.comm
                 .run(
                     &p,
-                    send.slice(i * (1 << 20), (se * elem) as usize),
+                    send.slice(i * (4 << 20), (se * elem) as usize),
                     out.slice(0, (re * elem) as usize),
                     *count,
                     elem,
@@ -449,6 +452,7 @@ fn stress_100k_random_collectives() {
         let n = r.n() as u64;
         let send = r.alloc(4 << 20);
         let recv = r.alloc(32 << 20);
+        r.sync();
         let mut rng = 0x2545_f491_4f6c_dd1du64; // same seed on every rank: same sequence
         let mut next = || {
             rng ^= rng << 13;
@@ -542,6 +546,7 @@ fn missing_rank_times_out_and_process_goes_on() {
                 let _ctx = v.activate().unwrap();
                 let stream = v.stream().unwrap();
                 let buf = v.alloc(1 << 20).unwrap();
+                m.barrier().unwrap();
                 if m.rank() != 3 {
                     let t = Instant::now();
                     comm.all_reduce(
@@ -583,6 +588,7 @@ fn missing_rank_times_out_and_process_goes_on() {
     // The process goes on: a fresh group works.
     run_ranks(4, test_config(), |r| {
         let buf = r.alloc(1 << 16);
+        r.sync();
         r.v.fill(buf.as_ptr(), 1000, TestType::F32, r.rank(), 1, r.stream)
             .unwrap();
         r.comm
@@ -631,6 +637,7 @@ fn disagreeing_ranks_get_an_error() {
                 let _ctx = v.activate().unwrap();
                 let stream = v.stream().unwrap();
                 let buf = v.alloc(16 << 20).unwrap();
+                m.barrier().unwrap();
                 let count = if m.rank() == 0 { 1000 } else { 4 << 20 };
                 let t = Instant::now();
                 comm.all_reduce(

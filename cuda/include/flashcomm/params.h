@@ -27,6 +27,7 @@ struct FcCtl {
 #define FC_STATUS_ABORTED 2u        // the host set the abort flag (ncclCommAbort)
 #define FC_STATUS_PEER_ABORTED 3u   // a peer gave up and asked us to stop
 #define FC_STATUS_MISMATCH 4u       // a peer's tag belongs to another collective: calls differ across ranks
+#define FC_STATUS_CLAIMED 0xffffffffu  // a kernel is writing the record (an error, details follow)
 
 struct FcStatus {
   uint32_t code;      // FC_STATUS_*; the first error wins

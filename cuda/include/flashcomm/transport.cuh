@@ -92,12 +92,16 @@ __device__ __noinline__ void give_up(const FcCollParams& p, Ctx& c, uint32_t cod
                                      uint32_t observed) {
   c.dead = true;
   FcStatus* st = reinterpret_cast<FcStatus*>(p.status);
-  if (atomicCAS_system(&st->code, FC_STATUS_OK, code) == FC_STATUS_OK) {
+  // Claim the record, fill it, then publish the code: the host never sees a code whose details
+  // are still being written.
+  if (atomicCAS_system(&st->code, FC_STATUS_OK, FC_STATUS_CLAIMED) == FC_STATUS_OK) {
     st->peer = peer;
     st->block = blockIdx.x;
     st->observed = observed;
     st->seq = c.seq;
     st->expected = c.tag;
+    __threadfence_system();
+    st_volatile_u32(&st->code, code);
     __threadfence_system();
   }
   for (uint32_t r = 0; r < p.nranks; ++r) {

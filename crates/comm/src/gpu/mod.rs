@@ -326,41 +326,50 @@ impl DeviceMem {
         self.bytes == 0
     }
 
-    /// Copies `src` to byte `offset` (synchronous).
-    pub fn upload(&self, offset: usize, src: &[u8]) -> Result<(), Error> {
+    /// Copies `src` to byte `offset`, ordered on `stream`, and waits for it. Memory operations
+    /// of one rank never go through the legacy default stream: with several ranks in one
+    /// context (virtual ranks), a default-stream operation would serialize with the other ranks'
+    /// kernels, which wait for this rank.
+    pub fn upload(&self, offset: usize, src: &[u8], stream: Stream) -> Result<(), Error> {
         let _ctx = self.device.activate()?;
         assert!(offset + src.len() <= self.bytes, "upload out of bounds");
-        // SAFETY: the destination range lies inside this allocation (asserted); `src` is valid.
+        // SAFETY: the destination range lies inside this allocation (asserted); `src` stays valid
+        // until the stream synchronization below.
         let r = unsafe {
-            sys::cuMemcpyHtoD_v2(
+            sys::cuMemcpyHtoDAsync_v2(
                 self.ptr + offset as u64,
                 src.as_ptr() as *const c_void,
                 src.len(),
+                stream.0,
             )
         };
-        check(r, "copying to the device")
+        check(r, "copying to the device")?;
+        stream.synchronize()
     }
 
-    /// Copies bytes at `offset` into `dst` (synchronous).
-    pub fn download(&self, offset: usize, dst: &mut [u8]) -> Result<(), Error> {
+    /// Copies bytes at `offset` into `dst`, ordered on `stream`, and waits for it.
+    pub fn download(&self, offset: usize, dst: &mut [u8], stream: Stream) -> Result<(), Error> {
         let _ctx = self.device.activate()?;
         assert!(offset + dst.len() <= self.bytes, "download out of bounds");
-        // SAFETY: the source range lies inside this allocation (asserted); `dst` is valid.
+        // SAFETY: the source range lies inside this allocation (asserted); `dst` stays valid
+        // until the stream synchronization below.
         let r = unsafe {
-            sys::cuMemcpyDtoH_v2(
+            sys::cuMemcpyDtoHAsync_v2(
                 dst.as_mut_ptr() as *mut c_void,
                 self.ptr + offset as u64,
                 dst.len(),
+                stream.0,
             )
         };
-        check(r, "copying to the host")
+        check(r, "copying to the host")?;
+        stream.synchronize()
     }
 
-    /// Fills the allocation with `byte` (synchronous).
-    pub fn fill(&self, byte: u8) -> Result<(), Error> {
+    /// Fills the allocation with `byte`, ordered on `stream` (asynchronous).
+    pub fn fill(&self, byte: u8, stream: Stream) -> Result<(), Error> {
         let _ctx = self.device.activate()?;
         // SAFETY: the range is exactly this allocation.
-        let r = unsafe { sys::cuMemsetD8_v2(self.ptr, byte, self.bytes) };
+        let r = unsafe { sys::cuMemsetD8Async(self.ptr, byte, self.bytes, stream.0) };
         check(r, "filling device memory")
     }
 

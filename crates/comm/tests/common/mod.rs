@@ -56,7 +56,7 @@ pub struct Shared {
 /// Default test configuration: short timeouts so a bug fails fast instead of hanging.
 pub fn test_config() -> CommConfig {
     CommConfig {
-        timeout: Duration::from_secs(20),
+        timeout: Duration::from_secs(10),
         calibrate: false,
         ..CommConfig::default()
     }
