@@ -390,7 +390,7 @@ pub fn pivot(results: &[RunResult], tp: usize, one_shot: bool) -> String {
                 Some((v, r)) => {
                     let _ = write!(
                         s,
-                        " {} ({:.2}) |",
+                        " {} ({:.3}) |",
                         change_cell(v),
                         r.mean_effective_bits().unwrap_or(0.0)
                     );
