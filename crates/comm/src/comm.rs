@@ -554,6 +554,37 @@ impl Communicator {
         Ok(p)
     }
 
+    /// Sum AllReduce of `count` f16 or bf16 elements with a quantized wire format. Every rank's
+    /// result is bitwise identical (each rank decodes the same bytes in the same order); the error
+    /// against the exact sum is bounded as docs/codec.md states for one or two quantization steps.
+    pub fn all_reduce_quant(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        dtype: DataType,
+        q: QuantSpec,
+        stream: Stream,
+    ) -> Result<Plan, Error> {
+        let p = self.plan_quant(count, dtype, q, self.cfg.algo)?;
+        self.run(&p, send, recv, count, dtype.bytes(), Some(dtype), stream)?;
+        Ok(p)
+    }
+
+    /// The plan of a quantized AllReduce (algorithm forced or chosen by the cost model).
+    pub fn plan_quant(
+        &self,
+        count: u64,
+        dtype: DataType,
+        q: QuantSpec,
+        algo: Choice<Algorithm>,
+    ) -> Result<Plan, Error> {
+        let _ = (count, dtype, q, algo);
+        Err(Error::Unsupported(
+            "quantized AllReduce kernels are not in this build yet".into(),
+        ))
+    }
+
     /// Sum ReduceScatter: `recvcount` elements per rank.
     pub fn reduce_scatter(
         &self,

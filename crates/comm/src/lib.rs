@@ -24,4 +24,4 @@ pub use bootstrap::{Bootstrap, FileBootstrap, ThreadBootstrap, ThreadGroup};
 pub use comm::{CommConfig, Communicator};
 pub use error::Error;
 pub use gpu::{DeviceMem, DevicePtr, Stream};
-pub use plan::{Algorithm, Choice, Collective, CostModel, DataType, Plan, Protocol};
+pub use plan::{Algorithm, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantSpec};

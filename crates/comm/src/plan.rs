@@ -292,6 +292,54 @@ impl CostModel {
     }
 }
 
+/// Codec settings of a quantized AllReduce (the wire format of docs/codec.md): the width of the
+/// first step (the only step of one-shot), the width of the all-gather step of two-step, the group
+/// size and the spikes kept per group. The same on every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QuantSpec {
+    /// Bits per value of the reduce-scatter step (and of one-shot): 2..=8.
+    pub rs_bits: u8,
+    /// Bits per value of the all-gather step: 2..=8 (equal to `rs_bits`, or 8).
+    pub ag_bits: u8,
+    /// Values per group: 32, 64, 128 or 256.
+    pub group: u16,
+    /// Extreme values kept exactly per group: 0, 2 or 4.
+    pub spikes: u8,
+}
+
+impl QuantSpec {
+    /// Checks the combination (the kernels exist for equal widths and for an 8-bit all-gather).
+    pub fn new(rs_bits: u8, ag_bits: u8, group: u16, spikes: u8) -> Result<QuantSpec, Error> {
+        let ok_bits = |b: u8| (2..=8).contains(&b);
+        if !ok_bits(rs_bits) || !ok_bits(ag_bits) {
+            return Err(Error::InvalidArgument(format!(
+                "quantization widths {rs_bits}/{ag_bits}: allowed 2..=8"
+            )));
+        }
+        if ag_bits != rs_bits && ag_bits != 8 {
+            return Err(Error::Unsupported(format!(
+                "quantization widths {rs_bits}/{ag_bits}: the all-gather width must equal the reduce-scatter width or be 8"
+            )));
+        }
+        if ![32, 64, 128, 256].contains(&group) {
+            return Err(Error::InvalidArgument(format!(
+                "group size {group}: allowed 32, 64, 128, 256"
+            )));
+        }
+        if ![0, 2, 4].contains(&spikes) {
+            return Err(Error::InvalidArgument(format!(
+                "spikes {spikes}: allowed 0, 2, 4"
+            )));
+        }
+        Ok(QuantSpec {
+            rs_bits,
+            ag_bits,
+            group,
+            spikes,
+        })
+    }
+}
+
 /// Everything a launch needs besides buffers: chosen variant and geometry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
@@ -309,6 +357,8 @@ pub struct Plan {
     pub chunk_bytes: u64,
     /// Two-shot shard elements (0 otherwise).
     pub shard_elems: u64,
+    /// Codec settings when the call is quantized.
+    pub quant: Option<QuantSpec>,
 }
 
 /// Chooses how to run one call. `bytes` is the per-rank message: AllReduce count*elem,
