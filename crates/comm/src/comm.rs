@@ -28,7 +28,7 @@ use crate::bootstrap::Bootstrap;
 use crate::error::Error;
 use crate::gpu::{self, Device, DeviceMem, DevicePtr, Event, HostMapped, IpcMapping, Stream};
 use crate::plan::{
-    self, Algorithm, Arena, Choice, Collective, CostModel, DataType, Plan, Protocol,
+    self, Algorithm, Arena, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantSpec,
 };
 
 /// Settings of one communicator (the same on every rank).

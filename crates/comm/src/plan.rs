@@ -439,6 +439,7 @@ pub fn plan(
         } else {
             0
         },
+        quant: None,
     }
 }
 
