@@ -579,10 +579,15 @@ impl Communicator {
         q: QuantSpec,
         algo: Choice<Algorithm>,
     ) -> Result<Plan, Error> {
-        let _ = (count, dtype, q, algo);
-        Err(Error::Unsupported(
-            "quantized AllReduce kernels are not in this build yet".into(),
-        ))
+        plan::plan_quant(
+            &self.arena,
+            &self.model,
+            count,
+            dtype,
+            q,
+            self.max_grid,
+            algo,
+        )
     }
 
     /// Sum ReduceScatter: `recvcount` elements per rank.
@@ -655,7 +660,22 @@ impl Communicator {
                 "a reducing collective needs a datatype".into(),
             ));
         }
-        if p.algo == Algorithm::TwoShot && (p.shard_elems == 0 || (n - 1) * p.shard_elems >= count)
+        if let Some(q) = p.quant {
+            if p.coll != Collective::AllReduce
+                || !q.has_kernels()
+                || dtype.is_none_or(|d| d == DataType::F32)
+            {
+                return Err(Error::Unsupported(
+                    "quantized plan for an unsupported call".into(),
+                ));
+            }
+            if p.algo == Algorithm::TwoShot && count.div_ceil(plan::CODEC_BLOCK_VALUES) < n {
+                return Err(Error::InvalidArgument(
+                    "two-step quantized plan with an empty shard".into(),
+                ));
+            }
+        } else if p.algo == Algorithm::TwoShot
+            && (p.shard_elems == 0 || (n - 1) * p.shard_elems >= count)
         {
             return Err(Error::InvalidArgument(
                 "two-shot plan with an empty shard".into(),
@@ -667,6 +687,20 @@ impl Communicator {
     fn kernel_for(&self, p: &Plan, dtype: Option<DataType>) -> Result<Function, Error> {
         let name = match (p.coll, dtype) {
             (Collective::AllGather, _) => format!("fc_allgather_{}", p.proto.name()),
+            (Collective::AllReduce, Some(t)) if p.quant.is_some() => {
+                let q = p.quant.unwrap();
+                match p.algo {
+                    Algorithm::OneShot => {
+                        format!("fc_allreduce_q1_block_{}_b{}", t.suffix(), q.rs_bits)
+                    }
+                    Algorithm::TwoShot => format!(
+                        "fc_allreduce_q2_block_{}_r{}_a{}",
+                        t.suffix(),
+                        q.rs_bits,
+                        q.ag_bits
+                    ),
+                }
+            }
             (Collective::AllReduce, Some(t)) => format!(
                 "fc_allreduce_{}_{}_{}",
                 p.algo.name(),
@@ -714,6 +748,17 @@ impl Communicator {
             area_offset: self.arena.area_offset(p.proto),
             ..Default::default()
         };
+        let mut params = params;
+        let mut threads = THREADS;
+        if let (Some(q), Some(d)) = (p.quant, dtype) {
+            params.q_bits_rs = q.rs_bits as u32;
+            params.q_bits_ag = q.ag_bits as u32;
+            params.q_group = q.group as u32;
+            params.q_spikes = q.spikes as u32;
+            params.q_block_bytes_rs = q.format(d, q.rs_bits)?.block_bytes() as u32;
+            params.q_block_bytes_ag = q.format(d, q.ag_bits)?.block_bytes() as u32;
+            threads = plan::QUANT_THREADS;
+        }
         let _ctx = self.device.activate()?;
         let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
         let capturing = stream.is_capturing()?;
@@ -730,7 +775,7 @@ impl Communicator {
             f,
             LaunchConfig {
                 grid: p.grid,
-                block: THREADS,
+                block: threads,
                 smem: 0,
             },
             stream,

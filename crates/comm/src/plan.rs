@@ -340,6 +340,101 @@ impl QuantSpec {
     }
 }
 
+impl QuantSpec {
+    /// Whether kernels exist for this pair of widths (equal widths, or an 8-bit all-gather after
+    /// a 2-, 3- or 4-bit reduce-scatter).
+    pub fn has_kernels(&self) -> bool {
+        self.rs_bits == self.ag_bits || (self.ag_bits == 8 && self.rs_bits <= 4)
+    }
+
+    /// The codec format of one step.
+    pub fn format(&self, dtype: DataType, bits: u8) -> Result<flashcomm_codec::Format, Error> {
+        let d = match dtype {
+            DataType::F32 => flashcomm_codec::DType::F32,
+            DataType::F16 => flashcomm_codec::DType::F16,
+            DataType::Bf16 => flashcomm_codec::DType::Bf16,
+        };
+        flashcomm_codec::Format::new(d, bits, self.group, self.spikes)
+            .map_err(|e| Error::InvalidArgument(format!("codec format: {e:?}")))
+    }
+}
+
+/// Values per codec block.
+pub const CODEC_BLOCK_VALUES: u64 = 1024;
+/// Threads per block of the quantized kernels.
+pub const QUANT_THREADS: u32 = 256;
+
+/// Plans a quantized AllReduce. The wire format is the codec's; readiness travels in BLOCK frames
+/// that carry whole codec blocks. Two-step needs every shard non-empty (at least `nranks` codec
+/// blocks); the cost model picks between one-shot and two-step from the bytes each moves after
+/// compression and the decode work each does.
+pub fn plan_quant(
+    arena: &Arena,
+    model: &CostModel,
+    count: u64,
+    dtype: DataType,
+    q: QuantSpec,
+    max_grid: u32,
+    algo_choice: Choice<Algorithm>,
+) -> Result<Plan, Error> {
+    if dtype == DataType::F32 {
+        return Err(Error::Unsupported(
+            "quantized AllReduce of f32 (use f16 or bf16; f32 stays lossless)".into(),
+        ));
+    }
+    if !q.has_kernels() {
+        return Err(Error::Unsupported(format!(
+            "no kernels for widths {}/{}",
+            q.rs_bits, q.ag_bits
+        )));
+    }
+    let n = arena.nranks as u64;
+    let fr = q.format(dtype, q.rs_bits)?;
+    let fa = q.format(dtype, q.ag_bits)?;
+    let nb = count.div_ceil(CODEC_BLOCK_VALUES);
+    let two_ok = nb >= n;
+    let bytes = count * dtype.bytes();
+    // Bytes as the lossless model sees them, scaled by the compression of each step, plus the
+    // codec work (decoding and encoding at roughly HBM speed: 1.5 MB/us of element data).
+    let codec_us_per_byte = 1.0 / 1.5e6;
+    let wire_one = bytes as f64 * fr.effective_bits() / 16.0;
+    let wire_two = bytes as f64 * (fr.effective_bits() + fa.effective_bits()) / 32.0;
+    let t_one = model.predict(Algorithm::OneShot, Protocol::Block, wire_one as u64)
+        + codec_us_per_byte * bytes as f64 * (1.0 + n as f64);
+    let t_two = model.predict(Algorithm::TwoShot, Protocol::Block, wire_two as u64)
+        + codec_us_per_byte * bytes as f64 * (1.0 + 2.0 / n as f64 + 1.0);
+    let algo = match algo_choice {
+        Choice::Force(Algorithm::TwoShot) if two_ok => Algorithm::TwoShot,
+        Choice::Force(_) => Algorithm::OneShot,
+        Choice::Auto if two_ok && n > 1 && t_two < t_one => Algorithm::TwoShot,
+        Choice::Auto => Algorithm::OneShot,
+    };
+    // One warp per frame; a frame carries FRAME_PAYLOAD / block_bytes codec blocks.
+    let per_frame = match algo {
+        Algorithm::OneShot => FRAME_PAYLOAD / fr.block_bytes() as u64,
+        Algorithm::TwoShot => FRAME_PAYLOAD / (fr.block_bytes().max(fa.block_bytes()) as u64),
+    };
+    let blocks = match algo {
+        Algorithm::OneShot => nb,
+        Algorithm::TwoShot => nb.div_ceil(n),
+    };
+    let frames = blocks.div_ceil(per_frame);
+    let grid = frames
+        .div_ceil((QUANT_THREADS / 32) as u64)
+        .clamp(1, max_grid.min(arena.max_grid()).max(1) as u64) as u32;
+    let (sub_bytes, chunk_bytes) = arena.chunking(Protocol::Block, grid);
+    Ok(Plan {
+        coll: Collective::AllReduce,
+        algo,
+        proto: Protocol::Block,
+        grid,
+        sub_bytes,
+        chunk_bytes,
+        shard_elems: 0,
+        quant: Some(q),
+    })
+}
+
 /// Everything a launch needs besides buffers: chosen variant and geometry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
@@ -554,6 +649,38 @@ mod tests {
             Choice::Auto,
         );
         assert_eq!(tiny.algo, Algorithm::OneShot);
+    }
+
+    #[test]
+    fn quantized_plans() {
+        let a = Arena::new(8, 64 << 20).unwrap();
+        let m = CostModel::default_for(8);
+        let q = QuantSpec::new(4, 4, 128, 2).unwrap();
+        // Fewer codec blocks than ranks: two-step impossible.
+        let p = plan_quant(
+            &a,
+            &m,
+            4000,
+            DataType::Bf16,
+            q,
+            16,
+            Choice::Force(Algorithm::TwoShot),
+        )
+        .unwrap();
+        assert_eq!(p.algo, Algorithm::OneShot);
+        let p = plan_quant(&a, &m, 64 << 20, DataType::Bf16, q, 16, Choice::Auto).unwrap();
+        assert_eq!(
+            (p.algo, p.proto, p.quant),
+            (Algorithm::TwoShot, Protocol::Block, Some(q))
+        );
+        assert!(p.sub_bytes >= FRAME_BYTES);
+        assert!(plan_quant(&a, &m, 1000, DataType::F32, q, 16, Choice::Auto).is_err());
+        assert!(!QuantSpec::new(5, 8, 128, 2).unwrap().has_kernels());
+        assert!(QuantSpec::new(4, 8, 128, 2).unwrap().has_kernels());
+        assert!(QuantSpec::new(4, 6, 128, 2).is_err());
+        assert!(QuantSpec::new(1, 1, 128, 2).is_err());
+        assert!(QuantSpec::new(4, 4, 100, 2).is_err());
+        assert!(QuantSpec::new(4, 4, 128, 3).is_err());
     }
 
     #[test]

@@ -1,0 +1,305 @@
+//! GPU tests of the quantized AllReduce with virtual ranks on one GPU (N = 2, 4, 8): every width
+//! 2..8, group sizes 32..256, spikes 0/2/4, f16 and bf16, one-shot and two-step, sizes from 1 KiB
+//! to 16 MiB. Every rank's output must be bitwise identical to rank 0's, and rank 0's output must
+//! equal the CPU reference of the same algorithm bit for bit (crates/codec, the specification)
+//! and lie within the error bound it predicts for one or two quantization steps.
+#![cfg(feature = "gpu")]
+
+mod common;
+
+use std::sync::Mutex;
+
+use common::*;
+use flashcomm_codec::reference;
+use flashcomm_comm::{Algorithm, Bootstrap, Choice, DataType, DevicePtr, QuantSpec};
+use half::{bf16, f16};
+
+/// Deterministic activation-like values: a Gaussian-ish bulk with a few large spikes.
+fn inputs(seed: u64, count: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 11) as f64 / (1u64 << 53) as f64
+    };
+    (0..count)
+        .map(|i| {
+            let g = (0..4).map(|_| next()).sum::<f64>() - 2.0;
+            let spike = if i % 997 == 13 {
+                300.0 * (next() - 0.5)
+            } else {
+                0.0
+            };
+            (g * 1.5 + spike) as f32
+        })
+        .collect()
+}
+
+struct Case {
+    q: QuantSpec,
+    dtype: DataType,
+    count: usize,
+    algo: Choice<Algorithm>,
+}
+
+fn cases(n: u32) -> Vec<Case> {
+    let groups = [32u16, 64, 128, 256];
+    let spikes = [0u8, 2, 4];
+    let counts = [512usize, 1000, 50_001, 1 << 20];
+    let mut v = Vec::new();
+    let mut i = 0usize;
+    for bits in 2..=8u8 {
+        for algo in [
+            Choice::Force(Algorithm::OneShot),
+            Choice::Force(Algorithm::TwoShot),
+        ] {
+            v.push(Case {
+                q: QuantSpec::new(bits, bits, groups[i % 4], spikes[(i + n as usize) % 3]).unwrap(),
+                dtype: if i.is_multiple_of(2) {
+                    DataType::Bf16
+                } else {
+                    DataType::F16
+                },
+                count: counts[i % 4],
+                algo,
+            });
+            i += 1;
+        }
+    }
+    for rs in [2u8, 3, 4] {
+        v.push(Case {
+            q: QuantSpec::new(rs, 8, 128, 2).unwrap(),
+            dtype: DataType::Bf16,
+            count: 300_007,
+            algo: Choice::Auto,
+        });
+    }
+    v.push(Case {
+        q: QuantSpec::new(4, 4, 128, 2).unwrap(),
+        dtype: DataType::Bf16,
+        count: (8 << 20) + 5,
+        algo: Choice::Auto,
+    });
+    v
+}
+
+fn to_bytes(dtype: DataType, v: &[f32]) -> Vec<u8> {
+    match dtype {
+        DataType::F16 => v
+            .iter()
+            .flat_map(|x| f16::from_f32(*x).to_le_bytes())
+            .collect(),
+        _ => v
+            .iter()
+            .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
+            .collect(),
+    }
+}
+
+/// The CPU reference output bytes and per-element bounds, and the exact sums.
+fn reference_of(
+    case: &Case,
+    plan_algo: Algorithm,
+    all: &[Vec<f32>],
+) -> (Vec<u8>, Vec<f64>, Vec<f64>) {
+    let fr = case.q.format(case.dtype, case.q.rs_bits).unwrap();
+    let fa = case.q.format(case.dtype, case.q.ag_bits).unwrap();
+    fn run<T: flashcomm_codec::Element + Copy>(
+        algo: Algorithm,
+        fr: flashcomm_codec::Format,
+        fa: flashcomm_codec::Format,
+        conv: impl Fn(f32) -> T,
+        all: &[Vec<f32>],
+    ) -> (Vec<u8>, Vec<f64>, Vec<f64>) {
+        let typed: Vec<Vec<T>> = all
+            .iter()
+            .map(|v| v.iter().map(|x| conv(*x)).collect())
+            .collect();
+        let refs: Vec<&[T]> = typed.iter().map(|v| v.as_slice()).collect();
+        let out = match algo {
+            Algorithm::OneShot => reference::allreduce_oneshot_with_bound(fr, &refs),
+            Algorithm::TwoShot => reference::allreduce_twostep_with_bound(fr, fa, &refs),
+        };
+        let mut bytes = Vec::new();
+        for x in &out.values {
+            let mut b = [0u8; 4];
+            x.write_le(&mut b);
+            bytes.extend_from_slice(&b[..T::BYTES]);
+        }
+        let exact: Vec<f64> = (0..all[0].len())
+            .map(|i| typed.iter().map(|v| v[i].to_f32() as f64).sum())
+            .collect();
+        (bytes, out.bound, exact)
+    }
+    match case.dtype {
+        DataType::F16 => run(plan_algo, fr, fa, f16::from_f32, all),
+        _ => run(plan_algo, fr, fa, bf16::from_f32, all),
+    }
+}
+
+fn quantized(n: u32) {
+    let all_cases = cases(n);
+    let max_count = all_cases.iter().map(|c| c.count).max().unwrap();
+    let errors = Mutex::new(Vec::<String>::new());
+    run_ranks(n, test_config(), |r| {
+        let send = r.alloc(max_count * 2 + 64);
+        let recv = r.alloc(max_count * 2 + 64);
+        r.shared.addrs.lock().unwrap()[r.rank() as usize] = recv.addr();
+        r.sync();
+        let rank0 = r.shared.addrs.lock().unwrap()[0];
+        for (ci, case) in all_cases.iter().enumerate() {
+            let all: Vec<Vec<f32>> = (0..n)
+                .map(|rk| inputs(((ci as u64) << 8) | rk as u64, case.count))
+                .collect();
+            let bytes = case.count * 2;
+            send.upload(0, &to_bytes(case.dtype, &all[r.rank() as usize]), r.stream)
+                .unwrap();
+            recv.fill(0xA5, r.stream).unwrap();
+            let p = r
+                .comm
+                .plan_quant(case.count as u64, case.dtype, case.q, case.algo)
+                .expect("plan");
+            r.comm
+                .run(
+                    &p,
+                    send.slice(0, bytes),
+                    recv.slice(0, bytes),
+                    case.count as u64,
+                    2,
+                    Some(case.dtype),
+                    r.stream,
+                )
+                .unwrap();
+            r.sync();
+            let what = format!(
+                "N={n} {:?} {:?} count={} {:?} grid={}",
+                case.q, case.dtype, case.count, p.algo, p.grid
+            );
+            if r.rank() != 0 {
+                // SAFETY: rank 0's buffer lives until the group ends; the barrier below keeps it
+                // from being overwritten before every rank has compared.
+                let theirs = unsafe { DevicePtr::from_raw(rank0, bytes as u64) };
+                r.v.compare(recv.as_ptr(), theirs, bytes as u64, r.stream)
+                    .unwrap();
+                r.stream.synchronize().unwrap();
+                r.assert_clean(&format!("bitwise identity with rank 0: {what}"));
+            } else {
+                let mut got = vec![0u8; bytes];
+                recv.download(0, &mut got, r.stream).unwrap();
+                let (want, bound, exact) = reference_of(case, p.algo, &all);
+                if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+                    errors
+                        .lock()
+                        .unwrap()
+                        .push(format!("{what}: byte {i} differs from the CPU reference"));
+                }
+                let mut worst = 0f64;
+                for (i, (e, b)) in exact.iter().zip(&bound).enumerate() {
+                    let raw = u16::from_le_bytes([got[2 * i], got[2 * i + 1]]);
+                    let v = match case.dtype {
+                        DataType::F16 => f16::from_bits(raw).to_f32(),
+                        _ => bf16::from_bits(raw).to_f32(),
+                    } as f64;
+                    if (v - e).abs() > *b {
+                        errors
+                            .lock()
+                            .unwrap()
+                            .push(format!("{what}: element {i} = {v}, exact {e}, bound {b}"));
+                        break;
+                    }
+                    worst = worst.max((v - e).abs() / b.max(1e-30));
+                }
+                println!(
+                    "ok {what}: bit-identical to the CPU reference, worst error {:.2} of its bound",
+                    worst
+                );
+            }
+            r.boot.barrier().unwrap();
+        }
+    });
+    let errors = errors.into_inner().unwrap();
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+}
+
+#[test]
+fn quantized_2_ranks() {
+    quantized(2);
+}
+
+#[test]
+fn quantized_4_ranks() {
+    quantized(4);
+}
+
+#[test]
+fn quantized_8_ranks() {
+    quantized(8);
+}
+
+/// Quantized AllReduces captured in a CUDA graph and replayed: every replay gives the same bytes
+/// as the eager call.
+#[test]
+fn quantized_graph_replay() {
+    let n = 4;
+    run_ranks(n, test_config(), |r| {
+        let count = 200_001usize;
+        let send = r.alloc(count * 2);
+        let eager = r.alloc(count * 2);
+        let replay = r.alloc(count * 2);
+        r.sync();
+        send.upload(
+            0,
+            &to_bytes(DataType::Bf16, &inputs(77 + r.rank() as u64, count)),
+            r.stream,
+        )
+        .unwrap();
+        let specs = [
+            (QuantSpec::new(4, 4, 128, 2).unwrap(), Algorithm::OneShot),
+            (QuantSpec::new(4, 8, 128, 2).unwrap(), Algorithm::TwoShot),
+        ];
+        for (q, algo) in specs {
+            let p = r
+                .comm
+                .plan_quant(count as u64, DataType::Bf16, q, Choice::Force(algo))
+                .unwrap();
+            r.comm
+                .run(
+                    &p,
+                    send.as_ptr(),
+                    eager.as_ptr(),
+                    count as u64,
+                    2,
+                    Some(DataType::Bf16),
+                    r.stream,
+                )
+                .unwrap();
+            r.sync();
+            r.stream.begin_capture().unwrap();
+            r.comm
+                .run(
+                    &p,
+                    send.as_ptr(),
+                    replay.as_ptr(),
+                    count as u64,
+                    2,
+                    Some(DataType::Bf16),
+                    r.stream,
+                )
+                .unwrap();
+            r.v.compare(
+                replay.as_ptr(),
+                eager.as_ptr(),
+                (count * 2) as u64,
+                r.stream,
+            )
+            .unwrap();
+            let g = r.stream.end_capture().unwrap();
+            for _ in 0..100 {
+                g.launch(r.stream).unwrap();
+            }
+            r.sync();
+            r.assert_clean(&format!("100 replays of {q:?} {algo:?}"));
+        }
+    });
+}
