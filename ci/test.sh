@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The test command (README, CI): installs the toolchain if needed, then checks formatting, lints,
+# generated files, builds everything including the CUDA kernels, and runs every CPU test.
+# GPU tests are not run here (see ci/gpu-bundle.sh and docs/testing.md).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+"$root/ci/setup.sh" > /dev/null
+# shellcheck disable=SC1091
+source "$root/.toolchain/env.sh"
+# A kernel that does not compile must fail the tests, not silently build a pass-through library.
+export FLASHCOMM_REQUIRE_KERNELS=1
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== generated files are current (bindings, exports, env table, header, docs tables)"
+cargo run --quiet -p xtask -- check
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+echo "== cargo test"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --workspace 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+passed=$(grep -o '[0-9]* passed' "$log" | awk '{s+=$1} END {print s+0}')
+failed=$(grep -o '[0-9]* failed' "$log" | awk '{s+=$1} END {print s+0}')
+echo "$passed passed, $failed failed"
+[ "$status" -eq 0 ] && [ "$failed" -eq 0 ]
