@@ -185,15 +185,19 @@ variables! {
         allowed: "an integer in 1..=8",
         strict: true,
     }
-    /// Payload width of quantized collectives, for both steps (reduce-scatter and all-gather):
-    /// `off` is lossless, `16` sends 16-bit floats, 2..8 group-quantizes to that many bits.
+    /// Payload width of the quantized AllReduce, for both steps (reduce-scatter and all-gather):
+    /// 2..8 group-quantizes to that many bits per value; `off` and `16` keep the lossless kernels.
+    /// `flashcommCommSetQuant` overrides it (and the other `FLASHCOMM_QUANT_*` widths, group,
+    /// spikes and sizes) per communicator.
     quant_bits: QuantBits = QuantBits::Off => {
         name: "FLASHCOMM_QUANT_BITS",
         kind: "bits",
         allowed: "`off`, `16`, or an integer in 2..=8",
         strict: true,
     }
-    /// Overrides `FLASHCOMM_QUANT_BITS` for the reduce-scatter step.
+    /// Overrides `FLASHCOMM_QUANT_BITS` for the reduce-scatter step (the only step of one-shot).
+    /// Kernels exist for equal widths and for an 8-bit all-gather after 2..4 bits; other pairs
+    /// pass the AllReduce through to NCCL.
     quant_rs_bits: Option<QuantBits> = None => {
         name: "FLASHCOMM_QUANT_RS_BITS",
         kind: "bits",
@@ -235,14 +239,16 @@ variables! {
         allowed: "bytes, with optional suffix `K`, `M`, `G` (powers of 1024)",
         strict: true,
     }
-    /// Which collectives may be quantized (when `FLASHCOMM_QUANT_BITS` is not `off`).
+    /// Which collectives may be quantized (when `FLASHCOMM_QUANT_BITS` is not `off`). Only
+    /// `allreduce` has quantized kernels; the others stay lossless.
     quant_ops: Set<Op> = Set(vec![Op::AllReduce]) => {
         name: "FLASHCOMM_QUANT_OPS",
         kind: "list",
         allowed: "comma list of `allreduce`, `reducescatter`, `allgather`; or `none`",
         strict: true,
     }
-    /// Element types that may be quantized; other types stay lossless.
+    /// Element types that may be quantized; other types stay lossless. The kernels quantize
+    /// `bf16` and `f16`; an `f32` AllReduce that asks for it passes through to NCCL.
     quant_dtypes: Set<Dtype> = Set(vec![Dtype::Bf16, Dtype::F16]) => {
         name: "FLASHCOMM_QUANT_DTYPES",
         kind: "list",
@@ -310,6 +316,9 @@ pub const BUILD_VARIABLES: &[&str] = &[
     "FLASHCOMM_TOOLCHAIN",
     "FLASHCOMM_NCCL_HOME",
     "FLASHCOMM_CUDA_INCLUDE",
+    "FLASHCOMM_CUDA_ARCHS",
+    "FLASHCOMM_REQUIRE_KERNELS",
+    "FLASHCOMM_NO_KERNELS",
 ];
 
 /// A variable with a value the library cannot use.
@@ -334,6 +343,84 @@ impl fmt::Display for Problem {
             write!(f, " ({d})")?;
         }
         write!(f, "; allowed: {}", self.allowed)
+    }
+}
+
+/// The quantization settings of one communicator: the widths of both steps, the group, the
+/// spikes and the window of message sizes (bytes per rank) that may be quantized. Which
+/// collectives and element types may be quantized stays process-wide (`FLASHCOMM_QUANT_OPS`,
+/// `FLASHCOMM_QUANT_DTYPES`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantSettings {
+    /// Width of the reduce-scatter step (the only step of one-shot).
+    pub rs_bits: QuantBits,
+    /// Width of the all-gather step.
+    pub ag_bits: QuantBits,
+    /// Values per group: 32, 64, 128 or 256.
+    pub group: u32,
+    /// Extreme values kept exactly per group: 0, 2 or 4.
+    pub spikes: u32,
+    /// Smallest message (bytes per rank) that may be quantized.
+    pub min_bytes: u64,
+    /// Largest message (bytes per rank) that may be quantized.
+    pub max_bytes: u64,
+}
+
+impl QuantSettings {
+    /// The group-quantization widths `(reduce-scatter, all-gather)`, when both steps quantize.
+    /// `None` when either step is `off` or `16`: the AllReduce stays lossless.
+    pub fn widths(&self) -> Option<(u8, u8)> {
+        match (self.rs_bits, self.ag_bits) {
+            (QuantBits::Bits(r), QuantBits::Bits(a)) => Some((r, a)),
+            _ => None,
+        }
+    }
+
+    /// Whether a message of `bytes` (per rank) lies inside the quantization window.
+    pub fn in_window(&self, bytes: u64) -> bool {
+        (self.min_bytes..=self.max_bytes).contains(&bytes)
+    }
+
+    /// Checks values that came from outside the environment (the C API): widths, group, spikes
+    /// and the window. The message says what is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if ![32, 64, 128, 256].contains(&self.group) {
+            return Err(format!("group {} (allowed: 32, 64, 128, 256)", self.group));
+        }
+        if ![0, 2, 4].contains(&self.spikes) {
+            return Err(format!("spikes {} (allowed: 0, 2, 4)", self.spikes));
+        }
+        for b in [self.rs_bits, self.ag_bits] {
+            if let QuantBits::Bits(n) = b
+                && !(2..=8).contains(&n)
+            {
+                return Err(format!(
+                    "width {n} bits (allowed: 2..=8, or 16 for lossless)"
+                ));
+            }
+        }
+        if self.min_bytes > self.max_bytes {
+            return Err(format!(
+                "min_bytes {} is larger than max_bytes {}",
+                self.min_bytes, self.max_bytes
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for QuantSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rs {} bits, ag {} bits, group {}, spikes {}, window [{}, {}]",
+            self.rs_bits.show(),
+            self.ag_bits.show(),
+            self.group,
+            self.spikes,
+            Bytes(self.min_bytes),
+            Bytes(self.max_bytes)
+        )
     }
 }
 
@@ -511,6 +598,19 @@ impl Config {
             .unwrap_or(self.settings.quant_bits)
     }
 
+    /// The quantization settings of the environment (what a communicator uses until
+    /// `flashcommCommSetQuant` gives it its own).
+    pub fn quant_settings(&self) -> QuantSettings {
+        QuantSettings {
+            rs_bits: self.quant_rs_bits(),
+            ag_bits: self.quant_ag_bits(),
+            group: self.settings.quant_group.0,
+            spikes: self.settings.quant_spikes.0,
+            min_bytes: self.settings.quant_min_bytes.0,
+            max_bytes: self.settings.quant_max_bytes.0,
+        }
+    }
+
     /// The effective configuration, one `NAME=value` line per variable (`# default` marks values
     /// not set in the environment), then the pass-through state.
     pub fn describe(&self) -> String {
@@ -669,6 +769,139 @@ mod tests {
             c.describe()
                 .contains("passthrough=forced: bad FLASHCOMM_LOG")
         );
+    }
+
+    #[test]
+    fn quantization_defaults_are_lossless() {
+        let q = cfg(&[]).quant_settings();
+        assert_eq!(q.rs_bits, QuantBits::Off);
+        assert_eq!(q.ag_bits, QuantBits::Off);
+        assert_eq!((q.group, q.spikes), (128, 2));
+        assert_eq!((q.min_bytes, q.max_bytes), (0, GIB));
+        assert_eq!(q.widths(), None);
+        assert!(q.in_window(0) && q.in_window(GIB) && !q.in_window(GIB + 1));
+        assert_eq!(q.validate(), Ok(()));
+        assert_eq!(
+            q.to_string(),
+            "rs off bits, ag off bits, group 128, spikes 2, window [0, 1G]"
+        );
+    }
+
+    #[test]
+    fn quantization_variables_are_read() {
+        let c = cfg(&[
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_GROUP", "64"),
+            ("FLASHCOMM_QUANT_SPIKES", "0"),
+            ("FLASHCOMM_QUANT_MIN_BYTES", "64K"),
+            ("FLASHCOMM_QUANT_MAX_BYTES", "256M"),
+            ("FLASHCOMM_QUANT_OPS", "allreduce,reducescatter"),
+            ("FLASHCOMM_QUANT_DTYPES", "bf16,f32"),
+        ]);
+        assert_eq!(c.passthrough_forced, None, "{:?}", c.problems);
+        let q = c.quant_settings();
+        assert_eq!(q.widths(), Some((4, 4)));
+        assert_eq!((q.group, q.spikes), (64, 0));
+        assert_eq!((q.min_bytes, q.max_bytes), (64 * KIB, 256 * MIB));
+        assert!(!q.in_window(64 * KIB - 1) && q.in_window(64 * KIB));
+        assert_eq!(
+            c.settings.quant_ops.0,
+            vec![Op::AllReduce, Op::ReduceScatter]
+        );
+        assert_eq!(c.settings.quant_dtypes.0, vec![Dtype::Bf16, Dtype::F32]);
+    }
+
+    #[test]
+    fn per_step_widths_override_the_common_one() {
+        let q = |vars: &[(&str, &str)]| cfg(vars).quant_settings().widths();
+        assert_eq!(q(&[("FLASHCOMM_QUANT_BITS", "3")]), Some((3, 3)));
+        assert_eq!(
+            q(&[
+                ("FLASHCOMM_QUANT_BITS", "4"),
+                ("FLASHCOMM_QUANT_AG_BITS", "8")
+            ]),
+            Some((4, 8))
+        );
+        assert_eq!(
+            q(&[
+                ("FLASHCOMM_QUANT_RS_BITS", "2"),
+                ("FLASHCOMM_QUANT_AG_BITS", "8")
+            ]),
+            Some((2, 8))
+        );
+        // Either step lossless (off or 16): the AllReduce stays lossless.
+        assert_eq!(
+            q(&[
+                ("FLASHCOMM_QUANT_BITS", "4"),
+                ("FLASHCOMM_QUANT_RS_BITS", "off")
+            ]),
+            None
+        );
+        assert_eq!(q(&[("FLASHCOMM_QUANT_BITS", "16")]), None);
+        assert_eq!(
+            q(&[
+                ("FLASHCOMM_QUANT_BITS", "16"),
+                ("FLASHCOMM_QUANT_AG_BITS", "4")
+            ]),
+            None
+        );
+        // A per-step variable alone does not switch quantization on for the other step.
+        assert_eq!(q(&[("FLASHCOMM_QUANT_RS_BITS", "4")]), None);
+    }
+
+    #[test]
+    fn bad_quantization_values_force_passthrough() {
+        for (name, value) in [
+            ("FLASHCOMM_QUANT_BITS", "1"),
+            ("FLASHCOMM_QUANT_RS_BITS", "9"),
+            ("FLASHCOMM_QUANT_AG_BITS", "four"),
+            ("FLASHCOMM_QUANT_GROUP", "100"),
+            ("FLASHCOMM_QUANT_SPIKES", "3"),
+            ("FLASHCOMM_QUANT_MIN_BYTES", "-1"),
+            ("FLASHCOMM_QUANT_OPS", "alltoall"),
+            ("FLASHCOMM_QUANT_DTYPES", "fp8"),
+        ] {
+            let c = cfg(&[(name, value)]);
+            let reason = c.passthrough_forced.clone().unwrap_or_default();
+            assert!(reason.contains(name), "{name}={value}: {reason}");
+            // The bad variable keeps its default.
+            assert_eq!(c.quant_settings(), cfg(&[]).quant_settings(), "{name}");
+        }
+        let c = cfg(&[
+            ("FLASHCOMM_QUANT_MIN_BYTES", "2M"),
+            ("FLASHCOMM_QUANT_MAX_BYTES", "1M"),
+        ]);
+        assert!(
+            c.passthrough_forced
+                .unwrap()
+                .contains("larger than FLASHCOMM_QUANT_MAX_BYTES=1M")
+        );
+    }
+
+    #[test]
+    fn quant_settings_from_outside_are_validated() {
+        let good = cfg(&[("FLASHCOMM_QUANT_BITS", "4")]).quant_settings();
+        assert_eq!(good.validate(), Ok(()));
+        let bad = [
+            QuantSettings { group: 100, ..good },
+            QuantSettings { spikes: 3, ..good },
+            QuantSettings {
+                rs_bits: QuantBits::Bits(9),
+                ..good
+            },
+            QuantSettings {
+                ag_bits: QuantBits::Bits(1),
+                ..good
+            },
+            QuantSettings {
+                min_bytes: 2,
+                max_bytes: 1,
+                ..good
+            },
+        ];
+        for q in bad {
+            assert!(q.validate().is_err(), "{q:?}");
+        }
     }
 
     #[test]
