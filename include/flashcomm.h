@@ -52,6 +52,9 @@
 // Kind index: `ncclRecv`.
 #define FLASHCOMM_COLL_RECV 7
 
+// Bytes of `flashcommCommInfo_t::reason`, the terminating NUL included.
+#define FLASHCOMM_REASON_BYTES 256
+
 // Calls and bytes per route and collective kind, indexed `[FLASHCOMM_ROUTE_*][FLASHCOMM_COLL_*]`.
 // Bytes are `count x element size` as passed to each call (per rank; for all-gather the send
 // count, for reduce-scatter the receive count, for all-to-all the per-peer count). Calls with
@@ -62,6 +65,43 @@ typedef struct {
   // Number of bytes.
   uint64_t bytes[FLASHCOMM_NUM_ROUTES][FLASHCOMM_NUM_COLLS];
 } flashcommStats_t;
+
+// Quantization settings of one communicator (`flashcommCommSetQuant`, `flashcommCommGetQuant`).
+// Widths are bits per value of each step of the quantized AllReduce: 2..8 group-quantize; 16
+// (or 0 when setting) keeps the AllReduce lossless. Both steps must quantize for the AllReduce
+// to be quantized. Kernels exist for equal widths and for an 8-bit all-gather after a 2-, 3- or
+// 4-bit reduce-scatter; other pairs send the AllReduce to NCCL.
+typedef struct {
+  // Width of the reduce-scatter step (the only step of one-shot): 2..8, or 16 for lossless.
+  int rs_bits;
+  // Width of the all-gather step: 2..8, or 16 for lossless.
+  int ag_bits;
+  // Values per quantization group: 32, 64, 128 or 256.
+  int group;
+  // Extreme values per group kept exactly: 0, 2 or 4.
+  int spikes;
+  // Smallest message (bytes per rank) that is quantized.
+  size_t min_bytes;
+  // Largest message (bytes per rank) that is quantized.
+  size_t max_bytes;
+} flashcommQuantConfig_t;
+
+// What flashcomm knows about one communicator (`flashcommCommGetInfo`).
+typedef struct {
+  // 1 when flashcomm's kernels serve the communicator, 0 when every call goes to NCCL.
+  int served;
+  // This rank (-1 when the real library could not tell).
+  int rank;
+  // Number of ranks (-1 when the real library could not tell).
+  int nranks;
+  // CUDA device ordinal (-1 when the real library could not tell).
+  int device;
+  // Bytes of device memory flashcomm's arena takes on this rank (0 when not served).
+  uint64_t arena_bytes;
+  // Why flashcomm does not serve the communicator (empty when it does), NUL-terminated,
+  // truncated to fit.
+  char reason[FLASHCOMM_REASON_BYTES];
+} flashcommCommInfo_t;
 
 
 
@@ -91,6 +131,34 @@ ncclResult_t flashcommGetStats(ncclComm_t comm, flashcommStats_t *stats);
 // # Safety
 // `buf` is NULL or points to `len` writable bytes.
 ncclResult_t flashcommGetConfigString(char *buf, size_t len);
+
+// Gives communicator `comm` its own quantization settings, overriding the `FLASHCOMM_QUANT_*`
+// widths, group, spikes and window of the environment for it; `config == NULL` returns it to the
+// environment's. Which collectives and element types may be quantized stays
+// `FLASHCOMM_QUANT_OPS` and `FLASHCOMM_QUANT_DTYPES`.
+//
+// Routing must be identical on every rank: every rank of the communicator must call this with
+// the same values, at the same point of its sequence of calls, before the calls it should
+// affect (no call of `comm` may be in flight on another thread meanwhile). Invalid values are
+// `ncclInvalidArgument` and change nothing.
+//
+// # Safety
+// `config` is NULL or points to a readable `flashcommQuantConfig_t`.
+ncclResult_t flashcommCommSetQuant(ncclComm_t comm, const flashcommQuantConfig_t *config);
+
+// Writes the quantization settings in force for communicator `comm` (its own, or the
+// environment's) to `*config`. Lossless steps read as 16.
+//
+// # Safety
+// `config` is NULL or points to writable memory for one `flashcommQuantConfig_t`.
+ncclResult_t flashcommCommGetQuant(ncclComm_t comm, flashcommQuantConfig_t *config);
+
+// Writes what flashcomm knows about communicator `comm` to `*info`: whether its kernels serve
+// it, rank, ranks, device, the arena's bytes, and why not when they do not.
+//
+// # Safety
+// `info` is NULL or points to writable memory for one `flashcommCommInfo_t`.
+ncclResult_t flashcommCommGetInfo(ncclComm_t comm, flashcommCommInfo_t *info);
 
 #ifdef __cplusplus
 }  // extern "C"

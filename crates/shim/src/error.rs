@@ -17,8 +17,12 @@ pub(crate) enum Kind {
     InvalidArgument,
     /// A call that cannot work here, e.g. a function the real library lacks.
     InvalidUsage,
-    /// The real library could not be found or loaded.
+    /// The real library could not be found or loaded; a set-up exchange failed.
     System,
+    /// A CUDA call of flashcomm failed.
+    Cuda,
+    /// A peer did not arrive, gave up, or ran a different collective (reported by the device).
+    Remote,
     /// A broken invariant or a caught panic.
     Internal,
 }
@@ -51,6 +55,21 @@ impl Error {
     /// `ncclSystemError`.
     pub(crate) fn system(subsys: Subsys, message: impl Into<String>) -> Self {
         Error::new(Kind::System, subsys, message)
+    }
+
+    /// `ncclInvalidUsage`.
+    pub(crate) fn invalid_usage(subsys: Subsys, message: impl Into<String>) -> Self {
+        Error::new(Kind::InvalidUsage, subsys, message)
+    }
+
+    /// `ncclUnhandledCudaError`.
+    pub(crate) fn cuda(subsys: Subsys, message: impl Into<String>) -> Self {
+        Error::new(Kind::Cuda, subsys, message)
+    }
+
+    /// `ncclRemoteError`.
+    pub(crate) fn remote(subsys: Subsys, message: impl Into<String>) -> Self {
+        Error::new(Kind::Remote, subsys, message)
     }
 
     /// `ncclInternalError`.
@@ -89,6 +108,8 @@ impl Error {
             Kind::InvalidUsage => ncclResult_t::ncclInvalidUsage,
             Kind::System => ncclResult_t::ncclSystemError,
             Kind::Internal => ncclResult_t::ncclInternalError,
+            Kind::Cuda => ncclResult_t::ncclUnhandledCudaError,
+            Kind::Remote => ncclResult_t::ncclRemoteError,
         }
     }
 
@@ -146,6 +167,18 @@ mod tests {
         assert!(m.is_missing_function());
         assert_eq!(m.code(), ncclResult_t::ncclInvalidUsage);
         assert!(!Error::system(Subsys::Init, "x").is_missing_function());
+        assert_eq!(
+            Error::remote(Subsys::Coll, "x").code(),
+            ncclResult_t::ncclRemoteError
+        );
+        assert_eq!(
+            Error::cuda(Subsys::Coll, "x").code(),
+            ncclResult_t::ncclUnhandledCudaError
+        );
+        assert_eq!(
+            Error::invalid_usage(Subsys::Coll, "x").code(),
+            ncclResult_t::ncclInvalidUsage
+        );
     }
 
     #[test]

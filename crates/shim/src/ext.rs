@@ -1,11 +1,14 @@
 //! flashcomm's own C API (`include/flashcomm.h`, generated from this file by
 //! `cargo run -p xtask -- gen-header`). Small on purpose: the version, the routing statistics,
-//! and the effective configuration. Every function returns an `ncclResult_t` and runs inside the
-//! same panic boundary as the NCCL exports.
+//! the effective configuration, per-communicator quantization settings and what flashcomm knows
+//! of a communicator. Every function returns an `ncclResult_t` and runs inside the same panic
+//! boundary as the NCCL exports.
 #![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int};
+use std::sync::Arc;
 
+use flashcomm_config::{QuantBits, QuantSettings};
 use flashcomm_nccl_sys::{ncclComm_t, ncclResult_t};
 
 use crate::error::Error;
@@ -185,4 +188,335 @@ pub unsafe extern "C" fn flashcommGetConfigString(buf: *mut c_char, len: usize) 
         }
         ncclResult_t::ncclSuccess
     })
+}
+
+/// Bytes of `flashcommCommInfo_t::reason`, the terminating NUL included.
+pub const FLASHCOMM_REASON_BYTES: usize = 256;
+
+/// Quantization settings of one communicator (`flashcommCommSetQuant`, `flashcommCommGetQuant`).
+/// Widths are bits per value of each step of the quantized AllReduce: 2..8 group-quantize; 16
+/// (or 0 when setting) keeps the AllReduce lossless. Both steps must quantize for the AllReduce
+/// to be quantized. Kernels exist for equal widths and for an 8-bit all-gather after a 2-, 3- or
+/// 4-bit reduce-scatter; other pairs send the AllReduce to NCCL.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct flashcommQuantConfig_t {
+    /// Width of the reduce-scatter step (the only step of one-shot): 2..8, or 16 for lossless.
+    pub rs_bits: c_int,
+    /// Width of the all-gather step: 2..8, or 16 for lossless.
+    pub ag_bits: c_int,
+    /// Values per quantization group: 32, 64, 128 or 256.
+    pub group: c_int,
+    /// Extreme values per group kept exactly: 0, 2 or 4.
+    pub spikes: c_int,
+    /// Smallest message (bytes per rank) that is quantized.
+    pub min_bytes: usize,
+    /// Largest message (bytes per rank) that is quantized.
+    pub max_bytes: usize,
+}
+
+/// What flashcomm knows about one communicator (`flashcommCommGetInfo`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct flashcommCommInfo_t {
+    /// 1 when flashcomm's kernels serve the communicator, 0 when every call goes to NCCL.
+    pub served: c_int,
+    /// This rank (-1 when the real library could not tell).
+    pub rank: c_int,
+    /// Number of ranks (-1 when the real library could not tell).
+    pub nranks: c_int,
+    /// CUDA device ordinal (-1 when the real library could not tell).
+    pub device: c_int,
+    /// Bytes of device memory flashcomm's arena takes on this rank (0 when not served).
+    pub arena_bytes: u64,
+    /// Why flashcomm does not serve the communicator (empty when it does), NUL-terminated,
+    /// truncated to fit.
+    pub reason: [c_char; FLASHCOMM_REASON_BYTES],
+}
+
+fn known_comm(api: &str, comm: ncclComm_t) -> Result<Arc<route::CommState>, ncclResult_t> {
+    if comm.is_null() {
+        return Err(
+            Error::invalid_argument(Subsys::Call, format!("{api}: comm argument is NULL")).report(),
+        );
+    }
+    route::comm(comm).ok_or_else(|| {
+        Error::invalid_argument(
+            Subsys::Call,
+            format!(
+                "{api}: communicator {comm:p} is not known to flashcomm (not created through it, \
+                 or already destroyed)"
+            ),
+        )
+        .report()
+    })
+}
+
+fn bits_from_c(v: c_int) -> Option<QuantBits> {
+    match v {
+        0 | 16 => Some(QuantBits::Off),
+        2..=8 => Some(QuantBits::Bits(v as u8)),
+        _ => None,
+    }
+}
+
+fn bits_to_c(b: QuantBits) -> c_int {
+    match b {
+        QuantBits::Bits(n) => c_int::from(n),
+        QuantBits::Off | QuantBits::Half => 16,
+    }
+}
+
+/// The settings of a C struct, or what is wrong with them.
+fn settings_from_c(q: &flashcommQuantConfig_t) -> Result<QuantSettings, String> {
+    let rs = bits_from_c(q.rs_bits)
+        .ok_or_else(|| format!("rs_bits {} (allowed: 2..=8, or 16 for lossless)", q.rs_bits))?;
+    let ag = bits_from_c(q.ag_bits)
+        .ok_or_else(|| format!("ag_bits {} (allowed: 2..=8, or 16 for lossless)", q.ag_bits))?;
+    let settings = QuantSettings {
+        rs_bits: rs,
+        ag_bits: ag,
+        group: u32::try_from(q.group).unwrap_or(0),
+        spikes: u32::try_from(q.spikes).unwrap_or(u32::MAX),
+        min_bytes: q.min_bytes as u64,
+        max_bytes: q.max_bytes as u64,
+    };
+    settings.validate()?;
+    Ok(settings)
+}
+
+fn settings_to_c(q: &QuantSettings) -> flashcommQuantConfig_t {
+    flashcommQuantConfig_t {
+        rs_bits: bits_to_c(q.rs_bits),
+        ag_bits: bits_to_c(q.ag_bits),
+        group: c_int::try_from(q.group).unwrap_or(c_int::MAX),
+        spikes: c_int::try_from(q.spikes).unwrap_or(c_int::MAX),
+        min_bytes: usize::try_from(q.min_bytes).unwrap_or(usize::MAX),
+        max_bytes: usize::try_from(q.max_bytes).unwrap_or(usize::MAX),
+    }
+}
+
+/// Gives communicator `comm` its own quantization settings, overriding the `FLASHCOMM_QUANT_*`
+/// widths, group, spikes and window of the environment for it; `config == NULL` returns it to the
+/// environment's. Which collectives and element types may be quantized stays
+/// `FLASHCOMM_QUANT_OPS` and `FLASHCOMM_QUANT_DTYPES`.
+///
+/// Routing must be identical on every rank: every rank of the communicator must call this with
+/// the same values, at the same point of its sequence of calls, before the calls it should
+/// affect (no call of `comm` may be in flight on another thread meanwhile). Invalid values are
+/// `ncclInvalidArgument` and change nothing.
+///
+/// # Safety
+/// `config` is NULL or points to a readable `flashcommQuantConfig_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcommCommSetQuant(
+    comm: ncclComm_t,
+    config: *const flashcommQuantConfig_t,
+) -> ncclResult_t {
+    guard("flashcommCommSetQuant", || {
+        let state = match known_comm("flashcommCommSetQuant", comm) {
+            Ok(s) => s,
+            Err(r) => return r,
+        };
+        if config.is_null() {
+            state.set_quant(None);
+            crate::logging::info(
+                Subsys::Coll,
+                &format!("communicator {comm:p}: quantization settings of the environment"),
+            );
+            return ncclResult_t::ncclSuccess;
+        }
+        // SAFETY: checked non-null; the caller guarantees it points to a readable struct.
+        let q = unsafe { config.read() };
+        match settings_from_c(&q) {
+            Ok(settings) => {
+                state.set_quant(Some(settings));
+                crate::logging::info(
+                    Subsys::Coll,
+                    &format!("communicator {comm:p}: quantization set to {settings}"),
+                );
+                ncclResult_t::ncclSuccess
+            }
+            Err(why) => Error::invalid_argument(
+                Subsys::Call,
+                format!("flashcommCommSetQuant: invalid {why}; nothing changed"),
+            )
+            .report(),
+        }
+    })
+}
+
+/// Writes the quantization settings in force for communicator `comm` (its own, or the
+/// environment's) to `*config`. Lossless steps read as 16.
+///
+/// # Safety
+/// `config` is NULL or points to writable memory for one `flashcommQuantConfig_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcommCommGetQuant(
+    comm: ncclComm_t,
+    config: *mut flashcommQuantConfig_t,
+) -> ncclResult_t {
+    guard("flashcommCommGetQuant", || {
+        if config.is_null() {
+            return Error::invalid_argument(Subsys::Call, "flashcommCommGetQuant: config is NULL")
+                .report();
+        }
+        let state = match known_comm("flashcommCommGetQuant", comm) {
+            Ok(s) => s,
+            Err(r) => return r,
+        };
+        let q = state.quant_settings(&crate::init::state().config);
+        // SAFETY: checked non-null; the caller guarantees it points to a writable struct.
+        unsafe { config.write(settings_to_c(&q)) };
+        ncclResult_t::ncclSuccess
+    })
+}
+
+fn info_of(state: &route::CommState) -> flashcommCommInfo_t {
+    let mut info = flashcommCommInfo_t {
+        served: 0,
+        rank: -1,
+        nranks: -1,
+        device: -1,
+        arena_bytes: 0,
+        reason: [0; FLASHCOMM_REASON_BYTES],
+    };
+    if let Some(id) = state.identity() {
+        (info.rank, info.nranks, info.device) = (id.rank, id.nranks, id.device);
+    }
+    match state.served() {
+        Some(c) => {
+            info.served = 1;
+            info.rank = c_int::try_from(c.rank()).unwrap_or(-1);
+            info.nranks = c_int::try_from(c.nranks()).unwrap_or(-1);
+            info.device = c.device();
+            info.arena_bytes = c.arena_bytes();
+        }
+        None => {
+            let why = state.why_not().unwrap_or_default();
+            let mut n = why.len().min(FLASHCOMM_REASON_BYTES - 1);
+            while !why.is_char_boundary(n) {
+                n -= 1;
+            }
+            for (d, s) in info.reason.iter_mut().zip(why.as_bytes()[..n].iter()) {
+                *d = *s as c_char;
+            }
+        }
+    }
+    info
+}
+
+/// Writes what flashcomm knows about communicator `comm` to `*info`: whether its kernels serve
+/// it, rank, ranks, device, the arena's bytes, and why not when they do not.
+///
+/// # Safety
+/// `info` is NULL or points to writable memory for one `flashcommCommInfo_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcommCommGetInfo(
+    comm: ncclComm_t,
+    info: *mut flashcommCommInfo_t,
+) -> ncclResult_t {
+    guard("flashcommCommGetInfo", || {
+        if info.is_null() {
+            return Error::invalid_argument(Subsys::Call, "flashcommCommGetInfo: info is NULL")
+                .report();
+        }
+        let state = match known_comm("flashcommCommGetInfo", comm) {
+            Ok(s) => s,
+            Err(r) => return r,
+        };
+        let out = info_of(&state);
+        // SAFETY: checked non-null; the caller guarantees it points to a writable struct.
+        unsafe { info.write(out) };
+        ncclResult_t::ncclSuccess
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::route::{CommOrigin, CommState, Setup};
+
+    fn c(rs: c_int, ag: c_int) -> flashcommQuantConfig_t {
+        flashcommQuantConfig_t {
+            rs_bits: rs,
+            ag_bits: ag,
+            group: 128,
+            spikes: 2,
+            min_bytes: 0,
+            max_bytes: 1 << 30,
+        }
+    }
+
+    #[test]
+    fn quant_settings_cross_the_c_boundary() {
+        let q = settings_from_c(&c(4, 8)).unwrap();
+        assert_eq!(q.widths(), Some((4, 8)));
+        let back = settings_to_c(&q);
+        assert_eq!(
+            (back.rs_bits, back.ag_bits, back.group, back.spikes),
+            (4, 8, 128, 2)
+        );
+        // 16 and 0 mean lossless; lossless reads back as 16.
+        for lossless in [0, 16] {
+            let q = settings_from_c(&c(lossless, lossless)).unwrap();
+            assert_eq!(q.widths(), None);
+            assert_eq!(settings_to_c(&q).rs_bits, 16);
+        }
+        for bad in [
+            c(1, 4),
+            c(4, 9),
+            c(-1, 4),
+            flashcommQuantConfig_t {
+                group: 100,
+                ..c(4, 4)
+            },
+            flashcommQuantConfig_t {
+                spikes: 3,
+                ..c(4, 4)
+            },
+            flashcommQuantConfig_t {
+                spikes: -2,
+                ..c(4, 4)
+            },
+            flashcommQuantConfig_t {
+                min_bytes: 2,
+                max_bytes: 1,
+                ..c(4, 4)
+            },
+        ] {
+            assert!(settings_from_c(&bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn info_says_why_not_and_truncates() {
+        let st = CommState::new(CommOrigin::InitRank, true);
+        let i = info_of(&st);
+        assert_eq!((i.served, i.rank, i.nranks, i.arena_bytes), (0, -1, -1, 0));
+        let text: Vec<u8> = i
+            .reason
+            .iter()
+            .take_while(|&&b| b != 0)
+            .map(|&b| b as u8)
+            .collect();
+        assert!(
+            String::from_utf8(text)
+                .unwrap()
+                .starts_with("set-up pending")
+        );
+
+        let st = CommState::new(CommOrigin::InitRank, true);
+        st.set_setup(Setup::NotServed("é".repeat(300)));
+        let i = info_of(&st);
+        assert_eq!(i.reason[FLASHCOMM_REASON_BYTES - 1], 0, "NUL-terminated");
+        let text: Vec<u8> = i
+            .reason
+            .iter()
+            .take_while(|&&b| b != 0)
+            .map(|&b| b as u8)
+            .collect();
+        let text = String::from_utf8(text).expect("cut at a character boundary");
+        assert_eq!(text.len(), 254);
+    }
 }

@@ -9,6 +9,7 @@ use std::ffi::c_int;
 use common::*;
 
 const FLOAT32: c_int = 7;
+const BF16: c_int = 9;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -308,4 +309,207 @@ fn a_fork_child_only_forwards() {
         return;
     }
     child(name, &[]);
+}
+
+/// `flashcommQuantConfig_t` of `include/flashcomm.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct QuantConfig {
+    rs_bits: c_int,
+    ag_bits: c_int,
+    group: c_int,
+    spikes: c_int,
+    min_bytes: usize,
+    max_bytes: usize,
+}
+
+/// `flashcommCommInfo_t` of `include/flashcomm.h`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CommInfo {
+    served: c_int,
+    rank: c_int,
+    nranks: c_int,
+    device: c_int,
+    arena_bytes: u64,
+    reason: [u8; 256],
+}
+
+fn comm_info(n: &Nccl, comm: usize) -> (c_int, CommInfo) {
+    let f: unsafe extern "C" fn(usize, *mut CommInfo) -> c_int = n.lib.get("flashcommCommGetInfo");
+    let mut info = CommInfo {
+        served: -7,
+        rank: -7,
+        nranks: -7,
+        device: -7,
+        arena_bytes: 7,
+        reason: [0xff; 256],
+    };
+    // SAFETY: `info` is a valid out pointer of the header's layout.
+    let rc = unsafe { f(comm, &mut info) };
+    (rc, info)
+}
+
+fn reason(info: &CommInfo) -> String {
+    let end = info
+        .reason
+        .iter()
+        .position(|&b| b == 0)
+        .expect("NUL-terminated");
+    String::from_utf8_lossy(&info.reason[..end]).into_owned()
+}
+
+fn set_quant(n: &Nccl, comm: usize, q: Option<&QuantConfig>) -> c_int {
+    let f: unsafe extern "C" fn(usize, *const QuantConfig) -> c_int =
+        n.lib.get("flashcommCommSetQuant");
+    // SAFETY: NULL or a valid pointer of the header's layout.
+    unsafe {
+        f(
+            comm,
+            q.map_or(std::ptr::null(), |q| q as *const QuantConfig),
+        )
+    }
+}
+
+fn get_quant(n: &Nccl, comm: usize) -> (c_int, QuantConfig) {
+    let f: unsafe extern "C" fn(usize, *mut QuantConfig) -> c_int =
+        n.lib.get("flashcommCommGetQuant");
+    let mut q = QuantConfig::default();
+    // SAFETY: valid out pointer of the header's layout.
+    let rc = unsafe { f(comm, &mut q) };
+    (rc, q)
+}
+
+#[test]
+fn a_communicator_flashcomm_cannot_serve_stays_with_nccl() {
+    let name = "a_communicator_flashcomm_cannot_serve_stays_with_nccl";
+    if is_child(name) {
+        let Both { ours, fake } = both();
+        let comm = init_rank(&ours);
+        // The fake reports rank 0 of 1 on device 0 but has no ncclAllGather for the set-up
+        // exchange (and this machine may have no GPU at all): not served, with a reason.
+        let (rc, info) = comm_info(&ours, comm);
+        assert_eq!(rc, SUCCESS);
+        assert_eq!(
+            (
+                info.served,
+                info.rank,
+                info.nranks,
+                info.device,
+                info.arena_bytes
+            ),
+            (0, 0, 1, 0, 0)
+        );
+        assert!(!reason(&info).is_empty());
+        // Its calls go to NCCL, counted as such.
+        let calls = fake.int("fake_allreduce_calls");
+        assert_eq!(ours.all_reduce(0x1000, 0x2000, 4, BF16, 0, comm), SUCCESS);
+        assert_eq!(fake.int("fake_allreduce_calls"), calls + 1);
+        let (_, s) = ours.stats(comm);
+        assert_eq!((s.calls[0][0], s.calls[1][0], s.calls[2][0]), (1, 0, 0));
+        // The asynchronous error is the real library's (no device error of ours to merge).
+        let get: unsafe extern "C" fn(usize, *mut c_int) -> c_int =
+            ours.lib.get("ncclCommGetAsyncError");
+        let mut state = -1;
+        // SAFETY: valid out pointer.
+        assert_eq!(unsafe { get(comm, &mut state) }, SUCCESS);
+        assert_eq!(state, SUCCESS);
+        // Unknown communicators and NULL pointers are invalid arguments.
+        assert_eq!(comm_info(&ours, 0x40).0, INVALID_ARGUMENT);
+        assert!(ours.last_error().contains("is not known to flashcomm"));
+        assert_eq!(comm_info(&ours, 0).0, INVALID_ARGUMENT);
+        let f: unsafe extern "C" fn(usize, *mut CommInfo) -> c_int =
+            ours.lib.get("flashcommCommGetInfo");
+        // SAFETY: NULL is refused before anything is written.
+        assert_eq!(unsafe { f(comm, std::ptr::null_mut()) }, INVALID_ARGUMENT);
+        assert_eq!(ours.comm_call("ncclCommDestroy", comm), SUCCESS);
+        assert_eq!(comm_info(&ours, comm).0, INVALID_ARGUMENT);
+        return;
+    }
+    let out = child(name, &[("NCCL_DEBUG", "INFO")]);
+    let err = stderr(&out);
+    assert!(err.contains("stays with NCCL"), "{err}");
+    assert!(
+        err.contains("ncclAllReduce on communicator") && err.contains("route nccl"),
+        "the first route is logged: {err}"
+    );
+}
+
+#[test]
+fn flashcomm_disable_builds_nothing() {
+    let name = "flashcomm_disable_builds_nothing";
+    if is_child(name) {
+        let Both { ours, .. } = both();
+        let comm = init_rank(&ours);
+        let (rc, info) = comm_info(&ours, comm);
+        assert_eq!(rc, SUCCESS);
+        assert_eq!((info.served, info.rank, info.nranks), (0, 0, 1));
+        assert_eq!(reason(&info), "FLASHCOMM_DISABLE is set");
+        return;
+    }
+    child(name, &[("FLASHCOMM_DISABLE", "1")]);
+}
+
+#[test]
+fn quantization_settings_per_communicator() {
+    let name = "quantization_settings_per_communicator";
+    if is_child(name) {
+        let Both { ours, .. } = both();
+        let comm = init_rank(&ours);
+        // The environment's settings first (FLASHCOMM_QUANT_BITS=4 in this child).
+        let env = QuantConfig {
+            rs_bits: 4,
+            ag_bits: 4,
+            group: 128,
+            spikes: 2,
+            min_bytes: 0,
+            max_bytes: 1 << 30,
+        };
+        assert_eq!(get_quant(&ours, comm), (SUCCESS, env));
+        let own = QuantConfig {
+            rs_bits: 2,
+            ag_bits: 8,
+            group: 64,
+            spikes: 0,
+            min_bytes: 4096,
+            max_bytes: 1 << 20,
+        };
+        assert_eq!(set_quant(&ours, comm, Some(&own)), SUCCESS);
+        assert_eq!(get_quant(&ours, comm), (SUCCESS, own));
+        // Lossless is 16 (0 is accepted when setting).
+        let lossless = QuantConfig {
+            rs_bits: 0,
+            ag_bits: 16,
+            ..own
+        };
+        assert_eq!(set_quant(&ours, comm, Some(&lossless)), SUCCESS);
+        let (_, got) = get_quant(&ours, comm);
+        assert_eq!((got.rs_bits, got.ag_bits), (16, 16));
+        // Invalid settings change nothing.
+        for bad in [
+            QuantConfig { rs_bits: 9, ..own },
+            QuantConfig { group: 100, ..own },
+            QuantConfig { spikes: 1, ..own },
+            QuantConfig {
+                min_bytes: 2,
+                max_bytes: 1,
+                ..own
+            },
+        ] {
+            assert_eq!(
+                set_quant(&ours, comm, Some(&bad)),
+                INVALID_ARGUMENT,
+                "{bad:?}"
+            );
+            assert!(ours.last_error().contains("flashcommCommSetQuant: invalid"));
+            assert_eq!(get_quant(&ours, comm).1.group, 64);
+        }
+        // NULL: back to the environment's.
+        assert_eq!(set_quant(&ours, comm, None), SUCCESS);
+        assert_eq!(get_quant(&ours, comm), (SUCCESS, env));
+        assert_eq!(set_quant(&ours, 0x40, Some(&own)), INVALID_ARGUMENT);
+        assert_eq!(get_quant(&ours, 0x40).0, INVALID_ARGUMENT);
+        return;
+    }
+    child(name, &[("FLASHCOMM_QUANT_BITS", "4")]);
 }

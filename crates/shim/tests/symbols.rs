@@ -45,6 +45,9 @@ fn exports_every_public_function_in_both_forms_and_nothing_else() {
         "flashcommGetVersion",
         "flashcommGetStats",
         "flashcommGetConfigString",
+        "flashcommCommSetQuant",
+        "flashcommCommGetQuant",
+        "flashcommCommGetInfo",
     ] {
         expected.insert(f.to_string());
     }
@@ -55,7 +58,7 @@ fn exports_every_public_function_in_both_forms_and_nothing_else() {
         unexpected.is_empty(),
         "exported but not expected: {unexpected:?}"
     );
-    assert_eq!(exported.len(), 2 * flashcomm_nccl_sys::FUNCTIONS.len() + 3);
+    assert_eq!(exported.len(), 2 * flashcomm_nccl_sys::FUNCTIONS.len() + 6);
 }
 
 #[test]

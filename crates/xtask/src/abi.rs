@@ -4,8 +4,8 @@
 use crate::exports::{declarations, hand_written, read_bindings};
 use crate::{Error, Generated, repo_root};
 
-/// Collectives that flashcomm's kernels may take later (`FLASHCOMM_OPS`).
-const OURS_LATER: &[&str] = &[
+/// Collectives that flashcomm's kernels take when eligible (`FLASHCOMM_OPS`).
+const INTERCEPTED: &[&str] = &[
     "ncclAllReduce",
     "ncclAllReduceConfig",
     "ncclReduceScatter",
@@ -17,7 +17,19 @@ const OURS_LATER: &[&str] = &[
 /// What each hand-written export does.
 fn handling(name: &str) -> Option<&'static str> {
     Some(match name {
-        n if OURS_LATER.contains(&n) => "inspected + forwarded; ours later",
+        "ncclAllReduce" => {
+            "inspected; **intercepted**: flashcomm's lossless or quantized kernels when eligible, \
+             else forwarded"
+        }
+        "ncclAllReduceConfig" => {
+            "inspected; forwarded unless `config` is NULL, then as `ncclAllReduce`"
+        }
+        "ncclReduceScatterConfig" | "ncclAllGatherConfig" => {
+            "inspected; forwarded unless `config` is NULL, then as the plain function"
+        }
+        n if INTERCEPTED.contains(&n) => {
+            "inspected; **intercepted**: flashcomm's lossless kernels when eligible, else forwarded"
+        }
         "ncclAlltoAll"
         | "ncclAlltoAllConfig"
         | "ncclBroadcast"
@@ -33,11 +45,23 @@ fn handling(name: &str) -> Option<&'static str> {
         | "ncclCommInitRankScalable"
         | "ncclCommSplit"
         | "ncclCommShrink"
-        | "ncclCommGrow" => "forwarded; then the creation hook",
-        "ncclCommFinalize" | "ncclCommRevoke" | "ncclCommDestroy" | "ncclCommAbort" => {
-            "the ending hook; then forwarded"
+        | "ncclCommGrow" => {
+            "forwarded; then the creation hook (**intercepted**: flashcomm's communicator is built)"
         }
-        "ncclGroupStart" | "ncclGroupEnd" => "forwarded; group depth tracked",
+        "ncclCommFinalize" => "the ending hook; then forwarded",
+        "ncclCommRevoke" | "ncclCommAbort" => {
+            "the ending hook (**intercepted**: flashcomm's kernels stop); then forwarded"
+        }
+        "ncclCommDestroy" => {
+            "the ending hook (**intercepted**: flashcomm's communicator is released); then forwarded"
+        }
+        "ncclCommGetAsyncError" => {
+            "forwarded; **intercepted**: a device error of flashcomm's kernels is merged in"
+        }
+        "ncclGroupStart" => "forwarded; group depth tracked",
+        "ncclGroupEnd" => {
+            "forwarded; group depth tracked; communicators created in the group are set up after it"
+        }
         "ncclGetVersion" => "forwarded (reports the real library's version)",
         "ncclGetErrorString" => "ours (NCCL's wording; no real library needed)",
         "ncclGetLastError" => "ours, else the real library's",
@@ -50,7 +74,7 @@ fn when_missing(name: &str, ret: &str) -> String {
         return "n/a (ours)".into();
     }
     if name.ends_with("Config")
-        && OURS_LATER
+        && INTERCEPTED
             .iter()
             .chain(
                 [

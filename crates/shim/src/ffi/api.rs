@@ -47,6 +47,7 @@ static FINALIZE: Slot = Slot::new(c"ncclCommFinalize");
 static REVOKE: Slot = Slot::new(c"ncclCommRevoke");
 static DESTROY: Slot = Slot::new(c"ncclCommDestroy");
 static ABORT: Slot = Slot::new(c"ncclCommAbort");
+static GET_ASYNC_ERROR: Slot = Slot::new(c"ncclCommGetAsyncError");
 static GROUP_START: Slot = Slot::new(c"ncclGroupStart");
 static GROUP_END: Slot = Slot::new(c"ncclGroupEnd");
 
@@ -60,18 +61,55 @@ macro_rules! forwarded {
     };
 }
 
-/// After a creating call: registers the `count` new communicators written to `out`.
-fn created(result: ncclResult_t, out: *mut ncclComm_t, count: c_int, origin: CommOrigin) {
+/// `NCCL_CONFIG_UNDEF_INT`: a field of `ncclConfig_t` the caller left at its default.
+const CONFIG_UNDEF_INT: c_int = c_int::MIN;
+
+/// The `blocking` field of the caller's `ncclConfig_t`, if it set one. Only the first four fields
+/// (size, magic, version, blocking), present in every version of the struct, are read, and only
+/// after the magic and the size say they are there; the struct is never copied.
+fn config_blocking(config: *const ncclConfig_t) -> Option<bool> {
+    if config.is_null() {
+        return None;
+    }
+    // SAFETY: NCCL's contract: a non-null config points to an ncclConfig_t made with
+    // NCCL_CONFIG_INITIALIZER, which starts with `size_t size; unsigned magic; unsigned version;
+    // int blocking;` in every NCCL version; `size` and `magic` are read first, through the raw
+    // pointer (no reference to the caller's struct is made).
+    let (size, magic) = unsafe { ((*config).size, (*config).magic) };
+    if magic != flashcomm_nccl_sys::NCCL_API_MAGIC
+        || size < std::mem::offset_of!(ncclConfig_t, blocking) + std::mem::size_of::<c_int>()
+    {
+        return None;
+    }
+    // SAFETY: the magic and the size say the caller's struct holds this field.
+    let blocking = unsafe { (*config).blocking };
+    (blocking != CONFIG_UNDEF_INT).then_some(blocking != 0)
+}
+
+/// After a creating call: registers the `count` new communicators written to `out` and lets the
+/// router set them up.
+fn created(
+    result: ncclResult_t,
+    out: *mut ncclComm_t,
+    count: c_int,
+    origin: CommOrigin,
+    config: *const ncclConfig_t,
+) {
     let ok = result == ncclResult_t::ncclSuccess || result == ncclResult_t::ncclInProgress;
     if forked() || !ok || out.is_null() {
         return;
     }
-    for i in 0..usize::try_from(count).unwrap_or(0) {
+    let comms: Vec<ncclComm_t> = (0..usize::try_from(count).unwrap_or(0))
         // SAFETY: NCCL's contract: `out` points to `count` handles (1 except for InitAll), which
         // the real library has just written because it returned success or in-progress.
-        let comm = unsafe { out.add(i).read() };
-        route::on_comm_created(comm, origin, result == ncclResult_t::ncclSuccess);
-    }
+        .map(|i| unsafe { out.add(i).read() })
+        .collect();
+    route::on_comms_created(
+        &comms,
+        origin,
+        result == ncclResult_t::ncclSuccess,
+        config_blocking(config),
+    );
 }
 
 /// Before an ending call.
@@ -325,7 +363,7 @@ nccl_api! {
         rank: c_int,
     ) -> ncclResult_t {
         let r = forwarded!(call_real!(INIT_RANK, (newcomm, nranks, comm_id, rank) -> ncclResult_t));
-        created(r, newcomm, 1, CommOrigin::InitRank);
+        created(r, newcomm, 1, CommOrigin::InitRank, std::ptr::null());
         r
     }
 
@@ -336,13 +374,13 @@ nccl_api! {
     ) -> ncclResult_t {
         let r = forwarded!(call_real!(INIT_RANK_CONFIG,
             (newcomm, nranks, comm_id, rank, config) -> ncclResult_t));
-        created(r, newcomm, 1, CommOrigin::InitRankConfig);
+        created(r, newcomm, 1, CommOrigin::InitRankConfig, config);
         r
     }
 
     fn ncclCommInitAll(comms: *mut ncclComm_t, ndev: c_int, devlist: *const c_int) -> ncclResult_t {
         let r = forwarded!(call_real!(INIT_ALL, (comms, ndev, devlist) -> ncclResult_t));
-        created(r, comms, ndev, CommOrigin::InitAll);
+        created(r, comms, ndev, CommOrigin::InitAll, std::ptr::null());
         r
     }
 
@@ -351,7 +389,7 @@ nccl_api! {
     ) -> ncclResult_t {
         let r = forwarded!(call_real!(INIT_RANK_SCALABLE,
             (newcomm, nranks, myrank, n_id, comm_ids, config) -> ncclResult_t));
-        created(r, newcomm, 1, CommOrigin::InitRankScalable);
+        created(r, newcomm, 1, CommOrigin::InitRankScalable, config);
         r
     }
 
@@ -359,7 +397,7 @@ nccl_api! {
         config: *mut ncclConfig_t,
     ) -> ncclResult_t {
         let r = forwarded!(call_real!(SPLIT, (comm, color, key, newcomm, config) -> ncclResult_t));
-        created(r, newcomm, 1, CommOrigin::Split { parent: CommHandle::of(comm) });
+        created(r, newcomm, 1, CommOrigin::Split { parent: CommHandle::of(comm) }, config);
         r
     }
 
@@ -369,7 +407,7 @@ nccl_api! {
     ) -> ncclResult_t {
         let r = forwarded!(call_real!(SHRINK, (comm, exclude_ranks_list, exclude_ranks_count,
             newcomm, config, shrink_flags) -> ncclResult_t));
-        created(r, newcomm, 1, CommOrigin::Shrink { parent: CommHandle::of(comm) });
+        created(r, newcomm, 1, CommOrigin::Shrink { parent: CommHandle::of(comm) }, config);
         r
     }
 
@@ -378,7 +416,7 @@ nccl_api! {
     ) -> ncclResult_t {
         let r = forwarded!(call_real!(GROW,
             (comm, n_ranks, unique_id, rank, newcomm, config) -> ncclResult_t));
-        created(r, newcomm, 1, CommOrigin::Grow { parent: CommHandle::of(comm) });
+        created(r, newcomm, 1, CommOrigin::Grow { parent: CommHandle::of(comm) }, config);
         r
     }
 
@@ -410,10 +448,67 @@ nccl_api! {
         r
     }
 
+    /// The communicators created inside the outermost group are set up after it ended.
     fn ncclGroupEnd() -> ncclResult_t {
-        if !forked() {
-            route::group_ending();
+        let depth = (!forked()).then(route::group_ending);
+        let r = forwarded!(call_real!(GROUP_END, () -> ncclResult_t));
+        if let Some(depth) = depth {
+            route::group_ended(depth, r);
         }
-        forwarded!(call_real!(GROUP_END, () -> ncclResult_t))
+        r
+    }
+
+    /// The real library's asynchronous error; when it has none, a device error of flashcomm's
+    /// kernels of this communicator (`ncclRemoteError`). Polled from watchdog threads: no lock
+    /// of flashcomm is held across the real call, and the merge is one registry lookup and one
+    /// read of host memory.
+    fn ncclCommGetAsyncError(comm: ncclComm_t, async_error: *mut ncclResult_t) -> ncclResult_t {
+        let r = forwarded!(call_real!(GET_ASYNC_ERROR, (comm, async_error) -> ncclResult_t));
+        if r != ncclResult_t::ncclSuccess || async_error.is_null() || forked() {
+            return r;
+        }
+        // SAFETY: the real library returned success, so it wrote the caller's out pointer.
+        let real = unsafe { async_error.read() };
+        if real != ncclResult_t::ncclSuccess {
+            return r;
+        }
+        if let Some((code, msg, first)) = route::async_error(comm) {
+            if first {
+                crate::logging::warn(crate::logging::Subsys::Coll, &msg);
+            }
+            last_error::record(&msg);
+            // SAFETY: the caller's out pointer, valid for one ncclResult_t (just written by the
+            // real library).
+            unsafe { async_error.write(code) };
+        }
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(blocking: c_int) -> ncclConfig_t {
+        // SAFETY: ncclConfig_t is plain data (integers and pointers); all-zero is a valid value.
+        let mut c: ncclConfig_t = unsafe { std::mem::zeroed() };
+        c.size = std::mem::size_of::<ncclConfig_t>();
+        c.magic = flashcomm_nccl_sys::NCCL_API_MAGIC;
+        c.blocking = blocking;
+        c
+    }
+
+    #[test]
+    fn blocking_is_read_only_from_a_valid_config() {
+        assert_eq!(config_blocking(std::ptr::null()), None);
+        assert_eq!(config_blocking(&config(0)), Some(false));
+        assert_eq!(config_blocking(&config(1)), Some(true));
+        assert_eq!(config_blocking(&config(CONFIG_UNDEF_INT)), None);
+        let mut c = config(0);
+        c.magic = 0;
+        assert_eq!(config_blocking(&c), None, "no NCCL_CONFIG_INITIALIZER");
+        let mut c = config(0);
+        c.size = 16;
+        assert_eq!(config_blocking(&c), None, "too small to hold `blocking`");
     }
 }

@@ -26,10 +26,6 @@ forward! {
         comm: ncclComm_t,
         handle: *mut ::std::os::raw::c_void,
     ) -> ncclResult_t;
-    pub fn ncclCommGetAsyncError(
-        comm: ncclComm_t,
-        asyncError: *mut ncclResult_t,
-    ) -> ncclResult_t;
     pub fn ncclCommGetUniqueId(
         comm: ncclComm_t,
         uniqueId: *mut ncclUniqueId,

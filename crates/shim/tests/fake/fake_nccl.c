@@ -1,7 +1,7 @@
 /* A tiny stand-in for an older real NCCL, used by the shim's tests. It reports version 2.19.3,
  * implements a handful of functions (recording what it received), and lacks many others
- * (ncclAllReduceConfig, ncclCommShrink, ncclTeamWorld, ncclTeamRankToWorld, ncclParamDumpAll,
- * ...), so that the tests can see what flashcomm does with a function the real library lacks.
+ * (ncclAllReduceConfig, ncclAllGather, ncclCommShrink, ncclTeamWorld, ncclTeamRankToWorld,
+ * ncclParamDumpAll, ...), so that the tests can see what flashcomm does with a function the real library lacks.
  * Types are spelled with plain C types: the ABI is what matters. */
 #include <stddef.h>
 #include <stdint.h>
@@ -39,6 +39,9 @@ int ncclCommInitRankConfig(void** comm, int nranks, struct { char internal[128];
 
 int ncclCommDestroy(void* comm) { (void)comm; return 0; }
 int ncclCommCount(void* comm, int* count) { (void)comm; *count = 1; return 0; }
+int ncclCommUserRank(void* comm, int* rank) { (void)comm; *rank = 0; return 0; }
+int ncclCommCuDevice(void* comm, int* device) { (void)comm; *device = 0; return 0; }
+int ncclCommGetAsyncError(void* comm, int* state) { (void)comm; *state = 0; return 0; }
 int ncclGroupStart(void) { return 0; }
 int ncclGroupEnd(void) { return 0; }
 

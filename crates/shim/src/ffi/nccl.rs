@@ -1,0 +1,118 @@
+//! Calls flashcomm makes to the real NCCL on its own behalf (not forwarding a caller's call):
+//! the identity of a new communicator, the all-gather of the set-up exchange, and the
+//! communicator's asynchronous error. They never count in the statistics and never record a last
+//! error; failures come back as messages for the caller to log.
+
+use std::ffi::{c_int, c_void};
+
+use flashcomm_nccl_sys::{ncclComm_t, ncclDataType_t, ncclResult_t};
+
+use super::real::Slot;
+use crate::error::error_string;
+
+static USER_RANK: Slot = Slot::new(c"ncclCommUserRank");
+static COUNT: Slot = Slot::new(c"ncclCommCount");
+static CU_DEVICE: Slot = Slot::new(c"ncclCommCuDevice");
+static ALL_GATHER: Slot = Slot::new(c"ncclAllGather");
+static ASYNC_ERROR: Slot = Slot::new(c"ncclCommGetAsyncError");
+
+type CommIntFn = unsafe extern "C" fn(ncclComm_t, *mut c_int) -> ncclResult_t;
+type AllGatherFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    ncclDataType_t,
+    ncclComm_t,
+    *mut c_void,
+) -> ncclResult_t;
+type AsyncErrorFn = unsafe extern "C" fn(ncclComm_t, *mut ncclResult_t) -> ncclResult_t;
+
+fn describe(api: &str, r: ncclResult_t) -> String {
+    format!(
+        "{api} returned {} ({})",
+        r.0,
+        error_string(r.0).to_string_lossy()
+    )
+}
+
+fn comm_int(slot: &Slot, comm: ncclComm_t) -> Result<i32, String> {
+    let p = slot.get().map_err(|e| e.message().to_string())?;
+    // SAFETY: `p` is the real library's function of the slot's name; ncclCommUserRank,
+    // ncclCommCount and ncclCommCuDevice are all declared `ncclResult_t f(ncclComm_t, int*)`.
+    let f = unsafe { std::mem::transmute::<*mut c_void, CommIntFn>(p) };
+    let mut v: c_int = -1;
+    // SAFETY: `comm` is a communicator the real library has just created (it returned success);
+    // `v` is a valid out pointer.
+    let r = unsafe { f(comm, &mut v) };
+    if r != ncclResult_t::ncclSuccess {
+        return Err(describe(slot.name(), r));
+    }
+    Ok(v)
+}
+
+/// What the real library says about a communicator it has created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Identity {
+    /// This rank.
+    pub rank: i32,
+    /// Number of ranks.
+    pub nranks: i32,
+    /// CUDA device ordinal.
+    pub device: i32,
+}
+
+/// Rank, size and device of `comm`, from the real library.
+pub(crate) fn identity(comm: ncclComm_t) -> Result<Identity, String> {
+    Ok(Identity {
+        rank: comm_int(&USER_RANK, comm)?,
+        nranks: comm_int(&COUNT, comm)?,
+        device: comm_int(&CU_DEVICE, comm)?,
+    })
+}
+
+/// The real `ncclAllGather` of `bytes` bytes (`ncclUint8`) per rank from device address `send`
+/// to `recv` on `stream`. `Ok(r)`: what it returned.
+///
+/// The caller owns both allocations (at least `bytes` and `bytes x nranks` bytes on the
+/// communicator's device) and keeps them until the stream has finished the operation.
+pub(crate) fn all_gather_bytes(
+    send: u64,
+    recv: u64,
+    bytes: usize,
+    comm: ncclComm_t,
+    stream: *mut c_void,
+) -> Result<ncclResult_t, String> {
+    let p = ALL_GATHER.get().map_err(|e| e.message().to_string())?;
+    // SAFETY: `p` is the real ncclAllGather, declared `ncclResult_t ncclAllGather(const void*,
+    // void*, size_t, ncclDataType_t, ncclComm_t, cudaStream_t)`; cudaStream_t is a pointer.
+    let f = unsafe { std::mem::transmute::<*mut c_void, AllGatherFn>(p) };
+    // SAFETY: the buffers are device allocations of flashcomm with the sizes NCCL needs (see
+    // the function's contract), `comm` is a ready blocking communicator of the real library and
+    // `stream` a stream of its device's context.
+    let r = unsafe {
+        f(
+            send as *const c_void,
+            recv as *mut c_void,
+            bytes,
+            ncclDataType_t::ncclUint8,
+            comm,
+            stream,
+        )
+    };
+    Ok(r)
+}
+
+/// The real `ncclCommGetAsyncError` of `comm`.
+pub(crate) fn async_error(comm: ncclComm_t) -> Result<ncclResult_t, String> {
+    let p = ASYNC_ERROR.get().map_err(|e| e.message().to_string())?;
+    // SAFETY: `p` is the real ncclCommGetAsyncError, declared
+    // `ncclResult_t ncclCommGetAsyncError(ncclComm_t, ncclResult_t*)`.
+    let f = unsafe { std::mem::transmute::<*mut c_void, AsyncErrorFn>(p) };
+    let mut state = ncclResult_t::ncclSuccess;
+    // SAFETY: `comm` is a live communicator of the real library; `state` is a valid out pointer.
+    let r = unsafe { f(comm, &mut state) };
+    if r != ncclResult_t::ncclSuccess {
+        return Err(describe("ncclCommGetAsyncError", r));
+    }
+    Ok(state)
+}
