@@ -6,7 +6,9 @@
 #   ci/gpu-bundle.sh <bundle-dir>          # here (needs ci/setup.sh's toolchain)
 #   <bundle-dir>/run.sh <results-dir>      # on the GPU machine; ends with "N passed, N failed"
 #
-# FLASHCOMM_CUDA_ARCHS (default 80;90;100) selects the GPU architectures compiled in.
+# FLASHCOMM_CUDA_ARCHS (default 90, the H200) selects the GPU architectures compiled in. The
+# binaries do not embed the kernels: the fatbins (machine code only) are shipped once in
+# <bundle-dir>/kernels and run.sh points FLASHCOMM_KERNEL_DIR there, which keeps the bundle small.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:?usage: ci/gpu-bundle.sh <bundle-dir>}
@@ -15,26 +17,28 @@ out=$(cd "$out" && pwd)
 "$root/ci/setup.sh" >/dev/null
 # shellcheck disable=SC1091
 source "$root/.toolchain/env.sh"
-export FLASHCOMM_REQUIRE_KERNELS=1
+export FLASHCOMM_REQUIRE_KERNELS=1 FLASHCOMM_EMBED_KERNELS=0 FLASHCOMM_CUDA_PTX=0
+export FLASHCOMM_CUDA_ARCHS=${FLASHCOMM_CUDA_ARCHS:-90}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target/bundle}
 cd "$root"
 
-rm -rf "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c"
-mkdir -p "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c"
+rm -rf "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c" "$out/kernels"
+mkdir -p "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c" "$out/kernels"
 
 # The library and the tools.
-cargo build --release -p flashcomm-shim --quiet
-cp target/release/libnccl.so "$out/lib/libnccl.so.2"
-cp target/release/libnccl.so "$out/lib/libnccl.so"
-if cargo metadata --no-deps --format-version 1 | grep -q '"name":"flashcomm-perf"'; then
-  cargo build --release -p flashcomm-perf --quiet 2>/dev/null && cp target/release/flashcomm-perf "$out/bin/" 2>/dev/null || true
-fi
+cargo build --release -p flashcomm-shim -p flashcomm-perf --quiet
+cp "$CARGO_TARGET_DIR/release/libnccl.so" "$out/lib/libnccl.so.2"
+cp "$CARGO_TARGET_DIR/release/flashcomm-perf" "$out/bin/" 2>/dev/null || true
+# The fatbins of the build that produced these binaries.
+fatdir=$(dirname "$(ls -t "$CARGO_TARGET_DIR"/release/build/flashcomm-kernels-*/out/coll_lossless.fatbin | head -n 1)")
+for m in $(sed -n 's/^ *("\([a-z0-9_]*\)", .*/\1/p' "$fatdir/images.rs"); do cp "$fatdir/$m.fatbin" "$out/kernels/"; done
 
 # GPU test executables (cargo test --features gpu --no-run), one per test target.
 python3 - "$out/tests" <<'PY'
 import json, os, shutil, subprocess, sys
 dest = sys.argv[1]
-pkgs = ["flashcomm-comm", "flashcomm-kernels", "flashcomm-shim"]
-cmd = ["cargo", "test", "--release", "--no-run", "--message-format=json", "--features", "gpu"]
+pkgs = ["flashcomm-comm", "flashcomm-kernels"]
+cmd = ["cargo", "test", "--release", "--no-run", "--message-format=json", "--features", ",".join(p + "/gpu" for p in pkgs)]
 for p in pkgs:
     cmd += ["-p", p]
 res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
@@ -50,7 +54,8 @@ for line in res.stdout.splitlines():
         if not name.startswith("gpu"):
             continue
         exe = m["executable"]
-        shutil.copy(exe, os.path.join(dest, f"{m['package_id'].split('#')[0].split('/')[-1]}-{name}"))
+        pkg = m["target"]["src_path"].split("/crates/")[1].split("/")[0]
+        shutil.copy(exe, os.path.join(dest, f"{pkg}-{name}"))
 PY
 for f in "$out"/tests/* "$out"/bin/*; do [ -f "$f" ] && strip "$f" 2>/dev/null || true; done
 
@@ -61,7 +66,7 @@ if [ -d tests/c ]; then
     [ -f "$src" ] || continue
     exe="$out/c/$(basename "${src%.c}")"
     cc -O2 -o "$exe" "$src" -I"$FLASHCOMM_NCCL_HOME/include" -I"$FLASHCOMM_CUDA_INCLUDE" \
-      -L"$out/lib" -lnccl -ldl -Wl,-rpath,'$ORIGIN/../lib' 2>"$exe.build.log" || echo "note: $src did not build (see $exe.build.log)"
+      -L"$out/lib" -l:libnccl.so.2 -ldl -Wl,-rpath,'$ORIGIN/../lib' 2>"$exe.build.log" || echo "note: $src did not build (see $exe.build.log)"
   done
 fi
 cp tests/python/*.py "$out/python/" 2>/dev/null || true

@@ -10,6 +10,8 @@ filter=${2:-}
 mkdir -p "$res/logs"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
+# Bundles ship the kernels once, next to the binaries (see ci/gpu-bundle.sh).
+[ -d "$here/kernels" ] && export FLASHCOMM_KERNEL_DIR="$here/kernels"
 passed=0; failed=0
 summary="$res/summary.json"; echo "[" > "$summary"; first=1
 
