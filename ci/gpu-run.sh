@@ -56,11 +56,23 @@ done
 
 # C and Python programs (registered by the scripts that exist in this bundle).
 lib="$here/lib/libnccl.so.2"
-[ -x "$here/c/abi_smoke" ] && run_one "c::abi_smoke_gpu" 120 "$here/c/abi_smoke" --gpu
-[ -x "$here/c/overhead" ] && run_one "c::overhead" 300 "$here/c/overhead" "$lib"
-[ -f "$here/python/ctypes_load.py" ] && run_one "python::ctypes_load_gpu" 300 python3 "$here/python/ctypes_load.py" --lib "$lib" --gpu
+# The C and ctypes programs load flashcomm by path in a process without torch, so flashcomm
+# cannot find torch's NCCL by itself: point it at the NCCL wheel torch uses (unless set already).
+# The torch scripts find it themselves (torch has loaded it), which is part of what they test.
+real_nccl=${FLASHCOMM_NCCL_LIB:-$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib','libnccl.so.2'))" 2>/dev/null)}
+if [ -n "$real_nccl" ] && [ -f "$real_nccl" ]; then
+  echo "real NCCL for the C and ctypes programs: $real_nccl"
+else
+  echo "note: no real libnccl.so.2 found for the C and ctypes programs (set FLASHCOMM_NCCL_LIB)"
+  real_nccl=""
+fi
+with_real=(env "FLASHCOMM_NCCL_LIB=$real_nccl")
+[ -x "$here/c/abi_smoke" ] && run_one "c::abi_smoke_gpu" 120 "${with_real[@]}" "$here/c/abi_smoke" --gpu
+[ -x "$here/c/overhead" ] && run_one "c::overhead" 300 "${with_real[@]}" "$here/c/overhead" "$lib"
+[ -f "$here/python/ctypes_load.py" ] && run_one "python::ctypes_load_gpu" 300 "${with_real[@]}" python3 "$here/python/ctypes_load.py" --lib "$lib" --gpu
 [ -f "$here/python/torch_preload.py" ] && run_one "python::torch_preload_ws1" 600 env LD_PRELOAD="$lib" python3 "$here/python/torch_preload.py" --world-size 1
 [ -f "$here/python/torch_quant.py" ] && run_one "python::torch_quant_ws1" 600 python3 "$here/python/torch_quant.py" --lib "$lib" --world-size 1
+[ -f "$here/python/torch_quant.py" ] && run_one "python::torch_quant_ws1_twostep_4_8" 600 python3 "$here/python/torch_quant.py" --lib "$lib" --world-size 1 --algo twoshot --bits 4 --ag-bits 8
 
 echo "]" >> "$summary"
 # Results come back as a few files: the summary, the environment and one archive of all logs.

@@ -25,10 +25,24 @@
 #ifndef HAVE_FLASHCOMM_H
 typedef struct { uint64_t calls[3][8]; uint64_t bytes[3][8]; } flashcommStats_t;
 #define FLASHCOMM_ROUTE_NCCL 0
+#define FLASHCOMM_ROUTE_LOSSLESS 1
 #define FLASHCOMM_COLL_ALLREDUCE 0
+#define FLASHCOMM_REASON_BYTES 256
+typedef struct {
+  int rs_bits, ag_bits, group, spikes;
+  size_t min_bytes, max_bytes;
+} flashcommQuantConfig_t;
+typedef struct {
+  int served, rank, nranks, device;
+  uint64_t arena_bytes;
+  char reason[FLASHCOMM_REASON_BYTES];
+} flashcommCommInfo_t;
 ncclResult_t flashcommGetVersion(int* version);
 ncclResult_t flashcommGetStats(ncclComm_t comm, flashcommStats_t* stats);
 ncclResult_t flashcommGetConfigString(char* buf, size_t len);
+ncclResult_t flashcommCommSetQuant(ncclComm_t comm, const flashcommQuantConfig_t* config);
+ncclResult_t flashcommCommGetQuant(ncclComm_t comm, flashcommQuantConfig_t* config);
+ncclResult_t flashcommCommGetInfo(ncclComm_t comm, flashcommCommInfo_t* info);
 #endif
 
 static int failures = 0;
@@ -138,12 +152,36 @@ static void gpu_checks(void) {
   dtoh(back, a, N * sizeof(float));
   CHECK(memcmp(back, host, N * sizeof(float)) == 0, "in-place result differs");
 
+  /* A world-size-1 communicator of one GPU is served by flashcomm's kernels: both all-reduces
+   * took the lossless route. */
+  flashcommCommInfo_t info;
+  memset(&info, 0, sizeof info);
+  CHECK(flashcommCommGetInfo(comm, &info) == ncclSuccess, "%s", ncclGetLastError(NULL));
+  CHECK(info.served == 1, "not served: %s", info.reason);
+  CHECK(info.rank == 0 && info.nranks == 1 && info.device == 0, "rank %d of %d on device %d",
+        info.rank, info.nranks, info.device);
+  CHECK(info.served == 0 || info.arena_bytes > 0, "arena %llu", (unsigned long long)info.arena_bytes);
+  int route = info.served ? FLASHCOMM_ROUTE_LOSSLESS : FLASHCOMM_ROUTE_NCCL;
   flashcommStats_t stats;
   CHECK(flashcommGetStats(comm, &stats) == ncclSuccess, "%s", ncclGetLastError(NULL));
-  CHECK(stats.calls[FLASHCOMM_ROUTE_NCCL][FLASHCOMM_COLL_ALLREDUCE] == 2, "calls %llu",
-        (unsigned long long)stats.calls[FLASHCOMM_ROUTE_NCCL][FLASHCOMM_COLL_ALLREDUCE]);
-  CHECK(stats.bytes[FLASHCOMM_ROUTE_NCCL][FLASHCOMM_COLL_ALLREDUCE] == 2ull * N * sizeof(float), "bytes");
+  CHECK(stats.calls[route][FLASHCOMM_COLL_ALLREDUCE] == 2, "calls %llu on route %d",
+        (unsigned long long)stats.calls[route][FLASHCOMM_COLL_ALLREDUCE], route);
+  CHECK(stats.bytes[route][FLASHCOMM_COLL_ALLREDUCE] == 2ull * N * sizeof(float), "bytes");
+
+  /* Per-communicator quantization settings: set, read back, invalid ones refused, reset. */
+  flashcommQuantConfig_t q = {4, 8, 64, 2, 4096, 1 << 20}, got;
+  CHECK(flashcommCommSetQuant(comm, &q) == ncclSuccess, "%s", ncclGetLastError(NULL));
+  memset(&got, 0, sizeof got);
+  CHECK(flashcommCommGetQuant(comm, &got) == ncclSuccess && got.rs_bits == 4 && got.ag_bits == 8 &&
+            got.group == 64 && got.spikes == 2 && got.min_bytes == 4096 && got.max_bytes == (1 << 20),
+        "got %d/%d/%d/%d", got.rs_bits, got.ag_bits, got.group, got.spikes);
+  q.group = 100;
+  CHECK(flashcommCommSetQuant(comm, &q) == ncclInvalidArgument, "group 100 accepted");
+  CHECK(flashcommCommSetQuant(comm, NULL) == ncclSuccess, "%s", ncclGetLastError(NULL));
+  CHECK(flashcommCommGetQuant(comm, &got) == ncclSuccess && got.rs_bits == 16, "reset: %d", got.rs_bits);
+
   CHECK(ncclCommDestroy(comm) == ncclSuccess, "%s", ncclGetLastError(NULL));
+  CHECK(flashcommCommGetInfo(comm, &info) == ncclInvalidArgument, "destroyed communicator still known");
   memFree(a); memFree(b);
   free(host); free(back);
 }

@@ -29,6 +29,12 @@ class flashcommStats_t(ctypes.Structure):
     _fields_ = [("calls", (ctypes.c_uint64 * 8) * 3), ("bytes", (ctypes.c_uint64 * 8) * 3)]
 
 
+class flashcommCommInfo_t(ctypes.Structure):
+    _fields_ = [("served", ctypes.c_int), ("rank", ctypes.c_int), ("nranks", ctypes.c_int),
+                ("device", ctypes.c_int), ("arena_bytes", ctypes.c_uint64),
+                ("reason", ctypes.c_char * 256)]
+
+
 # name -> (restype, argtypes): the functions vLLM's NCCLLibrary binds.
 FUNCTIONS = {
     "ncclGetErrorString": (ctypes.c_char_p, [ncclResult_t]),
@@ -84,6 +90,8 @@ def bind(path):
         f.argtypes = argtypes
     lib.flashcommGetStats.restype = ncclResult_t
     lib.flashcommGetStats.argtypes = [ncclComm_t, ctypes.POINTER(flashcommStats_t)]
+    lib.flashcommCommGetInfo.restype = ncclResult_t
+    lib.flashcommCommGetInfo.argtypes = [ncclComm_t, ctypes.POINTER(flashcommCommInfo_t)]
     return lib
 
 
@@ -123,9 +131,14 @@ def gpu_checks(lib):
     rc = lib.ncclAllReduce(x.data_ptr(), y.data_ptr(), x.numel(), FLOAT32, SUM, comm, stream)
     torch.cuda.synchronize()
     check(rc == 0 and torch.equal(x, y), "all-reduce result", lib.ncclGetLastError(comm))
+    info = flashcommCommInfo_t()
+    check(lib.flashcommCommGetInfo(comm, ctypes.byref(info)) == 0, "flashcommCommGetInfo")
+    check(info.served == 1, "flashcomm's kernels serve the world-size-1 communicator",
+          info.reason.decode(errors="replace"))
+    route = 1 if info.served else 0
     stats = flashcommStats_t()
-    check(lib.flashcommGetStats(comm, ctypes.byref(stats)) == 0 and stats.calls[0][0] == 1,
-          "the call went through flashcomm", list(stats.calls[0]))
+    check(lib.flashcommGetStats(comm, ctypes.byref(stats)) == 0 and stats.calls[route][0] == 1,
+          f"the call went through flashcomm on route {route}", [list(r) for r in stats.calls])
     check(lib.ncclCommDestroy(comm) == 0, "ncclCommDestroy")
 
 

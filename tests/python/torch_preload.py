@@ -1,13 +1,22 @@
 #!/usr/bin/env python3
 """PyTorch on flashcomm: with flashcomm's library in LD_PRELOAD, runs torch.distributed's NCCL
-backend on N GPUs and checks the results exactly, and that the calls went through flashcomm.
+backend on N GPUs and checks the results exactly, that the calls went through flashcomm, and
+which route they took (flashcommGetStats):
+
+* all_reduce (sum; bf16, f16, f32), all_gather_into_tensor and reduce_scatter_tensor take
+  flashcomm's lossless kernels (up to 8 GPUs of one machine; the communicators of
+  init_process_group and of new_group are both served), all_to_all and broadcast go to NCCL;
+* an all_reduce captured into a CUDA graph and replayed several times gives exact results.
 
     python3 torch_preload.py [--lib PATH/libnccl.so] --world-size N [--real PATH/libnccl.so.2]
+        [--expect-route lossless|nccl]
     LD_PRELOAD=PATH/libnccl.so.2 python3 torch_preload.py --world-size N
 
 GPU machine only. Without --lib, the library is the libnccl* entry of LD_PRELOAD. The script
-re-executes itself with LD_PRELOAD set if needed, then spawns N processes (one per GPU). Without --real, flashcomm finds the NCCL that torch ships with. Each check
-prints a PASS/FAIL line; the exit status is 0 only if every rank passed.
+re-executes itself with LD_PRELOAD set if needed, then spawns N processes (one per GPU). Without
+--real, flashcomm finds the NCCL that torch ships with. With --expect-route nccl (for runs with
+FLASHCOMM_DISABLE=1, or a build without kernels) every collective is expected on the NCCL route.
+Each check prints a PASS/FAIL line; the exit status is 0 only if every rank passed.
 """
 import argparse
 import ctypes
@@ -16,6 +25,7 @@ import socket
 import sys
 
 COLLS = ["allreduce", "reducescatter", "allgather", "alltoall", "broadcast", "reduce", "send", "recv"]
+ROUTES = ["nccl", "lossless", "quantized"]
 
 
 class flashcommStats_t(ctypes.Structure):
@@ -23,6 +33,7 @@ class flashcommStats_t(ctypes.Structure):
 
 
 def stats(lib_path):
+    """Process totals: {(route, collective): calls}."""
     # The library is already loaded (preloaded): CDLL returns the same object.
     lib = ctypes.CDLL(lib_path)
     lib.flashcommGetStats.restype = ctypes.c_int
@@ -31,10 +42,41 @@ def stats(lib_path):
     rc = lib.flashcommGetStats(None, ctypes.byref(s))
     if rc != 0:
         raise RuntimeError(f"flashcommGetStats failed: {rc}")
-    return {name: s.calls[0][i] for i, name in enumerate(COLLS)}
+    return {(r, c): s.calls[i][j] for i, r in enumerate(ROUTES) for j, c in enumerate(COLLS)}
 
 
-def worker(rank, world, port, lib_path):
+def graph_all_reduce(dist, torch, dev, rank, world, n, check):
+    """An all_reduce captured into a CUDA graph, replayed with new inputs each time."""
+    x = torch.zeros(n, device=dev)
+    base = (torch.arange(n, device=dev) % 5).float()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch recommends
+        x.copy_(base)
+        dist.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    try:
+        ctx = torch.cuda.graph(g, capture_error_mode="thread_local")
+    except TypeError:  # older torch
+        ctx = torch.cuda.graph(g)
+    with ctx:
+        dist.all_reduce(x)
+    ok = True
+    for step in range(5):
+        x.copy_(base * (step + 1) + rank)
+        g.replay()
+        torch.cuda.synchronize()
+        want = base * (step + 1) * world + world * (world - 1) / 2
+        ok = ok and torch.equal(x, want)
+        if not ok:
+            check(False, f"CUDA graph replay {step}", (x - want).abs().max().item())
+            return
+    check(ok, "all_reduce captured in a CUDA graph, replayed 5 times, exact")
+
+
+def worker(rank, world, port, lib_path, expect):
     import torch
     import torch.distributed as dist
 
@@ -79,12 +121,18 @@ def worker(rank, world, port, lib_path):
     dist.broadcast(b, src=0)
     check(torch.equal(b, torch.full_like(b, 42.0)), "broadcast from rank 0")
 
-    if world > 1:
-        full = torch.arange(world * n, device=dev, dtype=torch.float32) + rank
-        part = torch.empty(n, device=dev)
-        dist.reduce_scatter_tensor(part, full)
-        idx = torch.arange(rank * n, (rank + 1) * n, device=dev, dtype=torch.float32)
-        check(torch.equal(part, idx * world + world * (world - 1) / 2), "reduce_scatter_tensor")
+    full = torch.arange(world * n, device=dev, dtype=torch.float32) + rank
+    part = torch.empty(n, device=dev)
+    dist.reduce_scatter_tensor(part, full)
+    idx = torch.arange(rank * n, (rank + 1) * n, device=dev, dtype=torch.float32)
+    check(torch.equal(part, idx * world + world * (world - 1) / 2), "reduce_scatter_tensor")
+
+    for dtype in (torch.bfloat16, torch.float32):
+        # Larger messages (1 MiB per rank) take the kernels' other protocols and algorithms.
+        big = (torch.arange(1 << 19, device=dev) % 11).to(dtype) + rank
+        dist.all_reduce(big)
+        want = (torch.arange(1 << 19, device=dev) % 11).to(dtype) * world + world * (world - 1) / 2
+        check(torch.equal(big, want), f"all_reduce sum {dtype} of 1 MiB")
 
     members = list(range(0, world, 2))
     sub = dist.new_group(ranks=members)
@@ -93,16 +141,28 @@ def worker(rank, world, port, lib_path):
         dist.all_reduce(s, group=sub)
         check(torch.equal(s, torch.full_like(s, float(sum(m + 1 for m in members)))), "new_group all_reduce")
 
+    graph_all_reduce(dist, torch, dev, rank, world, n, check)
+
     torch.cuda.synchronize()
     after = stats(lib_path)
-    moved = {c: after[c] - before[c] for c in after}
-    print(f"[rank {rank}] flashcomm calls forwarded to NCCL during the test: {moved}", flush=True)
-    check(moved["allreduce"] >= 3, "all-reduces went through flashcomm", moved)
-    check(moved["allgather"] >= 1, "all-gathers went through flashcomm", moved)
-    check(moved["broadcast"] >= 1, "broadcasts went through flashcomm", moved)
-    check(moved["alltoall"] + moved["send"] >= 1, "all-to-all went through flashcomm", moved)
-    if world > 1:
-        check(moved["reducescatter"] >= 1, "reduce-scatters went through flashcomm", moved)
+    moved = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    print(f"[rank {rank}] calls per (route, collective) during the test: {moved}", flush=True)
+
+    def calls(coll, route=None):
+        routes = ROUTES if route is None else [route]
+        return sum(after[(r, coll)] - before[(r, coll)] for r in routes)
+
+    check(calls("allreduce") >= 7, "all-reduces went through flashcomm", moved)
+    check(calls("allgather") >= 1, "all-gathers went through flashcomm", moved)
+    check(calls("reducescatter") >= 1, "reduce-scatters went through flashcomm", moved)
+    check(calls("broadcast", "nccl") >= 1, "broadcasts went to NCCL", moved)
+    check(calls("alltoall", "nccl") + calls("send", "nccl") >= 1, "all-to-all went to NCCL", moved)
+    # The eligible collectives: on flashcomm's lossless kernels, or all on NCCL when expected.
+    # (The warm-up and the capture of the graph are calls; its replays are not.)
+    for coll, least in (("allreduce", 7), ("allgather", 1), ("reducescatter", 1)):
+        got = calls(coll, expect)
+        check(got >= least and calls(coll, "quantized") == 0,
+              f"{coll}: {got} call(s) on the {expect} route", moved)
 
     dist.destroy_process_group()
     if failures:
@@ -120,6 +180,8 @@ def main():
     p.add_argument("--lib", help="flashcomm's library (default: the libnccl* entry of LD_PRELOAD)")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--real", help="the real libnccl.so.2 (default: found by flashcomm)")
+    p.add_argument("--expect-route", default="lossless", choices=["lossless", "nccl"],
+                   help="route of all_reduce, all_gather and reduce_scatter (default: lossless)")
     args = p.parse_args()
     preloaded = [x for x in os.environ.get("LD_PRELOAD", "").split(":") if "libnccl" in os.path.basename(x)]
     if not args.lib and not preloaded:
@@ -140,7 +202,8 @@ def main():
         print(f"FAIL need {args.world_size} GPUs, found {torch.cuda.device_count()}")
         return 1
     try:
-        mp.spawn(worker, args=(args.world_size, free_port(), lib), nprocs=args.world_size, join=True)
+        mp.spawn(worker, args=(args.world_size, free_port(), lib, args.expect_route),
+                 nprocs=args.world_size, join=True)
     except Exception as e:  # a rank failed or crashed
         print(f"FAIL {e}")
         return 1

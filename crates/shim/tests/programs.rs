@@ -116,3 +116,132 @@ fn overhead_program_cpu_part() {
         "{out}"
     );
 }
+
+fn numpy_available() -> bool {
+    Command::new("python3")
+        .args(["-c", "import numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// A small deterministic generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// Values that exercise the codec: spread, outliers, zeros of both signs, exact ties.
+fn test_values(rng: &mut Rng, n: usize, scale: f32) -> Vec<flashcomm_codec::bf16> {
+    (0..n)
+        .map(|i| {
+            let u = rng.unit();
+            let v = match i % 97 {
+                0 => 0.0,
+                1 => -0.0,
+                2..=9 => (u * 4.0).round() / 4.0, // ties
+                10 if u > 0.5 => u * 60.0,        // outliers
+                _ => u * scale,
+            };
+            flashcomm_codec::bf16::from_f32(v)
+        })
+        .collect()
+}
+
+/// `tests/python/torch_quant.py` checks the GPU's quantized all-reduce bit for bit against its
+/// numpy emulation of docs/codec.md, and against an error bound it computes. Both are checked
+/// here against flashcomm's CPU reference (crates/codec), when numpy is installed.
+#[test]
+fn torch_quant_emulation_matches_the_cpu_reference() {
+    if !numpy_available() {
+        eprintln!("skipped: numpy is not installed (torch_quant.py's emulation needs it)");
+        return;
+    }
+    use flashcomm_codec::{DType, Format, bf16, reference};
+    let script = repo().join("tests/python/torch_quant.py");
+    let dir = scratch("emulation");
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let cases: [(usize, u8, u16, u8, usize); 7] = [
+        (1, 4, 128, 2, 3 * 1024 + 333),
+        (1, 2, 32, 0, 2048),
+        (1, 8, 256, 4, 1024),
+        (3, 3, 64, 4, 1500),
+        (2, 8, 256, 2, 4096),
+        (4, 5, 128, 4, 777),
+        (1, 6, 32, 2, 100),
+    ];
+    for (case, &(ranks, bits, group, spikes, n)) in cases.iter().enumerate() {
+        let inputs: Vec<Vec<bf16>> = (0..ranks)
+            .map(|r| test_values(&mut rng, n, 0.5 + r as f32))
+            .collect();
+        let input = dir.join(format!("in{case}.bin"));
+        let output = dir.join(format!("out{case}.bin"));
+        let bytes: Vec<u8> = inputs
+            .iter()
+            .flatten()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect();
+        std::fs::write(&input, bytes).unwrap();
+        run(Command::new("python3")
+            .arg(&script)
+            .arg("--emulate")
+            .arg(&input)
+            .arg(&output)
+            .args(["--ranks", &ranks.to_string()])
+            .args(["--bits", &bits.to_string()])
+            .args(["--group", &group.to_string()])
+            .args(["--spikes", &spikes.to_string()]));
+        let got: Vec<u16> = std::fs::read(&output)
+            .unwrap()
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        let bound: Vec<f64> = std::fs::read(output.with_extension("bin.bound"))
+            .unwrap()
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let fmt = Format::new(DType::Bf16, bits, group, spikes).unwrap();
+        let refs: Vec<&[bf16]> = inputs.iter().map(Vec::as_slice).collect();
+        let want = reference::allreduce_oneshot(fmt, &refs);
+        assert_eq!(got.len(), n, "case {case}");
+        assert_eq!(bound.len(), n, "case {case}");
+        for i in 0..n {
+            let what = format!(
+                "case {case} ({ranks} ranks, {bits} bits, group {group}, spikes {spikes}) element {i}"
+            );
+            assert_eq!(
+                got[i],
+                want[i].to_bits(),
+                "{what}: emulation differs from the reference"
+            );
+            let exact: f64 = inputs.iter().map(|x| f64::from(x[i].to_f32())).sum();
+            let err = (f64::from(want[i].to_f32()) - exact).abs();
+            assert!(
+                err <= bound[i],
+                "{what}: error {err} of the reference exceeds torch_quant.py's bound {}",
+                bound[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn python_scripts_parse_their_arguments_without_a_gpu() {
+    for script in ["torch_quant.py", "torch_preload.py", "ctypes_load.py"] {
+        let out = run(Command::new("python3")
+            .arg(repo().join("tests/python").join(script))
+            .arg("--help"));
+        assert!(out.contains("usage:"), "{script}: {out}");
+    }
+}
