@@ -255,6 +255,15 @@ variables! {
         allowed: "comma list of `bf16`, `f16`, `f32`",
         strict: true,
     }
+    /// Folder of the kernel images (`<module>.fatbin`) for a library built without embedded
+    /// kernels (the GPU test bundles, `FLASHCOMM_EMBED_KERNELS=0` at build time); when set, it
+    /// is used instead of the embedded images. Read by the kernel loader.
+    kernel_dir: Option<Text> = None => {
+        name: "FLASHCOMM_KERNEL_DIR",
+        kind: "path",
+        allowed: "a folder holding the `.fatbin` files of the build",
+        strict: true,
+    }
     /// Fault injection for tests: the named API function panics inside flashcomm's panic
     /// boundary, which must turn it into `ncclInternalError` and a message.
     debug_panic: Option<FunctionName> = None => {
@@ -319,6 +328,8 @@ pub const BUILD_VARIABLES: &[&str] = &[
     "FLASHCOMM_CUDA_ARCHS",
     "FLASHCOMM_REQUIRE_KERNELS",
     "FLASHCOMM_NO_KERNELS",
+    "FLASHCOMM_EMBED_KERNELS",
+    "FLASHCOMM_CUDA_PTX",
 ];
 
 /// A variable with a value the library cannot use.
