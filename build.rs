@@ -12,6 +12,10 @@
 //!
 //! Kernels are compiled with `-fmad=false`: the codec and the reductions must match the CPU
 //! reference bit for bit, so no multiply-add may be contracted.
+//!
+//! For GPU test bundles (which must stay small): `FLASHCOMM_CUDA_PTX=0` leaves the PTX out, and
+//! `FLASHCOMM_EMBED_KERNELS=0` embeds no images (the binaries then load `<name>.fatbin` from the
+//! folder named by `FLASHCOMM_KERNEL_DIR` at run time); the fatbins stay in `$OUT_DIR`.
 
 use std::env;
 use std::fs;
@@ -38,6 +42,8 @@ fn main() {
         "FLASHCOMM_CUDA_ARCHS",
         "FLASHCOMM_REQUIRE_KERNELS",
         "FLASHCOMM_NO_KERNELS",
+        "FLASHCOMM_CUDA_PTX",
+        "FLASHCOMM_EMBED_KERNELS",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -125,6 +131,11 @@ fn main() {
         panic!("CUDA compilation failed:\n{}", failures.join("\n"));
     }
     images.sort();
+    if env::var("FLASHCOMM_EMBED_KERNELS").is_ok_and(|v| v == "0") {
+        write_names_only(&out_dir, &images);
+        println!("cargo:rustc-cfg=flashcomm_kernels");
+        return;
+    }
     write_images(&out_dir, &images);
     println!("cargo:rustc-cfg=flashcomm_kernels");
 }
@@ -153,8 +164,10 @@ fn compile(
     for a in archs {
         cmd.arg(format!("-gencode=arch=compute_{a},code=sm_{a}"));
     }
-    let hi = archs.last().unwrap();
-    cmd.arg(format!("-gencode=arch=compute_{hi},code=compute_{hi}"));
+    if !env::var("FLASHCOMM_CUDA_PTX").is_ok_and(|v| v == "0") {
+        let hi = archs.last().unwrap();
+        cmd.arg(format!("-gencode=arch=compute_{hi},code=compute_{hi}"));
+    }
     cmd.arg("-o").arg(out).arg(src);
     let output = cmd
         .output()
@@ -186,6 +199,19 @@ fn write_images(out_dir: &Path, images: &[(String, PathBuf)]) {
             "    ({name:?}, &crate::image::Aligned(*include_bytes!({:?})).0),\n",
             path.display().to_string()
         ));
+    }
+    code.push_str("];\n");
+    fs::write(out_dir.join("images.rs"), code).expect("write images.rs");
+}
+
+/// Lists the modules without embedding them (their bytes are loaded at run time).
+fn write_names_only(out_dir: &Path, images: &[(String, PathBuf)]) {
+    let mut code = String::from(
+        "/// Every CUDA module of `cuda/`; not embedded in this build (loaded from FLASHCOMM_KERNEL_DIR).\n",
+    );
+    code.push_str("pub static IMAGES: &[(&str, &[u8])] = &[\n");
+    for (name, _) in images {
+        code.push_str(&format!("    ({name:?}, &[]),\n"));
     }
     code.push_str("];\n");
     fs::write(out_dir.join("images.rs"), code).expect("write images.rs");

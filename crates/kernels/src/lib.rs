@@ -28,6 +28,27 @@ pub fn built_with_kernels() -> bool {
     !image::IMAGES.is_empty()
 }
 
+/// The fatbin of module `name`: from `$FLASHCOMM_KERNEL_DIR/<name>.fatbin` when that variable is
+/// set (development and GPU test bundles), else the image embedded at build time.
+pub fn image_bytes(
+    name: &str,
+    embedded: &'static [u8],
+) -> Result<std::borrow::Cow<'static, [u8]>, Error> {
+    if let Some(dir) = std::env::var_os("FLASHCOMM_KERNEL_DIR") {
+        let path = std::path::Path::new(&dir).join(format!("{name}.fatbin"));
+        return std::fs::read(&path)
+            .map(std::borrow::Cow::Owned)
+            .map_err(|e| Error::Cuda {
+                during: "reading a kernel image",
+                detail: format!("{}: {e}", path.display()),
+            });
+    }
+    if embedded.is_empty() {
+        return Err(Error::NoKernels);
+    }
+    Ok(std::borrow::Cow::Borrowed(embedded))
+}
+
 /// Names of the embedded modules (one per `cuda/*.cu`).
 pub fn module_names() -> Vec<&'static str> {
     image::IMAGES.iter().map(|(n, _)| *n).collect()
