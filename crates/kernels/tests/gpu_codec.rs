@@ -1,4 +1,3 @@
-#![cfg(feature = "gpu")]
 //! The GPU codec against the CPU reference (`flashcomm-codec`), bit for bit.
 //!
 //! Run with `cargo test -p flashcomm-kernels --features gpu --release -- --nocapture` on a machine
@@ -14,6 +13,7 @@
 //!   platform-defined);
 //! * reduce_requantize for N = 2, 4, 8: GPU bytes == CPU bytes;
 //! * headers that do not match are reported and their blocks left alone.
+#![cfg(feature = "gpu")]
 
 use std::sync::Arc;
 use std::time::Instant;
