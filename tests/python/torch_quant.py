@@ -36,8 +36,8 @@ flashcomm reads its configuration once per process):
     python3 torch_quant.py --emulate IN OUT --ranks N --bits B [--group G] [--spikes K]
 
 GPU machine only (the --emulate mode needs only numpy: it reads N ranks' little-endian bf16
-inputs from IN and writes the emulated one-shot result (bf16) to OUT and its error bound
-(float64) to OUT.bound). The script re-executes itself with LD_PRELOAD and the variables of each
+inputs from IN and writes the emulated one-shot result (bf16) to OUT, its error bound (float64)
+to OUT.bound, and the two-step bound with --ag-bits (default --bits) to OUT.bound2). The script re-executes itself with LD_PRELOAD and the variables of each
 phase set, then spawns N processes (one per GPU). Each check prints a PASS/FAIL line; the exit
 status is 0 only if every rank of both phases passed.
 """
@@ -182,9 +182,11 @@ def emulate_file(args):
         sys.exit("input size is not a multiple of --ranks")
     per = raw.reshape(args.ranks, -1)
     inputs = [(p.astype(np.uint32) << 16).view(np.float32) for p in per]
-    result, bound, _, _ = oneshot(inputs, args.bits, args.group, args.spikes)
+    result, bound, exact, e1 = oneshot(inputs, args.bits, args.group, args.spikes)
     (result.view(np.uint32) >> 16).astype(np.uint16).tofile(args.emulate[1])
     bound.astype(np.float64).tofile(args.emulate[1] + ".bound")
+    bound2 = twostep_bound(exact, e1, args.ag_bits or args.bits, args.group)
+    bound2.astype(np.float64).tofile(args.emulate[1] + ".bound2")
     return 0
 
 

@@ -171,16 +171,18 @@ fn torch_quant_emulation_matches_the_cpu_reference() {
     let script = repo().join("tests/python/torch_quant.py");
     let dir = scratch("emulation");
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let cases: [(usize, u8, u16, u8, usize); 7] = [
-        (1, 4, 128, 2, 3 * 1024 + 333),
-        (1, 2, 32, 0, 2048),
-        (1, 8, 256, 4, 1024),
-        (3, 3, 64, 4, 1500),
-        (2, 8, 256, 2, 4096),
-        (4, 5, 128, 4, 777),
-        (1, 6, 32, 2, 100),
+    // (ranks, bits of the first step, bits of the all-gather step, group, spikes, values)
+    let cases: [(usize, u8, u8, u16, u8, usize); 8] = [
+        (1, 4, 4, 128, 2, 3 * 1024 + 333),
+        (1, 4, 8, 128, 2, 5 * 1024),
+        (1, 2, 2, 32, 0, 2048),
+        (1, 8, 8, 256, 4, 1024),
+        (3, 3, 8, 64, 4, 3 * 1024 + 500),
+        (2, 8, 8, 256, 2, 4096),
+        (4, 5, 5, 128, 4, 4 * 1024 + 777),
+        (1, 6, 6, 32, 2, 100),
     ];
-    for (case, &(ranks, bits, group, spikes, n)) in cases.iter().enumerate() {
+    for (case, &(ranks, bits, ag_bits, group, spikes, n)) in cases.iter().enumerate() {
         let inputs: Vec<Vec<bf16>> = (0..ranks)
             .map(|r| test_values(&mut rng, n, 0.5 + r as f32))
             .collect();
@@ -199,6 +201,7 @@ fn torch_quant_emulation_matches_the_cpu_reference() {
             .arg(&output)
             .args(["--ranks", &ranks.to_string()])
             .args(["--bits", &bits.to_string()])
+            .args(["--ag-bits", &ag_bits.to_string()])
             .args(["--group", &group.to_string()])
             .args(["--spikes", &spikes.to_string()]));
         let got: Vec<u16> = std::fs::read(&output)
@@ -211,9 +214,16 @@ fn torch_quant_emulation_matches_the_cpu_reference() {
             .chunks_exact(8)
             .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
             .collect();
+        let bound2: Vec<f64> = std::fs::read(output.with_extension("bin.bound2"))
+            .unwrap()
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         let fmt = Format::new(DType::Bf16, bits, group, spikes).unwrap();
+        let fmt_ag = Format::new(DType::Bf16, ag_bits, group, spikes).unwrap();
         let refs: Vec<&[bf16]> = inputs.iter().map(Vec::as_slice).collect();
         let want = reference::allreduce_oneshot(fmt, &refs);
+        let two = reference::allreduce_twostep(fmt, fmt_ag, &refs);
         assert_eq!(got.len(), n, "case {case}");
         assert_eq!(bound.len(), n, "case {case}");
         for i in 0..n {
@@ -231,6 +241,17 @@ fn torch_quant_emulation_matches_the_cpu_reference() {
                 err <= bound[i],
                 "{what}: error {err} of the reference exceeds torch_quant.py's bound {}",
                 bound[i]
+            );
+            let err2 = (f64::from(two[i].to_f32()) - exact).abs();
+            assert!(
+                err2 <= bound2[i],
+                "{what}: error {err2} of the two-step reference exceeds torch_quant.py's \
+                 two-step bound {}",
+                bound2[i]
+            );
+            assert!(
+                bound2[i] >= bound[i],
+                "{what}: the two-step bound covers one-shot"
             );
         }
     }
