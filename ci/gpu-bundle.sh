@@ -26,9 +26,11 @@ rm -rf "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c" "$out/kernels"
 mkdir -p "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c" "$out/kernels"
 
 # The library and the tools.
-cargo build --release -p flashcomm-shim -p flashcomm-perf --quiet
+cargo build --release -p flashcomm-shim --quiet
 cp "$CARGO_TARGET_DIR/release/libnccl.so" "$out/lib/libnccl.so.2"
-cp "$CARGO_TARGET_DIR/release/flashcomm-perf" "$out/bin/" 2>/dev/null || true
+cargo build --release -p flashcomm-perf -p flashcomm-kernels --features flashcomm-kernels/gpu --examples --bins --quiet \
+  && cp "$CARGO_TARGET_DIR/release/flashcomm-perf" "$out/bin/" \
+  && { cp "$CARGO_TARGET_DIR/release/examples/codec_bench" "$out/bin/" 2>/dev/null || true; }
 # The fatbins of the build that produced these binaries.
 fatdir=$(dirname "$(ls -t "$CARGO_TARGET_DIR"/release/build/flashcomm-kernels-*/out/coll_lossless.fatbin | head -n 1)")
 for m in $(sed -n 's/^ *("\([a-z0-9_]*\)", .*/\1/p' "$fatdir/images.rs"); do cp "$fatdir/$m.fatbin" "$out/kernels/"; done
