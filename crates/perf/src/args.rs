@@ -1,0 +1,940 @@
+//! Command-line options: nccl-tests' flags where they apply (`-b -e -f -i -n -w -c -d -o -G`,
+//! short or long, `-b 8`, `-b8`, `--minbytes=8` and `--minbytes 8` alike) plus flashcomm's own.
+//!
+//! Parsing is pure (no GPU, no environment), so every rule here is unit-tested on the CPU.
+
+use std::fmt;
+use std::path::PathBuf;
+
+/// The collective under test.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Coll {
+    /// Sum AllReduce.
+    AllReduce,
+    /// Sum ReduceScatter.
+    ReduceScatter,
+    /// AllGather.
+    AllGather,
+}
+
+impl Coll {
+    /// The name on the command line and in the JSON file.
+    pub fn name(self) -> &'static str {
+        match self {
+            Coll::AllReduce => "allreduce",
+            Coll::ReduceScatter => "reducescatter",
+            Coll::AllGather => "allgather",
+        }
+    }
+
+    /// Bus-bandwidth factor (nccl-tests' convention): `2(n-1)/n` for AllReduce, `(n-1)/n` for
+    /// ReduceScatter and AllGather.
+    pub fn busbw_factor(self, nranks: u32) -> f64 {
+        let n = f64::from(nranks.max(1));
+        match self {
+            Coll::AllReduce => 2.0 * (n - 1.0) / n,
+            Coll::ReduceScatter | Coll::AllGather => (n - 1.0) / n,
+        }
+    }
+}
+
+/// Where the ranks live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// N ranks share one GPU, one thread each (measures synchronization and compute, not links).
+    Virtual,
+    /// One GPU per rank, one thread per GPU, in this process.
+    Gpus,
+}
+
+impl Mode {
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Virtual => "virtual",
+            Mode::Gpus => "gpus",
+        }
+    }
+}
+
+/// Which library runs the collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Impl {
+    /// flashcomm's own kernels (lossless, plus the `--quant` widths).
+    Flashcomm,
+    /// The real NCCL, loaded by path.
+    Nccl,
+}
+
+/// Element types (nccl-tests' names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    /// bfloat16
+    Bf16,
+    /// IEEE binary16 (`half`)
+    F16,
+    /// IEEE binary32 (`float`)
+    F32,
+}
+
+impl Dtype {
+    /// nccl-tests' name, printed in the `type` column.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bfloat16",
+            Dtype::F16 => "half",
+            Dtype::F32 => "float",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            Dtype::Bf16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+        }
+    }
+
+    /// Every type, in the order `-d all` runs them.
+    pub const ALL: [Dtype; 3] = [Dtype::Bf16, Dtype::F16, Dtype::F32];
+}
+
+/// Forced AllReduce algorithm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AlgoChoice {
+    /// The cost model decides.
+    Auto,
+    /// One-shot.
+    OneShot,
+    /// Two-shot (reduce-scatter + all-gather; "two-step" for the quantized AllReduce).
+    TwoShot,
+}
+
+/// Forced device protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProtoChoice {
+    /// The cost model decides.
+    Auto,
+    /// Low-latency 16-byte lines.
+    Ll,
+    /// 4 KiB frames.
+    Block,
+}
+
+/// One quantized width: bits of the reduce-scatter step (the only step of one-shot) and of the
+/// all-gather step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Width {
+    /// Reduce-scatter (and one-shot) bits.
+    pub rs: u8,
+    /// All-gather bits.
+    pub ag: u8,
+}
+
+impl fmt::Display for Width {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.rs == self.ag {
+            write!(f, "{}", self.rs)
+        } else {
+            write!(f, "{}/{}", self.rs, self.ag)
+        }
+    }
+}
+
+/// How the timed calls are issued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Launch {
+    /// One launch per call, CUDA events around each call.
+    Eager,
+    /// `-n` calls captured into one CUDA graph, replayed `-G` times, events around each replay.
+    Graph,
+}
+
+impl Launch {
+    /// The name in the table and the JSON file.
+    pub fn name(self) -> &'static str {
+        match self {
+            Launch::Eager => "eager",
+            Launch::Graph => "graph",
+        }
+    }
+}
+
+/// Named sets of defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preset {
+    /// 8 virtual ranks, bf16, 8 KiB..1 MiB, one-shot AllReduce against a device copy of the same
+    /// bytes, eager and under CUDA graphs.
+    Latency,
+}
+
+/// Everything a run needs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Options {
+    /// `-b`: smallest message (bytes).
+    pub min_bytes: u64,
+    /// `-e`: largest message (bytes).
+    pub max_bytes: u64,
+    /// `-f`: multiplicative step (1: use `step_bytes`).
+    pub step_factor: u64,
+    /// `-i`: additive step when `step_factor` is 1.
+    pub step_bytes: u64,
+    /// `-n`: timed calls per size.
+    pub iters: u32,
+    /// `-w`: untimed calls before timing.
+    pub warmup: u32,
+    /// `-c`: check results.
+    pub check: bool,
+    /// `-d`: element types.
+    pub dtypes: Vec<Dtype>,
+    /// `-G`: CUDA-graph replays (0: eager only unless `--launch` says otherwise).
+    pub graph_replays: u32,
+    /// `--launch`: eager, graph or both (derived from `-G` when not given).
+    pub launches: Vec<Launch>,
+    /// `--coll`.
+    pub coll: Coll,
+    /// `--ranks`.
+    pub ranks: u32,
+    /// `--mode`.
+    pub mode: Mode,
+    /// `--impl`.
+    pub impls: Vec<Impl>,
+    /// `--nccl-lib` (or `FLASHCOMM_NCCL_LIB`, filled in by the caller).
+    pub nccl_lib: Option<PathBuf>,
+    /// `--quant`: quantized widths to run besides lossless.
+    pub quant: Vec<Width>,
+    /// `--group`: values per quantization group.
+    pub group: u16,
+    /// `--spikes`: extreme values kept exactly per group.
+    pub spikes: u8,
+    /// `--algo`.
+    pub algo: AlgoChoice,
+    /// `--proto`.
+    pub proto: ProtoChoice,
+    /// `--json`.
+    pub json: Option<PathBuf>,
+    /// `--svg`.
+    pub svg: Option<PathBuf>,
+    /// `--device`: the GPU of virtual ranks, or the first GPU of `--mode gpus`.
+    pub device: i32,
+    /// `--copy-baseline`.
+    pub copy_baseline: bool,
+    /// `--preset`.
+    pub preset: Option<Preset>,
+    /// `--commit`.
+    pub commit: Option<String>,
+    /// `--inplace`: also time and check the in-place variant.
+    pub inplace: bool,
+    /// `--timeout`: bound on every device-side wait, seconds.
+    pub timeout_s: u64,
+    /// `--calibrate`: let the communicator time its cost model at set-up.
+    pub calibrate: bool,
+    /// `--check-values`: most output values per quantized call compared with the CPU reference.
+    pub check_values: u64,
+    /// `--seed`: seed of the random inputs of quantized calls.
+    pub seed: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            min_bytes: 32 << 20,
+            max_bytes: 32 << 20,
+            step_factor: 1,
+            step_bytes: 1 << 20,
+            iters: 20,
+            warmup: 1,
+            check: true,
+            dtypes: vec![Dtype::Bf16],
+            graph_replays: 0,
+            launches: vec![Launch::Eager],
+            coll: Coll::AllReduce,
+            ranks: 8,
+            mode: Mode::Virtual,
+            impls: vec![Impl::Flashcomm],
+            nccl_lib: None,
+            quant: Vec::new(),
+            group: 128,
+            spikes: 2,
+            algo: AlgoChoice::Auto,
+            proto: ProtoChoice::Auto,
+            json: None,
+            svg: None,
+            device: 0,
+            copy_baseline: false,
+            preset: None,
+            commit: None,
+            inplace: false,
+            timeout_s: 60,
+            calibrate: true,
+            check_values: 1 << 20,
+            seed: 1,
+        }
+    }
+}
+
+/// What the command line asks for.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Command {
+    /// Print the usage text.
+    Help,
+    /// Run a benchmark.
+    Run(Box<Options>),
+}
+
+/// The widths of `--quant sweep`.
+pub const SWEEP_WIDTHS: [u8; 5] = [8, 6, 4, 3, 2];
+
+/// The usage text (`-h`).
+pub const USAGE: &str = "\
+flashcomm-perf: nccl-tests-style benchmark and accuracy tool for flashcomm
+
+USAGE: flashcomm-perf [OPTIONS]
+
+nccl-tests flags:
+  -b, --minbytes <size>      smallest message, bytes; suffix K, M, G (powers of 1024) [32M]
+  -e, --maxbytes <size>      largest message [32M]
+  -f, --stepfactor <n>       multiply the size by n each step [1: add --stepbytes]
+  -i, --stepbytes <size>     add this many bytes each step when -f is 1 [1M]
+  -n, --iters <n>            timed calls per size [20]
+  -w, --warmup_iters <n>     untimed calls before timing [1]
+  -c, --check <0|1>          check every result [1]
+  -d, --datatype <t>         bfloat16 | half | float | all [bfloat16]
+  -o, --op <op>              sum (the only reduction flashcomm implements) [sum]
+  -G, --cudagraph <n>        capture the -n calls into a CUDA graph and replay it n times [0]
+flashcomm flags:
+      --coll <c>             allreduce | reducescatter | allgather [allreduce]
+      --ranks <n>            ranks, 1..8 [8]
+      --mode <m>             virtual (n ranks on one GPU, one thread each) | gpus (n GPUs) [virtual]
+      --device <d>           the GPU of virtual ranks, first GPU of --mode gpus [0]
+      --impl <list>          flashcomm, nccl or flashcomm,nccl (side by side) [flashcomm]
+      --nccl-lib <path>      the real libnccl.so.2 for --impl nccl [$FLASHCOMM_NCCL_LIB]
+      --quant <list>         quantized AllReduce widths besides lossless: bits or rs/ag bits,
+                             comma-separated (4, 4/8, 8,6,4), or sweep (= 8,6,4,3,2)
+      --group <g>            values per quantization group: 32 | 64 | 128 | 256 [128]
+      --spikes <k>           extreme values kept exactly per group: 0 | 2 | 4 [2]
+      --algo <a>             auto | oneshot | twoshot [auto]
+      --proto <p>            auto | ll | block [auto]
+      --launch <l>           eager | graph | both [graph when -G > 0, else eager]
+      --inplace <0|1>        also time and check in-place calls (lossless only) [0]
+      --copy-baseline        add a device-to-device copy of the same bytes, timed the same way
+      --preset latency       8 virtual ranks, bfloat16, 8K..1M, one-shot AllReduce against the
+                             copy baseline, eager and under CUDA graphs (flags given override it)
+      --check-values <n>     most values per quantized call compared with the CPU reference [1M]
+      --seed <n>             seed of the random inputs of quantized calls [1]
+      --timeout <s>          bound on every device-side wait, seconds [60]
+      --calibrate <0|1>      time the cost model when the communicator is created [1]
+      --json <file>          write every row and the settings as JSON
+      --svg <file>           plot latency and algbw against size
+      --commit <id>          commit recorded in the JSON [$FLASHCOMM_COMMIT, COMMIT file, git]
+  -h, --help                 this text
+";
+
+/// A command-line error, printed with a hint to `--help`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArgError(pub String);
+
+impl fmt::Display for ArgError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (see --help)", self.0)
+    }
+}
+
+impl std::error::Error for ArgError {}
+
+fn err<T>(msg: impl Into<String>) -> Result<T, ArgError> {
+    Err(ArgError(msg.into()))
+}
+
+/// Parses a byte count: digits with an optional suffix `K`, `M`, `G` or `T` (powers of 1024, any
+/// case, optionally followed by `B` or `iB`).
+pub fn parse_size(s: &str) -> Result<u64, ArgError> {
+    let t = s.trim();
+    let digits = t.chars().take_while(|c| c.is_ascii_digit()).count();
+    if digits == 0 {
+        return err(format!(
+            "'{s}' is not a size (digits with an optional K, M or G)"
+        ));
+    }
+    let (num, suffix) = t.split_at(digits);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| ArgError(format!("'{s}' is too large")))?;
+    let shift = match suffix.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return err(format!("'{s}': unknown size suffix '{suffix}'")),
+    };
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| ArgError(format!("'{s}' is too large")))
+}
+
+fn parse_int<T: std::str::FromStr>(flag: &str, v: &str) -> Result<T, ArgError> {
+    v.trim()
+        .parse()
+        .map_err(|_| ArgError(format!("{flag}: '{v}' is not a valid number")))
+}
+
+fn parse_bool(flag: &str, v: &str) -> Result<bool, ArgError> {
+    match v.trim() {
+        "0" => Ok(false),
+        "1" => Ok(true),
+        _ => err(format!("{flag}: '{v}' must be 0 or 1")),
+    }
+}
+
+/// Parses `-d`: one type name (nccl-tests' names and a few aliases) or `all`.
+pub fn parse_dtypes(v: &str) -> Result<Vec<Dtype>, ArgError> {
+    let mut out = Vec::new();
+    for part in v.split(',') {
+        let t = match part.trim().to_ascii_lowercase().as_str() {
+            "all" => {
+                out.extend(Dtype::ALL);
+                continue;
+            }
+            "bfloat16" | "bf16" => Dtype::Bf16,
+            "half" | "float16" | "f16" | "fp16" => Dtype::F16,
+            "float" | "float32" | "f32" | "fp32" => Dtype::F32,
+            other => {
+                return err(format!(
+                    "-d: '{other}' is not supported (bfloat16, half, float or all)"
+                ));
+            }
+        };
+        out.push(t);
+    }
+    let mut seen = Vec::new();
+    out.retain(|t| {
+        let new = !seen.contains(t);
+        seen.push(*t);
+        new
+    });
+    Ok(out)
+}
+
+/// Parses `--quant`: `sweep`, or a comma list of `bits` / `rs/ag`. Widths must be 2..=8 and the
+/// all-gather width must equal the reduce-scatter width or be 8 (what the kernels implement).
+pub fn parse_quant(v: &str) -> Result<Vec<Width>, ArgError> {
+    let mut out: Vec<Width> = Vec::new();
+    for part in v.split(',') {
+        let part = part.trim();
+        if part.eq_ignore_ascii_case("sweep") {
+            out.extend(SWEEP_WIDTHS.iter().map(|&b| Width { rs: b, ag: b }));
+            continue;
+        }
+        let (rs, ag) = match part.split_once('/') {
+            Some((a, b)) => (
+                parse_int::<u8>("--quant", a)?,
+                parse_int::<u8>("--quant", b)?,
+            ),
+            None => {
+                let b = parse_int::<u8>("--quant", part)?;
+                (b, b)
+            }
+        };
+        for b in [rs, ag] {
+            if !(2..=8).contains(&b) {
+                return err(format!("--quant: {b} bits is not in 2..8"));
+            }
+        }
+        if ag != rs && ag != 8 {
+            return err(format!(
+                "--quant {rs}/{ag}: the all-gather width must equal the reduce-scatter width or be 8"
+            ));
+        }
+        out.push(Width { rs, ag });
+    }
+    let mut dedup: Vec<Width> = Vec::new();
+    for w in out {
+        if !dedup.contains(&w) {
+            dedup.push(w);
+        }
+    }
+    Ok(dedup)
+}
+
+fn parse_impls(v: &str) -> Result<Vec<Impl>, ArgError> {
+    let mut out = Vec::new();
+    for part in v.split(',') {
+        let i = match part.trim().to_ascii_lowercase().as_str() {
+            "flashcomm" | "fc" => Impl::Flashcomm,
+            "nccl" => Impl::Nccl,
+            other => return err(format!("--impl: '{other}' (flashcomm, nccl)")),
+        };
+        if !out.contains(&i) {
+            out.push(i);
+        }
+    }
+    Ok(out)
+}
+
+/// Flags that take a value, with their long names (nccl-tests' where they exist).
+const VALUE_FLAGS: &[(&str, &str)] = &[
+    ("-b", "--minbytes"),
+    ("-e", "--maxbytes"),
+    ("-f", "--stepfactor"),
+    ("-i", "--stepbytes"),
+    ("-n", "--iters"),
+    ("-w", "--warmup_iters"),
+    ("-c", "--check"),
+    ("-d", "--datatype"),
+    ("-o", "--op"),
+    ("-G", "--cudagraph"),
+];
+
+const LONG_VALUE_FLAGS: &[&str] = &[
+    "--coll",
+    "--ranks",
+    "--mode",
+    "--device",
+    "--impl",
+    "--nccl-lib",
+    "--quant",
+    "--group",
+    "--spikes",
+    "--algo",
+    "--proto",
+    "--launch",
+    "--inplace",
+    "--preset",
+    "--check-values",
+    "--seed",
+    "--timeout",
+    "--calibrate",
+    "--json",
+    "--svg",
+    "--commit",
+];
+
+/// Splits the arguments into (canonical long flag, value) pairs; boolean flags get no value.
+fn tokenize(args: &[String]) -> Result<Vec<(String, Option<String>)>, ArgError> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let a = &args[i];
+        i += 1;
+        if a == "-h" || a == "--help" {
+            out.push(("--help".to_string(), None));
+            continue;
+        }
+        if a == "--copy-baseline" {
+            out.push((a.clone(), None));
+            continue;
+        }
+        // Long flags: --name=value or --name value.
+        if let Some(rest) = a.strip_prefix("--") {
+            let (name, inline) = match rest.split_once('=') {
+                Some((n, v)) => (format!("--{n}"), Some(v.to_string())),
+                None => (a.clone(), None),
+            };
+            let known = VALUE_FLAGS.iter().any(|(_, l)| *l == name)
+                || LONG_VALUE_FLAGS.contains(&name.as_str());
+            if !known {
+                return err(format!("unknown option '{name}'"));
+            }
+            let value = match inline {
+                Some(v) => v,
+                None => {
+                    let v = args
+                        .get(i)
+                        .ok_or_else(|| ArgError(format!("{name} needs a value")))?;
+                    i += 1;
+                    v.clone()
+                }
+            };
+            out.push((name, Some(value)));
+            continue;
+        }
+        // Short flags: -b 8 or -b8.
+        if a.starts_with('-') && a.len() >= 2 {
+            let short = &a[..2];
+            let Some((_, long)) = VALUE_FLAGS.iter().find(|(s, _)| *s == short) else {
+                return err(format!("unknown option '{a}'"));
+            };
+            let value = if a.len() > 2 {
+                a[2..].to_string()
+            } else {
+                let v = args
+                    .get(i)
+                    .ok_or_else(|| ArgError(format!("{short} needs a value")))?;
+                i += 1;
+                v.clone()
+            };
+            out.push((long.to_string(), Some(value)));
+            continue;
+        }
+        return err(format!("unexpected argument '{a}'"));
+    }
+    Ok(out)
+}
+
+/// Parses the arguments (without the program name). A `--preset` supplies defaults; every flag
+/// given explicitly overrides them, wherever it appears.
+pub fn parse(args: &[String]) -> Result<Command, ArgError> {
+    let tokens = tokenize(args)?;
+    if tokens.iter().any(|(f, _)| f == "--help") {
+        return Ok(Command::Help);
+    }
+    let mut o = Options::default();
+    let given = |flag: &str| tokens.iter().any(|(f, _)| f == flag);
+    if let Some((_, Some(p))) = tokens.iter().find(|(f, _)| f == "--preset") {
+        match p.as_str() {
+            "latency" => {
+                o.preset = Some(Preset::Latency);
+                o.ranks = 8;
+                o.mode = Mode::Virtual;
+                o.dtypes = vec![Dtype::Bf16];
+                o.min_bytes = 8 << 10;
+                o.max_bytes = 1 << 20;
+                o.step_factor = 2;
+                o.coll = Coll::AllReduce;
+                o.impls = vec![Impl::Flashcomm];
+                o.algo = AlgoChoice::OneShot;
+                o.copy_baseline = true;
+                o.iters = 100;
+                o.warmup = 20;
+                o.graph_replays = 20;
+                o.launches = vec![Launch::Eager, Launch::Graph];
+            }
+            other => return err(format!("--preset: '{other}' (latency)")),
+        }
+    }
+    let mut launch_flag: Option<String> = None;
+    for (flag, value) in &tokens {
+        let v = value.as_deref().unwrap_or("");
+        match flag.as_str() {
+            "--minbytes" => o.min_bytes = parse_size(v)?,
+            "--maxbytes" => o.max_bytes = parse_size(v)?,
+            "--stepfactor" => o.step_factor = parse_int(flag, v)?,
+            "--stepbytes" => o.step_bytes = parse_size(v)?,
+            "--iters" => o.iters = parse_int(flag, v)?,
+            "--warmup_iters" => o.warmup = parse_int(flag, v)?,
+            "--check" => o.check = parse_int::<u32>(flag, v)? != 0,
+            "--datatype" => o.dtypes = parse_dtypes(v)?,
+            "--op" => {
+                if !v.eq_ignore_ascii_case("sum") {
+                    return err(format!(
+                        "-o {v}: only sum is supported (flashcomm's kernels implement sum)"
+                    ));
+                }
+            }
+            "--cudagraph" => o.graph_replays = parse_int(flag, v)?,
+            "--coll" => {
+                o.coll = match v.to_ascii_lowercase().as_str() {
+                    "allreduce" | "all_reduce" => Coll::AllReduce,
+                    "reducescatter" | "reduce_scatter" => Coll::ReduceScatter,
+                    "allgather" | "all_gather" => Coll::AllGather,
+                    _ => {
+                        return err(format!(
+                            "--coll: '{v}' (allreduce, reducescatter, allgather)"
+                        ));
+                    }
+                }
+            }
+            "--ranks" => o.ranks = parse_int(flag, v)?,
+            "--mode" => {
+                o.mode = match v {
+                    "virtual" => Mode::Virtual,
+                    "gpus" => Mode::Gpus,
+                    _ => return err(format!("--mode: '{v}' (virtual, gpus)")),
+                }
+            }
+            "--device" => o.device = parse_int(flag, v)?,
+            "--impl" => o.impls = parse_impls(v)?,
+            "--nccl-lib" => o.nccl_lib = Some(PathBuf::from(v)),
+            "--quant" => o.quant = parse_quant(v)?,
+            "--group" => o.group = parse_int(flag, v)?,
+            "--spikes" => o.spikes = parse_int(flag, v)?,
+            "--algo" => {
+                o.algo = match v {
+                    "auto" => AlgoChoice::Auto,
+                    "oneshot" => AlgoChoice::OneShot,
+                    "twoshot" | "twostep" => AlgoChoice::TwoShot,
+                    _ => return err(format!("--algo: '{v}' (auto, oneshot, twoshot)")),
+                }
+            }
+            "--proto" => {
+                o.proto = match v {
+                    "auto" => ProtoChoice::Auto,
+                    "ll" | "LL" => ProtoChoice::Ll,
+                    "block" => ProtoChoice::Block,
+                    _ => return err(format!("--proto: '{v}' (auto, ll, block)")),
+                }
+            }
+            "--launch" => launch_flag = Some(v.to_string()),
+            "--inplace" => o.inplace = parse_bool(flag, v)?,
+            "--copy-baseline" => o.copy_baseline = true,
+            "--preset" => {}
+            "--check-values" => o.check_values = parse_size(v)?,
+            "--seed" => o.seed = parse_int(flag, v)?,
+            "--timeout" => o.timeout_s = parse_int(flag, v)?,
+            "--calibrate" => o.calibrate = parse_bool(flag, v)?,
+            "--json" => o.json = Some(PathBuf::from(v)),
+            "--svg" => o.svg = Some(PathBuf::from(v)),
+            "--commit" => o.commit = Some(v.to_string()),
+            other => return err(format!("unknown option '{other}'")),
+        }
+    }
+    // Launch modes: explicit --launch, else -G decides (a preset's choice stands unless -G is
+    // given explicitly).
+    match launch_flag.as_deref() {
+        Some("eager") => o.launches = vec![Launch::Eager],
+        Some("graph") => o.launches = vec![Launch::Graph],
+        Some("both") => o.launches = vec![Launch::Eager, Launch::Graph],
+        Some(other) => return err(format!("--launch: '{other}' (eager, graph, both)")),
+        None => {
+            if given("--cudagraph") || o.preset.is_none() {
+                o.launches = if o.graph_replays > 0 {
+                    vec![Launch::Graph]
+                } else {
+                    vec![Launch::Eager]
+                };
+            }
+        }
+    }
+    if o.launches.contains(&Launch::Graph) && o.graph_replays == 0 {
+        o.graph_replays = 20;
+    }
+    validate(&o)?;
+    Ok(Command::Run(Box::new(o)))
+}
+
+fn validate(o: &Options) -> Result<(), ArgError> {
+    if o.min_bytes == 0 {
+        return err("-b: the smallest size must be at least 1 byte");
+    }
+    if o.max_bytes < o.min_bytes {
+        return err(format!(
+            "-e {} is smaller than -b {}",
+            o.max_bytes, o.min_bytes
+        ));
+    }
+    if o.step_factor == 0 {
+        return err("-f: the step factor must be at least 1");
+    }
+    if o.step_factor == 1 && o.step_bytes == 0 && o.max_bytes > o.min_bytes {
+        return err("-i: a step of 0 bytes never reaches -e");
+    }
+    if o.iters == 0 {
+        return err("-n: at least one timed call");
+    }
+    if !(1..=8).contains(&o.ranks) {
+        return err(format!("--ranks {}: flashcomm serves 1..8 ranks", o.ranks));
+    }
+    if o.dtypes.is_empty() {
+        return err("-d: no datatype");
+    }
+    if o.impls.is_empty() {
+        return err("--impl: nothing to run");
+    }
+    if ![32, 64, 128, 256].contains(&o.group) {
+        return err(format!("--group {}: 32, 64, 128 or 256", o.group));
+    }
+    if ![0, 2, 4].contains(&o.spikes) {
+        return err(format!("--spikes {}: 0, 2 or 4", o.spikes));
+    }
+    if !o.quant.is_empty() {
+        if !o.impls.contains(&Impl::Flashcomm) {
+            return err("--quant needs --impl flashcomm (quantization is flashcomm's)");
+        }
+        if o.coll != Coll::AllReduce {
+            return err("--quant: only AllReduce is quantized");
+        }
+    }
+    if o.impls.contains(&Impl::Nccl) && o.mode == Mode::Virtual && o.ranks > 1 {
+        return err(
+            "--impl nccl needs --mode gpus: NCCL refuses several ranks on one GPU \
+             (virtual ranks are flashcomm's)",
+        );
+    }
+    if o.inplace && o.coll == Coll::ReduceScatter {
+        return err("--inplace: in-place ReduceScatter is not measured (AllReduce, AllGather)");
+    }
+    if o.timeout_s == 0 {
+        return err("--timeout: at least 1 second");
+    }
+    if o.device < 0 {
+        return err("--device: a CUDA device ordinal (0, 1, ...)");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(args: &str) -> Options {
+        let v: Vec<String> = args.split_whitespace().map(String::from).collect();
+        match parse(&v).unwrap() {
+            Command::Run(o) => *o,
+            Command::Help => panic!("help"),
+        }
+    }
+
+    fn fails(args: &str) -> String {
+        let v: Vec<String> = args.split_whitespace().map(String::from).collect();
+        parse(&v).unwrap_err().0
+    }
+
+    #[test]
+    fn sizes_with_suffixes() {
+        assert_eq!(parse_size("8").unwrap(), 8);
+        assert_eq!(parse_size("4K").unwrap(), 4096);
+        assert_eq!(parse_size("4k").unwrap(), 4096);
+        assert_eq!(parse_size("128M").unwrap(), 128 << 20);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        assert_eq!(parse_size("2MiB").unwrap(), 2 << 20);
+        assert_eq!(parse_size("16KB").unwrap(), 16 << 10);
+        assert!(parse_size("M").is_err());
+        assert!(parse_size("4X").is_err());
+        assert!(parse_size("-4").is_err());
+        assert!(parse_size("99999999999999999999").is_err());
+        assert!(parse_size("99999999999G").is_err());
+    }
+
+    #[test]
+    fn defaults_follow_nccl_tests() {
+        let o = run("");
+        assert_eq!((o.min_bytes, o.max_bytes), (32 << 20, 32 << 20));
+        assert_eq!((o.iters, o.warmup, o.check), (20, 1, true));
+        assert_eq!((o.step_factor, o.step_bytes), (1, 1 << 20));
+        assert_eq!(o.launches, vec![Launch::Eager]);
+        assert_eq!(o.graph_replays, 0);
+    }
+
+    #[test]
+    fn nccl_tests_short_flags_in_both_spellings() {
+        let o = run("-b 8 -e 128M -f 2 -n 50 -w 5 -c 0 -d half -o sum -G 10");
+        assert_eq!((o.min_bytes, o.max_bytes, o.step_factor), (8, 128 << 20, 2));
+        assert_eq!((o.iters, o.warmup, o.check), (50, 5, false));
+        assert_eq!(o.dtypes, vec![Dtype::F16]);
+        assert_eq!(o.graph_replays, 10);
+        assert_eq!(o.launches, vec![Launch::Graph]);
+        let p = run("-b8 -e1M -f2 -n7 -dfloat");
+        assert_eq!((p.min_bytes, p.max_bytes, p.iters), (8, 1 << 20, 7));
+        assert_eq!(p.dtypes, vec![Dtype::F32]);
+        let q = run("--minbytes=4K --maxbytes 8K --stepfactor=4 --datatype all");
+        assert_eq!((q.min_bytes, q.max_bytes, q.step_factor), (4096, 8192, 4));
+        assert_eq!(q.dtypes, Dtype::ALL.to_vec());
+    }
+
+    #[test]
+    fn flashcomm_flags() {
+        let o = run(
+            "--coll reducescatter --ranks 4 --mode gpus --impl flashcomm,nccl --nccl-lib /x/libnccl.so.2 \
+             --algo twoshot --proto ll --json out.json --svg out.svg --device 2 --copy-baseline \
+             --commit abc --timeout 30 --calibrate 0 --seed 7",
+        );
+        assert_eq!(o.coll, Coll::ReduceScatter);
+        assert_eq!((o.ranks, o.mode), (4, Mode::Gpus));
+        assert_eq!(o.impls, vec![Impl::Flashcomm, Impl::Nccl]);
+        assert_eq!(o.nccl_lib, Some(PathBuf::from("/x/libnccl.so.2")));
+        assert_eq!((o.algo, o.proto), (AlgoChoice::TwoShot, ProtoChoice::Ll));
+        assert_eq!(o.json, Some(PathBuf::from("out.json")));
+        assert_eq!(o.svg, Some(PathBuf::from("out.svg")));
+        assert_eq!(o.device, 2);
+        assert!(o.copy_baseline);
+        assert_eq!(o.commit.as_deref(), Some("abc"));
+        assert_eq!((o.timeout_s, o.calibrate, o.seed), (30, false, 7));
+    }
+
+    #[test]
+    fn quant_lists() {
+        let w = |rs, ag| Width { rs, ag };
+        assert_eq!(parse_quant("4").unwrap(), vec![w(4, 4)]);
+        assert_eq!(parse_quant("4/8").unwrap(), vec![w(4, 8)]);
+        assert_eq!(
+            parse_quant("sweep").unwrap(),
+            vec![w(8, 8), w(6, 6), w(4, 4), w(3, 3), w(2, 2)]
+        );
+        assert_eq!(
+            parse_quant("4,4/8,4").unwrap(),
+            vec![w(4, 4), w(4, 8)],
+            "duplicates dropped, order kept"
+        );
+        assert!(parse_quant("1").is_err());
+        assert!(parse_quant("9").is_err());
+        assert!(parse_quant("4/6").is_err());
+        assert!(parse_quant("x").is_err());
+        assert_eq!(w(4, 8).to_string(), "4/8");
+        assert_eq!(w(3, 3).to_string(), "3");
+        let o = run("--quant sweep --group 64 --spikes 4");
+        assert_eq!(o.quant.len(), 5);
+        assert_eq!((o.group, o.spikes), (64, 4));
+    }
+
+    #[test]
+    fn latency_preset_and_overrides() {
+        let o = run("--preset latency");
+        assert_eq!(o.preset, Some(Preset::Latency));
+        assert_eq!((o.ranks, o.mode), (8, Mode::Virtual));
+        assert_eq!(o.dtypes, vec![Dtype::Bf16]);
+        assert_eq!(
+            (o.min_bytes, o.max_bytes, o.step_factor),
+            (8 << 10, 1 << 20, 2)
+        );
+        assert_eq!(o.algo, AlgoChoice::OneShot);
+        assert!(o.copy_baseline);
+        assert_eq!(o.launches, vec![Launch::Eager, Launch::Graph]);
+        assert!(o.graph_replays > 0);
+        // Explicit flags win, before or after the preset.
+        let p = run("-n 7 --preset latency -e 64K");
+        assert_eq!((p.iters, p.max_bytes), (7, 64 << 10));
+        let q = run("--preset latency -G 0");
+        assert_eq!(q.launches, vec![Launch::Eager]);
+        let r = run("--preset latency --launch graph");
+        assert_eq!(r.launches, vec![Launch::Graph]);
+    }
+
+    #[test]
+    fn launch_modes() {
+        assert_eq!(
+            run("--launch both").launches,
+            vec![Launch::Eager, Launch::Graph]
+        );
+        let o = run("--launch graph");
+        assert_eq!(o.launches, vec![Launch::Graph]);
+        assert_eq!(o.graph_replays, 20, "graph launches need replays");
+        assert!(fails("--launch sometimes").contains("--launch"));
+    }
+
+    #[test]
+    fn help_and_errors() {
+        assert_eq!(parse(&["-h".to_string()]).unwrap(), Command::Help);
+        assert_eq!(parse(&["--help".to_string()]).unwrap(), Command::Help);
+        assert!(fails("-x 3").contains("unknown option"));
+        assert!(fails("--bogus 3").contains("unknown option"));
+        assert!(fails("-b").contains("needs a value"));
+        assert!(fails("-o prod").contains("only sum"));
+        assert!(fails("-d int8").contains("not supported"));
+        assert!(fails("-b 1M -e 4K").contains("smaller"));
+        assert!(fails("-b 0").contains("at least 1 byte"));
+        assert!(fails("--ranks 9").contains("1..8"));
+        assert!(fails("--ranks 0").contains("1..8"));
+        assert!(fails("--impl nccl --ranks 4").contains("--mode gpus"));
+        assert!(fails("--quant 4 --impl nccl --mode gpus").contains("--impl flashcomm"));
+        assert!(fails("--quant 4 --coll allgather").contains("only AllReduce"));
+        assert!(fails("--group 100").contains("--group"));
+        assert!(fails("--spikes 3").contains("--spikes"));
+        assert!(fails("--inplace 1 --coll reducescatter").contains("in-place"));
+        assert!(fails("--inplace 2").contains("0 or 1"));
+        assert!(fails("-n 0").contains("-n"));
+        assert!(fails("stray").contains("unexpected"));
+        assert!(fails("--mode cloud").contains("--mode"));
+        assert!(fails("-f 1 -i 0 -b 1K -e 2K").contains("-i"));
+        let e = ArgError("x".into()).to_string();
+        assert!(e.contains("--help"));
+    }
+
+    #[test]
+    fn busbw_factors() {
+        assert_eq!(Coll::AllReduce.busbw_factor(8), 1.75);
+        assert_eq!(Coll::AllReduce.busbw_factor(2), 1.0);
+        assert_eq!(Coll::ReduceScatter.busbw_factor(8), 0.875);
+        assert_eq!(Coll::AllGather.busbw_factor(4), 0.75);
+        assert_eq!(Coll::AllReduce.busbw_factor(1), 0.0);
+    }
+}

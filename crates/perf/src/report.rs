@@ -1,0 +1,872 @@
+//! Rows, the nccl-tests-style table, the latency table and the JSON document.
+//!
+//! A row's first columns are exactly nccl-tests' (`size(B) count(elements) type redop root`, then
+//! `time(us) algbw(GB/s) busbw(GB/s) #wrong` for out-of-place and, with `--inplace 1`, again for
+//! in-place), so scripts written for nccl-tests read them. flashcomm's columns follow: the error
+//! columns of quantized rows (`relL2 maxerr effbits`), time ratios (`vs_nccl`, `vs_copy`), and
+//! three labels (`impl launch plan`). Columns that do not apply print `N/A`, as nccl-tests does.
+
+use std::collections::BTreeMap;
+
+use serde_json::{Value, json};
+
+use crate::accuracy::AccuracyStats;
+use crate::args::{Coll, Dtype, Launch, Width};
+use crate::sweep::{TimeStats, algbw, busbw};
+
+/// What a row measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Variant {
+    /// cuMemcpyDtoDAsync of the same bytes on one rank's GPU.
+    Copy,
+    /// The real NCCL.
+    Nccl,
+    /// flashcomm, lossless.
+    Lossless,
+    /// flashcomm, quantized AllReduce.
+    Quant(Width),
+}
+
+impl Variant {
+    /// The `impl` column.
+    pub fn label(&self) -> String {
+        match self {
+            Variant::Copy => "copy".into(),
+            Variant::Nccl => "nccl".into(),
+            Variant::Lossless => "flashcomm".into(),
+            Variant::Quant(w) => format!("flashcomm-q{w}"),
+        }
+    }
+}
+
+/// Codec settings of a quantized row.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct QuantInfo {
+    /// Widths.
+    pub width: Width,
+    /// Values per group.
+    pub group: u16,
+    /// Spikes per group.
+    pub spikes: u8,
+    /// Wire bits per value of the first (or only) step, metadata included.
+    pub effbits_rs: f64,
+    /// Wire bits per value of the all-gather step.
+    pub effbits_ag: f64,
+}
+
+/// One timed and checked measurement.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Measure {
+    /// Per-call times.
+    pub time: TimeStats,
+    /// Wrong elements (`None`: not checked).
+    pub wrong: Option<u64>,
+    /// Bytes of any rank's result that differ from rank 0's (`None`: not compared).
+    pub rank_mismatch_bytes: Option<u64>,
+    /// Error statistics of quantized calls.
+    pub accuracy: Option<AccuracyStats>,
+}
+
+impl Measure {
+    /// `#wrong`: checked elements that are wrong plus bytes that differ across ranks.
+    pub fn wrong_total(&self) -> Option<u64> {
+        match (self.wrong, self.rank_mismatch_bytes) {
+            (None, None) => None,
+            (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
+        }
+    }
+}
+
+/// A measurement, or why there is none.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    /// Measured.
+    Done(Measure),
+    /// Not measured (the reason is printed once and kept in the JSON file).
+    Skipped(String),
+}
+
+impl Outcome {
+    /// The measurement, if any.
+    pub fn measure(&self) -> Option<&Measure> {
+        match self {
+            Outcome::Done(m) => Some(m),
+            Outcome::Skipped(_) => None,
+        }
+    }
+}
+
+/// One line of the table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    /// What was measured.
+    pub variant: Variant,
+    /// Eager or graph.
+    pub launch: Launch,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Collective.
+    pub coll: Coll,
+    /// Ranks.
+    pub nranks: u32,
+    /// `size(B)`.
+    pub bytes: u64,
+    /// `count(elements)`.
+    pub count: u64,
+    /// Algorithm and protocol flashcomm chose (`oneshot/ll`, ...).
+    pub plan: Option<String>,
+    /// Codec settings of quantized rows.
+    pub quant: Option<QuantInfo>,
+    /// Out-of-place.
+    pub out: Outcome,
+    /// In-place (`None` when not asked for).
+    pub inplace: Option<Outcome>,
+    /// Out-of-place time over NCCL's at the same size, type and launch mode.
+    pub vs_nccl: Option<f64>,
+    /// Out-of-place time over the copy baseline's at the same size, type and launch mode.
+    pub vs_copy: Option<f64>,
+}
+
+impl Row {
+    fn redop(&self) -> &'static str {
+        match (self.variant, self.coll) {
+            (Variant::Copy, _) | (_, Coll::AllGather) => "none",
+            _ => "sum",
+        }
+    }
+
+    /// algbw of a measurement of this row.
+    pub fn algbw(&self, m: &Measure) -> f64 {
+        algbw(self.bytes, m.time.median_us)
+    }
+
+    /// busbw of a measurement of this row (N/A for the copy baseline: it is not a collective).
+    pub fn busbw(&self, m: &Measure) -> Option<f64> {
+        (self.variant != Variant::Copy)
+            .then(|| busbw(self.coll, self.nranks, self.bytes, m.time.median_us))
+    }
+}
+
+/// Which optional column groups the table has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// In-place columns.
+    pub inplace: bool,
+    /// relL2, maxerr, effbits.
+    pub quant: bool,
+    /// vs_nccl.
+    pub vs_nccl: bool,
+    /// vs_copy.
+    pub vs_copy: bool,
+}
+
+/// nccl-tests-like time: two decimals below 1 ms, one below 100 ms, none above.
+pub fn fmt_time(us: f64) -> String {
+    if !us.is_finite() {
+        "N/A".into()
+    } else if us >= 1e5 {
+        format!("{us:.0}")
+    } else if us >= 1e3 {
+        format!("{us:.1}")
+    } else {
+        format!("{us:.2}")
+    }
+}
+
+fn fmt_sci(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v:.2e}")
+    } else {
+        "N/A".into()
+    }
+}
+
+fn fmt_effbits(q: &QuantInfo) -> String {
+    if q.width.rs == q.width.ag {
+        format!("{:.3}", q.effbits_rs)
+    } else {
+        format!("{:.3}/{:.3}", q.effbits_rs, q.effbits_ag)
+    }
+}
+
+const W_SIZE: usize = 12;
+const W_COUNT: usize = 12;
+const W_TYPE: usize = 9;
+const W_OP: usize = 6;
+const W_ROOT: usize = 6;
+const W_TIME: usize = 9;
+const W_BW: usize = 8;
+const W_WRONG: usize = 7;
+const W_SCI: usize = 9;
+const W_EFF: usize = 11;
+const W_RATIO: usize = 8;
+
+fn group_cells(row: &Row, o: &Outcome) -> String {
+    match o.measure() {
+        Some(m) => format!(
+            "  {:>W_TIME$} {:>W_BW$.2} {:>W_BW$} {:>W_WRONG$}",
+            fmt_time(m.time.median_us),
+            row.algbw(m),
+            row.busbw(m)
+                .map_or_else(|| "N/A".to_string(), |b| format!("{b:.2}")),
+            m.wrong_total()
+                .map_or_else(|| "N/A".to_string(), |w| w.to_string()),
+        ),
+        None => format!(
+            "  {:>W_TIME$} {:>W_BW$} {:>W_BW$} {:>W_WRONG$}",
+            "N/A", "N/A", "N/A", "N/A"
+        ),
+    }
+}
+
+/// The header lines (each starts with `#`).
+pub fn header(layout: &Layout) -> Vec<String> {
+    let lead = W_SIZE + 2 + W_COUNT + 2 + W_TYPE + 2 + W_OP + 2 + W_ROOT;
+    let group_w = 2 + W_TIME + 2 * W_BW + W_WRONG + 3;
+    let mut top = format!("#{:lead$}", "");
+    top.push_str(&format!("{:>group_w$}", "out-of-place"));
+    if layout.inplace {
+        top.push_str(&format!("{:>group_w$}", "in-place"));
+    }
+    let mut names = format!(
+        "#{:>w1$}  {:>W_COUNT$}  {:>W_TYPE$}  {:>W_OP$}  {:>W_ROOT$}",
+        "size",
+        "count",
+        "type",
+        "redop",
+        "root",
+        w1 = W_SIZE - 1
+    );
+    let mut units = format!(
+        "#{:>w1$}  {:>W_COUNT$}  {:>W_TYPE$}  {:>W_OP$}  {:>W_ROOT$}",
+        "(B)",
+        "(elements)",
+        "",
+        "",
+        "",
+        w1 = W_SIZE - 1
+    );
+    let groups = if layout.inplace { 2 } else { 1 };
+    for _ in 0..groups {
+        names.push_str(&format!(
+            "  {:>W_TIME$} {:>W_BW$} {:>W_BW$} {:>W_WRONG$}",
+            "time", "algbw", "busbw", "#wrong"
+        ));
+        units.push_str(&format!(
+            "  {:>W_TIME$} {:>W_BW$} {:>W_BW$} {:>W_WRONG$}",
+            "(us)", "(GB/s)", "(GB/s)", ""
+        ));
+    }
+    if layout.quant {
+        names.push_str(&format!(
+            "  {:>W_SCI$} {:>W_SCI$} {:>W_EFF$}",
+            "relL2", "maxerr", "effbits"
+        ));
+        units.push_str(&format!(
+            "  {:>W_SCI$} {:>W_SCI$} {:>W_EFF$}",
+            "", "", "(b/value)"
+        ));
+    }
+    if layout.vs_nccl {
+        names.push_str(&format!(" {:>W_RATIO$}", "vs_nccl"));
+        units.push_str(&format!(" {:>W_RATIO$}", "(time)"));
+    }
+    if layout.vs_copy {
+        names.push_str(&format!(" {:>W_RATIO$}", "vs_copy"));
+        units.push_str(&format!(" {:>W_RATIO$}", "(time)"));
+    }
+    names.push_str("  impl               launch  plan");
+    vec![top, names, units]
+}
+
+/// One table line.
+pub fn format_row(layout: &Layout, row: &Row) -> String {
+    let mut s = format!(
+        "{:>W_SIZE$}  {:>W_COUNT$}  {:>W_TYPE$}  {:>W_OP$}  {:>W_ROOT$}",
+        row.bytes,
+        row.count,
+        row.dtype.name(),
+        row.redop(),
+        -1
+    );
+    s.push_str(&group_cells(row, &row.out));
+    if layout.inplace {
+        let na = Outcome::Skipped("N/A".into());
+        s.push_str(&group_cells(row, row.inplace.as_ref().unwrap_or(&na)));
+    }
+    if layout.quant {
+        let acc = row.out.measure().and_then(|m| m.accuracy.as_ref());
+        let (l2, mx) = acc.map_or(("N/A".to_string(), "N/A".to_string()), |a| {
+            (fmt_sci(a.rel_l2), fmt_sci(a.max_err))
+        });
+        let eff = row.quant.as_ref().map_or("N/A".to_string(), fmt_effbits);
+        s.push_str(&format!("  {l2:>W_SCI$} {mx:>W_SCI$} {eff:>W_EFF$}"));
+    }
+    let ratio = |r: Option<f64>| r.map_or("N/A".to_string(), |v| format!("{v:.3}"));
+    if layout.vs_nccl {
+        s.push_str(&format!(" {:>W_RATIO$}", ratio(row.vs_nccl)));
+    }
+    if layout.vs_copy {
+        s.push_str(&format!(" {:>W_RATIO$}", ratio(row.vs_copy)));
+    }
+    s.push_str(&format!(
+        "  {:<17}  {:<6}  {}",
+        row.variant.label(),
+        row.launch.name(),
+        row.plan.as_deref().unwrap_or("-")
+    ));
+    s
+}
+
+/// The rows of a run, with the ratios filled in as rows arrive (the baselines of a size are
+/// measured before flashcomm's rows of that size).
+#[derive(Debug, Default)]
+pub struct Table {
+    /// Rows in the order they were measured.
+    pub rows: Vec<Row>,
+    skip_notes: Vec<String>,
+}
+
+impl Table {
+    /// Adds a row and returns the lines to print for it: the row, or a one-time note for a
+    /// skipped one.
+    pub fn add(&mut self, layout: &Layout, mut row: Row) -> Vec<String> {
+        let t = row.out.measure().map(|m| m.time.median_us);
+        let base = |v: Variant| {
+            self.rows
+                .iter()
+                .find(|r| {
+                    r.variant == v
+                        && r.dtype == row.dtype
+                        && r.bytes == row.bytes
+                        && r.launch == row.launch
+                })
+                .and_then(|r| r.out.measure())
+                .map(|m| m.time.median_us)
+        };
+        if row.variant != Variant::Nccl {
+            row.vs_nccl = t.zip(base(Variant::Nccl)).map(|(a, b)| a / b);
+        }
+        if row.variant != Variant::Copy {
+            row.vs_copy = t.zip(base(Variant::Copy)).map(|(a, b)| a / b);
+        }
+        let lines = match &row.out {
+            Outcome::Done(_) => vec![format_row(layout, &row)],
+            Outcome::Skipped(why) => {
+                let note = format!(
+                    "# {} {}: skipped: {why}",
+                    row.variant.label(),
+                    row.dtype.name()
+                );
+                if self.skip_notes.contains(&note) {
+                    Vec::new()
+                } else {
+                    self.skip_notes.push(note.clone());
+                    vec![note]
+                }
+            }
+        };
+        self.rows.push(row);
+        lines
+    }
+
+    /// Total of `#wrong` over every measurement.
+    pub fn wrong_total(&self) -> u64 {
+        self.rows
+            .iter()
+            .flat_map(|r| std::iter::once(&r.out).chain(r.inplace.iter()))
+            .filter_map(|o| o.measure().and_then(Measure::wrong_total))
+            .sum()
+    }
+
+    /// Footer lines in nccl-tests' words, one average per variant and launch mode.
+    pub fn footer(&self) -> Vec<String> {
+        let wrong = self.wrong_total();
+        let mut out = vec![format!(
+            "# Out of bounds values : {wrong} {}",
+            if wrong == 0 { "OK" } else { "FAILED" }
+        )];
+        let mut avg: BTreeMap<(String, &'static str), (f64, usize)> = BTreeMap::new();
+        for r in &self.rows {
+            for o in std::iter::once(&r.out).chain(r.inplace.iter()) {
+                if let Some(b) = o.measure().and_then(|m| r.busbw(m)) {
+                    let e = avg
+                        .entry((r.variant.label(), r.launch.name()))
+                        .or_insert((0.0, 0));
+                    e.0 += b;
+                    e.1 += 1;
+                }
+            }
+        }
+        for ((label, launch), (sum, n)) in avg {
+            out.push(format!(
+                "# Avg bus bandwidth    : {:.4}  ({label}, {launch})",
+                sum / n as f64
+            ));
+        }
+        out
+    }
+}
+
+/// One line of the latency table (`--preset latency`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LatencyRow {
+    /// Message bytes.
+    pub bytes: u64,
+    /// flashcomm, eager, median per call.
+    pub fc_eager: Option<f64>,
+    /// Copy, eager.
+    pub copy_eager: Option<f64>,
+    /// flashcomm, graph, per call.
+    pub fc_graph: Option<f64>,
+    /// Copy, graph.
+    pub copy_graph: Option<f64>,
+}
+
+/// Builds the latency table from lossless flashcomm rows and copy rows (first datatype only).
+pub fn latency_rows(rows: &[Row]) -> Vec<LatencyRow> {
+    let Some(dtype) = rows.first().map(|r| r.dtype) else {
+        return Vec::new();
+    };
+    let mut sizes: Vec<u64> = rows
+        .iter()
+        .filter(|r| r.dtype == dtype)
+        .map(|r| r.bytes)
+        .collect();
+    sizes.dedup();
+    let find = |bytes: u64, v: Variant, l: Launch| {
+        rows.iter()
+            .find(|r| r.dtype == dtype && r.bytes == bytes && r.variant == v && r.launch == l)
+            .and_then(|r| r.out.measure())
+            .map(|m| m.time.median_us)
+    };
+    sizes
+        .into_iter()
+        .map(|b| LatencyRow {
+            bytes: b,
+            fc_eager: find(b, Variant::Lossless, Launch::Eager),
+            copy_eager: find(b, Variant::Copy, Launch::Eager),
+            fc_graph: find(b, Variant::Lossless, Launch::Graph),
+            copy_graph: find(b, Variant::Copy, Launch::Graph),
+        })
+        .collect()
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    a.zip(b).map(|(a, b)| a / b)
+}
+
+/// Formats the latency table.
+pub fn format_latency(title: &str, rows: &[LatencyRow]) -> Vec<String> {
+    let cell = |v: Option<f64>| v.map_or("N/A".to_string(), fmt_time);
+    let r = |v: Option<f64>| v.map_or("N/A".to_string(), |x| format!("{x:.2}"));
+    let mut out = vec![
+        format!("# {title}"),
+        format!(
+            "#{:>11}  {:>12}  {:>12}  {:>7}  {:>12}  {:>12}  {:>7}",
+            "size(B)", "fc eager", "copy eager", "ratio", "fc graph", "copy graph", "ratio"
+        ),
+        format!(
+            "#{:>11}  {:>12}  {:>12}  {:>7}  {:>12}  {:>12}  {:>7}",
+            "", "(us/call)", "(us/call)", "fc/copy", "(us/call)", "(us/call)", "fc/copy"
+        ),
+    ];
+    for l in rows {
+        out.push(format!(
+            "{:>12}  {:>12}  {:>12}  {:>7}  {:>12}  {:>12}  {:>7}",
+            l.bytes,
+            cell(l.fc_eager),
+            cell(l.copy_eager),
+            r(ratio(l.fc_eager, l.copy_eager)),
+            cell(l.fc_graph),
+            cell(l.copy_graph),
+            r(ratio(l.fc_graph, l.copy_graph)),
+        ));
+    }
+    out
+}
+
+fn num(v: f64) -> Value {
+    serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number)
+}
+
+fn opt_num(v: Option<f64>) -> Value {
+    v.map_or(Value::Null, num)
+}
+
+fn measure_json(row: &Row, o: &Outcome) -> Value {
+    match o {
+        Outcome::Skipped(why) => json!({ "skipped": why }),
+        Outcome::Done(m) => {
+            let mut v = json!({
+                "time_us": num(m.time.median_us),
+                "time_us_mean": num(m.time.mean_us),
+                "time_us_min": num(m.time.min_us),
+                "time_us_max": num(m.time.max_us),
+                "samples": m.time.samples,
+                "algbw_gbs": num(row.algbw(m)),
+                "busbw_gbs": opt_num(row.busbw(m)),
+                "wrong": m.wrong_total(),
+                "wrong_elements": m.wrong,
+                "rank_mismatch_bytes": m.rank_mismatch_bytes,
+            });
+            if let Some(a) = &m.accuracy {
+                v["accuracy"] = json!({
+                    "checked_values": a.checked,
+                    "rel_l2": num(a.rel_l2),
+                    "max_err": num(a.max_err),
+                    "outside_bound": a.outside_bound,
+                    "ref_mismatch": a.ref_mismatch,
+                });
+            }
+            v
+        }
+    }
+}
+
+/// A row as JSON.
+pub fn row_json(row: &Row) -> Value {
+    let mut v = json!({
+        "impl": row.variant.label(),
+        "launch": row.launch.name(),
+        "collective": row.coll.name(),
+        "type": row.dtype.name(),
+        "redop": row.redop(),
+        "root": -1,
+        "nranks": row.nranks,
+        "size_bytes": row.bytes,
+        "count": row.count,
+        "plan": row.plan,
+        "out_of_place": measure_json(row, &row.out),
+        "in_place": row.inplace.as_ref().map(|o| measure_json(row, o)),
+        "vs_nccl": opt_num(row.vs_nccl),
+        "vs_copy": opt_num(row.vs_copy),
+    });
+    if let Some(q) = &row.quant {
+        v["quant"] = json!({
+            "rs_bits": q.width.rs,
+            "ag_bits": q.width.ag,
+            "group": q.group,
+            "spikes": q.spikes,
+            "effbits_rs": num(q.effbits_rs),
+            "effbits_ag": num(q.effbits_ag),
+        });
+    }
+    v
+}
+
+/// The whole JSON document: settings, rows, the latency table (when built) and the summary.
+pub fn document(settings: Value, table: &Table, latency: Option<&[LatencyRow]>) -> Value {
+    let lat = latency.map(|rows| {
+        rows.iter()
+            .map(|l| {
+                json!({
+                    "size_bytes": l.bytes,
+                    "fc_eager_us": opt_num(l.fc_eager),
+                    "copy_eager_us": opt_num(l.copy_eager),
+                    "ratio_eager": opt_num(ratio(l.fc_eager, l.copy_eager)),
+                    "fc_graph_us": opt_num(l.fc_graph),
+                    "copy_graph_us": opt_num(l.copy_graph),
+                    "ratio_graph": opt_num(ratio(l.fc_graph, l.copy_graph)),
+                })
+            })
+            .collect::<Vec<_>>()
+    });
+    json!({
+        "tool": "flashcomm-perf",
+        "version": env!("CARGO_PKG_VERSION"),
+        "settings": settings,
+        "rows": table.rows.iter().map(row_json).collect::<Vec<_>>(),
+        "latency": lat,
+        "summary": {
+            "wrong_total": table.wrong_total(),
+            "ok": table.wrong_total() == 0,
+        },
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn measure(t: f64, wrong: u64) -> Measure {
+        Measure {
+            time: TimeStats::of(&[t, t, t]),
+            wrong: Some(wrong),
+            rank_mismatch_bytes: Some(0),
+            accuracy: None,
+        }
+    }
+
+    pub(crate) fn row(variant: Variant, launch: Launch, bytes: u64, t: f64) -> Row {
+        Row {
+            variant,
+            launch,
+            dtype: Dtype::Bf16,
+            coll: Coll::AllReduce,
+            nranks: 8,
+            bytes,
+            count: bytes / 2,
+            plan: Some("oneshot/ll".into()),
+            quant: None,
+            out: Outcome::Done(measure(t, 0)),
+            inplace: None,
+            vs_nccl: None,
+            vs_copy: None,
+        }
+    }
+
+    const PLAIN: Layout = Layout {
+        inplace: false,
+        quant: false,
+        vs_nccl: false,
+        vs_copy: false,
+    };
+
+    #[test]
+    fn plain_table_has_nccl_tests_columns() {
+        let h = header(&PLAIN);
+        assert_eq!(h.len(), 3);
+        assert!(h.iter().all(|l| l.starts_with('#')));
+        let names: Vec<&str> = h[1].trim_start_matches('#').split_whitespace().collect();
+        assert_eq!(
+            names,
+            vec![
+                "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
+                "impl", "launch", "plan"
+            ]
+        );
+        assert!(h[2].contains("(B)") && h[2].contains("(elements)") && h[2].contains("(GB/s)"));
+        let line = format_row(
+            &PLAIN,
+            &row(Variant::Lossless, Launch::Eager, 1 << 20, 10.0),
+        );
+        let f: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(f[0], "1048576");
+        assert_eq!(f[1], "524288");
+        assert_eq!(f[2], "bfloat16");
+        assert_eq!(f[3], "sum");
+        assert_eq!(f[4], "-1");
+        assert_eq!(f[5], "10.00");
+        assert_eq!(f[6], "104.86");
+        assert_eq!(f[7], "183.50", "busbw = algbw * 2 * 7 / 8");
+        assert_eq!(f[8], "0");
+        assert_eq!(&f[9..], &["flashcomm", "eager", "oneshot/ll"]);
+        // Columns line up with the header: the size ends where "size" ends.
+        assert_eq!(
+            h[1].find("size").unwrap() + 4,
+            line.find("1048576").unwrap() + 7
+        );
+    }
+
+    #[test]
+    fn times_are_formatted_like_nccl_tests() {
+        assert_eq!(fmt_time(9.876), "9.88");
+        assert_eq!(fmt_time(1234.56), "1234.6");
+        assert_eq!(fmt_time(123_456.7), "123457");
+        assert_eq!(fmt_time(f64::NAN), "N/A");
+    }
+
+    #[test]
+    fn full_layout_with_quant_inplace_and_ratios() {
+        let layout = Layout {
+            inplace: true,
+            quant: true,
+            vs_nccl: true,
+            vs_copy: true,
+        };
+        let h = header(&layout);
+        assert!(h[0].contains("out-of-place") && h[0].contains("in-place"));
+        let names: Vec<&str> = h[1].trim_start_matches('#').split_whitespace().collect();
+        assert_eq!(names.iter().filter(|n| **n == "#wrong").count(), 2);
+        for col in ["relL2", "maxerr", "effbits", "vs_nccl", "vs_copy"] {
+            assert!(names.contains(&col), "{col}");
+        }
+        let mut t = Table::default();
+        assert_eq!(
+            t.add(&layout, row(Variant::Copy, Launch::Eager, 4096, 2.0))
+                .len(),
+            1
+        );
+        t.add(&layout, row(Variant::Nccl, Launch::Eager, 4096, 8.0));
+        let mut q = row(
+            Variant::Quant(Width { rs: 4, ag: 8 }),
+            Launch::Eager,
+            4096,
+            4.0,
+        );
+        q.quant = Some(QuantInfo {
+            width: Width { rs: 4, ag: 8 },
+            group: 128,
+            spikes: 2,
+            effbits_rs: 4.75,
+            effbits_ag: 8.75,
+        });
+        if let Outcome::Done(m) = &mut q.out {
+            m.accuracy = Some(AccuracyStats {
+                checked: 2048,
+                rel_l2: 0.0123,
+                max_err: 0.5,
+                outside_bound: 0,
+                ref_mismatch: 0,
+            });
+        }
+        q.inplace = Some(Outcome::Skipped("N/A".into()));
+        let lines = t.add(&layout, q);
+        let f: Vec<&str> = lines[0].split_whitespace().collect();
+        // out-of-place group, in-place group (N/A), relL2, maxerr, effbits, vs_nccl, vs_copy.
+        assert_eq!(&f[9..13], &["N/A", "N/A", "N/A", "N/A"]);
+        assert_eq!(f[13], "1.23e-2");
+        assert_eq!(f[14], "5.00e-1");
+        assert_eq!(f[15], "4.750/8.750");
+        assert_eq!(f[16], "0.500", "4 us against NCCL's 8 us");
+        assert_eq!(f[17], "2.000", "4 us against the copy's 2 us");
+        assert_eq!(f[18], "flashcomm-q4/8");
+        // Every numeric column ends where its header name ends; the labels start together.
+        let ends = |l: &str| -> Vec<(usize, usize)> {
+            let mut v = Vec::new();
+            let mut start = None;
+            for (i, c) in l.char_indices().chain(std::iter::once((l.len(), ' '))) {
+                match (c.is_whitespace() || c == '#', start) {
+                    (false, None) => start = Some(i),
+                    (true, Some(s0)) => {
+                        v.push((s0, i));
+                        start = None;
+                    }
+                    _ => {}
+                }
+            }
+            v
+        };
+        let (hn, rn) = (ends(&h[1]), ends(&lines[0]));
+        assert_eq!(hn.len(), rn.len());
+        for k in 0..18 {
+            assert_eq!(hn[k].1, rn[k].1, "column {k} of {}", h[1]);
+        }
+        assert_eq!(hn[18].0, rn[18].0, "impl label");
+        // Baselines are matched on launch mode too.
+        let g = t.add(&layout, row(Variant::Lossless, Launch::Graph, 4096, 3.0));
+        assert!(g[0].split_whitespace().nth(16) == Some("N/A"));
+    }
+
+    #[test]
+    fn skipped_rows_print_one_note_and_count_nothing() {
+        let mut t = Table::default();
+        let mut r = row(
+            Variant::Quant(Width { rs: 4, ag: 4 }),
+            Launch::Eager,
+            4096,
+            1.0,
+        );
+        r.out = Outcome::Skipped("kernels are not in this build".into());
+        let first = t.add(&PLAIN, r.clone());
+        assert_eq!(first.len(), 1);
+        assert!(first[0].starts_with("# flashcomm-q4 bfloat16: skipped: kernels"));
+        r.bytes = 8192;
+        assert!(t.add(&PLAIN, r).is_empty());
+        assert_eq!(t.wrong_total(), 0);
+        assert!(t.footer()[0].ends_with("0 OK"));
+    }
+
+    #[test]
+    fn footer_counts_wrong_and_averages_busbw() {
+        let mut t = Table::default();
+        t.add(&PLAIN, row(Variant::Lossless, Launch::Eager, 1 << 20, 10.0));
+        let mut bad = row(Variant::Lossless, Launch::Eager, 2 << 20, 10.0);
+        bad.out = Outcome::Done(Measure {
+            rank_mismatch_bytes: Some(2),
+            ..measure(10.0, 3)
+        });
+        t.add(&PLAIN, bad);
+        assert_eq!(t.wrong_total(), 5);
+        let f = t.footer();
+        assert_eq!(f[0], "# Out of bounds values : 5 FAILED");
+        assert!(
+            f[1].starts_with("# Avg bus bandwidth    : 275.2"),
+            "{}",
+            f[1]
+        );
+        assert!(f[1].ends_with("(flashcomm, eager)"));
+        // The copy baseline has no bus bandwidth.
+        let mut c = Table::default();
+        c.add(&PLAIN, row(Variant::Copy, Launch::Eager, 1 << 20, 10.0));
+        assert_eq!(c.footer().len(), 1);
+        assert!(format_row(&PLAIN, &c.rows[0]).split_whitespace().nth(7) == Some("N/A"));
+    }
+
+    #[test]
+    fn latency_table_pairs_flashcomm_with_the_copy() {
+        let rows = vec![
+            row(Variant::Copy, Launch::Eager, 8192, 2.0),
+            row(Variant::Lossless, Launch::Eager, 8192, 6.0),
+            row(Variant::Copy, Launch::Graph, 8192, 1.0),
+            row(Variant::Lossless, Launch::Graph, 8192, 4.0),
+            row(Variant::Copy, Launch::Eager, 16384, 2.5),
+        ];
+        let l = latency_rows(&rows);
+        assert_eq!(l.len(), 2);
+        assert_eq!(l[0].fc_eager, Some(6.0));
+        assert_eq!(l[0].copy_graph, Some(1.0));
+        assert_eq!(l[1].fc_eager, None);
+        let text = format_latency("title", &l);
+        assert_eq!(text[0], "# title");
+        let f: Vec<&str> = text[3].split_whitespace().collect();
+        assert_eq!(
+            f,
+            vec!["8192", "6.00", "2.00", "3.00", "4.00", "1.00", "4.00"]
+        );
+        assert!(text[4].contains("N/A"));
+    }
+
+    #[test]
+    fn json_document_shape() {
+        let mut t = Table::default();
+        let layout = PLAIN;
+        t.add(&layout, row(Variant::Copy, Launch::Eager, 4096, 2.0));
+        t.add(&layout, row(Variant::Lossless, Launch::Eager, 4096, 4.0));
+        let mut s = row(
+            Variant::Quant(Width { rs: 2, ag: 2 }),
+            Launch::Eager,
+            4096,
+            1.0,
+        );
+        s.out = Outcome::Skipped("no kernels".into());
+        t.add(&layout, s);
+        let lat = latency_rows(&t.rows);
+        let doc = document(json!({ "ranks": 8, "mode": "virtual" }), &t, Some(&lat));
+        let text = serde_json::to_string_pretty(&doc).unwrap();
+        let back: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(back["tool"], "flashcomm-perf");
+        assert_eq!(back["settings"]["ranks"], 8);
+        let rows = back["rows"].as_array().unwrap();
+        assert_eq!(rows.len(), 3);
+        let r = &rows[1];
+        for key in [
+            "impl",
+            "launch",
+            "collective",
+            "type",
+            "redop",
+            "root",
+            "nranks",
+            "size_bytes",
+            "count",
+            "plan",
+            "out_of_place",
+            "in_place",
+            "vs_nccl",
+            "vs_copy",
+        ] {
+            assert!(r.get(key).is_some(), "row key {key}");
+        }
+        assert_eq!(r["impl"], "flashcomm");
+        assert_eq!(r["out_of_place"]["time_us"], 4.0);
+        assert_eq!(r["out_of_place"]["wrong"], 0);
+        assert_eq!(r["vs_copy"], 2.0);
+        assert!(r["in_place"].is_null());
+        assert_eq!(rows[2]["out_of_place"]["skipped"], "no kernels");
+        assert_eq!(back["latency"][0]["ratio_eager"], 2.0);
+        assert_eq!(back["summary"]["wrong_total"], 0);
+        assert_eq!(back["summary"]["ok"], true);
+    }
+}
