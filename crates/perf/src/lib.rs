@@ -6,12 +6,17 @@
 //! copy of the same bytes; checks every result; prints nccl-tests' columns plus error and ratio
 //! columns; writes JSON and an SVG plot. `docs/perf.md` describes the usage and every column.
 //!
-//! Everything but the GPU driver and the foreign calls is pure and unit-tested on the CPU.
+//! Everything but the GPU driver ([`run`]) and the foreign calls ([`ffi`]) is pure and
+//! unit-tested on the CPU. The GPU parts need a GPU only at run time and fail with a message
+//! without one. `unsafe` code lives in [`ffi`] alone.
 #![deny(unsafe_code)]
 
 pub mod accuracy;
+pub mod app;
 pub mod args;
+pub mod ffi;
 pub mod inputs;
 pub mod report;
+pub mod run;
 pub mod svg;
 pub mod sweep;

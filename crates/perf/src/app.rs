@@ -1,0 +1,404 @@
+//! The program: parse, set up the GPU side (and the real NCCL), run, print the table as rows
+//! arrive, then the footer, the latency table, the JSON file and the plot.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+
+use crate::args::{self, Command, Impl, Launch, Mode, Options, Preset};
+use crate::ffi::Nccl;
+use crate::report::{self, Layout, Table};
+use crate::run;
+use crate::svg;
+
+/// Exit status: 0 when every check passed, 1 when some element was wrong, 2 on errors.
+pub fn main_with(argv: &[String]) -> i32 {
+    let mut o = match args::parse(argv) {
+        Ok(Command::Help) => {
+            print!("{}", args::USAGE);
+            return 0;
+        }
+        Ok(Command::Run(o)) => *o,
+        Err(e) => {
+            eprintln!("flashcomm-perf: {e}");
+            return 2;
+        }
+    };
+    if o.nccl_lib.is_none() {
+        o.nccl_lib = std::env::var_os("FLASHCOMM_NCCL_LIB")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from);
+    }
+    if o.commit.is_none() {
+        o.commit = find_commit();
+    }
+    match run_program(&o, argv) {
+        Ok(wrong) => i32::from(wrong > 0),
+        Err(e) => {
+            eprintln!("flashcomm-perf: {e}");
+            2
+        }
+    }
+}
+
+/// The commit to record: `$FLASHCOMM_COMMIT`, the `COMMIT` file of a GPU bundle (next to
+/// `bin/`), or `git rev-parse HEAD`.
+fn find_commit() -> Option<String> {
+    if let Some(c) = std::env::var("FLASHCOMM_COMMIT")
+        .ok()
+        .filter(|c| !c.is_empty())
+    {
+        return Some(c);
+    }
+    let exe = std::env::current_exe().ok()?;
+    if let Some(bundle) = exe.parent().and_then(Path::parent)
+        && let Ok(c) = std::fs::read_to_string(bundle.join("COMMIT"))
+        && !c.trim().is_empty()
+    {
+        return Some(c.trim().to_string());
+    }
+    let out = std::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    let c = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (out.status.success() && !c.is_empty()).then_some(c)
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// How times are measured, in one line per launch mode.
+pub fn timing_text(o: &Options) -> Vec<String> {
+    let mut v = Vec::new();
+    if o.launches.contains(&Launch::Eager) {
+        v.push(format!(
+            "eager: CUDA events around each call on every rank's stream; a call's time is the \
+             slowest rank's; time(us) = median over -n {} calls (after -w {} warm-up calls)",
+            o.iters, o.warmup
+        ));
+    }
+    if o.launches.contains(&Launch::Graph) {
+        v.push(format!(
+            "graph: the -n {} calls captured into one CUDA graph, replayed -G {} times with CUDA \
+             events around each replay; time(us) = median over replays of replay time / {}",
+            o.iters, o.graph_replays, o.iters
+        ));
+    }
+    v
+}
+
+/// The settings recorded in the JSON file.
+pub fn settings_json(o: &Options, gpus: &[String], nccl: Option<&Nccl>, argv: &[String]) -> Value {
+    json!({
+        "commit": o.commit,
+        "command_line": argv,
+        "host": host_name(),
+        "gpu": gpus.first(),
+        "gpus": gpus,
+        "devices": run::devices(o),
+        "ranks": o.ranks,
+        "mode": o.mode.name(),
+        "collective": o.coll.name(),
+        "datatypes": o.dtypes.iter().map(|d| d.name()).collect::<Vec<_>>(),
+        "min_bytes": o.min_bytes,
+        "max_bytes": o.max_bytes,
+        "step_factor": o.step_factor,
+        "step_bytes": o.step_bytes,
+        "iters": o.iters,
+        "warmup_iters": o.warmup,
+        "check": o.check,
+        "graph_replays": o.graph_replays,
+        "launches": o.launches.iter().map(|l| l.name()).collect::<Vec<_>>(),
+        "impls": o.impls.iter().map(|i| match i {
+            Impl::Flashcomm => "flashcomm",
+            Impl::Nccl => "nccl",
+        }).collect::<Vec<_>>(),
+        "quant": o.quant.iter().map(|w| w.to_string()).collect::<Vec<_>>(),
+        "group": o.group,
+        "spikes": o.spikes,
+        "algo": format!("{:?}", o.algo).to_lowercase(),
+        "proto": format!("{:?}", o.proto).to_lowercase(),
+        "inplace": o.inplace,
+        "copy_baseline": o.copy_baseline,
+        "preset": o.preset.map(|p| match p { Preset::Latency => "latency" }),
+        "timeout_s": o.timeout_s,
+        "calibrate": o.calibrate,
+        "check_values": o.check_values,
+        "seed": o.seed,
+        "nccl": nccl.map(|n| json!({
+            "path": n.path().display().to_string(),
+            "version": flashcomm_nccl_sys::version_string(n.version()),
+        })),
+        "timing": timing_text(o),
+    })
+}
+
+/// The header lines printed before the table.
+pub fn header_lines(o: &Options, gpus: &[String], nccl: Option<&Nccl>) -> Vec<String> {
+    let devs = run::devices(o);
+    let ngpus = match o.mode {
+        Mode::Virtual => 1,
+        Mode::Gpus => o.ranks,
+    };
+    let step = if o.step_factor > 1 {
+        format!("{}(factor)", o.step_factor)
+    } else {
+        format!("{}(bytes)", o.step_bytes)
+    };
+    let mut v = vec![
+        format!(
+            "# flashcomm-perf {}: {} of {} ranks ({}), {}, impl {}",
+            env!("CARGO_PKG_VERSION"),
+            o.coll.name(),
+            o.ranks,
+            o.mode.name(),
+            o.dtypes
+                .iter()
+                .map(|d| d.name())
+                .collect::<Vec<_>>()
+                .join(","),
+            o.impls
+                .iter()
+                .map(|i| match i {
+                    Impl::Flashcomm => "flashcomm",
+                    Impl::Nccl => "nccl",
+                })
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+        format!(
+            "# nThread {} nGpus {ngpus} minBytes {} maxBytes {} step: {step} warmup iters: {} iters: {} agg iters: 1 validation: {} graph: {}",
+            o.ranks,
+            o.min_bytes,
+            o.max_bytes,
+            o.warmup,
+            o.iters,
+            u8::from(o.check),
+            if o.launches.contains(&Launch::Graph) {
+                o.graph_replays
+            } else {
+                0
+            }
+        ),
+        "#".into(),
+        "# Using devices".into(),
+    ];
+    let pid = std::process::id();
+    let host = host_name();
+    for (r, d) in devs.iter().enumerate() {
+        let name = gpus
+            .get(if o.mode == Mode::Virtual { 0 } else { r })
+            .map_or("?", String::as_str);
+        v.push(format!(
+            "#  Rank {r:>2} Group  0 Pid {pid:>6} on {host} device {d:>2} [{name}]"
+        ));
+    }
+    if o.mode == Mode::Virtual && o.ranks > 1 {
+        v.push(format!(
+            "# NOTE: virtual ranks: {} ranks share GPU {}; times measure on-GPU synchronization and compute, not NVLink",
+            o.ranks, o.device
+        ));
+    }
+    for t in timing_text(o) {
+        v.push(format!("# timing: {t}"));
+    }
+    if let Some(n) = nccl {
+        v.push(format!(
+            "# NCCL: {} (version {})",
+            n.path().display(),
+            flashcomm_nccl_sys::version_string(n.version())
+        ));
+    }
+    if !o.quant.is_empty() {
+        v.push(format!(
+            "# quantized rows: group {}, spikes {}; inputs N(0,1) with spikes of +-{}..{} in about 1 of {} values (seed {}); relL2 and maxerr against the fp64 sum, on up to {} values per call; #wrong = values outside the codec's bound + bytes differing across ranks",
+            o.group,
+            o.spikes,
+            crate::inputs::SPIKE_MIN,
+            crate::inputs::SPIKE_MAX,
+            crate::inputs::SPIKE_PERIOD,
+            o.seed,
+            o.check_values
+        ));
+    }
+    if o.check {
+        v.push("# lossless rows: #wrong = elements differing from the exact result (integer-valued inputs, checked on the device) + bytes differing from rank 0's result".into());
+    }
+    v
+}
+
+fn layout(o: &Options) -> Layout {
+    Layout {
+        inplace: o.inplace,
+        quant: !o.quant.is_empty(),
+        vs_nccl: o.impls.contains(&Impl::Nccl) && o.impls.contains(&Impl::Flashcomm),
+        vs_copy: o.copy_baseline,
+    }
+}
+
+fn run_program(o: &Options, argv: &[String]) -> Result<u64, String> {
+    let ndev = flashcomm_comm::gpu::device_count()
+        .map_err(|e| format!("needs a CUDA GPU and driver: {e}"))?;
+    let devs = run::devices(o);
+    if let Some(&max) = devs.iter().max()
+        && max >= ndev
+    {
+        return Err(format!(
+            "device {max} is needed but this machine has {ndev} CUDA device(s)"
+        ));
+    }
+    // Device names (the contexts stay alive for the whole run).
+    let mut unique: Vec<i32> = devs.clone();
+    unique.dedup();
+    let mut contexts = Vec::new();
+    let mut gpus = Vec::new();
+    for &d in &unique {
+        let ctx =
+            cudarc::driver::CudaContext::new(d as usize).map_err(|e| format!("device {d}: {e}"))?;
+        gpus.push(ctx.name().unwrap_or_else(|_| "unknown GPU".into()));
+        contexts.push(ctx);
+    }
+    let nccl = if o.impls.contains(&Impl::Nccl) {
+        let path = o.nccl_lib.as_ref().ok_or(
+            "--impl nccl needs --nccl-lib <path of the real libnccl.so.2> (or FLASHCOMM_NCCL_LIB); \
+             with PyTorch installed: python3 -c 'import nvidia.nccl, os; print(os.path.join(next(iter(nvidia.nccl.__path__)), \"lib\", \"libnccl.so.2\"))'",
+        )?;
+        Some(Nccl::load(path)?)
+    } else {
+        None
+    };
+    let comms = match &nccl {
+        Some(n) => n.init_all(&devs)?,
+        None => Vec::new(),
+    };
+    let lay = layout(o);
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut emit = |lines: &[String]| {
+        for l in lines {
+            let _ = writeln!(out, "{l}");
+        }
+        let _ = out.flush();
+    };
+    emit(&header_lines(o, &gpus, nccl.as_ref()));
+    emit(&["#".to_string()]);
+    emit(&report::header(&lay));
+    let mut table = Table::default();
+    let result = run::run(o, nccl.as_ref(), comms, &mut |row| {
+        let lines = table.add(&lay, row);
+        emit(&lines);
+    });
+    emit(&table.footer());
+    let latency = (o.preset == Some(Preset::Latency)).then(|| report::latency_rows(&table.rows));
+    if let Some(l) = &latency {
+        emit(&["#".to_string()]);
+        emit(&report::format_latency(
+            &format!(
+                "latency: flashcomm {} AllReduce vs a device-to-device copy of the same bytes ({} {} ranks, {}; per-call time; ratio = flashcomm / copy)",
+                match o.algo {
+                    args::AlgoChoice::OneShot => "one-shot",
+                    args::AlgoChoice::TwoShot => "two-shot",
+                    args::AlgoChoice::Auto => "(auto)",
+                },
+                o.ranks,
+                o.mode.name(),
+                o.dtypes.first().map_or("", |d| d.name())
+            ),
+            l,
+        ));
+    }
+    drop(out);
+    let settings = settings_json(o, &gpus, nccl.as_ref(), argv);
+    if let Some(path) = &o.json {
+        let doc = report::document(settings.clone(), &table, latency.as_deref());
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+    }
+    if let Some(path) = &o.svg {
+        let title = format!(
+            "flashcomm-perf: {} of {} ranks ({}), {}",
+            o.coll.name(),
+            o.ranks,
+            o.mode.name(),
+            o.dtypes
+                .iter()
+                .map(|d| d.name())
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        let subtitle = format!(
+            "{}; commit {}; {}",
+            gpus.first().map_or("GPU", String::as_str),
+            o.commit.as_deref().unwrap_or("unknown"),
+            if o.launches.contains(&Launch::Graph) && o.launches.len() == 1 {
+                "per-call time under CUDA graphs"
+            } else {
+                "median per-call time"
+            }
+        );
+        let doc = svg::render(&title, &subtitle, &svg::series_from_rows(&table.rows));
+        std::fs::write(path, doc).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    }
+    drop(contexts);
+    result?;
+    Ok(table.wrong_total())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(args: &str) -> Options {
+        let v: Vec<String> = args.split_whitespace().map(String::from).collect();
+        match args::parse(&v).unwrap() {
+            Command::Run(o) => *o,
+            Command::Help => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn header_names_the_virtual_ranks_and_the_timing() {
+        let o = opts("--preset latency");
+        let h = header_lines(&o, &["NVIDIA H200".into()], None);
+        assert!(h.iter().all(|l| l.starts_with('#')));
+        assert!(h.iter().any(|l| l.contains("not NVLink")));
+        assert!(h.iter().any(|l| l.starts_with("# timing: eager")));
+        assert!(h.iter().any(|l| l.starts_with("# timing: graph")));
+        assert_eq!(h.iter().filter(|l| l.contains("Rank ")).count(), 8);
+        assert!(h[1].contains("step: 2(factor)") && h[1].contains("graph: 20"));
+        let g = header_lines(
+            &opts("--mode gpus --ranks 2"),
+            &["A".into(), "B".into()],
+            None,
+        );
+        assert!(!g.iter().any(|l| l.contains("not NVLink")));
+        assert!(g.iter().any(|l| l.contains("device  1 [B]")));
+    }
+
+    #[test]
+    fn settings_record_the_run() {
+        let o = opts("--quant 4,4/8 --commit abc123 -b 4K -e 8K -f 2");
+        let s = settings_json(&o, &["NVIDIA H200".into()], None, &["-b".into()]);
+        assert_eq!(s["commit"], "abc123");
+        assert_eq!(s["gpu"], "NVIDIA H200");
+        assert_eq!(s["ranks"], 8);
+        assert_eq!(s["mode"], "virtual");
+        assert_eq!(s["quant"], json!(["4", "4/8"]));
+        assert_eq!(s["algo"], "auto");
+        assert!(s["nccl"].is_null());
+        assert!(s["timing"][0].as_str().unwrap().contains("median"));
+    }
+
+    #[test]
+    fn help_and_bad_flags_exit_codes() {
+        assert_eq!(main_with(&["--help".to_string()]), 0);
+        assert_eq!(main_with(&["--bogus".to_string()]), 2);
+    }
+}

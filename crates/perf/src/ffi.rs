@@ -1,0 +1,338 @@
+//! The only `unsafe` code of flashcomm-perf (foreign calls):
+//!
+//! * the real NCCL, loaded by path with `libloading` (never by bare name) and called through
+//!   typed function pointers whose types are proven at compile time to be the signatures of
+//!   `flashcomm-nccl-sys`'s declarations of the pinned `nccl.h`;
+//! * the copy baseline's `cuMemcpyDtoDAsync`, the one driver call that `flashcomm-comm` does
+//!   not wrap.
+//!
+//! Every entry point here is a safe function whose arguments carry the guarantees the foreign
+//! call needs: buffers come as `flashcomm_comm::DevicePtr` (valid device memory of the stated
+//! length, by that type's contract) and lengths are checked before any call.
+#![allow(unsafe_code)]
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::path::{Path, PathBuf};
+
+use cudarc::driver::sys as cu;
+use flashcomm_comm::{DevicePtr, Stream};
+use flashcomm_nccl_sys as nccl;
+
+type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> nccl::ncclResult_t;
+type GetErrorStringFn = unsafe extern "C" fn(nccl::ncclResult_t) -> *const c_char;
+type CommInitAllFn =
+    unsafe extern "C" fn(*mut nccl::ncclComm_t, c_int, *const c_int) -> nccl::ncclResult_t;
+type CommDestroyFn = unsafe extern "C" fn(nccl::ncclComm_t) -> nccl::ncclResult_t;
+type ReduceFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    nccl::ncclDataType_t,
+    nccl::ncclRedOp_t,
+    nccl::ncclComm_t,
+    nccl::cudaStream_t,
+) -> nccl::ncclResult_t;
+type GatherFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    nccl::ncclDataType_t,
+    nccl::ncclComm_t,
+    nccl::cudaStream_t,
+) -> nccl::ncclResult_t;
+
+// Compile-time proof that the pointer types are the header's signatures (a mismatch does not
+// compile). These constants are never used, so nothing refers to the symbols at link time.
+const _: GetVersionFn = nccl::decls::ncclGetVersion;
+const _: GetErrorStringFn = nccl::decls::ncclGetErrorString;
+const _: CommInitAllFn = nccl::decls::ncclCommInitAll;
+const _: CommDestroyFn = nccl::decls::ncclCommDestroy;
+const _: ReduceFn = nccl::decls::ncclAllReduce;
+const _: ReduceFn = nccl::decls::ncclReduceScatter;
+const _: GatherFn = nccl::decls::ncclAllGather;
+
+/// Element types as NCCL numbers them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NcclType {
+    /// `ncclBfloat16`
+    Bf16,
+    /// `ncclFloat16`
+    F16,
+    /// `ncclFloat32`
+    F32,
+}
+
+impl NcclType {
+    fn raw(self) -> nccl::ncclDataType_t {
+        match self {
+            NcclType::Bf16 => nccl::ncclDataType_t::ncclBfloat16,
+            NcclType::F16 => nccl::ncclDataType_t::ncclFloat16,
+            NcclType::F32 => nccl::ncclDataType_t::ncclFloat32,
+        }
+    }
+
+    fn bytes(self) -> u64 {
+        match self {
+            NcclType::Bf16 | NcclType::F16 => 2,
+            NcclType::F32 => 4,
+        }
+    }
+}
+
+/// The real NCCL library and the functions flashcomm-perf calls.
+pub struct Nccl {
+    path: PathBuf,
+    version: i32,
+    get_error_string: GetErrorStringFn,
+    comm_init_all: CommInitAllFn,
+    comm_destroy: CommDestroyFn,
+    all_reduce: ReduceFn,
+    reduce_scatter: ReduceFn,
+    all_gather: GatherFn,
+    // Keeps the library mapped for as long as the function pointers above may be called.
+    _lib: libloading::Library,
+}
+
+fn symbol<T: Copy>(lib: &libloading::Library, name: &str) -> Result<T, String> {
+    let cname = format!("{name}\0");
+    // SAFETY: every `T` this module asks for is one of the function pointer types above, proven
+    // equal to the header's signature of the symbol of the same name; the pointer is copied out
+    // and only used while `lib` (kept in `Nccl`) stays loaded.
+    let s =
+        unsafe { lib.get::<T>(cname.as_bytes()) }.map_err(|e| format!("{name} not found: {e}"))?;
+    Ok(*s)
+}
+
+impl Nccl {
+    /// Loads the library at `path` (must name a file: a bare `libnccl.so.2` could find flashcomm's
+    /// own library through the search path).
+    pub fn load(path: &Path) -> Result<Nccl, String> {
+        if !path.to_string_lossy().contains('/') {
+            return Err(format!(
+                "--nccl-lib {}: give a path (with a '/'), not a bare library name",
+                path.display()
+            ));
+        }
+        // SAFETY: loading a shared library runs its initializers. The user names the NCCL build
+        // to benchmark; NCCL's initializers only set up its own state. RTLD_LOCAL (libloading's
+        // default) keeps its symbols out of the global scope.
+        let lib = unsafe { libloading::Library::new(path) }
+            .map_err(|e| format!("cannot load {}: {e}", path.display()))?;
+        let get_version: GetVersionFn = symbol(&lib, "ncclGetVersion")?;
+        let mut version: c_int = 0;
+        // SAFETY: typed pointer from this library; `version` is a valid out-pointer.
+        let r = unsafe { get_version(&mut version) };
+        let n = Nccl {
+            path: path.to_path_buf(),
+            version,
+            get_error_string: symbol(&lib, "ncclGetErrorString")?,
+            comm_init_all: symbol(&lib, "ncclCommInitAll")?,
+            comm_destroy: symbol(&lib, "ncclCommDestroy")?,
+            all_reduce: symbol(&lib, "ncclAllReduce")?,
+            reduce_scatter: symbol(&lib, "ncclReduceScatter")?,
+            all_gather: symbol(&lib, "ncclAllGather")?,
+            _lib: lib,
+        };
+        n.check(r, "ncclGetVersion")?;
+        Ok(n)
+    }
+
+    /// The file loaded.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `ncclGetVersion`'s code.
+    pub fn version(&self) -> i32 {
+        self.version
+    }
+
+    fn check(&self, r: nccl::ncclResult_t, what: &str) -> Result<(), String> {
+        if r == nccl::ncclResult_t::ncclSuccess {
+            return Ok(());
+        }
+        // SAFETY: typed pointer from the loaded library; NCCL returns a static string (or null).
+        let msg = unsafe { (self.get_error_string)(r) };
+        let text = if msg.is_null() {
+            String::from("unknown error")
+        } else {
+            // SAFETY: non-null, NUL-terminated static string owned by NCCL.
+            unsafe { CStr::from_ptr(msg) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        Err(format!("{what} failed: {text} (ncclResult_t {})", r.0))
+    }
+
+    /// One communicator per device of `devices`, rank i on `devices[i]` (`ncclCommInitAll`).
+    pub fn init_all(&self, devices: &[i32]) -> Result<Vec<NcclComm>, String> {
+        let mut comms: Vec<nccl::ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
+        let n = c_int::try_from(devices.len()).map_err(|_| "too many devices".to_string())?;
+        // SAFETY: `comms` has room for `n` handles and `devices` holds `n` ordinals.
+        let r = unsafe { (self.comm_init_all)(comms.as_mut_ptr(), n, devices.as_ptr()) };
+        self.check(r, "ncclCommInitAll")?;
+        Ok(comms.into_iter().map(NcclComm).collect())
+    }
+
+    /// `ncclCommDestroy`.
+    pub fn destroy(&self, comm: NcclComm) -> Result<(), String> {
+        // SAFETY: `comm` came from `init_all` of this library and is destroyed once (consumed).
+        let r = unsafe { (self.comm_destroy)(comm.0) };
+        self.check(r, "ncclCommDestroy")
+    }
+
+    /// Sum AllReduce of `count` elements on `stream`.
+    pub fn all_reduce(
+        &self,
+        comm: &NcclComm,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        ty: NcclType,
+        stream: Stream,
+    ) -> Result<(), String> {
+        let bytes = count * ty.bytes();
+        fits(send, bytes)?;
+        fits(recv, bytes)?;
+        // SAFETY: both ranges are valid device memory of at least `bytes` bytes (DevicePtr's
+        // contract, lengths checked above); `comm` is a live communicator of this library used by
+        // one thread at a time; `stream` is a stream of the comm's device's context.
+        let r = unsafe {
+            (self.all_reduce)(
+                send.addr() as *const c_void,
+                recv.addr() as *mut c_void,
+                count as usize,
+                ty.raw(),
+                nccl::ncclRedOp_t::ncclSum,
+                comm.0,
+                stream.0 as nccl::cudaStream_t,
+            )
+        };
+        self.check(r, "ncclAllReduce")
+    }
+
+    /// Sum ReduceScatter: `recvcount` elements per rank.
+    pub fn reduce_scatter(
+        &self,
+        comm: &NcclComm,
+        send: DevicePtr,
+        recv: DevicePtr,
+        recvcount: u64,
+        nranks: u32,
+        ty: NcclType,
+        stream: Stream,
+    ) -> Result<(), String> {
+        fits(send, recvcount * u64::from(nranks) * ty.bytes())?;
+        fits(recv, recvcount * ty.bytes())?;
+        // SAFETY: as in `all_reduce`, with the send buffer checked for all ranks' blocks.
+        let r = unsafe {
+            (self.reduce_scatter)(
+                send.addr() as *const c_void,
+                recv.addr() as *mut c_void,
+                recvcount as usize,
+                ty.raw(),
+                nccl::ncclRedOp_t::ncclSum,
+                comm.0,
+                stream.0 as nccl::cudaStream_t,
+            )
+        };
+        self.check(r, "ncclReduceScatter")
+    }
+
+    /// AllGather: `sendcount` elements from every rank.
+    pub fn all_gather(
+        &self,
+        comm: &NcclComm,
+        send: DevicePtr,
+        recv: DevicePtr,
+        sendcount: u64,
+        nranks: u32,
+        ty: NcclType,
+        stream: Stream,
+    ) -> Result<(), String> {
+        fits(send, sendcount * ty.bytes())?;
+        fits(recv, sendcount * u64::from(nranks) * ty.bytes())?;
+        // SAFETY: as in `all_reduce`, with the receive buffer checked for all ranks' blocks.
+        let r = unsafe {
+            (self.all_gather)(
+                send.addr() as *const c_void,
+                recv.addr() as *mut c_void,
+                sendcount as usize,
+                ty.raw(),
+                comm.0,
+                stream.0 as nccl::cudaStream_t,
+            )
+        };
+        self.check(r, "ncclAllGather")
+    }
+}
+
+fn fits(p: DevicePtr, bytes: u64) -> Result<(), String> {
+    if p.len() < bytes {
+        return Err(format!(
+            "buffer of {} bytes is too small for {bytes}",
+            p.len()
+        ));
+    }
+    Ok(())
+}
+
+/// One rank's NCCL communicator.
+pub struct NcclComm(nccl::ncclComm_t);
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
+// concurrent; flashcomm-perf hands each one to exactly one rank thread, which makes every call.
+unsafe impl Send for NcclComm {}
+
+/// Copies `bytes` bytes from `src` to `dst` on `stream` (`cuMemcpyDtoDAsync`; asynchronous,
+/// capturable into CUDA graphs). The context of the buffers' device must be current.
+pub fn copy_dtod(dst: DevicePtr, src: DevicePtr, bytes: u64, stream: Stream) -> Result<(), String> {
+    fits(dst, bytes)?;
+    fits(src, bytes)?;
+    // SAFETY: both ranges are valid device memory of at least `bytes` bytes (DevicePtr's
+    // contract, checked above); the stream belongs to the current context (the caller's rank
+    // thread activated its device). The driver was initialized when the buffers were allocated.
+    let r = unsafe { cu::cuMemcpyDtoDAsync_v2(dst.addr(), src.addr(), bytes as usize, stream.0) };
+    if r == cu::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("cuMemcpyDtoDAsync failed: {r:?}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bare_names_and_missing_files_are_refused_with_a_message() {
+        let e = Nccl::load(Path::new("libnccl.so.2")).err().unwrap();
+        assert!(e.contains("give a path"), "{e}");
+        let e = Nccl::load(Path::new("/nonexistent/libnccl.so.2"))
+            .err()
+            .unwrap();
+        assert!(e.contains("cannot load /nonexistent/libnccl.so.2"), "{e}");
+    }
+
+    /// Loads the real NCCL when `FLASHCOMM_NCCL_LIB` names one (ci/setup.sh's toolchain has
+    /// it): every symbol resolves and `ncclGetVersion` works without a GPU.
+    #[test]
+    fn real_nccl_loads_when_present() {
+        let Some(path) = std::env::var_os("FLASHCOMM_NCCL_LIB").map(PathBuf::from) else {
+            return;
+        };
+        if !path.is_file() {
+            return;
+        }
+        let n = Nccl::load(&path).unwrap();
+        assert!(n.version() >= 22000, "version code {}", n.version());
+        assert_eq!(n.path(), path.as_path());
+    }
+
+    #[test]
+    fn type_codes_are_nccls() {
+        assert_eq!(NcclType::Bf16.raw().0, 9);
+        assert_eq!(NcclType::F16.raw().0, 6);
+        assert_eq!(NcclType::F32.raw().0, 7);
+    }
+}

@@ -1,0 +1,6 @@
+//! `flashcomm-perf`: see the library documentation and `docs/perf.md`.
+
+fn main() {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    std::process::exit(flashcomm_perf::app::main_with(&argv));
+}

@@ -1,0 +1,1131 @@
+//! The GPU part: one thread per rank, each with its own flashcomm communicator (and NCCL
+//! communicator), stream, buffers and events, running the same list of jobs in lockstep.
+//!
+//! Rules that keep virtual ranks (several ranks on one GPU) from deadlocking, as in the GPU
+//! tests: everything is allocated before the first collective; no rank touches the legacy
+//! default stream; calls that might synchronize the device (graph instantiation and
+//! destruction, uploads) happen only while every rank's stream is idle, between team barriers.
+//! A rank that fails poisons the team barrier and aborts its communicator, so the others stop
+//! instead of waiting.
+//!
+//! Timing (CUDA events on the rank's stream):
+//! * eager: an event pair around each of the `-n` calls; a call's time is the slowest rank's
+//!   (a collective is done when its last rank is); the row shows the median over the calls;
+//! * graph: the `-n` calls captured into one CUDA graph, replayed `-G` times with an event pair
+//!   around each replay; per-call time = replay time / n; the row shows the median over replays.
+//!
+//! Every job is preceded by `-w` eager warm-up calls (at least one under graphs, then one untimed
+//! replay).
+
+use std::ops::Range;
+use std::panic::AssertUnwindSafe;
+use std::sync::mpsc::Sender;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use flashcomm_codec::{DType, Element, Format, bf16, f16};
+use flashcomm_comm::gpu::Event;
+use flashcomm_comm::testing::{TestType, Verifier};
+use flashcomm_comm::{
+    Algorithm, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem, DevicePtr, Plan,
+    Protocol, QuantSpec, Stream, ThreadGroup,
+};
+
+use crate::accuracy::{self, AccuracyStats, QuantAlgo};
+use crate::args::{AlgoChoice, Coll, Dtype, Impl, Launch, Mode, Options, ProtoChoice, Width};
+use crate::ffi::{self, Nccl, NcclComm, NcclType};
+use crate::inputs;
+use crate::report::{Measure, Outcome, QuantInfo, Row, Variant};
+use crate::sweep::{self, Shape, TimeStats};
+
+/// One measurement to make (every rank runs the same list).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Job {
+    /// Element type.
+    pub dtype: Dtype,
+    /// The call.
+    pub shape: Shape,
+    /// What to run.
+    pub variant: Variant,
+    /// Eager or graph.
+    pub launch: Launch,
+}
+
+/// The jobs of a run, in order: per type, per size, per launch mode: the copy baseline, NCCL,
+/// flashcomm lossless, then each quantized width (baselines first, so that ratios can be
+/// printed with each flashcomm row).
+pub fn jobs(o: &Options) -> Vec<Job> {
+    let sizes = sweep::sizes(o.min_bytes, o.max_bytes, o.step_factor, o.step_bytes);
+    let mut out = Vec::new();
+    for &dtype in &o.dtypes {
+        for shape in sweep::shapes(o.coll, &sizes, dtype.bytes(), o.ranks) {
+            for &launch in &o.launches {
+                let mut variants = Vec::new();
+                if o.copy_baseline {
+                    variants.push(Variant::Copy);
+                }
+                if o.impls.contains(&Impl::Nccl) {
+                    variants.push(Variant::Nccl);
+                }
+                if o.impls.contains(&Impl::Flashcomm) {
+                    variants.push(Variant::Lossless);
+                    variants.extend(o.quant.iter().map(|&w| Variant::Quant(w)));
+                }
+                out.extend(variants.into_iter().map(|variant| Job {
+                    dtype,
+                    shape,
+                    variant,
+                    launch,
+                }));
+            }
+        }
+    }
+    out
+}
+
+/// The devices of the ranks: all on `--device` (virtual), or `--device`, `--device + 1`, ...
+pub fn devices(o: &Options) -> Vec<i32> {
+    match o.mode {
+        Mode::Virtual => vec![o.device; o.ranks as usize],
+        Mode::Gpus => (0..o.ranks as i32).map(|r| o.device + r).collect(),
+    }
+}
+
+/// The seed of the random inputs of quantized calls of one type and size.
+pub fn quant_seed(seed: u64, dtype: Dtype, count: u64) -> u64 {
+    let t = match dtype {
+        Dtype::Bf16 => 1u64,
+        Dtype::F16 => 2,
+        Dtype::F32 => 3,
+    };
+    seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ count.rotate_left(17) ^ (t << 58)
+}
+
+fn data_type(d: Dtype) -> DataType {
+    match d {
+        Dtype::Bf16 => DataType::Bf16,
+        Dtype::F16 => DataType::F16,
+        Dtype::F32 => DataType::F32,
+    }
+}
+
+fn test_type(d: Dtype) -> TestType {
+    match d {
+        Dtype::Bf16 => TestType::Bf16,
+        Dtype::F16 => TestType::F16,
+        Dtype::F32 => TestType::F32,
+    }
+}
+
+fn nccl_type(d: Dtype) -> NcclType {
+    match d {
+        Dtype::Bf16 => NcclType::Bf16,
+        Dtype::F16 => NcclType::F16,
+        Dtype::F32 => NcclType::F32,
+    }
+}
+
+fn codec_type(d: Dtype) -> DType {
+    match d {
+        Dtype::Bf16 => DType::Bf16,
+        Dtype::F16 => DType::F16,
+        Dtype::F32 => DType::F32,
+    }
+}
+
+fn collective(c: Coll) -> Collective {
+    match c {
+        Coll::AllReduce => Collective::AllReduce,
+        Coll::ReduceScatter => Collective::ReduceScatter,
+        Coll::AllGather => Collective::AllGather,
+    }
+}
+
+fn algo_choice(a: AlgoChoice) -> Choice<Algorithm> {
+    match a {
+        AlgoChoice::Auto => Choice::Auto,
+        AlgoChoice::OneShot => Choice::Force(Algorithm::OneShot),
+        AlgoChoice::TwoShot => Choice::Force(Algorithm::TwoShot),
+    }
+}
+
+fn proto_choice(p: ProtoChoice) -> Choice<Protocol> {
+    match p {
+        ProtoChoice::Auto => Choice::Auto,
+        ProtoChoice::Ll => Choice::Force(Protocol::Ll),
+        ProtoChoice::Block => Choice::Force(Protocol::Block),
+    }
+}
+
+/// The `plan` column: `oneshot/ll/g16` for AllReduce, `ll/g16` for the others.
+pub fn plan_label(p: &Plan) -> String {
+    match p.coll {
+        Collective::AllReduce => format!("{}/{}/g{}", p.algo.name(), p.proto.name(), p.grid),
+        _ => format!("{}/g{}", p.proto.name(), p.grid),
+    }
+}
+
+/// The codec settings of a quantized row.
+pub fn quant_info(dtype: Dtype, w: Width, group: u16, spikes: u8) -> Option<QuantInfo> {
+    let f = |b| Format::new(codec_type(dtype), b, group, spikes).ok();
+    Some(QuantInfo {
+        width: w,
+        group,
+        spikes,
+        effbits_rs: f(w.rs)?.effective_bits(),
+        effbits_ag: f(w.ag)?.effective_bits(),
+    })
+}
+
+/// What one rank reports for one job.
+#[derive(Clone, Debug, Default)]
+struct RankOut {
+    skipped: Option<String>,
+    plan: Option<String>,
+    out: Option<RankMeasure>,
+    inplace: Option<Result<RankMeasure, String>>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct RankMeasure {
+    times: Vec<f64>,
+    wrong: Option<u64>,
+    mismatch: Option<u64>,
+    accuracy: Option<AccuracyStats>,
+}
+
+/// The in-process team: a barrier that a failing rank can poison, the slots where ranks leave
+/// their results, and rank 0's receive buffer for the bitwise comparison.
+struct Team {
+    n: usize,
+    timeout: Duration,
+    state: Mutex<TeamState>,
+    cv: Condvar,
+    slots: Mutex<Vec<Option<RankOut>>>,
+    recv0: Mutex<Option<DevicePtr>>,
+}
+
+struct TeamState {
+    arrived: usize,
+    generation: u64,
+    failed: Option<String>,
+}
+
+impl Team {
+    fn new(n: usize, timeout: Duration) -> Team {
+        Team {
+            n,
+            timeout,
+            state: Mutex::new(TeamState {
+                arrived: 0,
+                generation: 0,
+                failed: None,
+            }),
+            cv: Condvar::new(),
+            slots: Mutex::new(vec![None; n]),
+            recv0: Mutex::new(None),
+        }
+    }
+
+    fn wait(&self) -> Result<(), String> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = &st.failed {
+            return Err(f.clone());
+        }
+        let generation = st.generation;
+        st.arrived += 1;
+        if st.arrived == self.n {
+            st.arrived = 0;
+            st.generation += 1;
+            self.cv.notify_all();
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.timeout;
+        while st.generation == generation {
+            if let Some(f) = &st.failed {
+                return Err(f.clone());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let msg = format!("ranks did not meet within {:?}", self.timeout);
+                st.failed = Some(msg.clone());
+                self.cv.notify_all();
+                return Err(msg);
+            }
+            st = self
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    fn fail(&self, msg: String) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if st.failed.is_none() {
+            st.failed = Some(msg);
+        }
+        self.cv.notify_all();
+    }
+
+    fn failed(&self) -> Option<String> {
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .failed
+            .clone()
+    }
+}
+
+/// Buffers and objects of one rank.
+struct Rank<'a> {
+    o: &'a Options,
+    team: &'a Team,
+    rank: u32,
+    nranks: u32,
+    comm: Option<Communicator>,
+    nccl: Option<(&'a Nccl, NcclComm)>,
+    v: Verifier,
+    stream: Stream,
+    send: DeviceMem,
+    recv: DeviceMem,
+    fp: Option<DeviceMem>,
+    fp_for: Option<(Dtype, u64)>,
+    starts: Vec<Event>,
+    ends: Vec<Event>,
+    can_compare: bool,
+    threads: usize,
+}
+
+fn e2s<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> String + '_ {
+    move |e| format!("{what}: {e}")
+}
+
+/// The most bytes any job needs in each rank's send, receive and quantized-input buffers.
+fn buffer_bytes(o: &Options, jobs: &[Job]) -> (u64, u64, u64) {
+    let (mut s, mut r, mut q) = (0u64, 0u64, 0u64);
+    for j in jobs {
+        s = s.max(j.shape.send_bytes);
+        r = r.max(j.shape.recv_bytes);
+        if j.variant == Variant::Copy {
+            s = s.max(j.shape.bytes);
+            r = r.max(j.shape.bytes);
+        }
+        if o.inplace {
+            r = r.max(j.shape.bytes);
+        }
+        if matches!(j.variant, Variant::Quant(_)) {
+            q = q.max(j.shape.send_bytes);
+        }
+    }
+    (s + 64, r + 64, q)
+}
+
+/// Runs every job, calling `on_row` on this thread with each row as soon as every rank has
+/// finished it. Returns the first failure.
+pub fn run(
+    o: &Options,
+    nccl: Option<&Nccl>,
+    nccl_comms: Vec<NcclComm>,
+    on_row: &mut dyn FnMut(Row),
+) -> Result<(), String> {
+    let (rows, rx) = std::sync::mpsc::channel::<Row>();
+    let jobs = jobs(o);
+    let devs = devices(o);
+    let n = o.ranks as usize;
+    let setup_timeout = Duration::from_secs(o.timeout_s + 300);
+    let group = ThreadGroup::new(o.ranks, setup_timeout);
+    let members = group.members();
+    let team = Team::new(n, Duration::from_secs(4 * o.timeout_s + 900));
+    let mut comms: Vec<Option<NcclComm>> = nccl_comms.into_iter().map(Some).collect();
+    comms.resize_with(n, || None);
+    let results: Vec<Result<(), String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = members
+            .iter()
+            .zip(comms)
+            .enumerate()
+            .map(|(r, (boot, nc))| {
+                let (jobs, team, rows, dev) = (&jobs, &team, rows.clone(), devs[r]);
+                let nccl = nccl.zip(nc);
+                s.spawn(move || {
+                    let res = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                        rank_main(o, jobs, team, boot, dev, nccl, (r == 0).then_some(rows))
+                    }))
+                    .unwrap_or_else(|p| {
+                        let msg = p
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_else(|| "panic".into());
+                        Err(format!("rank {r} panicked: {msg}"))
+                    });
+                    if let Err(e) = &res {
+                        team.fail(e.clone());
+                    }
+                    res
+                })
+            })
+            .collect();
+        drop(rows);
+        for row in rx.iter() {
+            on_row(row);
+        }
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("rank thread died".into())))
+            .collect()
+    });
+    // Report the root cause: the first failure recorded, else any rank's error.
+    if let Some(f) = team.failed() {
+        return Err(f);
+    }
+    results.into_iter().collect()
+}
+
+fn rank_main(
+    o: &Options,
+    jobs: &[Job],
+    team: &Team,
+    boot: &flashcomm_comm::ThreadBootstrap,
+    device: i32,
+    nccl: Option<(&Nccl, NcclComm)>,
+    rows: Option<Sender<Row>>,
+) -> Result<(), String> {
+    use flashcomm_comm::Bootstrap;
+    let rank = boot.rank();
+    let cfg = CommConfig {
+        timeout: Duration::from_secs(o.timeout_s),
+        algo: algo_choice(o.algo),
+        proto: proto_choice(o.proto),
+        calibrate: o.calibrate,
+        ..CommConfig::default()
+    };
+    let comm = if o.impls.contains(&Impl::Flashcomm) {
+        Some(
+            Communicator::new(boot, device, cfg)
+                .map_err(e2s(&format!("rank {rank}: flashcomm communicator set-up")))?,
+        )
+    } else {
+        None
+    };
+    let v = Verifier::new(device).map_err(e2s(&format!("rank {rank}: device {device}")))?;
+    // Streams, events, copies and graphs of this thread use this device's context.
+    let _ctx = v.activate().map_err(e2s("activating the context"))?;
+    let stream = v.stream().map_err(e2s("stream"))?;
+    let (sb, rb, qb) = buffer_bytes(o, jobs);
+    let alloc = |b: u64| {
+        v.alloc(b as usize)
+            .map_err(e2s(&format!("rank {rank}: allocating {b} bytes")))
+    };
+    let send = alloc(sb)?;
+    let recv = alloc(rb)?;
+    let fp = if qb > 0 { Some(alloc(qb)?) } else { None };
+    let nev = o.iters.max(o.graph_replays).max(1) as usize;
+    let mut starts = Vec::with_capacity(nev);
+    let mut ends = Vec::with_capacity(nev);
+    for _ in 0..nev {
+        starts.push(Event::new(true).map_err(e2s("creating events"))?);
+        ends.push(Event::new(true).map_err(e2s("creating events"))?);
+    }
+    if rank == 0 {
+        *team.recv0.lock().unwrap_or_else(|e| e.into_inner()) = Some(recv.as_ptr());
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .max(1);
+    let can_compare = o.mode == Mode::Virtual || comm.is_some();
+    let mut r = Rank {
+        o,
+        team,
+        rank,
+        nranks: boot.size(),
+        comm,
+        nccl,
+        v,
+        stream,
+        send,
+        recv,
+        fp,
+        fp_for: None,
+        starts,
+        ends,
+        can_compare,
+        threads,
+    };
+    let result = r.jobs(jobs, rows);
+    if let Err(e) = &result {
+        team.fail(e.clone());
+        if let Some(c) = &r.comm {
+            c.abort();
+        }
+    }
+    let _ = r.stream.synchronize();
+    // After a failure NCCL's kernels may still wait for a peer that stopped; destroying the
+    // communicator could then block, so it is left to the end of the process.
+    if let Some((lib, nc)) = r.nccl.take()
+        && result.is_ok()
+    {
+        lib.destroy(nc)?;
+    }
+    result
+}
+
+impl Rank<'_> {
+    fn barrier(&self) -> Result<(), String> {
+        self.team.wait()
+    }
+
+    fn sync(&self) -> Result<(), String> {
+        self.stream.synchronize().map_err(e2s("stream"))?;
+        if let Some(c) = &self.comm {
+            c.check_status().map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    fn jobs(&mut self, jobs: &[Job], rows: Option<Sender<Row>>) -> Result<(), String> {
+        self.barrier()?;
+        for (i, job) in jobs.iter().enumerate() {
+            self.barrier()?;
+            let out = self.job(job, i as u32 + 1)?;
+            self.team.slots.lock().unwrap_or_else(|e| e.into_inner())[self.rank as usize] =
+                Some(out);
+            self.barrier()?;
+            if let Some(tx) = &rows {
+                let outs: Vec<RankOut> = self
+                    .team
+                    .slots
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter_mut()
+                    .map(|s| s.take().unwrap_or_default())
+                    .collect();
+                let row = merge(self.o, job, &outs);
+                // The receiver only goes away when the main thread is gone.
+                let _ = tx.send(row);
+            }
+        }
+        self.barrier()
+    }
+
+    fn job(&mut self, job: &Job, salt: u32) -> Result<RankOut, String> {
+        match job.variant {
+            Variant::Copy => self.copy_job(job),
+            Variant::Nccl | Variant::Lossless => self.lossless_job(job, salt),
+            Variant::Quant(w) => self.quant_job(job, w),
+        }
+    }
+
+    /// Times `call` as the module documentation says; returns per-call microseconds of this rank.
+    fn time_calls(
+        &self,
+        launch: Launch,
+        collective: bool,
+        call: &dyn Fn(Stream) -> Result<(), String>,
+    ) -> Result<Vec<f64>, String> {
+        let s = self.stream;
+        let ev = |r: Result<(), flashcomm_comm::Error>| r.map_err(e2s("timing event"));
+        // Under graphs at least one eager call comes first, so that one-time set-up (module
+        // loading, NCCL's connections) never happens inside a capture.
+        let warmup = match launch {
+            Launch::Eager => self.o.warmup,
+            Launch::Graph => self.o.warmup.max(1),
+        };
+        for _ in 0..warmup {
+            call(s)?;
+        }
+        let n = self.o.iters as usize;
+        match launch {
+            Launch::Eager => {
+                for i in 0..n {
+                    ev(self.starts[i].record(s))?;
+                    call(s)?;
+                    ev(self.ends[i].record(s))?;
+                }
+                self.sync()?;
+                (0..n)
+                    .map(|i| {
+                        self.ends[i]
+                            .elapsed_ms_since(&self.starts[i])
+                            .map(|ms| f64::from(ms) * 1e3)
+                            .map_err(e2s("reading event times"))
+                    })
+                    .collect()
+            }
+            Launch::Graph => {
+                self.sync()?;
+                if collective {
+                    self.barrier()?;
+                }
+                s.begin_capture().map_err(e2s("beginning graph capture"))?;
+                let mut captured = Ok(());
+                for _ in 0..n {
+                    if let Err(e) = call(s) {
+                        captured = Err(e);
+                        break;
+                    }
+                }
+                let graph = s.end_capture();
+                captured?;
+                let graph = graph.map_err(e2s("capturing the calls into a graph"))?;
+                if collective {
+                    self.barrier()?;
+                }
+                graph.launch(s).map_err(e2s("graph launch"))?;
+                let g = self.o.graph_replays as usize;
+                for j in 0..g {
+                    ev(self.starts[j].record(s))?;
+                    graph.launch(s).map_err(e2s("graph launch"))?;
+                    ev(self.ends[j].record(s))?;
+                }
+                self.sync()?;
+                let times = (0..g)
+                    .map(|j| {
+                        self.ends[j]
+                            .elapsed_ms_since(&self.starts[j])
+                            .map(|ms| f64::from(ms) * 1e3 / n as f64)
+                            .map_err(e2s("reading event times"))
+                    })
+                    .collect();
+                // Every rank's replays are over before any graph is destroyed.
+                if collective {
+                    self.barrier()?;
+                }
+                drop(graph);
+                times
+            }
+        }
+    }
+
+    fn copy_job(&self, job: &Job) -> Result<RankOut, String> {
+        if self.rank != 0 {
+            return Ok(RankOut::default());
+        }
+        let b = job.shape.bytes;
+        let (src, dst) = (
+            self.send.slice(0, b as usize),
+            self.recv.slice(0, b as usize),
+        );
+        let call = |s: Stream| ffi::copy_dtod(dst, src, b, s);
+        let times = self.time_calls(job.launch, false, &call)?;
+        Ok(RankOut {
+            out: Some(RankMeasure {
+                times,
+                ..RankMeasure::default()
+            }),
+            ..RankOut::default()
+        })
+    }
+
+    /// Issues one lossless call (flashcomm or NCCL) from `send` into `recv`.
+    fn lossless_call(
+        &self,
+        job: &Job,
+        plan: Option<&Plan>,
+        send: DevicePtr,
+        recv: DevicePtr,
+        s: Stream,
+    ) -> Result<(), String> {
+        let sh = &job.shape;
+        let elem = job.dtype.bytes();
+        match (job.variant, plan, &self.comm, &self.nccl) {
+            (Variant::Lossless, Some(p), Some(c), _) => c
+                .run(
+                    p,
+                    send,
+                    recv,
+                    sh.call_count,
+                    elem,
+                    Some(data_type(job.dtype)),
+                    s,
+                )
+                .map_err(|e| e.to_string()),
+            (Variant::Nccl, _, _, Some((lib, nc))) => {
+                let t = nccl_type(job.dtype);
+                match self.o.coll {
+                    Coll::AllReduce => lib.all_reduce(nc, send, recv, sh.call_count, t, s),
+                    Coll::ReduceScatter => {
+                        lib.reduce_scatter(nc, send, recv, sh.call_count, self.nranks, t, s)
+                    }
+                    Coll::AllGather => {
+                        lib.all_gather(nc, send, recv, sh.call_count, self.nranks, t, s)
+                    }
+                }
+            }
+            _ => Err(format!(
+                "{} is not set up on this rank",
+                job.variant.label()
+            )),
+        }
+    }
+
+    fn lossless_job(&self, job: &Job, salt: u32) -> Result<RankOut, String> {
+        let plan = match (job.variant, &self.comm) {
+            (Variant::Lossless, Some(c)) => Some(c.plan_forced(
+                collective(self.o.coll),
+                job.shape.call_count,
+                job.dtype.bytes(),
+                algo_choice(self.o.algo),
+                proto_choice(self.o.proto),
+            )),
+            _ => None,
+        };
+        let out = self.lossless_measure(job, plan.as_ref(), salt, false)?;
+        let inplace = if self.o.inplace {
+            Some(Ok(self.lossless_measure(job, plan.as_ref(), salt, true)?))
+        } else {
+            None
+        };
+        Ok(RankOut {
+            skipped: None,
+            plan: plan.as_ref().map(plan_label),
+            out: Some(out),
+            inplace,
+        })
+    }
+
+    /// The buffers of a lossless call: (where the input is filled, send, recv, output elements).
+    fn lossless_buffers(&self, job: &Job, inplace: bool) -> (DevicePtr, DevicePtr, DevicePtr, u64) {
+        let sh = &job.shape;
+        let elem = job.dtype.bytes();
+        let recv = self.recv.slice(0, sh.recv_bytes as usize);
+        if !inplace {
+            let send = self.send.slice(0, sh.send_bytes as usize);
+            return (send, send, recv, sh.recv_bytes / elem);
+        }
+        match self.o.coll {
+            Coll::AllGather => {
+                let mine = self.recv.slice(
+                    (u64::from(self.rank) * sh.send_bytes) as usize,
+                    sh.send_bytes as usize,
+                );
+                (mine, mine, recv, sh.recv_bytes / elem)
+            }
+            _ => (recv, recv, recv, sh.recv_bytes / elem),
+        }
+    }
+
+    fn lossless_measure(
+        &self,
+        job: &Job,
+        plan: Option<&Plan>,
+        salt: u32,
+        inplace: bool,
+    ) -> Result<RankMeasure, String> {
+        let ty = test_type(job.dtype);
+        let sh = &job.shape;
+        let (fill, send, recv, out_elems) = self.lossless_buffers(job, inplace);
+        let in_elems = sh.send_bytes / job.dtype.bytes();
+        let v = &self.v;
+        let s = self.stream;
+        v.fill(fill, in_elems, ty, self.rank, salt, s)
+            .map_err(e2s("filling inputs"))?;
+        self.sync()?;
+        self.barrier()?;
+        let call = |st: Stream| self.lossless_call(job, plan, send, recv, st);
+        let times = self.time_calls(job.launch, true, &call)?;
+        let (wrong, mismatch) = if self.o.check {
+            // A fresh, checked call: inputs refilled (in-place calls overwrote them), output
+            // cleared.
+            if !inplace {
+                self.recv
+                    .fill(0xA5, s)
+                    .map_err(e2s("clearing the output"))?;
+            }
+            v.fill(fill, in_elems, ty, self.rank, salt, s)
+                .map_err(e2s("filling inputs"))?;
+            self.sync()?;
+            self.barrier()?;
+            call(s)?;
+            v.check(
+                recv,
+                out_elems,
+                sh.call_count,
+                collective(self.o.coll),
+                ty,
+                self.nranks,
+                self.rank,
+                salt,
+                s,
+            )
+            .map_err(e2s("checking the output"))?;
+            self.sync()?;
+            let (wrong, _) = v.errors().map_err(e2s("reading the check"))?;
+            v.reset().map_err(e2s("resetting the check"))?;
+            let mismatch = self.compare_with_rank0(recv)?;
+            (Some(wrong), mismatch)
+        } else {
+            (None, None)
+        };
+        Ok(RankMeasure {
+            times,
+            wrong,
+            mismatch,
+            accuracy: None,
+        })
+    }
+
+    /// Bytes of `out` that differ from rank 0's output (AllReduce and AllGather, whose results
+    /// are the same on every rank). Collective: every rank calls it after its output is final.
+    fn compare_with_rank0(&self, out: DevicePtr) -> Result<Option<u64>, String> {
+        self.barrier()?;
+        let same_everywhere = self.o.coll != Coll::ReduceScatter;
+        let res = if same_everywhere && self.can_compare {
+            if self.rank != 0 {
+                let theirs = self
+                    .team
+                    .recv0
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .ok_or("rank 0's buffer is not published")?;
+                let theirs = theirs_slice(theirs, out.len())?;
+                self.v
+                    .compare(out, theirs, out.len(), self.stream)
+                    .map_err(e2s("comparing with rank 0"))?;
+                self.sync()?;
+                let (n, _) = self.v.errors().map_err(e2s("reading the comparison"))?;
+                self.v.reset().map_err(e2s("resetting the check"))?;
+                Some(n)
+            } else {
+                Some(0)
+            }
+        } else {
+            None
+        };
+        // Rank 0 keeps its output until every rank has compared.
+        self.barrier()?;
+        Ok(res)
+    }
+
+    fn quant_job(&mut self, job: &Job, w: Width) -> Result<RankOut, String> {
+        let skipped = |why: String| {
+            Ok(RankOut {
+                skipped: Some(why),
+                ..RankOut::default()
+            })
+        };
+        let spec = match QuantSpec::new(w.rs, w.ag, self.o.group, self.o.spikes) {
+            Ok(q) => q,
+            Err(e) => return skipped(e.to_string()),
+        };
+        let dt = data_type(job.dtype);
+        let count = job.shape.call_count;
+        // The same verdict on every rank: planning is pure.
+        let plan = match self
+            .comm
+            .as_ref()
+            .map(|c| c.plan_quant(count, dt, spec, algo_choice(self.o.algo)))
+        {
+            None => return skipped("flashcomm is not set up".into()),
+            Some(Err(e)) => return skipped(e.to_string()),
+            Some(Ok(p)) => p,
+        };
+        let seed = quant_seed(self.o.seed, job.dtype, count);
+        let bytes = job.shape.bytes as usize;
+        if self.fp_for != Some((job.dtype, count)) {
+            let mut host = vec![0u8; bytes];
+            let threads = (self.threads / self.nranks as usize).max(1);
+            match job.dtype {
+                Dtype::Bf16 => inputs::fill_le::<bf16>(seed, self.rank, 0, &mut host, threads),
+                Dtype::F16 => inputs::fill_le::<f16>(seed, self.rank, 0, &mut host, threads),
+                Dtype::F32 => inputs::fill_le::<f32>(seed, self.rank, 0, &mut host, threads),
+            }
+            let fp = self.fp.as_ref().ok_or("no buffer for quantized inputs")?;
+            fp.upload(0, &host, self.stream)
+                .map_err(e2s("uploading the inputs"))?;
+            self.fp_for = Some((job.dtype, count));
+        }
+        let comm = self.comm.as_ref().ok_or("flashcomm is not set up")?;
+        let fp = self.fp.as_ref().ok_or("no buffer for quantized inputs")?;
+        let send = fp.slice(0, bytes);
+        let recv = self.recv.slice(0, bytes);
+        let elem = job.dtype.bytes();
+        let call = |s: Stream| {
+            comm.run(&plan, send, recv, count, elem, Some(dt), s)
+                .map_err(|e| e.to_string())
+        };
+        self.sync()?;
+        self.barrier()?;
+        let times = self.time_calls(job.launch, true, &call)?;
+        let mut m = RankMeasure {
+            times,
+            ..RankMeasure::default()
+        };
+        if self.o.check {
+            self.recv
+                .fill(0xA5, self.stream)
+                .map_err(e2s("clearing the output"))?;
+            self.sync()?;
+            self.barrier()?;
+            call(self.stream)?;
+            self.sync()?;
+            m.mismatch = self.compare_with_rank0(recv)?;
+            if self.rank == 0 {
+                let q = plan.quant.unwrap_or(spec);
+                let algo = match plan.algo {
+                    Algorithm::OneShot => QuantAlgo::OneShot,
+                    Algorithm::TwoShot => QuantAlgo::TwoStep,
+                };
+                let windows = accuracy::windows(count as usize, self.o.check_values as usize);
+                let acc = match job.dtype {
+                    Dtype::Bf16 => self.accuracy::<bf16>(algo, q, job.dtype, seed, &windows)?,
+                    Dtype::F16 => self.accuracy::<f16>(algo, q, job.dtype, seed, &windows)?,
+                    Dtype::F32 => self.accuracy::<f32>(algo, q, job.dtype, seed, &windows)?,
+                };
+                m.wrong = Some(acc.outside_bound);
+                m.accuracy = Some(acc);
+            }
+        }
+        Ok(RankOut {
+            skipped: None,
+            plan: Some(plan_label(&plan)),
+            out: Some(m),
+            inplace: self
+                .o
+                .inplace
+                .then(|| Err("in-place quantized calls are not measured".into())),
+        })
+    }
+
+    fn accuracy<T: Element>(
+        &self,
+        algo: QuantAlgo,
+        q: QuantSpec,
+        dtype: Dtype,
+        seed: u64,
+        windows: &[Range<usize>],
+    ) -> Result<AccuracyStats, String> {
+        let elem = T::BYTES;
+        let mut values: Vec<T> = Vec::with_capacity(accuracy::window_values(windows));
+        let mut buf = Vec::new();
+        for w in windows {
+            buf.resize(w.len() * elem, 0u8);
+            self.recv
+                .download(w.start * elem, &mut buf, self.stream)
+                .map_err(e2s("downloading the output"))?;
+            values.extend(buf.chunks_exact(elem).map(T::read_le));
+        }
+        let fmt =
+            |b: u8| Format::new(codec_type(dtype), b, q.group, q.spikes).map_err(|e| e.to_string());
+        Ok(accuracy::evaluate(
+            algo,
+            fmt(q.rs_bits)?,
+            fmt(q.ag_bits)?,
+            self.nranks,
+            seed,
+            windows,
+            &values,
+            self.threads,
+        ))
+    }
+}
+
+/// Rank 0's output as a range of `len` bytes (its buffer is at least as long as ours: every
+/// rank allocates the same sizes).
+fn theirs_slice(p: DevicePtr, len: u64) -> Result<DevicePtr, String> {
+    if p.len() < len {
+        return Err("rank 0's buffer is smaller than this rank's".into());
+    }
+    Ok(p)
+}
+
+/// Combines every rank's report of a job into a row.
+fn merge(o: &Options, job: &Job, outs: &[RankOut]) -> Row {
+    let first = outs.first().cloned().unwrap_or_default();
+    let combine = |pick: &dyn Fn(&RankOut) -> Option<RankMeasure>| -> Option<Measure> {
+        let ms: Vec<RankMeasure> = if job.variant == Variant::Copy {
+            pick(&first).into_iter().collect()
+        } else {
+            outs.iter().filter_map(pick).collect()
+        };
+        if ms.is_empty() {
+            return None;
+        }
+        let times: Vec<Vec<f64>> = ms.iter().map(|m| m.times.clone()).collect();
+        let sum = |f: &dyn Fn(&RankMeasure) -> Option<u64>| -> Option<u64> {
+            ms.iter().filter_map(f).reduce(|a, b| a + b)
+        };
+        Some(Measure {
+            time: TimeStats::of(&sweep::slowest_rank(&times)),
+            wrong: sum(&|m| m.wrong),
+            rank_mismatch_bytes: sum(&|m| m.mismatch),
+            accuracy: ms.iter().find_map(|m| m.accuracy.clone()),
+        })
+    };
+    let out = match &first.skipped {
+        Some(why) => Outcome::Skipped(why.clone()),
+        None => match combine(&|r| r.out.clone()) {
+            Some(m) => Outcome::Done(m),
+            None => Outcome::Skipped("no measurement".into()),
+        },
+    };
+    let inplace = if o.inplace {
+        Some(match &first.inplace {
+            Some(Err(why)) => Outcome::Skipped(why.clone()),
+            Some(Ok(_)) => combine(&|r| r.inplace.clone().and_then(Result::ok))
+                .map_or_else(|| Outcome::Skipped("no measurement".into()), Outcome::Done),
+            None => Outcome::Skipped("N/A".into()),
+        })
+    } else {
+        None
+    };
+    Row {
+        variant: job.variant,
+        launch: job.launch,
+        dtype: job.dtype,
+        coll: o.coll,
+        nranks: o.ranks,
+        bytes: job.shape.bytes,
+        count: job.shape.count,
+        plan: first.plan.clone(),
+        quant: match job.variant {
+            Variant::Quant(w) => quant_info(job.dtype, w, o.group, o.spikes),
+            _ => None,
+        },
+        out,
+        inplace,
+        vs_nccl: None,
+        vs_copy: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::{Command, parse};
+
+    fn opts(args: &str) -> Options {
+        let v: Vec<String> = args.split_whitespace().map(String::from).collect();
+        match parse(&v).unwrap() {
+            Command::Run(o) => *o,
+            Command::Help => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn jobs_put_baselines_first() {
+        let o = opts(
+            "-b 4K -e 16K -f 2 --mode gpus --ranks 2 --impl flashcomm,nccl --copy-baseline --quant 4,2",
+        );
+        let j = jobs(&o);
+        assert_eq!(j.len(), 3 * 5);
+        let v: Vec<String> = j[..5].iter().map(|j| j.variant.label()).collect();
+        assert_eq!(
+            v,
+            ["copy", "nccl", "flashcomm", "flashcomm-q4", "flashcomm-q2"]
+        );
+        assert!(j[..5].iter().all(|x| x.shape.bytes == 4096));
+        assert_eq!(j[14].shape.bytes, 16384);
+    }
+
+    #[test]
+    fn latency_preset_jobs() {
+        let j = jobs(&opts("--preset latency"));
+        // 8K..1M: 8 sizes, eager and graph, copy and flashcomm.
+        assert_eq!(j.len(), 8 * 2 * 2);
+        assert_eq!(j[0].variant, Variant::Copy);
+        assert_eq!(j[0].launch, Launch::Eager);
+        assert_eq!(j[2].launch, Launch::Graph);
+        assert!(j.iter().all(|x| x.dtype == Dtype::Bf16));
+    }
+
+    #[test]
+    fn devices_per_mode() {
+        assert_eq!(devices(&opts("--ranks 3 --device 1")), vec![1, 1, 1]);
+        assert_eq!(
+            devices(&opts("--ranks 3 --device 1 --mode gpus")),
+            vec![1, 2, 3]
+        );
+    }
+
+    #[test]
+    fn buffers_cover_every_job() {
+        let o = opts("-b 1K -e 1M -f 2 --coll allgather --copy-baseline --inplace 1 --ranks 8");
+        let j = jobs(&o);
+        let (s, r, q) = buffer_bytes(&o, &j);
+        assert!(s >= 1 << 20, "the copy moves the whole vector");
+        assert!(r >= 1 << 20);
+        assert_eq!(q, 0);
+        let o = opts("-b 1K -e 64K -f 2 --quant 4");
+        let (_, _, q) = buffer_bytes(&o, &jobs(&o));
+        assert_eq!(q, 64 << 10);
+    }
+
+    #[test]
+    fn merge_takes_the_slowest_rank_and_sums_errors() {
+        let o = opts("-b 4K -e 4K");
+        let job = jobs(&o)[0];
+        let m = |t: Vec<f64>, w| RankMeasure {
+            times: t,
+            wrong: Some(w),
+            mismatch: Some(0),
+            accuracy: None,
+        };
+        let outs = vec![
+            RankOut {
+                plan: Some("oneshot/ll/g8".into()),
+                out: Some(m(vec![1.0, 4.0, 2.0], 0)),
+                ..RankOut::default()
+            },
+            RankOut {
+                out: Some(m(vec![3.0, 1.0, 2.0], 2)),
+                ..RankOut::default()
+            },
+        ];
+        let row = merge(&o, &job, &outs);
+        let me = row.out.measure().unwrap();
+        assert_eq!(me.time.median_us, 3.0, "slowest per call: 3, 4, 2");
+        assert_eq!(me.wrong_total(), Some(2));
+        assert_eq!(row.plan.as_deref(), Some("oneshot/ll/g8"));
+        let skipped = merge(
+            &o,
+            &job,
+            &[RankOut {
+                skipped: Some("no kernels".into()),
+                ..RankOut::default()
+            }],
+        );
+        assert_eq!(skipped.out, Outcome::Skipped("no kernels".into()));
+    }
+
+    #[test]
+    fn quant_info_and_seeds() {
+        let q = quant_info(Dtype::Bf16, Width { rs: 4, ag: 8 }, 128, 2).unwrap();
+        assert_eq!((q.effbits_rs, q.effbits_ag), (4.75, 8.75));
+        assert_ne!(
+            quant_seed(1, Dtype::Bf16, 100),
+            quant_seed(1, Dtype::Bf16, 200)
+        );
+        assert_ne!(
+            quant_seed(1, Dtype::Bf16, 100),
+            quant_seed(1, Dtype::F16, 100)
+        );
+    }
+
+    #[test]
+    fn team_barrier_meets_and_poisons() {
+        let t = Team::new(3, Duration::from_secs(10));
+        std::thread::scope(|s| {
+            for _ in 0..3 {
+                s.spawn(|| {
+                    for _ in 0..20 {
+                        t.wait().unwrap();
+                    }
+                });
+            }
+        });
+        let t = Team::new(2, Duration::from_secs(10));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let e = t.wait().unwrap_err();
+                assert_eq!(e, "rank 1 failed");
+            });
+            std::thread::sleep(Duration::from_millis(20));
+            t.fail("rank 1 failed".into());
+        });
+        assert!(t.wait().is_err(), "a poisoned team stays poisoned");
+        let t = Team::new(2, Duration::from_millis(20));
+        assert!(t.wait().unwrap_err().contains("did not meet"));
+    }
+}
