@@ -45,6 +45,7 @@ done
 [ -f "$here/python/ctypes_load.py" ] && add "python::ctypes_load_gpu" 300 "FLASHCOMM_NCCL_LIB='$real' python3 '$here/python/ctypes_load.py' --lib '$lib' --gpu"
 [ -f "$here/python/torch_preload.py" ] && add "python::torch_preload_ws1" 600 "LD_PRELOAD='$lib' python3 '$here/python/torch_preload.py' --world-size 1"
 [ -f "$here/python/torch_quant.py" ] && add "python::torch_quant_ws1" 600 "python3 '$here/python/torch_quant.py' --lib '$lib' --world-size 1"
+[ -f "$here/python/torch_quant.py" ] && add "python::torch_quant_ws1_twostep_4_8" 600 "python3 '$here/python/torch_quant.py' --lib '$lib' --world-size 1 --algo twoshot --bits 4 --ag-bits 8"
 if [ -x "$here/bin/flashcomm-perf" ]; then
   add "perf::latency_8_virtual_ranks" 300 "'$here/bin/flashcomm-perf' --preset latency --json '$res/perf-latency.json'"
   add "perf::allreduce_quant_sweep_8_virtual_ranks" 300 "'$here/bin/flashcomm-perf' --mode virtual --ranks 8 -b 4K -e 64M -f 4 -d bfloat16 --quant sweep --copy-baseline --json '$res/perf-quant.json'"
