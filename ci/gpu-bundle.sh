@@ -60,6 +60,7 @@ for line in res.stdout.splitlines():
         shutil.copy(exe, os.path.join(dest, f"{pkg}-{name}"))
 PY
 for f in "$out"/tests/* "$out"/bin/*; do [ -f "$f" ] && strip "$f" 2>/dev/null || true; done
+strip --strip-debug "$out/lib/libnccl.so.2"
 
 # C and Python test programs.
 if [ -d tests/c ]; then
