@@ -154,12 +154,15 @@ def worker(rank, world, port, lib_path, expect):
 
     check(calls("allreduce") >= 7, "all-reduces went through flashcomm", moved)
     check(calls("allgather") >= 1, "all-gathers went through flashcomm", moved)
-    check(calls("reducescatter") >= 1, "reduce-scatters went through flashcomm", moved)
+    # At world size 1 PyTorch answers reduce_scatter_tensor itself, without calling NCCL (seen on
+    # the GPU machine with torch 2.11), so there is nothing to route then.
+    rs_least = 1 if world > 1 else 0
+    check(calls("reducescatter") >= rs_least, "reduce-scatters went through flashcomm", moved)
     check(calls("broadcast", "nccl") >= 1, "broadcasts went to NCCL", moved)
     check(calls("alltoall", "nccl") + calls("send", "nccl") >= 1, "all-to-all went to NCCL", moved)
     # The eligible collectives: on flashcomm's lossless kernels, or all on NCCL when expected.
     # (The warm-up and the capture of the graph are calls; its replays are not.)
-    for coll, least in (("allreduce", 7), ("allgather", 1), ("reducescatter", 1)):
+    for coll, least in (("allreduce", 7), ("allgather", 1), ("reducescatter", rs_least)):
         got = calls(coll, expect)
         check(got >= least and calls(coll, "quantized") == 0,
               f"{coll}: {got} call(s) on the {expect} route", moved)

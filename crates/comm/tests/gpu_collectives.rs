@@ -430,6 +430,8 @@ fn graph_capture_and_replay() {
             .unwrap();
         }
         let graph = r.stream.end_capture().expect("capture");
+        // Every rank's graph is instantiated and uploaded before any rank replays.
+        r.boot.barrier().unwrap();
         for _ in 0..1000 {
             graph.launch(r.stream).unwrap();
         }

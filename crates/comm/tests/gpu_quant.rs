@@ -295,6 +295,7 @@ fn quantized_graph_replay() {
             )
             .unwrap();
             let g = r.stream.end_capture().unwrap();
+            r.boot.barrier().unwrap();
             for _ in 0..100 {
                 g.launch(r.stream).unwrap();
             }

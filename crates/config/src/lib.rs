@@ -330,6 +330,13 @@ pub const BUILD_VARIABLES: &[&str] = &[
     "FLASHCOMM_NO_KERNELS",
     "FLASHCOMM_EMBED_KERNELS",
     "FLASHCOMM_CUDA_PTX",
+    // Test and GPU-runner settings.
+    "FLASHCOMM_SWEEP_MAX_MIB",
+    "FLASHCOMM_DEADLINE",
+    "FLASHCOMM_TEST_LIMIT",
+    "FLASHCOMM_TEST_SEED",
+    "FLASHCOMM_TEST_CHILD",
+    "FLASHCOMM_BLESS",
 ];
 
 /// A variable with a value the library cannot use.

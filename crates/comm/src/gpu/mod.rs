@@ -629,7 +629,16 @@ impl Stream {
         // SAFETY: `graph` was just captured; out-pointer; no flags.
         let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
         check(r, "instantiating a graph")?;
-        Ok(Graph { graph, exec })
+        let g = Graph { graph, exec };
+        // Upload now, not at the first launch: the upload allocates device memory, and with
+        // several ranks in one context that waits for the kernels already running, which may be
+        // other ranks' replays waiting for this rank (a deadlock until the timeout). Callers meet
+        // the other ranks after this returns and before launching.
+        // SAFETY: valid instantiated graph and stream of the current context.
+        let r = unsafe { sys::cuGraphUpload(g.exec, self.0) };
+        check(r, "uploading a graph")?;
+        self.synchronize()?;
+        Ok(g)
     }
 }
 

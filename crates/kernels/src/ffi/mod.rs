@@ -121,6 +121,15 @@ impl Kernels {
                     detail: format!("{name}: {r:?}"),
                 });
             }
+            // The collective modules are loaded completely now. With the driver's lazy loading
+            // (the default since CUDA 12.2) a kernel's first launch loads it, which can wait for
+            // the kernels already running in the context; a rank whose first launch waits behind
+            // peers that spin waiting for that very rank would deadlock until the timeout (seen
+            // on the GPU with eight ranks in one process). The codec modules, which are never
+            // launched while collectives spin, stay lazy (they are large).
+            if !name.starts_with("codec") {
+                load_all_functions(module);
+            }
             // Modules stay loaded for the life of the process: kernels may still be in flight when
             // a communicator is dropped, and the driver may be gone at exit.
             modules.push((*name, Module(module)));
@@ -155,6 +164,27 @@ impl Kernels {
     /// Names of the loaded modules.
     pub fn modules(&self) -> Vec<&'static str> {
         self.modules.iter().map(|(n, _)| *n).collect()
+    }
+}
+
+/// Forces every function of `module` to be loaded (best effort: drivers older than CUDA 12.4 lack
+/// the calls, and there every function is loaded eagerly anyway unless lazy loading was asked for).
+fn load_all_functions(module: sys::CUmodule) {
+    let mut count: u32 = 0;
+    // SAFETY: `module` was just loaded; `count` is an out-pointer.
+    let r = unsafe { sys::cuModuleGetFunctionCount(&mut count, module) };
+    if r != sys::CUresult::CUDA_SUCCESS || count == 0 {
+        return;
+    }
+    let mut funcs: Vec<sys::CUfunction> = vec![std::ptr::null_mut(); count as usize];
+    // SAFETY: `funcs` has room for `count` handles; `module` is loaded.
+    let r = unsafe { sys::cuModuleEnumerateFunctions(funcs.as_mut_ptr(), count, module) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return;
+    }
+    for f in funcs {
+        // SAFETY: `f` is a function handle the driver just enumerated from a loaded module.
+        let _ = unsafe { sys::cuFuncLoad(f) };
     }
 }
 
