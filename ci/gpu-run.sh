@@ -37,7 +37,14 @@ add() { names+=("$1"); limits+=("$2"); cmds+=("$3"); }
 for t in "$here"/tests/*; do
   [ -x "$t" ] || continue
   for case in $("$t" --list 2>/dev/null | sed -n 's/: test$//p'); do
-    add "$(basename "$t")::$case" "${FLASHCOMM_TEST_LIMIT:-300}" "'$t' --exact '$case' --nocapture --test-threads=1"
+    # Entry points of child processes are not tests of their own.
+    [ "$case" = child_process_entry ] && continue
+    cmd="'$t' --exact '$case' --nocapture --test-threads=1"
+    # Rank processes sharing one GPU need CUDA MPS to run their kernels concurrently.
+    case "$(basename "$t")" in *gpu_processes)
+      cmd="nvidia-cuda-mps-control -d; $cmd; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc";;
+    esac
+    add "$(basename "$t")::$case" "${FLASHCOMM_TEST_LIMIT:-300}" "$cmd"
   done
 done
 [ -x "$here/c/abi_smoke" ] && add "c::abi_smoke_gpu" 120 "FLASHCOMM_NCCL_LIB='$real' '$here/c/abi_smoke' --gpu"

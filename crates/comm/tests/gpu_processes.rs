@@ -1,0 +1,200 @@
+//! GPU tests with virtual ranks as separate processes on one GPU, exchanging IPC handles through a
+//! folder (`FileBootstrap`), as under CUDA MPS (the GPU runner starts the MPS daemon around these
+//! tests: without it, kernels of different processes time-slice and every exchange crawls).
+//!
+//! The parent test spawns one child per rank: this test binary again, running only
+//! `child_process_entry` with `FLASHCOMM_TEST_CHILD=mps:<dir>:<rank>:<ranks>:<mode>`. That entry
+//! point does nothing (and passes) when the variable is not set.
+#![cfg(feature = "gpu")]
+
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use flashcomm_comm::testing::{TestType, Verifier};
+use flashcomm_comm::{Bootstrap, Collective, CommConfig, Communicator, DataType, FileBootstrap};
+
+const ENV: &str = "FLASHCOMM_TEST_CHILD";
+/// Exit code of a child that saw the expected error in time (the "killed peer" mode).
+const EXPECTED_ERROR: i32 = 3;
+
+fn spawn(dir: &std::path::Path, rank: u32, n: u32, mode: &str) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_process_entry",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ENV, format!("mps:{}:{rank}:{n}:{mode}", dir.display()))
+        .spawn()
+        .expect("spawn a rank process")
+}
+
+fn wait_all(children: &mut [Child], limit: Duration) -> Vec<Option<i32>> {
+    let deadline = Instant::now() + limit;
+    let mut codes = vec![None; children.len()];
+    loop {
+        let mut pending = false;
+        for (i, c) in children.iter_mut().enumerate() {
+            if codes[i].is_none() {
+                match c.try_wait().unwrap() {
+                    Some(st) => codes[i] = Some(st.code().unwrap_or(-1)),
+                    None => pending = true,
+                }
+            }
+        }
+        if !pending {
+            return codes;
+        }
+        if Instant::now() > deadline {
+            for c in children.iter_mut() {
+                let _ = c.kill();
+            }
+            return codes;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn scratch_dir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("flashcomm-mps-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Four processes on one GPU run AllReduce, AllGather and ReduceScatter through IPC-mapped arenas.
+#[test]
+fn processes_exchange_through_ipc() {
+    let n = 4;
+    let dir = scratch_dir("ok");
+    let mut kids: Vec<Child> = (0..n).map(|r| spawn(&dir, r, n, "collectives")).collect();
+    let codes = wait_all(&mut kids, Duration::from_secs(120));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        codes.iter().all(|c| *c == Some(0)),
+        "rank processes exited with {codes:?}"
+    );
+}
+
+/// One of four processes is killed after set-up; the others' collective ends in an error within
+/// the timeout plus one second, and they can destroy their communicators and exit cleanly.
+#[test]
+fn killed_process_gives_errors_not_hangs() {
+    let n = 4;
+    let dir = scratch_dir("kill");
+    let mut kids: Vec<Child> = (0..n)
+        .map(|r| spawn(&dir, r, n, if r == n - 1 { "victim" } else { "survivor" }))
+        .collect();
+    // The victim announces that its set-up is done by creating a file; then it is killed.
+    let ready = dir.join("victim-ready");
+    let t0 = Instant::now();
+    while !ready.exists() && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(ready.exists(), "the victim never finished its set-up");
+    kids[(n - 1) as usize].kill().expect("kill the victim");
+    let codes = wait_all(&mut kids, Duration::from_secs(60));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (r, c) in codes.iter().enumerate().take((n - 1) as usize) {
+        assert_eq!(
+            *c,
+            Some(EXPECTED_ERROR),
+            "survivor {r} exited with {c:?} (3 = error reported in time)"
+        );
+    }
+}
+
+/// Entry point of the rank processes (does nothing in a normal test run).
+#[test]
+fn child_process_entry() {
+    let Ok(spec) = std::env::var(ENV) else { return };
+    let parts: Vec<&str> = spec.splitn(5, ':').collect();
+    let mode = parts[4];
+    let dir = std::path::PathBuf::from(parts[1]);
+    let (rank, n): (u32, u32) = (parts[2].parse().unwrap(), parts[3].parse().unwrap());
+    let timeout = Duration::from_secs(3);
+    let boot = FileBootstrap::new(&dir, rank, n, Duration::from_secs(60)).expect("bootstrap");
+    let cfg = CommConfig {
+        timeout,
+        calibrate: false,
+        ..CommConfig::default()
+    };
+    let comm = Communicator::new(&boot, 0, cfg).expect("communicator set-up across processes");
+    let v = Verifier::new(0).expect("verifier");
+    let _ctx = v.activate().unwrap();
+    let s = v.stream().unwrap();
+    let send = v.alloc(4 << 20).unwrap();
+    let recv = v.alloc(4 * (4 << 20)).unwrap();
+    boot.barrier().unwrap();
+    match mode {
+        "collectives" => {
+            for (i, (coll, ty, count)) in [
+                (Collective::AllReduce, TestType::Bf16, 100_001u64),
+                (Collective::AllReduce, TestType::F32, 1_000_003),
+                (Collective::AllGather, TestType::U8, 70_001),
+                (Collective::ReduceScatter, TestType::F16, 50_001),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let salt = 40 + i as u32;
+                let (se, re) = match coll {
+                    Collective::AllReduce => (count, count),
+                    Collective::AllGather => (count, count * n as u64),
+                    Collective::ReduceScatter => (count * n as u64, count),
+                };
+                let elem = ty.bytes();
+                v.fill(send.as_ptr(), se, ty, rank, salt, s).unwrap();
+                let p = comm.plan(coll, count, elem);
+                comm.run(
+                    &p,
+                    send.slice(0, (se * elem) as usize),
+                    recv.slice(0, (re * elem) as usize),
+                    count,
+                    elem,
+                    ty.dtype(),
+                    s,
+                )
+                .unwrap();
+                v.check(recv.as_ptr(), re, count, coll, ty, n, rank, salt, s)
+                    .unwrap();
+                s.synchronize().unwrap();
+                comm.check_status().expect("device status");
+                let (bad, first) = v.errors().unwrap();
+                assert_eq!(
+                    bad, 0,
+                    "rank {rank}: {coll:?} {ty:?} count={count}: {bad} wrong, first at {first}"
+                );
+                boot.barrier().unwrap();
+            }
+        }
+        "victim" => {
+            std::fs::write(dir.join("victim-ready"), b"").unwrap();
+            std::thread::sleep(Duration::from_secs(600));
+        }
+        _ => {
+            // Survivor: wait until the victim is gone (the parent kills it after set-up), then
+            // call a collective that can never complete.
+            while !dir.join("victim-ready").exists() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            std::thread::sleep(Duration::from_millis(500));
+            let t = Instant::now();
+            comm.all_reduce(send.as_ptr(), recv.as_ptr(), 1000, DataType::Bf16, s)
+                .unwrap();
+            // The error arrives as the device status (timeout) or, if the dead peer's memory
+            // became unreachable, as a CUDA error of the stream.
+            let err = s.synchronize().and_then(|()| comm.check_status());
+            let took = t.elapsed();
+            println!("rank {rank}: after {took:?}: {err:?}");
+            drop(comm);
+            std::process::exit(
+                if err.is_err() && took <= timeout + Duration::from_secs(1) {
+                    EXPECTED_ERROR
+                } else {
+                    1
+                },
+            );
+        }
+    }
+}
