@@ -285,9 +285,20 @@ impl DeviceMem {
             bytes,
             device: device.clone(),
         };
-        // SAFETY: `p` points to `bytes` freshly allocated bytes.
-        let r = unsafe { sys::cuMemsetD8_v2(p, 0, bytes) };
-        check(r, "clearing device memory")?;
+        // The plain cuMemsetD8 runs on the legacy default stream and may return before it
+        // finishes; non-blocking streams (every stream here) are not ordered after it, so a
+        // kernel could see the zeroing land after its own writes (a peer's first LL line, a
+        // test's input). Clear on a private stream and wait for exactly that work: never for
+        // other streams, whose kernels may be waiting for this rank.
+        let s = Stream::create()?;
+        // SAFETY: `p` points to `bytes` freshly allocated bytes; `s` is a stream of the current
+        // context.
+        let r = unsafe { sys::cuMemsetD8Async(p, 0, bytes, s.0) };
+        let waited = check(r, "clearing device memory").and_then(|_| s.synchronize());
+        // SAFETY: `s` was created above and nothing else refers to it.
+        let d = unsafe { sys::cuStreamDestroy_v2(s.0) };
+        waited?;
+        check(d, "destroying a stream")?;
         Ok(m)
     }
 
