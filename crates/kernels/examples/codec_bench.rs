@@ -132,7 +132,8 @@ fn main() -> Res<()> {
 
     let ctx = CudaContext::new(0)?;
     let name = ctx.name()?;
-    let stream = ctx.default_stream();
+    // A stream of its own: the legacy default stream cannot be captured into a graph.
+    let stream = ctx.new_stream()?;
     let codec = Codec::new(&ctx)?;
     let flush = stream.alloc_zeros::<u8>(256 << 20)?;
     let mut bench = Bench {
@@ -201,7 +202,7 @@ fn main() -> Res<()> {
                 ms,
                 copy_gbs,
             });
-            if flags == 0 {
+            if flags == 0 || fmt.bits() == 4 && fmt.spikes() == 2 {
                 for nin in [2usize, 8] {
                     let refs: Vec<&CudaSlice<u8>> = enc.iter().take(nin).collect();
                     let table = bench.codec.input_table(&stream, &refs)?;
@@ -214,6 +215,7 @@ fn main() -> Res<()> {
                             n,
                             &mut out_enc,
                             None,
+                            flags,
                         )?)
                     })?;
                     rows.push(Row {
@@ -291,6 +293,7 @@ fn main() -> Res<()> {
                     n,
                     &mut out_enc.borrow_mut(),
                     None,
+                    0,
                 )?)
             })?;
             lat.push((

@@ -23,6 +23,9 @@ pub const SCRATCH_BYTES: u32 = 4096;
 pub const STAGES_16BIT: u32 = 3;
 /// `FC_CODEC_STAGES_32BIT`: encode input stages per warp for f32.
 pub const STAGES_32BIT: u32 = 2;
+/// `FC_CODEC_IN_STAGES`: slots of encoded input blocks per warp of staged decode and
+/// reduce_requantize (each slot holds one encoded block of every input).
+pub const IN_STAGES: u32 = 2;
 
 /// Element type of the values (the format's `dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -167,8 +170,16 @@ pub fn kernel_name(op: CodecOp, dtype: CodecDtype, bits: u8) -> String {
     format!("fc_codec_{}_{}_b{bits}", op.name(), dtype.name())
 }
 
-/// Dynamic shared memory per warp that the kernel of `op` needs with `flags`.
-pub const fn smem_per_warp(op: CodecOp, dtype: CodecDtype, flags: u32) -> u32 {
+/// Dynamic shared memory per warp that the kernel of `op` needs with `flags`, when its encoded
+/// input blocks are `in_block_bytes` long and it reads `ninputs` of them per block (decode: 1;
+/// reduce_requantize: the number of inputs; ignored by encode and decode_accumulate).
+pub const fn smem_per_warp(
+    op: CodecOp,
+    dtype: CodecDtype,
+    flags: u32,
+    in_block_bytes: u32,
+    ninputs: u32,
+) -> u32 {
     let direct = flags & FLAG_DIRECT_IO != 0;
     let block = (BLOCK_VALUES * dtype.size()) as u32;
     match op {
@@ -181,8 +192,23 @@ pub const fn smem_per_warp(op: CodecOp, dtype: CodecDtype, flags: u32) -> u32 {
                 STAGES_16BIT * block
             }
         }
-        CodecOp::Decode => SCRATCH_BYTES + if direct { 0 } else { block },
-        CodecOp::DecodeAccumulate | CodecOp::ReduceRequantize => SCRATCH_BYTES,
+        CodecOp::Decode => {
+            SCRATCH_BYTES
+                + if direct {
+                    0
+                } else {
+                    block + IN_STAGES * in_block_bytes
+                }
+        }
+        CodecOp::DecodeAccumulate => SCRATCH_BYTES,
+        CodecOp::ReduceRequantize => {
+            SCRATCH_BYTES
+                + if direct {
+                    0
+                } else {
+                    IN_STAGES * ninputs * in_block_bytes
+                }
+        }
     }
 }
 
@@ -319,6 +345,7 @@ mod tests {
         assert_eq!(define("FC_CODEC_SCRATCH_BYTES"), SCRATCH_BYTES);
         assert_eq!(define("FC_CODEC_STAGES_16BIT"), STAGES_16BIT);
         assert_eq!(define("FC_CODEC_STAGES_32BIT"), STAGES_32BIT);
+        assert_eq!(define("FC_CODEC_IN_STAGES"), IN_STAGES);
     }
 
     #[test]

@@ -571,48 +571,52 @@ fn reduce_family<T: Dev>(g: &Gpu, seed: u64) {
                     .collect();
                 let refs: Vec<&CudaSlice<u8>> = d_in.iter().collect();
                 let table = g.codec.input_table(&g.stream, &refs).unwrap();
-                let mut d_out = g.stream.clone_htod(&vec![0xA5u8; want.len()]).unwrap();
-                let mut st = g.stream.clone_htod(&[0u32, u32::MAX]).unwrap();
-                g.codec
-                    .reduce_requantize(
-                        &g.stream,
-                        gpu_format(*fi),
-                        &table,
-                        gpu_format(*fo),
-                        n,
-                        &mut d_out,
-                        Some(&mut st),
-                    )
-                    .unwrap();
-                let got = g.stream.clone_dtoh(&d_out).unwrap();
-                let status = CodecStatus::from_words(&g.stream.clone_dtoh(&st).unwrap());
-                assert_eq!(
-                    status,
-                    CodecStatus::CLEAR,
-                    "reduce {fi} -> {fo}, n {n}: blocks rejected (seed {seed})"
-                );
-                if want != &got {
-                    // Show the rounded sum of the group, the encoder's input.
-                    let mut sum = vec![0f32; n];
-                    for e in enc {
-                        let mut v = vec![0f32; n];
-                        cpu::decode_f32::<T>(*fi, e, n, &mut v).unwrap();
-                        for (s, x) in sum.iter_mut().zip(&v) {
-                            *s += x;
-                        }
-                    }
-                    let rounded: Vec<T> = sum.iter().map(|&x| T::from_f32(x)).collect();
-                    compare_encoded(
-                        &format!("reduce_requantize N={nin} {fi} ->"),
-                        seed,
-                        *fo,
-                        n,
-                        &rounded,
-                        want,
-                        &got,
+                // Staged (shared-memory prefetch) and direct reads of the inputs.
+                for flags in [0, FLAG_DIRECT_IO] {
+                    let mut d_out = g.stream.clone_htod(&vec![0xA5u8; want.len()]).unwrap();
+                    let mut st = g.stream.clone_htod(&[0u32, u32::MAX]).unwrap();
+                    g.codec
+                        .reduce_requantize(
+                            &g.stream,
+                            gpu_format(*fi),
+                            &table,
+                            gpu_format(*fo),
+                            n,
+                            &mut d_out,
+                            Some(&mut st),
+                            flags,
+                        )
+                        .unwrap();
+                    let got = g.stream.clone_dtoh(&d_out).unwrap();
+                    let status = CodecStatus::from_words(&g.stream.clone_dtoh(&st).unwrap());
+                    assert_eq!(
+                        status,
+                        CodecStatus::CLEAR,
+                        "reduce {fi} -> {fo}, n {n}, flags {flags}: blocks rejected (seed {seed})"
                     );
+                    if want != &got {
+                        // Show the rounded sum of the group, the encoder's input.
+                        let mut sum = vec![0f32; n];
+                        for e in enc {
+                            let mut v = vec![0f32; n];
+                            cpu::decode_f32::<T>(*fi, e, n, &mut v).unwrap();
+                            for (s, x) in sum.iter_mut().zip(&v) {
+                                *s += x;
+                            }
+                        }
+                        let rounded: Vec<T> = sum.iter().map(|&x| T::from_f32(x)).collect();
+                        compare_encoded(
+                            &format!("reduce_requantize N={nin} flags {flags} {fi} ->"),
+                            seed,
+                            *fo,
+                            n,
+                            &rounded,
+                            want,
+                            &got,
+                        );
+                    }
+                    checked += 1;
                 }
-                checked += 1;
             }
         }
     }

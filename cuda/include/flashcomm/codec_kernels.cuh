@@ -175,57 +175,90 @@ __device__ __forceinline__ void encode_kernel(const FcCodecEncodeParams& p) {
 
 // ================================================================================== decode ====
 
+// Issues, for the calling warp, cp.async copies of `bytes` (a multiple of 16) from `src` (global,
+// 16-byte aligned) to `dst` (shared). The caller commits the group.
+__device__ __forceinline__ void stage_block(uint4* dst, const uint8_t* src, uint32_t bytes) {
+  for (uint32_t c = lane_id(); c < bytes / 16u; c += 32u) cp_async16(dst + c, src + 16u * c, 16u);
+}
+
 template <typename T, int B>
 __device__ __forceinline__ void decode_kernel(const FcCodecDecodeParams& p) {
   using I = Io<T>;
+  const Layout<T, B> L(p.group, p.spikes);
   const bool direct = (p.flags & FC_CODEC_FLAG_DIRECT_IO) != 0;
-  require_smem(FC_CODEC_SCRATCH_BYTES + (direct ? 0u : I::kBlockBytes));
+  // Per warp: spike scratch | output stage (kBlockBytes) | input ring (FC_CODEC_IN_STAGES blocks).
+  const uint32_t per_warp = FC_CODEC_SCRATCH_BYTES + (direct ? 0u : I::kBlockBytes + FC_CODEC_IN_STAGES * L.block_bytes);
+  require_smem(per_warp);
   extern __shared__ uint4 smem[];
   const uint32_t lane = lane_id(), wib = threadIdx.x >> 5;
-  const uint32_t per_warp16 = (FC_CODEC_SCRATCH_BYTES + (direct ? 0u : I::kBlockBytes)) / 16u;
-  float* scratch = reinterpret_cast<float*>(smem + (size_t)wib * per_warp16);
-  uint4* stage = smem + (size_t)wib * per_warp16 + FC_CODEC_SCRATCH_BYTES / 16u;
+  float* scratch = reinterpret_cast<float*>(smem + (size_t)wib * (per_warp / 16u));
+  uint4* stage = smem + (size_t)wib * (per_warp / 16u) + FC_CODEC_SCRATCH_BYTES / 16u;
+  uint4* ring = stage + I::kBlockBytes / 16u;
   const uint64_t nblocks = (p.n + kBlockValues - 1) / kBlockValues;
   const uint64_t total = p.n * Elem<T>::kBytes;
   const uint64_t tw = (uint64_t)gridDim.x * kWarps;
-  const Layout<T, B> L(p.group, p.spikes);
   const uint8_t* in = reinterpret_cast<const uint8_t*>(p.input);
   uint8_t* out = reinterpret_cast<uint8_t*>(p.output);
-  for (uint64_t b = (uint64_t)blockIdx.x * kWarps + wib; b < nblocks; b += tw) {
-    const uint8_t* blk = in + b * L.block_bytes;
+  const uint64_t first = (uint64_t)blockIdx.x * kWarps + wib;
+  // Every call commits exactly one group (possibly empty), so "all but the newest group done"
+  // means "the block of this iteration has arrived".
+  auto issue = [&](uint64_t blk, uint32_t slot) {
+    if (blk < nblocks) stage_block(ring + slot * (L.block_bytes / 16u), in + blk * L.block_bytes, L.block_bytes);
+    cp_async_commit();
+  };
+  if (!direct) {
+#pragma unroll
+    for (uint32_t s = 0; s < FC_CODEC_IN_STAGES; ++s) issue(first + s * tw, s);
+  }
+  uint32_t it = 0;
+  for (uint64_t b = first; b < nblocks; b += tw, ++it) {
+    const uint32_t slot = it % FC_CODEC_IN_STAGES;
+    const uint8_t* blk;
+    if (direct) {
+      blk = in + b * L.block_bytes;
+    } else {
+      cp_async_wait<FC_CODEC_IN_STAGES - 1>();
+      __syncwarp();
+      blk = reinterpret_cast<const uint8_t*>(ring + slot * (L.block_bytes / 16u));
+    }
     const uint32_t nv = block_nvalues(p.n, b);
     if (!check_header<T, B>(blk, L, nv)) {
       if (lane == 0) report_bad_block(p.status, b);
-      continue;
-    }
-    float v[32];
-    bool may_nan;
-    decode<T, B>(blk, L, nv, v, scratch, may_nan);
-    Vals<T> y;
-    to_elements<T>(v, may_nan, y);
-    const uint64_t bbase = b * I::kBlockBytes;
-    if (direct) {
-#pragma unroll
-      for (uint32_t c = 0; c < I::kChunks; ++c) {
-        const uint64_t off = bbase + (uint64_t)(lane * I::kChunks + c) * 16u;
-        const uint32_t nb = chunk_bytes(off, total);
-        if (nb) store_chunk(out + off, make_uint4(y.w[4 * c], y.w[4 * c + 1], y.w[4 * c + 2], y.w[4 * c + 3]), nb);
-      }
     } else {
+      float v[32];
+      bool may_nan;
+      decode<T, B>(blk, L, nv, v, scratch, may_nan);
+      Vals<T> y;
+      to_elements<T>(v, may_nan, y);
+      const uint64_t bbase = b * I::kBlockBytes;
+      if (direct) {
 #pragma unroll
-      for (uint32_t c = 0; c < I::kChunks; ++c)
-        stage[stage_pos<T>(lane * I::kChunks + c)] = make_uint4(y.w[4 * c], y.w[4 * c + 1], y.w[4 * c + 2], y.w[4 * c + 3]);
-      __syncwarp();
+        for (uint32_t c = 0; c < I::kChunks; ++c) {
+          const uint64_t off = bbase + (uint64_t)(lane * I::kChunks + c) * 16u;
+          const uint32_t nb = chunk_bytes(off, total);
+          if (nb) store_chunk(out + off, make_uint4(y.w[4 * c], y.w[4 * c + 1], y.w[4 * c + 2], y.w[4 * c + 3]), nb);
+        }
+      } else {
 #pragma unroll
-      for (uint32_t r = 0; r < I::kChunks; ++r) {
-        const uint32_t c = r * 32u + lane;
-        const uint64_t off = bbase + 16u * c;
-        const uint32_t nb = chunk_bytes(off, total);
-        if (nb) store_chunk(out + off, stage[stage_pos<T>(c)], nb);
+        for (uint32_t c = 0; c < I::kChunks; ++c)
+          stage[stage_pos<T>(lane * I::kChunks + c)] = make_uint4(y.w[4 * c], y.w[4 * c + 1], y.w[4 * c + 2], y.w[4 * c + 3]);
+        __syncwarp();
+#pragma unroll
+        for (uint32_t r = 0; r < I::kChunks; ++r) {
+          const uint32_t c = r * 32u + lane;
+          const uint64_t off = bbase + 16u * c;
+          const uint32_t nb = chunk_bytes(off, total);
+          if (nb) store_chunk(out + off, stage[stage_pos<T>(c)], nb);
+        }
       }
+    }
+    if (!direct) {
+      // Every lane is done with this slot (and with the output stage) before it is refilled.
       __syncwarp();
+      issue(b + FC_CODEC_IN_STAGES * tw, slot);
     }
   }
+  if (!direct) cp_async_wait<0>();
 }
 
 template <typename T, int B>
@@ -272,30 +305,6 @@ __device__ __forceinline__ void decode_accumulate_kernel(const FcCodecDecodePara
 
 // ====================================================================== reduce_requantize ====
 
-// Decodes and accumulates the inputs of block b with input width BI. The accumulator starts at
-// -0, the identity of IEEE addition (-0 + v == v for every v, -0 and NaN included), so that
-// acc = -0 + v_0 is exactly v_0 and one decode path serves all inputs.
-template <typename T, int BI>
-__device__ __forceinline__ void accumulate_inputs(const FcCodecReduceParams& p, uint64_t b, uint32_t nv, float (&acc)[32],
-                                                  float* scratch) {
-  const Layout<T, BI> L(p.in_group, p.in_spikes);
-  const uint64_t* ptrs = reinterpret_cast<const uint64_t*>(p.inputs);
-#pragma unroll
-  for (int i = 0; i < 32; ++i) acc[i] = -0.0f;
-  for (uint32_t i = 0; i < p.ninputs; ++i)
-    decode_accumulate<T, BI>(reinterpret_cast<const uint8_t*>(ptrs[i]) + b * L.block_bytes, L, nv, acc, scratch);
-}
-
-template <typename T, int BI>
-__device__ __forceinline__ bool inputs_ok(const FcCodecReduceParams& p, uint64_t b, uint32_t nv) {
-  const Layout<T, BI> L(p.in_group, p.in_spikes);
-  const uint64_t* ptrs = reinterpret_cast<const uint64_t*>(p.inputs);
-  bool ok = true;
-  for (uint32_t i = 0; i < p.ninputs; ++i)
-    ok = ok && check_header<T, BI>(reinterpret_cast<const uint8_t*>(ptrs[i]) + b * L.block_bytes, L, nv);
-  return ok;
-}
-
 #define FC_CODEC_IN_BITS_SWITCH(BITS, CALL) \
   switch (BITS) {                           \
     case 2: CALL(2); break;                 \
@@ -307,35 +316,92 @@ __device__ __forceinline__ bool inputs_ok(const FcCodecReduceParams& p, uint64_t
     default: CALL(8); break;                \
   }
 
-template <typename T, int BO>
-__device__ __forceinline__ void reduce_kernel(const FcCodecReduceParams& p) {
-  require_smem(FC_CODEC_SCRATCH_BYTES);
-  extern __shared__ uint4 smem[];
+// The block loop of reduce_requantize for input width BI and output width BO. Per block: every
+// input's header is checked, the inputs are decoded and accumulated in order 0..N-1 starting from
+// -0 (the identity of IEEE addition: -0 + v == v for every v, -0 and NaN included, so acc = v_0
+// exactly and one decode path serves all inputs), rounded to T and encoded. Staged (default):
+// slot s of the warp's ring holds block b's encoded block of every input, copied with cp.async
+// FC_CODEC_IN_STAGES iterations ahead.
+template <typename T, int BI, int BO>
+__device__ __forceinline__ void reduce_loop(const FcCodecReduceParams& p, float* scratch, uint4* ring, bool direct) {
+  const Layout<T, BI> Lin(p.in_group, p.in_spikes);
+  const Layout<T, BO> Lout(p.out_group, p.out_spikes);
+  const uint64_t* ptrs = reinterpret_cast<const uint64_t*>(p.inputs);
   const uint32_t lane = lane_id(), wib = threadIdx.x >> 5;
-  float* scratch = reinterpret_cast<float*>(smem + (size_t)wib * (FC_CODEC_SCRATCH_BYTES / 16u));
   const uint64_t nblocks = (p.n + kBlockValues - 1) / kBlockValues;
   const uint64_t tw = (uint64_t)gridDim.x * kWarps;
-  const Layout<T, BO> Lout(p.out_group, p.out_spikes);
+  const uint32_t in16 = Lin.block_bytes / 16u, slot16 = in16 * p.ninputs;
   uint8_t* out = reinterpret_cast<uint8_t*>(p.output);
-  if (p.ninputs == 0 || p.in_bits < 2 || p.in_bits > 8) return;
-  for (uint64_t b = (uint64_t)blockIdx.x * kWarps + wib; b < nblocks; b += tw) {
+  const uint64_t first = (uint64_t)blockIdx.x * kWarps + wib;
+  auto issue = [&](uint64_t blk, uint32_t slot) {
+    if (blk < nblocks) {
+      for (uint32_t i = 0; i < p.ninputs; ++i)
+        stage_block(ring + slot * slot16 + i * in16, reinterpret_cast<const uint8_t*>(ptrs[i]) + blk * Lin.block_bytes,
+                    Lin.block_bytes);
+    }
+    cp_async_commit();
+  };
+  if (!direct) {
+#pragma unroll
+    for (uint32_t s = 0; s < FC_CODEC_IN_STAGES; ++s) issue(first + s * tw, s);
+  }
+  uint32_t it = 0;
+  for (uint64_t b = first; b < nblocks; b += tw, ++it) {
+    const uint32_t slot = it % FC_CODEC_IN_STAGES;
+    if (!direct) {
+      cp_async_wait<FC_CODEC_IN_STAGES - 1>();
+      __syncwarp();
+    }
+    auto input = [&](uint32_t i) -> const uint8_t* {
+      return direct ? reinterpret_cast<const uint8_t*>(ptrs[i]) + b * Lin.block_bytes
+                    : reinterpret_cast<const uint8_t*>(ring + slot * slot16 + i * in16);
+    };
     const uint32_t nv = block_nvalues(p.n, b);
     bool ok = true;
-#define FC_CHECK(BI) ok = inputs_ok<T, BI>(p, b, nv)
-    FC_CODEC_IN_BITS_SWITCH(p.in_bits, FC_CHECK)
-#undef FC_CHECK
+    for (uint32_t i = 0; i < p.ninputs; ++i) ok = check_header<T, BI>(input(i), Lin, nv) && ok;
     if (!ok) {
       if (lane == 0) report_bad_block(p.status, b);
-      continue;
+    } else {
+      float acc[32];
+#pragma unroll
+      for (int k = 0; k < 32; ++k) acc[k] = -0.0f;
+      for (uint32_t i = 0; i < p.ninputs; ++i) decode_accumulate<T, BI>(input(i), Lin, nv, acc, scratch);
+      Vals<T> x;
+      round_to_vals<T>(acc, x);
+      encode<T, BO>(x, nv, Lout, out + b * Lout.block_bytes, HeaderMode::kZeroTag);
     }
-    float acc[32];
-#define FC_ACC(BI) accumulate_inputs<T, BI>(p, b, nv, acc, scratch)
-    FC_CODEC_IN_BITS_SWITCH(p.in_bits, FC_ACC)
-#undef FC_ACC
-    Vals<T> x;
-    round_to_vals<T>(acc, x);
-    encode<T, BO>(x, nv, Lout, out + b * Lout.block_bytes, HeaderMode::kZeroTag);
+    if (!direct) {
+      __syncwarp();
+      issue(b + FC_CODEC_IN_STAGES * tw, slot);
+    }
   }
+  if (!direct) cp_async_wait<0>();
+}
+
+// Encoded bytes of one block of width `bits` (the host's CodecFormat::block_bytes).
+template <typename T>
+__device__ __forceinline__ uint32_t block_bytes_of(uint32_t bits, uint32_t group, uint32_t spikes) {
+  const uint32_t groups = kBlockValues / group;
+  const uint32_t raw = kHeaderBytes + 128u * bits + groups * (2u + spikes) * Elem<T>::kBytes + groups * spikes;
+  return (raw + 15u) & ~15u;
+}
+
+template <typename T, int BO>
+__device__ __forceinline__ void reduce_kernel(const FcCodecReduceParams& p) {
+  if (p.ninputs == 0 || p.in_bits < 2 || p.in_bits > 8) return;
+  const bool direct = (p.flags & FC_CODEC_FLAG_DIRECT_IO) != 0;
+  // Per warp: spike scratch | input ring (FC_CODEC_IN_STAGES slots of ninputs blocks).
+  const uint32_t per_warp =
+      FC_CODEC_SCRATCH_BYTES +
+      (direct ? 0u : FC_CODEC_IN_STAGES * p.ninputs * block_bytes_of<T>(p.in_bits, p.in_group, p.in_spikes));
+  require_smem(per_warp);
+  extern __shared__ uint4 smem[];
+  const uint32_t wib = threadIdx.x >> 5;
+  float* scratch = reinterpret_cast<float*>(smem + (size_t)wib * (per_warp / 16u));
+  uint4* ring = smem + (size_t)wib * (per_warp / 16u) + FC_CODEC_SCRATCH_BYTES / 16u;
+#define FC_LOOP(BI) reduce_loop<T, BI, BO>(p, scratch, ring, direct)
+  FC_CODEC_IN_BITS_SWITCH(p.in_bits, FC_LOOP)
+#undef FC_LOOP
 }
 
 }  // namespace kern

@@ -11,16 +11,23 @@
 #define FC_CODEC_THREADS 256
 
 // Flags.
-// Direct I/O: encode reads each lane's 32 values with its own 16-byte loads and decode writes them
-// with its own 16-byte stores (lane-strided, no shared-memory staging). Without it, encode stages
-// its input through shared memory with cp.async (coalesced, several blocks in flight per warp) and
-// decode stages its output through shared memory (coalesced stores).
+// Direct I/O: encode reads each lane's 32 values with its own 16-byte loads, decode writes them
+// with its own 16-byte stores, and decode and reduce_requantize read their encoded inputs straight
+// from global memory (no shared-memory staging). Without it, encode stages its input through
+// shared memory with cp.async (coalesced, several blocks in flight per warp), decode stages its
+// output through shared memory (coalesced stores), and decode and reduce_requantize prefetch
+// their encoded input blocks (FC_CODEC_IN_STAGES).
 #define FC_CODEC_FLAG_DIRECT_IO 1u
 
 // Dynamic shared memory, per warp (the host sizes the launch with these; kernels check).
 #define FC_CODEC_SCRATCH_BYTES 4096  // spike patching: 32 lanes x 32 f32
 #define FC_CODEC_STAGES_16BIT 3      // encode input stages of 2 KiB (f16, bf16)
 #define FC_CODEC_STAGES_32BIT 2      // encode input stages of 4 KiB (f32)
+// Staged decode and reduce_requantize (no FC_CODEC_FLAG_DIRECT_IO) also copy their encoded input
+// blocks into shared memory with cp.async, FC_CODEC_IN_STAGES slots per warp, each slot holding
+// one encoded block of every input (block_bytes(format) x ninputs): the next block's inputs are
+// in flight while this one is decoded, instead of one dependent round trip to memory per field.
+#define FC_CODEC_IN_STAGES 2
 
 // encode: input T[n] -> output (encoded).
 struct FcCodecEncodeParams {

@@ -10,8 +10,8 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut
 use super::{Function, Kernels, LaunchConfig, launch};
 use crate::Error;
 use crate::codec::{
-    CodecDtype, CodecFormat, CodecOp, CodecStatus, DecodeParams, EncodeParams, ReduceParams,
-    THREADS, WARPS, kernel_name, smem_per_warp,
+    CodecDtype, CodecFormat, CodecOp, CodecStatus, DecodeParams, EncodeParams, FLAG_DIRECT_IO,
+    ReduceParams, THREADS, WARPS, kernel_name, smem_per_warp,
 };
 
 mod sealed {
@@ -36,6 +36,8 @@ impl CodecValue for u16 {
 pub struct Codec {
     kernels: Arc<Kernels>,
     sms: u32,
+    /// Largest dynamic shared memory one CTA may opt in to.
+    smem_optin: u32,
     /// (function name, dynamic smem) -> (function, max resident CTAs per SM).
     cache: Mutex<HashMap<(String, u32), (Function, u32)>>,
 }
@@ -68,9 +70,15 @@ impl Codec {
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cuda_err("querying the multiprocessor count"))?;
+        let smem_optin = ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(cuda_err("querying the shared memory limit"))?;
         Ok(Codec {
             kernels,
             sms: sms.max(1) as u32,
+            smem_optin: smem_optin.max(0) as u32,
             cache: Mutex::new(HashMap::new()),
         })
     }
@@ -80,8 +88,12 @@ impl Codec {
         self.sms
     }
 
-    /// The function and launch geometry for `op` over `n` values: one warp per block, at most as
-    /// many CTAs as fit on the GPU at once (each warp then loops over blocks).
+    /// The function, launch geometry and effective flags for `op` over `n` values: one warp per
+    /// block, at most as many CTAs as fit on the GPU at once (each warp then loops over blocks).
+    /// `in_block_bytes` and `ninputs` size the staged input of decode and reduce_requantize; when
+    /// the staging would not fit in shared memory the launch uses direct I/O instead (the result is
+    /// the same, bit for bit).
+    #[allow(clippy::too_many_arguments)]
     pub fn launch_config(
         &self,
         op: CodecOp,
@@ -89,9 +101,16 @@ impl Codec {
         bits: u8,
         n: u64,
         flags: u32,
-    ) -> Result<(Function, LaunchConfig), Error> {
+        in_block_bytes: u32,
+        ninputs: u32,
+    ) -> Result<(Function, LaunchConfig, u32), Error> {
         let name = kernel_name(op, dtype, bits);
-        let smem = WARPS * smem_per_warp(op, dtype, flags);
+        let mut flags = flags;
+        let mut smem = WARPS * smem_per_warp(op, dtype, flags, in_block_bytes, ninputs);
+        if smem > self.smem_optin && flags & FLAG_DIRECT_IO == 0 {
+            flags |= FLAG_DIRECT_IO;
+            smem = WARPS * smem_per_warp(op, dtype, flags, in_block_bytes, ninputs);
+        }
         let (f, per_sm) = {
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             match cache.get(&(name.clone(), smem)) {
@@ -117,6 +136,7 @@ impl Codec {
                 block: THREADS,
                 smem,
             },
+            flags,
         ))
     }
 
@@ -136,7 +156,8 @@ impl Codec {
         n: u64,
         flags: u32,
     ) -> Result<(), Error> {
-        let (f, cfg) = self.launch_config(CodecOp::Encode, fmt.dtype(), fmt.bits(), n, flags)?;
+        let (f, cfg, flags) =
+            self.launch_config(CodecOp::Encode, fmt.dtype(), fmt.bits(), n, flags, 0, 0)?;
         let p = EncodeParams {
             input,
             output,
@@ -175,7 +196,15 @@ impl Codec {
         } else {
             CodecOp::Decode
         };
-        let (f, cfg) = self.launch_config(op, fmt.dtype(), fmt.bits(), n, flags)?;
+        let (f, cfg, flags) = self.launch_config(
+            op,
+            fmt.dtype(),
+            fmt.bits(),
+            n,
+            flags,
+            fmt.block_bytes() as u32,
+            1,
+        )?;
         let p = DecodeParams {
             input,
             output,
@@ -215,12 +244,14 @@ impl Codec {
                 "reduce_requantize needs one dtype and at least one input ({fmt_in} -> {fmt_out}, {ninputs} inputs)"
             )));
         }
-        let (f, cfg) = self.launch_config(
+        let (f, cfg, flags) = self.launch_config(
             CodecOp::ReduceRequantize,
             fmt_out.dtype(),
             fmt_out.bits(),
             n,
             flags,
+            fmt_in.block_bytes() as u32,
+            ninputs,
         )?;
         let p = ReduceParams {
             inputs,
@@ -352,6 +383,7 @@ impl Codec {
 
     /// The fused reduce step over `n` values: decodes every input of `table` (format `fmt_in`)
     /// in order, accumulates in f32, rounds to the dtype and encodes with `fmt_out` into `output`.
+    /// `flags`: 0 (inputs prefetched through shared memory) or [`FLAG_DIRECT_IO`].
     /// Launches only (no copies), so it can be captured into a CUDA graph.
     #[allow(clippy::too_many_arguments)]
     pub fn reduce_requantize(
@@ -363,6 +395,7 @@ impl Codec {
         n: usize,
         output: &mut CudaSlice<u8>,
         status: Option<&mut CudaSlice<CodecStatusWords>>,
+        flags: u32,
     ) -> Result<(), Error> {
         check_len("encoded output", fmt_out.encoded_len(n), output.len())?;
         for input in &table.inputs {
@@ -387,7 +420,7 @@ impl Codec {
                 out,
                 n as u64,
                 st,
-                0,
+                flags,
             )
         }
     }
