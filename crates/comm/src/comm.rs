@@ -416,6 +416,10 @@ impl Communicator {
         let send = DeviceMem::alloc_zeroed(&self.device, buf_bytes)?;
         let recv = DeviceMem::alloc_zeroed(&self.device, buf_bytes)?;
         let (start, end) = (Event::new(true)?, Event::new(true)?);
+        // Allocation (and its zeroing) must be over on every rank before any rank launches: a
+        // rank still clearing its buffers while a peer's kernel already waits for it could be
+        // queued behind that kernel when ranks share a GPU.
+        boot.barrier()?;
         let mut model = CostModel::default_for(self.nranks);
         for algo in Algorithm::ALL {
             for proto in Protocol::ALL {

@@ -132,6 +132,7 @@ fn main() -> Res<()> {
 
     let ctx = CudaContext::new(0)?;
     let name = ctx.name()?;
+    ffi::single_stream(&ctx);
     // A stream of its own: the legacy default stream cannot be captured into a graph.
     let stream = ctx.new_stream()?;
     let codec = Codec::new(&ctx)?;
@@ -368,4 +369,18 @@ fn main() -> Res<()> {
     std::fs::write(&out_path, j)?;
     println!("\nwrote {out_path}");
     Ok(())
+}
+
+mod ffi {
+    use std::sync::Arc;
+
+    use cudarc::driver::CudaContext;
+
+    /// Turns off cudarc's per-slice event tracking, which would make captured launches wait on
+    /// events recorded outside the capture (and so invalidate it).
+    pub fn single_stream(ctx: &Arc<CudaContext>) {
+        // SAFETY: this program uses exactly one stream: every slice is allocated, used and freed
+        // on it, so no cross-stream synchronization is needed.
+        unsafe { ctx.disable_event_tracking() };
+    }
 }

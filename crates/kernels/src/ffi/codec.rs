@@ -40,6 +40,9 @@ pub struct Codec {
     smem_optin: u32,
     /// (function name, dynamic smem) -> (function, max resident CTAs per SM).
     cache: Mutex<HashMap<(String, u32), (Function, u32)>>,
+    /// Function name -> the dynamic shared memory limit set on it (only ever raised: the
+    /// attribute belongs to the function, and launches of other sizes must stay valid).
+    smem_limit: Mutex<HashMap<String, u32>>,
 }
 
 fn cuda_err(during: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
@@ -80,6 +83,7 @@ impl Codec {
             sms: sms.max(1) as u32,
             smem_optin: smem_optin.max(0) as u32,
             cache: Mutex::new(HashMap::new()),
+            smem_limit: Mutex::new(HashMap::new()),
         })
     }
 
@@ -118,7 +122,12 @@ impl Codec {
                 None => {
                     let f = self.kernels.function(&name)?;
                     if smem > 48 * 1024 {
-                        f.set_max_dynamic_smem(smem)?;
+                        let mut limits = self.smem_limit.lock().unwrap_or_else(|e| e.into_inner());
+                        let limit = limits.entry(name.clone()).or_insert(0);
+                        if smem > *limit {
+                            f.set_max_dynamic_smem(smem)?;
+                            *limit = smem;
+                        }
                     }
                     let per_sm = f.max_active_blocks_per_sm(THREADS, smem as usize)?.max(1);
                     cache.insert((name, smem), (f, per_sm));
