@@ -32,7 +32,8 @@ cargo build --release -p flashcomm-perf -p flashcomm-kernels --features flashcom
   && cp "$CARGO_TARGET_DIR/release/flashcomm-perf" "$out/bin/" \
   && { cp "$CARGO_TARGET_DIR/release/examples/codec_bench" "$out/bin/" 2>/dev/null || true; }
 # The fatbins of the build that produced these binaries.
-fatdir=$(dirname "$(ls -t "$CARGO_TARGET_DIR"/release/build/flashcomm-kernels-*/out/coll_lossless.fatbin | head -n 1)")
+# The newest complete kernel build (an interrupted build can leave fatbins without images.rs).
+fatdir=$(dirname "$(ls -t "$CARGO_TARGET_DIR"/release/build/flashcomm-kernels-*/out/images.rs | head -n 1)")
 for m in $(sed -n 's/^ *("\([a-z0-9_]*\)", .*/\1/p' "$fatdir/images.rs"); do cp "$fatdir/$m.fatbin" "$out/kernels/"; done
 
 # GPU test executables (cargo test --features gpu --no-run), one per test target.

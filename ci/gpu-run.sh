@@ -16,6 +16,9 @@ mkdir -p "$res/logs"
 res=$(cd "$res" && pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
+# Virtual ranks: one hardware work queue per stream (the driver's default of 8 makes ranks'
+# streams share queues, where one rank's ordered command can hold a peer's kernel: docs/testing.md).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 # Bundles ship the kernels once, next to the binaries (see ci/gpu-bundle.sh).
 [ -d "$here/kernels" ] && export FLASHCOMM_KERNEL_DIR="$here/kernels"
 lib="$here/lib/libnccl.so.2"

@@ -4,7 +4,8 @@
 //!   typed function pointers whose types are proven at compile time to be the signatures of
 //!   `flashcomm-nccl-sys`'s declarations of the pinned `nccl.h`;
 //! * the copy baseline's `cuMemcpyDtoDAsync`, the one driver call that `flashcomm-comm` does
-//!   not wrap.
+//!   not wrap;
+//! * setting `CUDA_DEVICE_MAX_CONNECTIONS` at program start (`std::env::set_var`).
 //!
 //! Every entry point here is a safe function whose arguments carry the guarantees the foreign
 //! call needs: buffers come as `flashcomm_comm::DevicePtr` (valid device memory of the stated
@@ -17,6 +18,22 @@ use std::path::{Path, PathBuf};
 use cudarc::driver::sys as cu;
 use flashcomm_comm::{DevicePtr, Stream};
 use flashcomm_nccl_sys as nccl;
+
+/// The hardware work queues a CUDA context may use (the driver's maximum).
+pub const MAX_CONNECTIONS: &str = "32";
+
+/// Gives every stream of the process its own hardware work queue, unless the caller chose
+/// `CUDA_DEVICE_MAX_CONNECTIONS` already. With the default 8 queues, the streams of virtual ranks
+/// share queues, and an ordered command of one rank (an event record after its kernel, which
+/// waits for a peer) can hold another rank's kernel behind it: a deadlock until the timeout.
+/// Must run before the first CUDA call and before any other thread exists.
+pub fn use_all_hardware_queues() {
+    if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+        // SAFETY: called first thing in `main`, while the process has a single thread, so no
+        // other thread reads or writes the environment concurrently.
+        unsafe { std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", MAX_CONNECTIONS) };
+    }
+}
 
 type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> nccl::ncclResult_t;
 type GetErrorStringFn = unsafe extern "C" fn(nccl::ncclResult_t) -> *const c_char;
