@@ -1,8 +1,9 @@
 //! GPU tests of the quantized AllReduce with virtual ranks on one GPU (N = 2, 4, 8): every width
 //! 2..8, group sizes 32..256, spikes 0/2/4, f16 and bf16, one-shot and two-step, sizes from 1 KiB
-//! to 16 MiB. Every rank's output must be bitwise identical to rank 0's, and rank 0's output must
-//! equal the CPU reference of the same algorithm bit for bit (crates/codec, the specification)
-//! and lie within the error bound it predicts for one or two quantization steps.
+//! to 16 MiB, and 256 MiB (plus a tail) at N = 2 and 8. Every rank's output must be bitwise
+//! identical to rank 0's, and rank 0's output must equal the CPU reference of the same algorithm
+//! bit for bit (crates/codec, the specification) and lie within the error bound it predicts for
+//! one or two quantization steps.
 #![cfg(feature = "gpu")]
 
 mod common;
@@ -235,6 +236,114 @@ fn quantized_4_ranks() {
 #[test]
 fn quantized_8_ranks() {
     quantized(8);
+}
+
+/// 256 MiB messages (plus an odd tail): every rank's whole output must be bitwise identical to
+/// rank 0's, and three windows of rank 0's output (the first, a middle and the last 2^20 values,
+/// block-aligned) must equal the CPU reference bit for bit and lie within its bound. The codec
+/// works block by block (1024 values) in both algorithms, so the reference of a block-aligned
+/// window of the inputs is the full reference restricted to that window.
+fn quantized_large(n: u32, q: QuantSpec, dtype: DataType) {
+    let count = (128usize << 20) + 3;
+    let bytes = count * 2;
+    let case = Case {
+        q,
+        dtype,
+        count,
+        algo: Choice::Auto,
+    };
+    let win = 1usize << 20;
+    let last = (count - 1) / 1024 * 1024 - win;
+    let windows = [0usize, count / 2 / 1024 * 1024, last];
+    let errors = Mutex::new(Vec::<String>::new());
+    run_ranks(n, test_config(), |r| {
+        let send = r.alloc(bytes + 64);
+        let recv = r.alloc(bytes + 64);
+        r.shared.addrs.lock().unwrap()[r.rank() as usize] = recv.addr();
+        let seed = |rk: u32| (0xB16u64 << 8) | rk as u64;
+        let mine = inputs(seed(r.rank()), count);
+        send.upload(0, &to_bytes(dtype, &mine), r.stream).unwrap();
+        drop(mine);
+        recv.fill(0xA5, r.stream).unwrap();
+        r.sync();
+        let rank0 = r.shared.addrs.lock().unwrap()[0];
+        let p = r
+            .comm
+            .plan_quant(count as u64, dtype, q, Choice::Auto)
+            .expect("plan");
+        r.comm
+            .run(
+                &p,
+                send.slice(0, bytes),
+                recv.slice(0, bytes),
+                count as u64,
+                2,
+                Some(dtype),
+                r.stream,
+            )
+            .unwrap();
+        r.sync();
+        let what = format!(
+            "N={n} {q:?} {dtype:?} count={count} {:?} grid={}",
+            p.algo, p.grid
+        );
+        if r.rank() != 0 {
+            // SAFETY: rank 0's buffer lives until the group ends; the barrier below keeps it
+            // from being released before every rank has compared.
+            let theirs = unsafe { DevicePtr::from_raw(rank0, bytes as u64) };
+            r.v.compare(recv.as_ptr(), theirs, bytes as u64, r.stream)
+                .unwrap();
+            r.stream.synchronize().unwrap();
+            r.assert_clean(&format!("bitwise identity with rank 0: {what}"));
+        } else {
+            let all: Vec<Vec<f32>> = (0..n).map(|rk| inputs(seed(rk), count)).collect();
+            let mut worst = 0f64;
+            for &w0 in &windows {
+                let w1 = if w0 == last { count } else { w0 + win };
+                let part: Vec<Vec<f32>> = all.iter().map(|v| v[w0..w1].to_vec()).collect();
+                let mut got = vec![0u8; (w1 - w0) * 2];
+                recv.download(w0 * 2, &mut got, r.stream).unwrap();
+                let (want, bound, exact) = reference_of(&case, p.algo, &part);
+                if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+                    errors.lock().unwrap().push(format!(
+                        "{what}: byte {} differs from the CPU reference",
+                        w0 * 2 + i
+                    ));
+                }
+                for (i, (e, b)) in exact.iter().zip(&bound).enumerate() {
+                    let raw = u16::from_le_bytes([got[2 * i], got[2 * i + 1]]);
+                    let v = match dtype {
+                        DataType::F16 => f16::from_bits(raw).to_f32(),
+                        _ => bf16::from_bits(raw).to_f32(),
+                    } as f64;
+                    if (v - e).abs() > *b {
+                        errors.lock().unwrap().push(format!(
+                            "{what}: element {} = {v}, exact {e}, bound {b}",
+                            w0 + i
+                        ));
+                        break;
+                    }
+                    worst = worst.max((v - e).abs() / b.max(1e-30));
+                }
+            }
+            println!(
+                "ok {what}: all ranks bitwise identical over 256 MiB; values {windows:?} (+{win} each, the last to the end) bit-identical to the CPU reference, worst error {worst:.2} of its bound"
+            );
+        }
+        r.boot.barrier().unwrap();
+    });
+    let errors = errors.into_inner().unwrap();
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+}
+
+#[test]
+fn quantized_256mib_2_ranks() {
+    quantized_large(2, QuantSpec::new(4, 4, 128, 2).unwrap(), DataType::Bf16);
+}
+
+#[test]
+fn quantized_256mib_8_ranks() {
+    quantized_large(8, QuantSpec::new(3, 8, 64, 4).unwrap(), DataType::F16);
 }
 
 /// Quantized AllReduces captured in a CUDA graph and replayed: every replay gives the same bytes
