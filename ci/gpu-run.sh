@@ -45,7 +45,9 @@ for t in "$here"/tests/*; do
     cmd="'$t' --exact '$case' --nocapture --test-threads=1"
     # Rank processes sharing one GPU need CUDA MPS to run their kernels concurrently.
     case "$(basename "$t")" in *gpu_processes)
-      cmd="nvidia-cuda-mps-control -d; $cmd; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc";;
+      # One rank per process: no queue sharing to avoid, and under MPS 32 queues per client
+      # exhaust the server (context creation fails with CUDA_ERROR_OUT_OF_MEMORY).
+      cmd="unset CUDA_DEVICE_MAX_CONNECTIONS; nvidia-cuda-mps-control -d; $cmd; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc";;
     esac
     add "$(basename "$t")::$case" "${FLASHCOMM_TEST_LIMIT:-300}" "$cmd"
   done
