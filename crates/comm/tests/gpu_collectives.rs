@@ -446,6 +446,109 @@ fn graph_capture_and_replay() {
     });
 }
 
+/// One call of the stress sequence from a random word: the collective, the type and the count
+/// (mostly up to 64 KiB, one in 64 up to 2 MiB).
+fn stress_call(x: u64, n: u64) -> (Collective, TestType, u64) {
+    let coll = [
+        Collective::AllReduce,
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+    ][(x % 4) as usize];
+    let ty = if coll == Collective::AllGather && (x >> 8) % 2 == 0 {
+        TestType::U8
+    } else {
+        TYPES[((x >> 4) % 3) as usize]
+    };
+    let big = (x >> 12) % 64 == 0;
+    let max_bytes: u64 = if big { 2 << 20 } else { 64 << 10 };
+    let count = 1
+        + (x >> 20) % (max_bytes / ty.bytes() / if coll == Collective::AllReduce { 1 } else { n });
+    (coll, ty, count)
+}
+
+/// The start of the stress sequence (its first 200 calls, with their input fills and result
+/// checks) captured into one CUDA graph on each of 8 ranks and replayed 1,000 times: 200,000
+/// collectives, every replay verified on the device.
+#[test]
+fn stress_sequence_graph_replayed_1000_times() {
+    let calls = 200u32;
+    run_ranks(8, test_config(), |r| {
+        let n = r.n() as u64;
+        let send = r.alloc(4 << 20);
+        let recv = r.alloc(32 << 20);
+        r.sync();
+        let mut rng = 0x2545_f491_4f6c_dd1du64; // the stress test's seed: the same sequence
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let seq: Vec<_> = (0..calls).map(|_| stress_call(next(), n)).collect();
+        // Plans are made (and any first use of a kernel happens) before the capture.
+        let plans: Vec<_> = seq
+            .iter()
+            .map(|&(coll, ty, count)| r.comm.plan(coll, count, ty.bytes()))
+            .collect();
+        r.stream.begin_capture().unwrap();
+        for (i, (&(coll, ty, count), p)) in seq.iter().zip(&plans).enumerate() {
+            let (se, re) = match coll {
+                Collective::AllReduce => (count, count),
+                Collective::ReduceScatter => (count * n, count),
+                Collective::AllGather => (count, count * n),
+            };
+            let salt = i as u32 % 1024;
+            let elem = ty.bytes();
+            r.v.fill(send.as_ptr(), se, ty, r.rank(), salt, r.stream)
+                .unwrap();
+            r.comm
+                .run(
+                    p,
+                    send.slice(0, (se * elem) as usize),
+                    recv.slice(0, (re * elem) as usize),
+                    count,
+                    elem,
+                    ty.dtype(),
+                    r.stream,
+                )
+                .unwrap();
+            r.v.check(
+                recv.as_ptr(),
+                re,
+                count,
+                coll,
+                ty,
+                r.n(),
+                r.rank(),
+                salt,
+                r.stream,
+            )
+            .unwrap();
+        }
+        let graph = r.stream.end_capture().expect("capture");
+        // Every rank's graph is instantiated and uploaded before any rank replays.
+        r.boot.barrier().unwrap();
+        let t0 = Instant::now();
+        for k in 0..1000 {
+            graph.launch(r.stream).unwrap();
+            if k % 100 == 99 {
+                r.sync();
+                r.assert_clean(&format!("stress graph, replay {k}"));
+            }
+        }
+        r.sync();
+        r.assert_clean("stress graph");
+        if r.rank() == 0 {
+            println!(
+                "the first {calls} calls of the stress sequence in one graph, replayed 1000 times on 8 ranks ({} collectives), every replay verified, {:.1} s",
+                calls * 1000,
+                t0.elapsed().as_secs_f64()
+            );
+        }
+    });
+}
+
 /// 100,000 back-to-back collectives of random sizes, kinds and types, each verified on the device.
 #[test]
 fn stress_100k_random_collectives() {
@@ -463,23 +566,7 @@ fn stress_100k_random_collectives() {
             rng
         };
         for i in 0..100_000u32 {
-            let x = next();
-            let coll = [
-                Collective::AllReduce,
-                Collective::AllReduce,
-                Collective::AllGather,
-                Collective::ReduceScatter,
-            ][(x % 4) as usize];
-            let ty = if coll == Collective::AllGather && (x >> 8) % 2 == 0 {
-                TestType::U8
-            } else {
-                TYPES[((x >> 4) % 3) as usize]
-            };
-            let big = (x >> 12) % 64 == 0;
-            let max_bytes: u64 = if big { 2 << 20 } else { 64 << 10 };
-            let count = 1
-                + (x >> 20)
-                    % (max_bytes / ty.bytes() / if coll == Collective::AllReduce { 1 } else { n });
+            let (coll, ty, count) = stress_call(next(), n);
             let (se, re) = match coll {
                 Collective::AllReduce => (count, count),
                 Collective::ReduceScatter => (count * n, count),
