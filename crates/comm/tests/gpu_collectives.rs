@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use flashcomm_comm::testing::TestType;
 use flashcomm_comm::{
-    Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DevicePtr, Protocol,
-    ThreadGroup,
+    Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DeviceMem, DevicePtr, Plan,
+    Protocol, ThreadGroup,
 };
 
 /// Largest message of the sweeps (256 MiB; `FLASHCOMM_SWEEP_MAX_MIB` lowers it for quick runs).
@@ -446,6 +446,64 @@ fn graph_capture_and_replay() {
     });
 }
 
+/// Queues one verified call on `r`'s stream: fills the send buffer with round `salt`'s inputs,
+/// runs plan `p` and checks the result on the device (errors accumulate in the verifier).
+#[allow(clippy::too_many_arguments)]
+fn fill_run_check(
+    r: &Rank,
+    p: &Plan,
+    coll: Collective,
+    ty: TestType,
+    count: u64,
+    salt: u32,
+    send: &DeviceMem,
+    recv: &DeviceMem,
+) {
+    let n = r.n() as u64;
+    let (se, re) = match coll {
+        Collective::AllReduce => (count, count),
+        Collective::ReduceScatter => (count * n, count),
+        Collective::AllGather => (count, count * n),
+    };
+    let elem = ty.bytes();
+    r.v.fill(send.as_ptr(), se, ty, r.rank(), salt, r.stream)
+        .unwrap();
+    r.comm
+        .run(
+            p,
+            send.slice(0, (se * elem) as usize),
+            recv.slice(0, (re * elem) as usize),
+            count,
+            elem,
+            ty.dtype(),
+            r.stream,
+        )
+        .unwrap();
+    r.v.check(
+        recv.as_ptr(),
+        re,
+        count,
+        coll,
+        ty,
+        r.n(),
+        r.rank(),
+        salt,
+        r.stream,
+    )
+    .unwrap();
+}
+
+/// The stress sequence's random words (the same on every rank).
+fn stress_words() -> impl Iterator<Item = u64> {
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    std::iter::from_fn(move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        Some(rng)
+    })
+}
+
 /// One call of the stress sequence from a random word: the collective, the type and the count
 /// (mostly up to 64 KiB, one in 64 up to 2 MiB).
 fn stress_call(x: u64, n: u64) -> (Collective, TestType, u64) {
@@ -478,14 +536,10 @@ fn stress_sequence_graph_replayed_1000_times() {
         let send = r.alloc(4 << 20);
         let recv = r.alloc(32 << 20);
         r.sync();
-        let mut rng = 0x2545_f491_4f6c_dd1du64; // the stress test's seed: the same sequence
-        let mut next = || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
-        let seq: Vec<_> = (0..calls).map(|_| stress_call(next(), n)).collect();
+        let seq: Vec<_> = stress_words()
+            .take(calls as usize)
+            .map(|x| stress_call(x, n))
+            .collect();
         // Plans are made (and any first use of a kernel happens) before the capture.
         let plans: Vec<_> = seq
             .iter()
@@ -493,38 +547,7 @@ fn stress_sequence_graph_replayed_1000_times() {
             .collect();
         r.stream.begin_capture().unwrap();
         for (i, (&(coll, ty, count), p)) in seq.iter().zip(&plans).enumerate() {
-            let (se, re) = match coll {
-                Collective::AllReduce => (count, count),
-                Collective::ReduceScatter => (count * n, count),
-                Collective::AllGather => (count, count * n),
-            };
-            let salt = i as u32 % 1024;
-            let elem = ty.bytes();
-            r.v.fill(send.as_ptr(), se, ty, r.rank(), salt, r.stream)
-                .unwrap();
-            r.comm
-                .run(
-                    p,
-                    send.slice(0, (se * elem) as usize),
-                    recv.slice(0, (re * elem) as usize),
-                    count,
-                    elem,
-                    ty.dtype(),
-                    r.stream,
-                )
-                .unwrap();
-            r.v.check(
-                recv.as_ptr(),
-                re,
-                count,
-                coll,
-                ty,
-                r.n(),
-                r.rank(),
-                salt,
-                r.stream,
-            )
-            .unwrap();
+            fill_run_check(r, p, coll, ty, count, i as u32 % 1024, &send, &recv);
         }
         let graph = r.stream.end_capture().expect("capture");
         // Every rank's graph is instantiated and uploaded before any rank replays.
@@ -558,48 +581,10 @@ fn stress_100k_random_collectives() {
         let send = r.alloc(4 << 20);
         let recv = r.alloc(32 << 20);
         r.sync();
-        let mut rng = 0x2545_f491_4f6c_dd1du64; // same seed on every rank: same sequence
-        let mut next = || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
-        for i in 0..100_000u32 {
-            let (coll, ty, count) = stress_call(next(), n);
-            let (se, re) = match coll {
-                Collective::AllReduce => (count, count),
-                Collective::ReduceScatter => (count * n, count),
-                Collective::AllGather => (count, count * n),
-            };
-            let salt = i % 1024;
-            r.v.fill(send.as_ptr(), se, ty, r.rank(), salt, r.stream)
-                .unwrap();
-            let elem = ty.bytes();
-            let p = r.comm.plan(coll, count, elem);
-            r.comm
-                .run(
-                    &p,
-                    send.slice(0, (se * elem) as usize),
-                    recv.slice(0, (re * elem) as usize),
-                    count,
-                    elem,
-                    ty.dtype(),
-                    r.stream,
-                )
-                .unwrap();
-            r.v.check(
-                recv.as_ptr(),
-                re,
-                count,
-                coll,
-                ty,
-                r.n(),
-                r.rank(),
-                salt,
-                r.stream,
-            )
-            .unwrap();
+        for (i, x) in (0..100_000u32).zip(stress_words()) {
+            let (coll, ty, count) = stress_call(x, n);
+            let p = r.comm.plan(coll, count, ty.bytes());
+            fill_run_check(r, &p, coll, ty, count, i % 1024, &send, &recv);
             if i % 10_000 == 9_999 {
                 r.sync();
                 r.assert_clean(&format!("stress up to call {i}"));

@@ -139,6 +139,42 @@ fn reference_of(
     }
 }
 
+/// Compares `got` (the output bytes of elements `first..`) with the CPU reference bytes and
+/// bounds; records the first difference and the first element outside its bound in `errors`.
+/// Returns the worst error as a fraction of its bound.
+fn check_against_reference(
+    what: &str,
+    dtype: DataType,
+    first: usize,
+    got: &[u8],
+    (want, bound, exact): (Vec<u8>, Vec<f64>, Vec<f64>),
+    errors: &Mutex<Vec<String>>,
+) -> f64 {
+    if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+        errors.lock().unwrap().push(format!(
+            "{what}: byte {} differs from the CPU reference",
+            2 * first + i
+        ));
+    }
+    let mut worst = 0f64;
+    for (i, (e, b)) in exact.iter().zip(&bound).enumerate() {
+        let raw = u16::from_le_bytes([got[2 * i], got[2 * i + 1]]);
+        let v = match dtype {
+            DataType::F16 => f16::from_bits(raw).to_f32(),
+            _ => bf16::from_bits(raw).to_f32(),
+        } as f64;
+        if (v - e).abs() > *b {
+            errors.lock().unwrap().push(format!(
+                "{what}: element {} = {v}, exact {e}, bound {b}",
+                first + i
+            ));
+            break;
+        }
+        worst = worst.max((v - e).abs() / b.max(1e-30));
+    }
+    worst
+}
+
 fn quantized(n: u32) {
     let all_cases = cases(n);
     let max_count = all_cases.iter().map(|c| c.count).max().unwrap();
@@ -188,29 +224,14 @@ fn quantized(n: u32) {
             } else {
                 let mut got = vec![0u8; bytes];
                 recv.download(0, &mut got, r.stream).unwrap();
-                let (want, bound, exact) = reference_of(case, p.algo, &all);
-                if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
-                    errors
-                        .lock()
-                        .unwrap()
-                        .push(format!("{what}: byte {i} differs from the CPU reference"));
-                }
-                let mut worst = 0f64;
-                for (i, (e, b)) in exact.iter().zip(&bound).enumerate() {
-                    let raw = u16::from_le_bytes([got[2 * i], got[2 * i + 1]]);
-                    let v = match case.dtype {
-                        DataType::F16 => f16::from_bits(raw).to_f32(),
-                        _ => bf16::from_bits(raw).to_f32(),
-                    } as f64;
-                    if (v - e).abs() > *b {
-                        errors
-                            .lock()
-                            .unwrap()
-                            .push(format!("{what}: element {i} = {v}, exact {e}, bound {b}"));
-                        break;
-                    }
-                    worst = worst.max((v - e).abs() / b.max(1e-30));
-                }
+                let worst = check_against_reference(
+                    &what,
+                    case.dtype,
+                    0,
+                    &got,
+                    reference_of(case, p.algo, &all),
+                    &errors,
+                );
                 println!(
                     "ok {what}: bit-identical to the CPU reference, worst error {:.2} of its bound",
                     worst
@@ -303,28 +324,14 @@ fn quantized_large(n: u32, q: QuantSpec, dtype: DataType) {
                 let part: Vec<Vec<f32>> = all.iter().map(|v| v[w0..w1].to_vec()).collect();
                 let mut got = vec![0u8; (w1 - w0) * 2];
                 recv.download(w0 * 2, &mut got, r.stream).unwrap();
-                let (want, bound, exact) = reference_of(&case, p.algo, &part);
-                if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
-                    errors.lock().unwrap().push(format!(
-                        "{what}: byte {} differs from the CPU reference",
-                        w0 * 2 + i
-                    ));
-                }
-                for (i, (e, b)) in exact.iter().zip(&bound).enumerate() {
-                    let raw = u16::from_le_bytes([got[2 * i], got[2 * i + 1]]);
-                    let v = match dtype {
-                        DataType::F16 => f16::from_bits(raw).to_f32(),
-                        _ => bf16::from_bits(raw).to_f32(),
-                    } as f64;
-                    if (v - e).abs() > *b {
-                        errors.lock().unwrap().push(format!(
-                            "{what}: element {} = {v}, exact {e}, bound {b}",
-                            w0 + i
-                        ));
-                        break;
-                    }
-                    worst = worst.max((v - e).abs() / b.max(1e-30));
-                }
+                worst = worst.max(check_against_reference(
+                    &what,
+                    dtype,
+                    w0,
+                    &got,
+                    reference_of(&case, p.algo, &part),
+                    &errors,
+                ));
             }
             println!(
                 "ok {what}: all ranks bitwise identical over 256 MiB; values {windows:?} (+{win} each, the last to the end) bit-identical to the CPU reference, worst error {worst:.2} of its bound"
