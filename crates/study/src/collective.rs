@@ -2,6 +2,7 @@
 //! datatype in serving) and reduced by the codec's CPU reference, exactly or quantized.
 
 use crate::model::{AllReduce, Site};
+use crate::rotation::Rotation;
 use half::bf16;
 use std::fmt;
 use std::sync::Mutex;
@@ -90,6 +91,12 @@ pub struct ErrorStats {
     pub max_abs_input: f64,
     /// Number of all-reduce calls.
     pub calls: u64,
+    /// [`ErrorStats::sq_err`] over the values after the first row of each buffer (the tokens
+    /// after position 0, where the model's massive activations are), when the row length is
+    /// known (see [`Simulated::with_row`]).
+    pub sq_err_rest: f64,
+    /// [`ErrorStats::sq_ref`] over the same values.
+    pub sq_ref_rest: f64,
 }
 
 impl ErrorStats {
@@ -102,10 +109,22 @@ impl ErrorStats {
         }
     }
 
+    /// Relative L2 error over all calls without the first row of each buffer (0 when the row
+    /// length is unknown).
+    pub fn rel_l2_rest(&self) -> f64 {
+        if self.sq_ref_rest > 0.0 {
+            (self.sq_err_rest / self.sq_ref_rest).sqrt()
+        } else {
+            0.0
+        }
+    }
+
     /// Merges another set of statistics into this one.
     pub fn merge(&mut self, o: &ErrorStats) {
         self.sq_err += o.sq_err;
         self.sq_ref += o.sq_ref;
+        self.sq_err_rest += o.sq_err_rest;
+        self.sq_ref_rest += o.sq_ref_rest;
         self.max_abs_err = self.max_abs_err.max(o.max_abs_err);
         self.max_abs_input = self.max_abs_input.max(o.max_abs_input);
         self.calls += o.calls;
@@ -194,6 +213,8 @@ pub struct Simulated<'a> {
     mode: Mode,
     backend: &'a dyn Backend,
     scope: Scope,
+    rotation: Option<Rotation>,
+    row: usize,
     stats: Mutex<ErrorStats>,
 }
 
@@ -205,13 +226,34 @@ impl<'a> Simulated<'a> {
             mode,
             backend,
             scope: Scope::ALL,
+            rotation: None,
+            row: 0,
             stats: Mutex::new(ErrorStats::default()),
         }
+    }
+
+    /// With `rotate`, the quantized all-reduces run on rotated partials (see [`crate::rotation`]):
+    /// every rank rotates its `bf16` partial group by group (the reduce-scatter format's group
+    /// size) and rounds it to `bf16`, the all-reduce runs unchanged, and its result is rotated
+    /// back and rounded to `bf16`. The exact modes are not rotated.
+    pub fn with_rotation(mut self, rotate: bool) -> Simulated<'a> {
+        self.rotation = match self.mode.formats() {
+            Some((rs, _)) if rotate => Some(Rotation::new(rs.group.into())),
+            _ => None,
+        };
+        self
     }
 
     /// Restricts the quantized mode to some all-reduces; the others are exact.
     pub fn with_scope(mut self, scope: Scope) -> Simulated<'a> {
         self.scope = scope;
+        self
+    }
+
+    /// Sets the row length of the buffers (the hidden size: a buffer is `[tokens, hidden]`), so
+    /// that the statistics also report the error without the first token.
+    pub fn with_row(mut self, row: usize) -> Simulated<'a> {
+        self.row = row;
         self
     }
 
@@ -252,23 +294,49 @@ impl AllReduce for Simulated<'_> {
         } else {
             Mode::Lossless
         };
+        let rotation = self.rotation.as_ref().filter(|_| mode != Mode::Lossless);
+        let rotated: Option<Vec<Vec<bf16>>> = rotation.map(|r| {
+            b16.iter()
+                .map(|p| {
+                    let mut v: Vec<f32> = p.iter().map(|x| x.to_f32()).collect();
+                    r.forward(&mut v);
+                    v.into_iter().map(bf16::from_f32).collect()
+                })
+                .collect()
+        });
+        let rotated_inputs: Option<Vec<&[bf16]>> = rotated
+            .as_ref()
+            .map(|r| r.iter().map(Vec::as_slice).collect());
+        let ar_inputs = rotated_inputs.as_deref().unwrap_or(&inputs);
         let out = match mode {
             Mode::F32 | Mode::Lossless => Ok(exact.clone()),
-            Mode::TwoStep { rs, ag } => self.backend.two_step(rs, ag, &inputs),
-            Mode::OneShot(f) => self.backend.one_shot(f, &inputs),
+            Mode::TwoStep { rs, ag } => self.backend.two_step(rs, ag, ar_inputs),
+            Mode::OneShot(f) => self.backend.one_shot(f, ar_inputs),
         }
         .unwrap_or_else(|e| panic!("all-reduce {:?} failed: {e}", self.mode));
+        let out = match rotation {
+            Some(r) => {
+                let mut v: Vec<f32> = out.iter().map(|x| x.to_f32()).collect();
+                r.inverse(&mut v);
+                v.into_iter().map(bf16::from_f32).collect()
+            }
+            None => out,
+        };
         assert_eq!(out.len(), exact.len(), "all-reduce changed the length");
         let mut local = ErrorStats {
             max_abs_input: max_in.into(),
             calls: 1,
             ..ErrorStats::default()
         };
-        for (&q, &e) in out.iter().zip(&exact) {
+        for (i, (&q, &e)) in out.iter().zip(&exact).enumerate() {
             let (q, e) = (f64::from(q.to_f32()), f64::from(e.to_f32()));
             let d = q - e;
             local.sq_err += d * d;
             local.sq_ref += e * e;
+            if self.row > 0 && i >= self.row {
+                local.sq_err_rest += d * d;
+                local.sq_ref_rest += e * e;
+            }
             local.max_abs_err = local.max_abs_err.max(d.abs());
         }
         self.stats.lock().expect("stats lock").merge(&local);

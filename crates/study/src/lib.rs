@@ -5,7 +5,8 @@
 //! `f32` ([`model`]) with the two row-parallel all-reduces of every layer simulated at TP = N:
 //! each rank's partial sum is converted to `bf16` and reduced by the codec's CPU reference,
 //! exactly or quantized ([`collective`]). [`study`] turns the mean negative log-likelihood of
-//! each setting into a perplexity and compares it with the exact all-reduce.
+//! each setting into a perplexity and compares it with the exact all-reduce. [`rotation`] is an
+//! optional randomized Hadamard rotation of the quantization groups around the codec.
 
 #![forbid(unsafe_code)]
 
@@ -13,5 +14,6 @@ pub mod collective;
 pub mod gguf;
 pub mod model;
 pub mod quant;
+pub mod rotation;
 pub mod study;
 pub mod tokenizer;

@@ -19,11 +19,13 @@ usage: flashcomm-tp-study --model FILE.gguf --text FILE [options]
   --text FILE      WikiText-2 test set (test.txt)
   --windows N      non-overlapping windows of --ctx tokens from the start of the text [3]
   --ctx N          tokens per window [512]
-  --plan NAME      quick | tp2 | tp48 | full [quick]
+  --plan NAME      quick | tp2 | tp48 | full | rot [quick]
   --run SETTING    a single setting, repeatable, replaces --plan:
                    TP:exact, TP:f32, TP:two:B:G:K, TP:one:B:G:K, TP:mixed:BRS:BAG:G:K,
-                   optionally followed by @L:S to quantize only some all-reduces (the others
-                   stay exact): L is all, N or A-B (layers, inclusive), S is both, o or down
+                   the quantized ones optionally followed by :rot to rotate each group
+                   (randomized Hadamard) around the codec, then optionally by @L:S to
+                   quantize only some all-reduces (the others stay exact): L is all, N or
+                   A-B (layers, inclusive), S is both, o or down
   --threads N      worker threads [available cores]
   --json FILE      also write the results as JSON (rewritten as settings finish)
   --prompt TEXT    prompt of the next-token check [The capital of France is]
@@ -222,7 +224,7 @@ fn run() -> Result<(), String> {
             "[{:>4.0}s] tp{} {:<16} {:<28} ppl {:.3}{rel}  ({:.1}s)",
             t2.elapsed().as_secs_f64(),
             r.run.tp,
-            r.run.mode.algorithm(),
+            r.run.algorithm(),
             r.run.mode.formats().map_or(String::new(), |(a, b)| {
                 let f = if a == b {
                     a.to_string()
@@ -256,11 +258,20 @@ fn run() -> Result<(), String> {
     let mut tps: Vec<usize> = results.iter().map(|r| r.run.tp).collect();
     tps.dedup();
     for tp in tps {
-        for one_shot in [false, true] {
-            let p = study::pivot(&results, tp, one_shot);
-            if !p.is_empty() {
-                let name = if one_shot { "one-shot" } else { "two-step" };
-                println!("\nTP={tp}, {name}: PPL change vs exact (effective bits/value)\n\n{p}");
+        for rotate in [false, true] {
+            for one_shot in [false, true] {
+                let p = study::pivot_rotated(&results, tp, one_shot, rotate);
+                if !p.is_empty() {
+                    let name = match (one_shot, rotate) {
+                        (false, false) => "two-step",
+                        (true, false) => "one-shot",
+                        (false, true) => "two-step + rot",
+                        (true, true) => "one-shot + rot",
+                    };
+                    println!(
+                        "\nTP={tp}, {name}: PPL change vs exact (effective bits/value)\n\n{p}"
+                    );
+                }
             }
         }
     }

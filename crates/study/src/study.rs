@@ -17,6 +17,9 @@ pub struct Run {
     pub mode: Mode,
     /// The all-reduces the quantized mode applies to (the others are exact).
     pub scope: Scope,
+    /// Whether the quantized all-reduces run on partials rotated group by group (see
+    /// [`crate::rotation`]); ignored by the exact modes.
+    pub rotate: bool,
 }
 
 impl Run {
@@ -26,6 +29,22 @@ impl Run {
             tp,
             mode,
             scope: Scope::ALL,
+            rotate: false,
+        }
+    }
+
+    /// The same setting with the rotation of the quantization groups switched on or off.
+    pub fn rotated(self, rotate: bool) -> Run {
+        Run { rotate, ..self }
+    }
+
+    /// The algorithm's name, with `+ rot` when the groups are rotated.
+    pub fn algorithm(&self) -> String {
+        let name = self.mode.algorithm();
+        if self.rotate && self.mode.formats().is_some() {
+            format!("{name} + rot")
+        } else {
+            name.to_string()
         }
     }
 }
@@ -76,6 +95,8 @@ fn spec(bits: u8, group: u16, spikes: u8) -> Spec {
 ///   128 with spikes 0/2; one-shot widths 2, 3, 4 at groups 32 and 128 with spikes 2; mixed 4/8
 ///   at groups 32 and 128 with spikes 2.
 /// * `full`: `tp2` then `tp48`.
+/// * `rot`: TP = 2, exact, then two-step and one-shot at widths 2, 3, 4, groups 32, 64, 128 and
+///   spikes 0/2, each with the rotation of the groups (see [`crate::rotation`]).
 /// * `quick`: TP = 2, exact, two-step widths 2, 3, 4, 8 at group 32 with spikes 2, one-shot
 ///   4-bit and mixed 4/8 at group 32 with spikes 2.
 pub fn plan(name: &str) -> Result<Vec<Run>, String> {
@@ -138,6 +159,24 @@ pub fn plan(name: &str) -> Result<Vec<Run>, String> {
                 }
             }
         }
+        "rot" => {
+            let tp = 2;
+            runs.push(Run::new(tp, Mode::Lossless));
+            for one_shot in [true, false] {
+                for b in [4, 3, 2] {
+                    for g in [32, 64, 128] {
+                        for k in [0, 2] {
+                            let mode = if one_shot {
+                                Mode::OneShot(spec(b, g, k))
+                            } else {
+                                two(b, g, k)
+                            };
+                            runs.push(Run::new(tp, mode).rotated(true));
+                        }
+                    }
+                }
+            }
+        }
         "full" => {
             runs = plan("tp2")?;
             runs.extend(plan("tp48")?);
@@ -151,23 +190,33 @@ pub fn plan(name: &str) -> Result<Vec<Run>, String> {
             runs.push(Run::new(tp, Mode::OneShot(spec(4, 32, 2))));
             runs.push(Run::new(tp, mixed(32, 2)));
         }
-        other => return Err(format!("unknown plan {other:?} (tp2, tp48, full, quick)")),
+        other => {
+            return Err(format!(
+                "unknown plan {other:?} (tp2, tp48, full, quick, rot)"
+            ));
+        }
     }
     Ok(runs)
 }
 
 /// Parses one setting: `TP:exact`, `TP:f32`, `TP:two:B:G:K`, `TP:one:B:G:K` or
-/// `TP:mixed:BRS:BAG:G:K`, e.g. `2:two:4:32:2`, optionally followed by `@SCOPE` (see
-/// [`Scope::parse`]) to quantize only some all-reduces, e.g. `2:two:4:32:2@0-27:both`.
+/// `TP:mixed:BRS:BAG:G:K`, e.g. `2:two:4:32:2`, optionally followed by `:rot` (quantized modes
+/// only) to rotate the quantization groups (see [`crate::rotation`]), e.g. `2:one:4:128:2:rot`,
+/// and by `@SCOPE` (see [`Scope::parse`]) to quantize only some all-reduces, e.g.
+/// `2:two:4:32:2@0-27:both` or `2:two:4:32:2:rot@0-27:both`.
 pub fn parse_run(s: &str) -> Result<Run, String> {
     let (s, scope) = match s.split_once('@') {
         Some((run, scope)) => (run, Scope::parse(scope)?),
         None => (s, Scope::ALL),
     };
+    let (s, rotate) = match s.strip_suffix(":rot") {
+        Some(run) => (run, true),
+        None => (s, false),
+    };
     let parts: Vec<&str> = s.split(':').collect();
     let bad = || {
         format!(
-            "bad setting {s:?}: use TP:exact, TP:f32, TP:two:B:G:K, TP:one:B:G:K or TP:mixed:BRS:BAG:G:K"
+            "bad setting {s:?}: use TP:exact, TP:f32, TP:two:B:G:K, TP:one:B:G:K or TP:mixed:BRS:BAG:G:K, the quantized ones optionally followed by :rot"
         )
     };
     let tp: usize = parts
@@ -192,7 +241,15 @@ pub fn parse_run(s: &str) -> Result<Run, String> {
         },
         _ => return Err(bad()),
     };
-    Ok(Run { tp, mode, scope })
+    if rotate && mode.formats().is_none() {
+        return Err(bad());
+    }
+    Ok(Run {
+        tp,
+        mode,
+        scope,
+        rotate,
+    })
 }
 
 /// Evaluates every setting over every window with `threads` worker threads (jobs are
@@ -234,8 +291,10 @@ pub fn evaluate(
                     }
                     let (r, w) = (j / windows.len(), j % windows.len());
                     let start = Instant::now();
-                    let ar =
-                        Simulated::new(runs[r].tp, runs[r].mode, backend).with_scope(runs[r].scope);
+                    let ar = Simulated::new(runs[r].tp, runs[r].mode, backend)
+                        .with_scope(runs[r].scope)
+                        .with_rotation(runs[r].rotate)
+                        .with_row(model.cfg.hidden);
                     let (nll, n) = model.nll(&windows[w], &ar);
                     let elapsed = start.elapsed();
                     let mut st = state.lock().expect("results lock");
@@ -343,7 +402,7 @@ pub fn markdown_table(results: &[RunResult]) -> String {
             s,
             "| {} | {} | {bits} | {group} | {spikes} |{scope} {eff} | {:.3} | {rel} | {l2} | {} |",
             r.run.tp,
-            r.run.mode.algorithm(),
+            r.run.algorithm(),
             r.ppl(),
             target_cell(results, r)
         );
@@ -352,12 +411,19 @@ pub fn markdown_table(results: &[RunResult]) -> String {
 }
 
 /// Pivot tables of the relative perplexity change (percent) for one algorithm at one TP degree:
-/// a row per width, a column per (group, spikes). Empty when no such results exist.
+/// a row per width, a column per (group, spikes). Empty when no such results exist. Settings
+/// with rotated groups are left out (see [`pivot_rotated`]).
 pub fn pivot(results: &[RunResult], tp: usize, one_shot: bool) -> String {
+    pivot_rotated(results, tp, one_shot, false)
+}
+
+/// [`pivot`] of the settings with (`rotate`) or without rotated groups.
+pub fn pivot_rotated(results: &[RunResult], tp: usize, one_shot: bool, rotate: bool) -> String {
     let pick = |b: u8, g: u16, k: u8| {
         results.iter().find(|r| {
             r.run.tp == tp
                 && r.run.scope == Scope::ALL
+                && r.run.rotate == rotate
                 && match r.run.mode {
                     Mode::OneShot(f) => one_shot && f == spec(b, g, k),
                     Mode::TwoStep { rs, ag } => !one_shot && rs == ag && rs == spec(b, g, k),
@@ -445,9 +511,10 @@ pub fn json(results: &[RunResult], meta: &[(&str, String)]) -> String {
         let (eb_rs, eb_ag) = r.effective_bits.unwrap_or((f64::NAN, f64::NAN));
         let _ = write!(
             s,
-            "    {{\"tp\": {}, \"algorithm\": \"{}\", \"scope\": \"{}\", \"rs\": {rs}, \"ag\": {ag}, \"effective_bits_rs\": {}, \"effective_bits_ag\": {}, \"effective_bits\": {}, \"ppl\": {}, \"nll_sum\": {}, \"tokens\": {}, \"relative_change\": {}, \"ar_rel_l2_error\": {}, \"ar_max_abs_error\": {}, \"max_abs_partial\": {}, \"allreduce_calls\": {}, \"cpu_seconds\": {:.3}}}",
+            "    {{\"tp\": {}, \"algorithm\": \"{}\", \"rotation\": {}, \"scope\": \"{}\", \"rs\": {rs}, \"ag\": {ag}, \"effective_bits_rs\": {}, \"effective_bits_ag\": {}, \"effective_bits\": {}, \"ppl\": {}, \"nll_sum\": {}, \"tokens\": {}, \"relative_change\": {}, \"ar_rel_l2_error\": {}, \"ar_rel_l2_error_after_first_token\": {}, \"ar_max_abs_error\": {}, \"max_abs_partial\": {}, \"allreduce_calls\": {}, \"cpu_seconds\": {:.3}}}",
             r.run.tp,
             r.run.mode.algorithm(),
+            r.run.rotate,
             r.run.scope,
             json_f(eb_rs),
             json_f(eb_ag),
@@ -457,6 +524,7 @@ pub fn json(results: &[RunResult], meta: &[(&str, String)]) -> String {
             r.tokens,
             json_f(relative_change(results, r).unwrap_or(f64::NAN)),
             json_f(r.stats.rel_l2()),
+            json_f(r.stats.rel_l2_rest()),
             json_f(r.stats.max_abs_err),
             json_f(r.stats.max_abs_input),
             r.stats.calls,
