@@ -149,7 +149,8 @@ pub enum CodecOp {
     Decode,
     /// `fc_codec_decode_accumulate_<dtype>_b<bits>`.
     DecodeAccumulate,
-    /// `fc_codec_reduce_requantize_<dtype>_b<bits>` (bits: the output width).
+    /// `fc_codec_reduce_requantize_<dtype>_b<bits>` (bits: the output width; 2 CTAs per SM), and
+    /// `fc_codec_reduce_requantize_1cta_<dtype>_b<bits>` (1 CTA per SM).
     ReduceRequantize,
 }
 
@@ -168,6 +169,12 @@ impl CodecOp {
 /// The name of the kernel of `op` for `dtype` and `bits`.
 pub fn kernel_name(op: CodecOp, dtype: CodecDtype, bits: u8) -> String {
     format!("fc_codec_{}_{}_b{bits}", op.name(), dtype.name())
+}
+
+/// The variant of the reduce_requantize kernel compiled for one resident CTA per SM (no register
+/// cap), which the launcher uses when shared memory admits only one CTA of the default kernel.
+pub fn reduce_one_cta_kernel_name(dtype: CodecDtype, bits: u8) -> String {
+    format!("fc_codec_reduce_requantize_1cta_{}_b{bits}", dtype.name())
 }
 
 /// Dynamic shared memory per warp that the kernel of `op` needs with `flags`, when its encoded
@@ -192,13 +199,13 @@ pub const fn smem_per_warp(
                 STAGES_16BIT * block
             }
         }
+        // Spikes are patched in the output stage (or the output), not in a scratch.
         CodecOp::Decode => {
-            SCRATCH_BYTES
-                + if direct {
-                    0
-                } else {
-                    block + IN_STAGES * in_block_bytes
-                }
+            if direct {
+                0
+            } else {
+                block + IN_STAGES * in_block_bytes
+            }
         }
         CodecOp::DecodeAccumulate => SCRATCH_BYTES,
         CodecOp::ReduceRequantize => {

@@ -53,6 +53,15 @@
 
 #include <type_traits>
 
+// Benchmark-only ablation switches (cuda/bench/codec_ablation.cu, ci/codec-ablation.sh): each
+// removes one part of the work to measure what it costs, and makes the results WRONG. The library
+// build never sets them. Bits: 1 encode without the range/spike plan (a fixed range), 2 encode
+// without the code arithmetic, 4 decode without writing the spikes, 8 decode without the range
+// arithmetic (the codes' bit patterns as values), 16 decode without extracting codes.
+#ifndef FC_CODEC_ABLATE
+#define FC_CODEC_ABLATE 0
+#endif
+
 namespace fc {
 namespace codec {
 
@@ -858,7 +867,14 @@ __device__ __forceinline__ void encode(const Vals<T>& x, uint32_t nvalues, const
   const uint32_t lane = lane_id();
   Plan plan;
   bool fast = false;
-  if (nvalues == kBlockValues) {
+  if (FC_CODEC_ABLATE & 1) {
+    plan.lo = -4.0f;
+    plan.r = 2.0f;
+    plan.keep = kFullMask;
+    plan.clamp = false;
+    plan.meta = GroupMeta{};
+    fast = true;
+  } else if (nvalues == kBlockValues) {
     if (L.spikes == 0)
       fast = plan_fast<T, B, 1>(x, L, lane, plan);
     else if (L.spikes == 2)
@@ -868,7 +884,10 @@ __device__ __forceinline__ void encode(const Vals<T>& x, uint32_t nvalues, const
   }
   if (!fast) plan_general<T, B>(x, nvalues, L, lane, plan);
   uint32_t words[B];
-  if (!plan.clamp)
+  if (FC_CODEC_ABLATE & 2) {
+#pragma unroll
+    for (int w = 0; w < B; ++w) words[w] = x.w[w] ^ x.w[w + 8];
+  } else if (!plan.clamp)
     compute_codes<T, B, false>(x, plan.lo, plan.r, words);
   else
     compute_codes<T, B, true>(x, plan.lo, plan.r, words);
@@ -890,15 +909,23 @@ __device__ __forceinline__ uint32_t scratch_slot(uint32_t lane, uint32_t e) {
   return ((((e >> 2) ^ (lane & 7u))) << 2) | (e & 3u);
 }
 
-// Decodes the lane's 32 values of one block into f32 (`v[i]` = value 32*lane + i). Spikes are
-// applied, poisoned groups give the canonical f32 NaN. Values at or beyond `nvalues` are
-// unspecified. `scratch` is this warp's 4 KiB (FC_CODEC_SCRATCH_BYTES) of 16-byte aligned shared
-// memory, used by the lanes that own a spike. `may_nan` is set when a value of a non-poisoned
-// group may be NaN (only possible for blocks that no encoder wrote: infinite ranges or NaN spikes).
-// Every lane of the warp must call it with the same arguments. The header is not checked here.
+// The spike slots of one block that patch values of the calling lane (see decode_values).
+struct LaneSpikes {
+  uint32_t owned;  // bit s: slot s patches one of this lane's values (never set in poisoned groups)
+  uint32_t pos4;   // slot s's position inside the group in byte s (the lane's value is pos & 31)
+  float val[4];    // slot s's value, exact
+};
+
+// Decodes the lane's 32 values of one block into f32 (`v[i]` = value 32*lane + i) WITHOUT the
+// spikes, which come back in `sp` for the caller to apply (first slot wins on a repeated
+// position: apply the owned slots from the last to the first). Poisoned groups give the canonical
+// f32 NaN and no owned slot. Values at or beyond `nvalues` are unspecified. `may_nan` is set when a
+// decoded value of a non-poisoned group may be NaN (only possible for blocks that no encoder wrote:
+// infinite ranges or NaN spikes). Every lane of the warp must call it with the same arguments. The
+// header is not checked here.
 template <typename T, int B, class Ld = LoadPlain>
-__device__ __forceinline__ void decode(const uint8_t* blk, const Layout<T, B>& L, uint32_t nvalues, float (&v)[32],
-                                       float* scratch, bool& may_nan) {
+__device__ __forceinline__ void decode_values(const uint8_t* blk, const Layout<T, B>& L, uint32_t nvalues, float (&v)[32],
+                                              LaneSpikes& sp, bool& may_nan) {
   const uint32_t lane = lane_id();
   const uint32_t lpg = L.lpg, sub = lane & (lpg - 1u), j = lane >> L.lpg_log2;
   uint32_t words[B];
@@ -939,15 +966,24 @@ __device__ __forceinline__ void decode(const uint8_t* blk, const Layout<T, B>& L
   const bool poisoned = isnan(lo) || isnan(hi);
   may_nan = !poisoned && (isinf(lo) || isinf(hi) || isinf(__fadd_rn(lo, __fmul_rn(maxc, step))));
 
+  if (FC_CODEC_ABLATE & 16) {
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const float fq = __fsub_rn(__uint_as_float(get_code<B>(words, i) | kMagicBits), kMagic);
-    v[i] = __fadd_rn(lo, __fmul_rn(fq, step));
+    for (int i = 0; i < 32; ++i) v[i] = __uint_as_float(words[i % B]);
+  } else if (FC_CODEC_ABLATE & 8) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v[i] = __uint_as_float(get_code<B>(words, i) | kMagicBits);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const float fq = __fsub_rn(__uint_as_float(get_code<B>(words, i) | kMagicBits), kMagic);
+      v[i] = __fadd_rn(lo, __fmul_rn(fq, step));
+    }
   }
 
   // Spikes: slots s < ke with a position inside the group's valid values; the first slot wins on
   // a repeated position (patches are applied last slot first).
   const uint32_t k = L.spikes;
+  sp.owned = 0;
   if (k != 0) {
     const int glen = (int)nvalues - (int)(j << L.glog2);
     const uint32_t len = glen <= 0 ? 0u : min((uint32_t)glen, L.group);
@@ -985,38 +1021,58 @@ __device__ __forceinline__ void decode(const uint8_t* blk, const Layout<T, B>& L
         sv[3] = Elem<T>::from_bits(a.y >> 16);
       }
     }
-    uint32_t owned = 0;  // bit s: slot s patches one of this lane's values
+    uint32_t owned = 0;
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const uint32_t p = (pos4 >> (8 * s)) & 0xffu;
-      if ((uint32_t)s < ke && p < len && (p >> 5) == sub) owned |= 1u << s;
-    }
-    if (owned != 0u && !poisoned) {
-      float* mine = scratch + lane * 32u;
-#pragma unroll
-      for (int c = 0; c < 8; ++c)
-        *reinterpret_cast<float4*>(mine + scratch_slot(lane, 4u * c)) = make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
-#pragma unroll
-      for (int s = 3; s >= 0; --s) {
-        if ((owned >> s) & 1u) {
-          mine[scratch_slot(lane, (pos4 >> (8 * s)) & 31u)] = sv[s];
-          may_nan = may_nan || isnan(sv[s]);
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        const float4 a = *reinterpret_cast<const float4*>(mine + scratch_slot(lane, 4u * c));
-        v[4 * c] = a.x;
-        v[4 * c + 1] = a.y;
-        v[4 * c + 2] = a.z;
-        v[4 * c + 3] = a.w;
+      if ((uint32_t)s < ke && p < len && (p >> 5) == sub) {
+        owned |= 1u << s;
+        may_nan = may_nan || (!poisoned && isnan(sv[s]));
       }
     }
+    sp.owned = poisoned ? 0u : owned;
+    sp.pos4 = pos4;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) sp.val[s] = sv[s];
   }
   if (poisoned) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) v[i] = __uint_as_float(0x7FC00000u);
   }
+}
+
+
+// decode_values with the spikes applied in registers, through `scratch`: this warp's 4 KiB
+// (FC_CODEC_SCRATCH_BYTES) of 16-byte aligned shared memory, used by the lanes that own a spike.
+template <typename T, int B, class Ld = LoadPlain>
+__device__ __forceinline__ void decode(const uint8_t* blk, const Layout<T, B>& L, uint32_t nvalues, float (&v)[32],
+                                       float* scratch, bool& may_nan) {
+  LaneSpikes sp;
+  decode_values<T, B, Ld>(blk, L, nvalues, v, sp, may_nan);
+  if (sp.owned != 0u) {
+    const uint32_t lane = lane_id();
+    float* mine = scratch + lane * 32u;
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+      *reinterpret_cast<float4*>(mine + scratch_slot(lane, 4u * c)) = make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
+#pragma unroll
+    for (int s = 3; s >= 0; --s)
+      if ((sp.owned >> s) & 1u) mine[scratch_slot(lane, (sp.pos4 >> (8 * s)) & 31u)] = sp.val[s];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const float4 a = *reinterpret_cast<const float4*>(mine + scratch_slot(lane, 4u * c));
+      v[4 * c] = a.x;
+      v[4 * c + 1] = a.y;
+      v[4 * c + 2] = a.z;
+      v[4 * c + 3] = a.w;
+    }
+  }
+}
+
+// The element bits that a decoded spike value becomes (exact; NaN -> canonical NaN).
+template <typename T>
+__device__ __forceinline__ uint32_t spike_bits(float v) {
+  return isnan(v) ? Elem<T>::kNanBits : Elem<T>::exact_bits(v);
 }
 
 // Decodes one block and adds it into 32 f32 accumulators per lane: acc[i] = acc[i] + v[i].

@@ -8,7 +8,8 @@
 //   fc_codec_decode_<dtype>_b<bits>              FcCodecDecodeParams
 //   fc_codec_decode_accumulate_<dtype>_b<bits>   FcCodecDecodeParams (output is f32[n], read and written)
 //   fc_codec_reduce_requantize_<dtype>_b<bits>   FcCodecReduceParams (bits: output width; the input
-//                                                width is a run-time parameter)
+//                                                width is a run-time parameter; 2 CTAs per SM)
+//   fc_codec_reduce_requantize_1cta_<dtype>_b<bits>  the same for 1 CTA per SM (see FC_CODEC_MIN_CTAS)
 // with dtype f32, f16, bf16. Dynamic shared memory per warp: see codec_params.h and
 // crates/kernels/src/codec.rs (the kernels trap if the launch gave too little).
 #pragma once
@@ -186,13 +187,14 @@ __device__ __forceinline__ void decode_kernel(const FcCodecDecodeParams& p) {
   using I = Io<T>;
   const Layout<T, B> L(p.group, p.spikes);
   const bool direct = (p.flags & FC_CODEC_FLAG_DIRECT_IO) != 0;
-  // Per warp: spike scratch | output stage (kBlockBytes) | input ring (FC_CODEC_IN_STAGES blocks).
-  const uint32_t per_warp = FC_CODEC_SCRATCH_BYTES + (direct ? 0u : I::kBlockBytes + FC_CODEC_IN_STAGES * L.block_bytes);
+  // Per warp (staged): output stage (kBlockBytes) | input ring (FC_CODEC_IN_STAGES blocks).
+  // Spikes are written over their decoded values in the output stage (or, direct, in the output
+  // after the lane's own vector stores), so decode needs no spike scratch.
+  const uint32_t per_warp = direct ? 0u : I::kBlockBytes + FC_CODEC_IN_STAGES * L.block_bytes;
   require_smem(per_warp);
   extern __shared__ uint4 smem[];
   const uint32_t lane = lane_id(), wib = threadIdx.x >> 5;
-  float* scratch = reinterpret_cast<float*>(smem + (size_t)wib * (per_warp / 16u));
-  uint4* stage = smem + (size_t)wib * (per_warp / 16u) + FC_CODEC_SCRATCH_BYTES / 16u;
+  uint4* stage = smem + (size_t)wib * (per_warp / 16u);
   uint4* ring = stage + I::kBlockBytes / 16u;
   const uint64_t nblocks = (p.n + kBlockValues - 1) / kBlockValues;
   const uint64_t total = p.n * Elem<T>::kBytes;
@@ -227,10 +229,18 @@ __device__ __forceinline__ void decode_kernel(const FcCodecDecodeParams& p) {
     } else {
       float v[32];
       bool may_nan;
-      decode<T, B>(blk, L, nv, v, scratch, may_nan);
+      LaneSpikes sp;
+      decode_values<T, B>(blk, L, nv, v, sp, may_nan);
+      if (FC_CODEC_ABLATE & 4) sp.owned = 0;
       Vals<T> y;
       to_elements<T>(v, may_nan, y);
       const uint64_t bbase = b * I::kBlockBytes;
+      // Calls store(i, bits) for each spike slot of the lane: value i of the lane gets `bits`.
+      auto put_spikes = [&](auto&& store) {
+#pragma unroll
+        for (int s = 3; s >= 0; --s)  // the first slot wins on a repeated position
+          if ((sp.owned >> s) & 1u) store((sp.pos4 >> (8 * s)) & 31u, spike_bits<T>(sp.val[s]));
+      };
       if (direct) {
 #pragma unroll
         for (uint32_t c = 0; c < I::kChunks; ++c) {
@@ -238,10 +248,28 @@ __device__ __forceinline__ void decode_kernel(const FcCodecDecodeParams& p) {
           const uint32_t nb = chunk_bytes(off, total);
           if (nb) store_chunk(out + off, make_uint4(y.w[4 * c], y.w[4 * c + 1], y.w[4 * c + 2], y.w[4 * c + 3]), nb);
         }
+        // Same thread, same address, later in program order: the spike overwrites its value.
+        if (sp.owned != 0u)
+          put_spikes([&](uint32_t i, uint32_t bits) {
+            uint8_t* dst = out + bbase + (uint64_t)(lane * 32u + i) * Elem<T>::kBytes;
+            if constexpr (Elem<T>::kBytes == 4)
+              *reinterpret_cast<uint32_t*>(dst) = bits;
+            else
+              *reinterpret_cast<uint16_t*>(dst) = (uint16_t)bits;
+          });
       } else {
 #pragma unroll
         for (uint32_t c = 0; c < I::kChunks; ++c)
           stage[stage_pos<T>(lane * I::kChunks + c)] = make_uint4(y.w[4 * c], y.w[4 * c + 1], y.w[4 * c + 2], y.w[4 * c + 3]);
+        if (sp.owned != 0u)
+          put_spikes([&](uint32_t i, uint32_t bits) {
+            const uint32_t byte = i * Elem<T>::kBytes;
+            uint8_t* dst = reinterpret_cast<uint8_t*>(stage + stage_pos<T>(lane * I::kChunks + byte / 16u)) + byte % 16u;
+            if constexpr (Elem<T>::kBytes == 4)
+              *reinterpret_cast<uint32_t*>(dst) = bits;
+            else
+              *reinterpret_cast<uint16_t*>(dst) = (uint16_t)bits;
+          });
         __syncwarp();
 #pragma unroll
         for (uint32_t r = 0; r < I::kChunks; ++r) {
@@ -316,14 +344,15 @@ __device__ __forceinline__ void decode_accumulate_kernel(const FcCodecDecodePara
     default: CALL(8); break;                \
   }
 
-// The block loop of reduce_requantize for input width BI and output width BO. Per block: every
+// The block loop of reduce_requantize for input width BI and output width BO, in the kernel
+// compiled for MINB resident CTAs (not inlined: see FC_CODEC_MIN_CTAS). Per block: every
 // input's header is checked, the inputs are decoded and accumulated in order 0..N-1 starting from
 // -0 (the identity of IEEE addition: -0 + v == v for every v, -0 and NaN included, so acc = v_0
 // exactly and one decode path serves all inputs), rounded to T and encoded. Staged (default):
 // slot s of the warp's ring holds block b's encoded block of every input, copied with cp.async
 // FC_CODEC_IN_STAGES iterations ahead.
-template <typename T, int BI, int BO>
-__device__ __forceinline__ void reduce_loop(const FcCodecReduceParams& p, float* scratch, uint4* ring, bool direct) {
+template <typename T, int BI, int BO, int MINB>
+__device__ __noinline__ void reduce_loop(const FcCodecReduceParams& p, float* scratch, uint4* ring, bool direct) {
   const Layout<T, BI> Lin(p.in_group, p.in_spikes);
   const Layout<T, BO> Lout(p.out_group, p.out_spikes);
   const uint64_t* ptrs = reinterpret_cast<const uint64_t*>(p.inputs);
@@ -386,7 +415,7 @@ __device__ __forceinline__ uint32_t block_bytes_of(uint32_t bits, uint32_t group
   return (raw + 15u) & ~15u;
 }
 
-template <typename T, int BO>
+template <typename T, int BO, int MINB>
 __device__ __forceinline__ void reduce_kernel(const FcCodecReduceParams& p) {
   if (p.ninputs == 0 || p.in_bits < 2 || p.in_bits > 8) return;
   const bool direct = (p.flags & FC_CODEC_FLAG_DIRECT_IO) != 0;
@@ -399,7 +428,7 @@ __device__ __forceinline__ void reduce_kernel(const FcCodecReduceParams& p) {
   const uint32_t wib = threadIdx.x >> 5;
   float* scratch = reinterpret_cast<float*>(smem + (size_t)wib * (per_warp / 16u));
   uint4* ring = smem + (size_t)wib * (per_warp / 16u) + FC_CODEC_SCRATCH_BYTES / 16u;
-#define FC_LOOP(BI) reduce_loop<T, BI, BO>(p, scratch, ring, direct)
+#define FC_LOOP(BI) reduce_loop<T, BI, BO, MINB>(p, scratch, ring, direct)
   FC_CODEC_IN_BITS_SWITCH(p.in_bits, FC_LOOP)
 #undef FC_LOOP
 }
@@ -409,11 +438,15 @@ __device__ __forceinline__ void reduce_kernel(const FcCodecReduceParams& p) {
 }  // namespace fc
 
 // Minimum resident CTAs per SM the kernels are compiled for: 2 caps registers at 128 per thread
-// (16 warps per SM); the fused reduce keeps 64 values per lane live (accumulators and one decoded
-// input) on top of the encoder and gets the whole register file of 1 CTA instead of spilling.
-// f32 encode (32 words of input per lane) does the same with 1 CTA rather than spill at 3, 5 bits.
+// (16 warps per SM). f32 encode (32 words of input per lane) keeps 1 CTA rather than spill at 3,
+// 5 bits. The fused reduce keeps 64 values per lane live (accumulators and one decoded input) on
+// top of the encoder and comes twice: fc_codec_reduce_requantize_* for 2 CTAs (128 registers;
+// its block loop is one non-inlined function per input width, reduce_loop, so that each width is
+// register-allocated alone and spills only a few words) and fc_codec_reduce_requantize_1cta_*
+// (the whole register file of 1 CTA, no spills). The host launches the second where shared memory
+// admits only one CTA of the first (many inputs of a wide format) or where the buffer has no more
+// blocks than 1 CTA per SM has warps (small calls), and the first otherwise (docs/perf.md).
 #define FC_CODEC_MIN_CTAS 2
-#define FC_CODEC_MIN_CTAS_REDUCE 1
 #define FC_CODEC_MIN_CTAS_ENCODE_f32 1
 #define FC_CODEC_MIN_CTAS_ENCODE_f16 2
 #define FC_CODEC_MIN_CTAS_ENCODE_bf16 2
@@ -431,9 +464,13 @@ __device__ __forceinline__ void reduce_kernel(const FcCodecReduceParams& p) {
       fc_codec_decode_accumulate_##SUFFIX##_b##B(const __grid_constant__ FcCodecDecodeParams p) {                  \
     fc::codec::kern::decode_accumulate_kernel<T, B>(p);                                                            \
   }                                                                                                                \
-  extern "C" __global__ void __launch_bounds__(FC_CODEC_THREADS, FC_CODEC_MIN_CTAS_REDUCE)                                                  \
+  extern "C" __global__ void __launch_bounds__(FC_CODEC_THREADS, 2)                                              \
       fc_codec_reduce_requantize_##SUFFIX##_b##B(const __grid_constant__ FcCodecReduceParams p) {                  \
-    fc::codec::kern::reduce_kernel<T, B>(p);                                                                       \
+    fc::codec::kern::reduce_kernel<T, B, 2>(p);                                                                    \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(FC_CODEC_THREADS, 1)                                              \
+      fc_codec_reduce_requantize_1cta_##SUFFIX##_b##B(const __grid_constant__ FcCodecReduceParams p) {             \
+    fc::codec::kern::reduce_kernel<T, B, 1>(p);                                                                    \
   }
 
 #define FC_CODEC_ALL_WIDTHS(T, SUFFIX) \

@@ -20,7 +20,7 @@
 #define FC_CODEC_FLAG_DIRECT_IO 1u
 
 // Dynamic shared memory, per warp (the host sizes the launch with these; kernels check).
-#define FC_CODEC_SCRATCH_BYTES 4096  // spike patching: 32 lanes x 32 f32
+#define FC_CODEC_SCRATCH_BYTES 4096  // spike patching in registers (decode_accumulate, reduce): 32 lanes x 32 f32
 #define FC_CODEC_STAGES_16BIT 3      // encode input stages of 2 KiB (f16, bf16)
 #define FC_CODEC_STAGES_32BIT 2      // encode input stages of 4 KiB (f32)
 // Staged decode and reduce_requantize (no FC_CODEC_FLAG_DIRECT_IO) also copy their encoded input

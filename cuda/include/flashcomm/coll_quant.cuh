@@ -87,6 +87,26 @@ __device__ __forceinline__ void store_lane(char* out, uint64_t n, uint64_t cb, u
   }
 }
 
+// Writes the lane's decoded spikes (codec::decode_values) over the values that store_lane wrote
+// for block `cb`: same thread, same address, later in program order, so the spike wins. This
+// replaces patching the values in registers (through shared memory) before the store.
+template <typename T>
+__device__ __forceinline__ void store_spikes(char* out, uint64_t cb, uint32_t lane, const codec::LaneSpikes& sp) {
+  if (sp.owned == 0u) return;
+  char* base = out + (cb * kBlockValues + 32ull * lane) * sizeof(T);
+#pragma unroll
+  for (int s = 3; s >= 0; --s) {  // the first slot wins on a repeated position
+    if ((sp.owned >> s) & 1u) {
+      char* dst = base + ((sp.pos4 >> (8 * s)) & 31u) * sizeof(T);
+      const uint32_t bits = codec::spike_bits<T>(sp.val[s]);
+      if constexpr (sizeof(T) == 4)
+        *reinterpret_cast<uint32_t*>(dst) = bits;
+      else
+        *reinterpret_cast<uint16_t*>(dst) = (uint16_t)bits;
+    }
+  }
+}
+
 // Copies `bytes` (a multiple of 16) of a frame payload to another frame payload (peer memory).
 __device__ __forceinline__ void copy_payload(const char* src, char* dst, uint32_t bytes, uint32_t lane) {
   for (uint32_t o = lane * 16; o < bytes; o += 32 * 16) st_v4(dst + o, ld_cg_v4(src + o));
@@ -268,9 +288,11 @@ __device__ void allreduce_twostep(const FcCollParams& p) {
             const uint32_t nv = codec::block_nvalues(p.count, cb);
             float v[32];
             bool may_nan = false;
-            codec::decode<T, BA, codec::LoadCg>(reinterpret_cast<const uint8_t*>(mine) + (uint64_t)i * LA.block_bytes, LA, nv, v,
-                                                scratch, may_nan);
+            codec::LaneSpikes sp;
+            codec::decode_values<T, BA, codec::LoadCg>(reinterpret_cast<const uint8_t*>(mine) + (uint64_t)i * LA.block_bytes, LA,
+                                                       nv, v, sp, may_nan);
             store_lane<T>(out, p.count, cb, lane, v, may_nan);
+            store_spikes<T>(out, cb, lane, sp);
           }
           clear_frames(p, c, 0, others, round, f);
         }
@@ -291,8 +313,10 @@ __device__ void allreduce_twostep(const FcCollParams& p) {
           const uint32_t nv = codec::block_nvalues(p.count, cb);
           float v[32];
           bool may_nan = false;
-          codec::decode<T, BA, codec::LoadCg>(block_in(p, c, 1, j, round, f, i, LA.block_bytes), LA, nv, v, scratch, may_nan);
+          codec::LaneSpikes sp;
+          codec::decode_values<T, BA, codec::LoadCg>(block_in(p, c, 1, j, round, f, i, LA.block_bytes), LA, nv, v, sp, may_nan);
           store_lane<T>(out, p.count, cb, lane, v, may_nan);
+          store_spikes<T>(out, cb, lane, sp);
         }
         clear_frames(p, c, 1, 1u << j, round, f);
       }

@@ -11,7 +11,7 @@ use super::{Function, Kernels, LaunchConfig, launch};
 use crate::Error;
 use crate::codec::{
     CodecDtype, CodecFormat, CodecOp, CodecStatus, DecodeParams, EncodeParams, FLAG_DIRECT_IO,
-    ReduceParams, THREADS, WARPS, kernel_name, smem_per_warp,
+    ReduceParams, THREADS, WARPS, kernel_name, reduce_one_cta_kernel_name, smem_per_warp,
 };
 
 mod sealed {
@@ -115,27 +115,34 @@ impl Codec {
             flags |= FLAG_DIRECT_IO;
             smem = WARPS * smem_per_warp(op, dtype, flags, in_block_bytes, ninputs);
         }
-        let (f, per_sm) = {
+        let lookup = |name: String| -> Result<(Function, u32), Error> {
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            match cache.get(&(name.clone(), smem)) {
-                Some(v) => *v,
-                None => {
-                    let f = self.kernels.function(&name)?;
-                    if smem > 48 * 1024 {
-                        let mut limits = self.smem_limit.lock().unwrap_or_else(|e| e.into_inner());
-                        let limit = limits.entry(name.clone()).or_insert(0);
-                        if smem > *limit {
-                            f.set_max_dynamic_smem(smem)?;
-                            *limit = smem;
-                        }
-                    }
-                    let per_sm = f.max_active_blocks_per_sm(THREADS, smem as usize)?.max(1);
-                    cache.insert((name, smem), (f, per_sm));
-                    (f, per_sm)
+            if let Some(v) = cache.get(&(name.clone(), smem)) {
+                return Ok(*v);
+            }
+            let f = self.kernels.function(&name)?;
+            if smem > 48 * 1024 {
+                let mut limits = self.smem_limit.lock().unwrap_or_else(|e| e.into_inner());
+                let limit = limits.entry(name.clone()).or_insert(0);
+                if smem > *limit {
+                    f.set_max_dynamic_smem(smem)?;
+                    *limit = smem;
                 }
             }
+            let per_sm = f.max_active_blocks_per_sm(THREADS, smem as usize)?.max(1);
+            cache.insert((name, smem), (f, per_sm));
+            Ok((f, per_sm))
         };
         let blocks = n.div_ceil(crate::codec::BLOCK_VALUES as u64);
+        let (mut f, mut per_sm) = lookup(name)?;
+        // The fused reduce is compiled for 2 CTAs per SM (128 registers, a few spilled words) and
+        // for 1 (no register cap, no spills). The second is faster where shared memory admits only
+        // one CTA anyway, and where one CTA per SM already gives every block its own warp.
+        if op == CodecOp::ReduceRequantize
+            && (per_sm < 2 || blocks <= u64::from(self.sms) * u64::from(WARPS))
+        {
+            (f, per_sm) = lookup(reduce_one_cta_kernel_name(dtype, bits))?;
+        }
         let ctas = blocks.div_ceil(u64::from(WARPS)).max(1);
         let grid = ctas.min(u64::from(self.sms) * u64::from(per_sm)) as u32;
         Ok((
