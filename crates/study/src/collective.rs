@@ -76,6 +76,23 @@ pub trait Backend: Sync {
     fn one_shot(&self, f: Spec, inputs: &[&[bf16]]) -> Result<Vec<bf16>, String>;
     /// Bits on the wire per value of a `bf16` format, payload and metadata included.
     fn effective_bits(&self, f: Spec) -> Result<f64, String>;
+    /// One-shot all-reduce with each group's spikes taken out first and the rest rotated (see
+    /// [`crate::spike_rotation`]). Not available by default.
+    fn one_shot_spikes_rotated(&self, f: Spec, inputs: &[&[bf16]]) -> Result<Vec<bf16>, String> {
+        let _ = (f, inputs);
+        Err("this backend has no all-reduce with spikes first, then rotation".into())
+    }
+    /// Two-step all-reduce with each group's spikes taken out first and the rest rotated (see
+    /// [`crate::spike_rotation`]). Not available by default.
+    fn two_step_spikes_rotated(
+        &self,
+        rs: Spec,
+        ag: Spec,
+        inputs: &[&[bf16]],
+    ) -> Result<Vec<bf16>, String> {
+        let _ = (rs, ag, inputs);
+        Err("this backend has no all-reduce with spikes first, then rotation".into())
+    }
 }
 
 /// Error statistics of the quantized all-reduce against the exact sum of the same inputs.
@@ -214,6 +231,7 @@ pub struct Simulated<'a> {
     backend: &'a dyn Backend,
     scope: Scope,
     rotation: Option<Rotation>,
+    spikes_first: bool,
     row: usize,
     stats: Mutex<ErrorStats>,
 }
@@ -227,6 +245,7 @@ impl<'a> Simulated<'a> {
             backend,
             scope: Scope::ALL,
             rotation: None,
+            spikes_first: false,
             row: 0,
             stats: Mutex::new(ErrorStats::default()),
         }
@@ -241,6 +260,15 @@ impl<'a> Simulated<'a> {
             Some((rs, _)) if rotate => Some(Rotation::new(rs.group.into())),
             _ => None,
         };
+        self
+    }
+
+    /// With `on`, the quantized all-reduces take each group's spikes out of the unrotated group
+    /// first, keep them exactly, and rotate and quantize the rest without spikes (see
+    /// [`crate::spike_rotation`]; the backend's `*_spikes_rotated` all-reduces). Takes precedence
+    /// over [`Simulated::with_rotation`]. The exact modes are not affected.
+    pub fn with_spikes_first(mut self, on: bool) -> Simulated<'a> {
+        self.spikes_first = on;
         self
     }
 
@@ -294,7 +322,11 @@ impl AllReduce for Simulated<'_> {
         } else {
             Mode::Lossless
         };
-        let rotation = self.rotation.as_ref().filter(|_| mode != Mode::Lossless);
+        let spikes_first = self.spikes_first && mode != Mode::Lossless;
+        let rotation = self
+            .rotation
+            .as_ref()
+            .filter(|_| mode != Mode::Lossless && !spikes_first);
         let rotated: Option<Vec<Vec<bf16>>> = rotation.map(|r| {
             b16.iter()
                 .map(|p| {
@@ -310,6 +342,10 @@ impl AllReduce for Simulated<'_> {
         let ar_inputs = rotated_inputs.as_deref().unwrap_or(&inputs);
         let out = match mode {
             Mode::F32 | Mode::Lossless => Ok(exact.clone()),
+            Mode::TwoStep { rs, ag } if spikes_first => {
+                self.backend.two_step_spikes_rotated(rs, ag, &inputs)
+            }
+            Mode::OneShot(f) if spikes_first => self.backend.one_shot_spikes_rotated(f, &inputs),
             Mode::TwoStep { rs, ag } => self.backend.two_step(rs, ag, ar_inputs),
             Mode::OneShot(f) => self.backend.one_shot(f, ar_inputs),
         }
@@ -410,5 +446,18 @@ impl Backend for Codec {
 
     fn effective_bits(&self, f: Spec) -> Result<f64, String> {
         Ok(format(f)?.effective_bits())
+    }
+
+    fn one_shot_spikes_rotated(&self, f: Spec, inputs: &[&[bf16]]) -> Result<Vec<bf16>, String> {
+        crate::spike_rotation::one_shot(f, inputs)
+    }
+
+    fn two_step_spikes_rotated(
+        &self,
+        rs: Spec,
+        ag: Spec,
+        inputs: &[&[bf16]],
+    ) -> Result<Vec<bf16>, String> {
+        crate::spike_rotation::two_step(rs, ag, inputs)
     }
 }

@@ -6,7 +6,8 @@
 //! each rank's partial sum is converted to `bf16` and reduced by the codec's CPU reference,
 //! exactly or quantized ([`collective`]). [`study`] turns the mean negative log-likelihood of
 //! each setting into a perplexity and compares it with the exact all-reduce. [`rotation`] is an
-//! optional randomized Hadamard rotation of the quantization groups around the codec.
+//! optional randomized Hadamard rotation of the quantization groups around the codec;
+//! [`spike_rotation`] takes each group's spikes out before rotating the rest.
 
 #![forbid(unsafe_code)]
 
@@ -15,5 +16,6 @@ pub mod gguf;
 pub mod model;
 pub mod quant;
 pub mod rotation;
+pub mod spike_rotation;
 pub mod study;
 pub mod tokenizer;

@@ -19,11 +19,13 @@ usage: flashcomm-tp-study --model FILE.gguf --text FILE [options]
   --text FILE      WikiText-2 test set (test.txt)
   --windows N      non-overlapping windows of --ctx tokens from the start of the text [3]
   --ctx N          tokens per window [512]
-  --plan NAME      quick | tp2 | tp48 | full | rot [quick]
+  --plan NAME      quick | tp2 | tp48 | full | rot | srot [quick]
   --run SETTING    a single setting, repeatable, replaces --plan:
                    TP:exact, TP:f32, TP:two:B:G:K, TP:one:B:G:K, TP:mixed:BRS:BAG:G:K,
                    the quantized ones optionally followed by :rot to rotate each group
-                   (randomized Hadamard) around the codec, then optionally by @L:S to
+                   (randomized Hadamard) around the codec, or by :srot to take each
+                   group's K spikes out first (kept exactly) and rotate and quantize the
+                   rest without spikes, then optionally by @L:S to
                    quantize only some all-reduces (the others stay exact): L is all, N or
                    A-B (layers, inclusive), S is both, o or down
   --threads N      worker threads [available cores]
@@ -258,6 +260,15 @@ fn run() -> Result<(), String> {
     let mut tps: Vec<usize> = results.iter().map(|r| r.run.tp).collect();
     tps.dedup();
     for tp in tps {
+        for one_shot in [false, true] {
+            let p = study::pivot_spikes_first(&results, tp, one_shot);
+            if !p.is_empty() {
+                let name = if one_shot { "one-shot" } else { "two-step" };
+                println!(
+                    "\nTP={tp}, {name} + srot: PPL change vs exact (effective bits/value)\n\n{p}"
+                );
+            }
+        }
         for rotate in [false, true] {
             for one_shot in [false, true] {
                 let p = study::pivot_rotated(&results, tp, one_shot, rotate);

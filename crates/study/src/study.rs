@@ -20,6 +20,10 @@ pub struct Run {
     /// Whether the quantized all-reduces run on partials rotated group by group (see
     /// [`crate::rotation`]); ignored by the exact modes.
     pub rotate: bool,
+    /// Whether the quantized all-reduces take each group's spikes out first and rotate and
+    /// quantize the rest without spikes (see [`crate::spike_rotation`]); ignored by the exact
+    /// modes. Takes precedence over `rotate`.
+    pub spikes_first: bool,
 }
 
 impl Run {
@@ -30,6 +34,7 @@ impl Run {
             mode,
             scope: Scope::ALL,
             rotate: false,
+            spikes_first: false,
         }
     }
 
@@ -38,10 +43,23 @@ impl Run {
         Run { rotate, ..self }
     }
 
-    /// The algorithm's name, with `+ rot` when the groups are rotated.
+    /// The same setting with "spikes first, then rotation" switched on or off.
+    pub fn spikes_then_rotated(self, spikes_first: bool) -> Run {
+        Run {
+            spikes_first,
+            ..self
+        }
+    }
+
+    /// The algorithm's name, with `+ rot` when the groups are rotated and `+ srot` when the
+    /// spikes are taken out before the rotation.
     pub fn algorithm(&self) -> String {
         let name = self.mode.algorithm();
-        if self.rotate && self.mode.formats().is_some() {
+        if self.mode.formats().is_none() {
+            name.to_string()
+        } else if self.spikes_first {
+            format!("{name} + srot")
+        } else if self.rotate {
             format!("{name} + rot")
         } else {
             name.to_string()
@@ -97,6 +115,8 @@ fn spec(bits: u8, group: u16, spikes: u8) -> Spec {
 /// * `full`: `tp2` then `tp48`.
 /// * `rot`: TP = 2, exact, then two-step and one-shot at widths 2, 3, 4, groups 32, 64, 128 and
 ///   spikes 0/2, each with the rotation of the groups (see [`crate::rotation`]).
+/// * `srot`: TP = 2, exact, then one-shot and two-step with 2 spikes taken out before the
+///   rotation (see [`crate::spike_rotation`]) at 4-bit g32/g64/g128, 3-bit g32/g64, 2-bit g32.
 /// * `quick`: TP = 2, exact, two-step widths 2, 3, 4, 8 at group 32 with spikes 2, one-shot
 ///   4-bit and mixed 4/8 at group 32 with spikes 2.
 pub fn plan(name: &str) -> Result<Vec<Run>, String> {
@@ -177,6 +197,20 @@ pub fn plan(name: &str) -> Result<Vec<Run>, String> {
                 }
             }
         }
+        "srot" => {
+            let tp = 2;
+            runs.push(Run::new(tp, Mode::Lossless));
+            for one_shot in [true, false] {
+                for (b, g) in [(4, 32), (4, 64), (4, 128), (3, 32), (3, 64), (2, 32)] {
+                    let mode = if one_shot {
+                        Mode::OneShot(spec(b, g, 2))
+                    } else {
+                        two(b, g, 2)
+                    };
+                    runs.push(Run::new(tp, mode).spikes_then_rotated(true));
+                }
+            }
+        }
         "full" => {
             runs = plan("tp2")?;
             runs.extend(plan("tp48")?);
@@ -192,7 +226,7 @@ pub fn plan(name: &str) -> Result<Vec<Run>, String> {
         }
         other => {
             return Err(format!(
-                "unknown plan {other:?} (tp2, tp48, full, quick, rot)"
+                "unknown plan {other:?} (tp2, tp48, full, quick, rot, srot)"
             ));
         }
     }
@@ -202,21 +236,25 @@ pub fn plan(name: &str) -> Result<Vec<Run>, String> {
 /// Parses one setting: `TP:exact`, `TP:f32`, `TP:two:B:G:K`, `TP:one:B:G:K` or
 /// `TP:mixed:BRS:BAG:G:K`, e.g. `2:two:4:32:2`, optionally followed by `:rot` (quantized modes
 /// only) to rotate the quantization groups (see [`crate::rotation`]), e.g. `2:one:4:128:2:rot`,
-/// and by `@SCOPE` (see [`Scope::parse`]) to quantize only some all-reduces, e.g.
+/// or by `:srot` to take each group's spikes out before rotating the rest (see
+/// [`crate::spike_rotation`]), e.g. `2:one:4:32:2:srot`, and by `@SCOPE` (see [`Scope::parse`]) to quantize only some all-reduces, e.g.
 /// `2:two:4:32:2@0-27:both` or `2:two:4:32:2:rot@0-27:both`.
 pub fn parse_run(s: &str) -> Result<Run, String> {
     let (s, scope) = match s.split_once('@') {
         Some((run, scope)) => (run, Scope::parse(scope)?),
         None => (s, Scope::ALL),
     };
-    let (s, rotate) = match s.strip_suffix(":rot") {
-        Some(run) => (run, true),
-        None => (s, false),
+    let (s, rotate, spikes_first) = if let Some(run) = s.strip_suffix(":srot") {
+        (run, false, true)
+    } else if let Some(run) = s.strip_suffix(":rot") {
+        (run, true, false)
+    } else {
+        (s, false, false)
     };
     let parts: Vec<&str> = s.split(':').collect();
     let bad = || {
         format!(
-            "bad setting {s:?}: use TP:exact, TP:f32, TP:two:B:G:K, TP:one:B:G:K or TP:mixed:BRS:BAG:G:K, the quantized ones optionally followed by :rot"
+            "bad setting {s:?}: use TP:exact, TP:f32, TP:two:B:G:K, TP:one:B:G:K or TP:mixed:BRS:BAG:G:K, the quantized ones optionally followed by :rot or :srot"
         )
     };
     let tp: usize = parts
@@ -241,7 +279,7 @@ pub fn parse_run(s: &str) -> Result<Run, String> {
         },
         _ => return Err(bad()),
     };
-    if rotate && mode.formats().is_none() {
+    if (rotate || spikes_first) && mode.formats().is_none() {
         return Err(bad());
     }
     Ok(Run {
@@ -249,6 +287,7 @@ pub fn parse_run(s: &str) -> Result<Run, String> {
         mode,
         scope,
         rotate,
+        spikes_first,
     })
 }
 
@@ -294,6 +333,7 @@ pub fn evaluate(
                     let ar = Simulated::new(runs[r].tp, runs[r].mode, backend)
                         .with_scope(runs[r].scope)
                         .with_rotation(runs[r].rotate)
+                        .with_spikes_first(runs[r].spikes_first)
                         .with_row(model.cfg.hidden);
                     let (nll, n) = model.nll(&windows[w], &ar);
                     let elapsed = start.elapsed();
@@ -417,13 +457,30 @@ pub fn pivot(results: &[RunResult], tp: usize, one_shot: bool) -> String {
     pivot_rotated(results, tp, one_shot, false)
 }
 
-/// [`pivot`] of the settings with (`rotate`) or without rotated groups.
+/// [`pivot`] of the settings with (`rotate`) or without rotated groups (spikes not taken out
+/// first).
 pub fn pivot_rotated(results: &[RunResult], tp: usize, one_shot: bool, rotate: bool) -> String {
+    pivot_where(results, tp, one_shot, rotate, false)
+}
+
+/// [`pivot`] of the settings whose spikes are taken out before the rotation.
+pub fn pivot_spikes_first(results: &[RunResult], tp: usize, one_shot: bool) -> String {
+    pivot_where(results, tp, one_shot, false, true)
+}
+
+fn pivot_where(
+    results: &[RunResult],
+    tp: usize,
+    one_shot: bool,
+    rotate: bool,
+    spikes_first: bool,
+) -> String {
     let pick = |b: u8, g: u16, k: u8| {
         results.iter().find(|r| {
             r.run.tp == tp
                 && r.run.scope == Scope::ALL
-                && r.run.rotate == rotate
+                && r.run.spikes_first == spikes_first
+                && (spikes_first || r.run.rotate == rotate)
                 && match r.run.mode {
                     Mode::OneShot(f) => one_shot && f == spec(b, g, k),
                     Mode::TwoStep { rs, ag } => !one_shot && rs == ag && rs == spec(b, g, k),
@@ -511,10 +568,11 @@ pub fn json(results: &[RunResult], meta: &[(&str, String)]) -> String {
         let (eb_rs, eb_ag) = r.effective_bits.unwrap_or((f64::NAN, f64::NAN));
         let _ = write!(
             s,
-            "    {{\"tp\": {}, \"algorithm\": \"{}\", \"rotation\": {}, \"scope\": \"{}\", \"rs\": {rs}, \"ag\": {ag}, \"effective_bits_rs\": {}, \"effective_bits_ag\": {}, \"effective_bits\": {}, \"ppl\": {}, \"nll_sum\": {}, \"tokens\": {}, \"relative_change\": {}, \"ar_rel_l2_error\": {}, \"ar_rel_l2_error_after_first_token\": {}, \"ar_max_abs_error\": {}, \"max_abs_partial\": {}, \"allreduce_calls\": {}, \"cpu_seconds\": {:.3}}}",
+            "    {{\"tp\": {}, \"algorithm\": \"{}\", \"rotation\": {}, \"spikes_first\": {}, \"scope\": \"{}\", \"rs\": {rs}, \"ag\": {ag}, \"effective_bits_rs\": {}, \"effective_bits_ag\": {}, \"effective_bits\": {}, \"ppl\": {}, \"nll_sum\": {}, \"tokens\": {}, \"relative_change\": {}, \"ar_rel_l2_error\": {}, \"ar_rel_l2_error_after_first_token\": {}, \"ar_max_abs_error\": {}, \"max_abs_partial\": {}, \"allreduce_calls\": {}, \"cpu_seconds\": {:.3}}}",
             r.run.tp,
             r.run.mode.algorithm(),
             r.run.rotate,
+            r.run.spikes_first,
             r.run.scope,
             json_f(eb_rs),
             json_f(eb_ag),

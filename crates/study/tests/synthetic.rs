@@ -305,3 +305,95 @@ fn rotation_runs_around_the_codec() {
     m.nll(&toks, &exact);
     assert_eq!(exact.stats().sq_err, 0.0);
 }
+
+#[test]
+fn spikes_first_settings_parse() {
+    let f = Spec {
+        bits: 4,
+        group: 32,
+        spikes: 2,
+    };
+    let srot = parse_run("2:one:4:32:2:srot").unwrap();
+    assert!(srot.spikes_first && !srot.rotate);
+    assert_eq!(srot.algorithm(), "one-shot + srot");
+    assert_eq!(
+        srot,
+        Run::new(2, Mode::OneShot(f)).spikes_then_rotated(true)
+    );
+    assert!(!parse_run("2:one:4:32:2:rot").unwrap().spikes_first);
+    let two = parse_run("2:two:3:64:2:srot@0-27:both").unwrap();
+    assert!(two.spikes_first && two.scope.end_layer == 28);
+    assert_eq!(two.algorithm(), "two-step + srot");
+    assert!(parse_run("8:mixed:4:8:32:2:srot").unwrap().spikes_first);
+    assert!(parse_run("2:exact:srot").is_err());
+    assert!(parse_run("2:one:4:32:2:srot:rot").is_err());
+    let p = plan("srot").unwrap();
+    assert_eq!(p.len(), 1 + 12);
+    assert!(p[1..].iter().all(|r| r.spikes_first && !r.rotate));
+}
+
+#[test]
+fn spikes_first_runs_around_the_codec() {
+    use flashcomm_study::model::{AllReduce, Site};
+    let m = tiny_model();
+    let toks = tokens(64);
+    let f = Spec {
+        bits: 8,
+        group: 32,
+        spikes: 2,
+    };
+    for mode in [Mode::TwoStep { rs: f, ag: f }, Mode::OneShot(f)] {
+        let plain = Simulated::new(2, mode, &Codec);
+        let srot = Simulated::new(2, mode, &Codec)
+            .with_rotation(true)
+            .with_spikes_first(true);
+        m.nll(&toks, &plain);
+        m.nll(&toks, &srot);
+        let (p, s) = (plain.stats(), srot.stats());
+        assert_eq!(s.calls, 4);
+        assert_ne!(p.sq_err, s.sq_err);
+        assert!(s.rel_l2() > 0.0 && s.rel_l2() < 0.02, "{}", s.rel_l2());
+    }
+    // A massive value in one group and a moderate outlier in every group: the spikes keep the
+    // massive value, the rotation spreads the rest; better than either alone at 4-bit g128 k2.
+    let n = 4096;
+    let a: Vec<f32> = (0..n)
+        .map(|i| match i {
+            7 => 25_000.0,
+            _ if i % 128 == 5 || i % 128 == 77 || i % 128 == 100 => 20.0,
+            _ => (i as f32 * 0.37).sin(),
+        })
+        .collect();
+    let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+    let partials = vec![a, b];
+    let g = Spec {
+        bits: 4,
+        group: 128,
+        spikes: 2,
+    };
+    let err = |rotate: bool, spikes_first: bool| {
+        let ar = Simulated::new(2, Mode::OneShot(g), &Codec)
+            .with_rotation(rotate)
+            .with_spikes_first(spikes_first);
+        let out = ar.all_reduce(0, Site::DownProj, &partials);
+        // The massive value comes back as the exact all-reduce gives it.
+        if spikes_first || !rotate {
+            let exact = bf16::from_f32(25_000.0 + partials[1][7]).to_f32();
+            assert_eq!(
+                out[7], exact,
+                "rotate {rotate}, spikes first {spikes_first}"
+            );
+        }
+        ar.stats().sq_err
+    };
+    let (plain, rot, srot) = (err(false, false), err(true, false), err(false, true));
+    assert!(srot < plain && srot < rot, "{srot} vs {plain}, {rot}");
+    // The exact modes ignore it; a backend without it refuses.
+    let exact = Simulated::new(2, Mode::Lossless, &ExactOnly).with_spikes_first(true);
+    m.nll(&toks, &exact);
+    assert_eq!(exact.stats().sq_err, 0.0);
+    let inputs = [&[bf16::ONE; 64][..], &[bf16::ONE; 64][..]];
+    assert!(ExactOnly.one_shot_spikes_rotated(g, &inputs).is_err());
+    assert!(ExactOnly.two_step_spikes_rotated(g, g, &inputs).is_err());
+    assert_eq!(Codec.one_shot_spikes_rotated(g, &inputs).unwrap().len(), 64);
+}
