@@ -345,14 +345,15 @@ __device__ __forceinline__ void decode_accumulate_kernel(const FcCodecDecodePara
   }
 
 // The block loop of reduce_requantize for input width BI and output width BO, in the kernel
-// compiled for MINB resident CTAs (not inlined: see FC_CODEC_MIN_CTAS). Per block: every
+// compiled for MINB resident CTAs (a separate function in the 2-CTA kernel, inlined in the 1-CTA
+// kernel: see FC_CODEC_MIN_CTAS and reduce_kernel). Per block: every
 // input's header is checked, the inputs are decoded and accumulated in order 0..N-1 starting from
 // -0 (the identity of IEEE addition: -0 + v == v for every v, -0 and NaN included, so acc = v_0
 // exactly and one decode path serves all inputs), rounded to T and encoded. Staged (default):
 // slot s of the warp's ring holds block b's encoded block of every input, copied with cp.async
 // FC_CODEC_IN_STAGES iterations ahead.
-template <typename T, int BI, int BO, int MINB>
-__device__ __noinline__ void reduce_loop(const FcCodecReduceParams& p, float* scratch, uint4* ring, bool direct) {
+template <typename T, int BI, int BO>
+__device__ __forceinline__ void reduce_loop(const FcCodecReduceParams& p, float* scratch, uint4* ring, bool direct) {
   const Layout<T, BI> Lin(p.in_group, p.in_spikes);
   const Layout<T, BO> Lout(p.out_group, p.out_spikes);
   const uint64_t* ptrs = reinterpret_cast<const uint64_t*>(p.inputs);
@@ -407,6 +408,16 @@ __device__ __noinline__ void reduce_loop(const FcCodecReduceParams& p, float* sc
   if (!direct) cp_async_wait<0>();
 }
 
+// reduce_loop as a call of its own, so that the register allocator of the 2-CTA kernel (128
+// registers) handles each input width alone: inlined, all seven widths share one allocation and
+// spill more than 1 KiB per thread. The 1-CTA kernel has the whole register file and inlines the
+// loop instead, which saves the call's argument and stack traffic (measurable on small calls and
+// at N = 8 with wide formats).
+template <typename T, int BI, int BO>
+__device__ __noinline__ void reduce_loop_call(const FcCodecReduceParams& p, float* scratch, uint4* ring, bool direct) {
+  reduce_loop<T, BI, BO>(p, scratch, ring, direct);
+}
+
 // Encoded bytes of one block of width `bits` (the host's CodecFormat::block_bytes).
 template <typename T>
 __device__ __forceinline__ uint32_t block_bytes_of(uint32_t bits, uint32_t group, uint32_t spikes) {
@@ -428,9 +439,15 @@ __device__ __forceinline__ void reduce_kernel(const FcCodecReduceParams& p) {
   const uint32_t wib = threadIdx.x >> 5;
   float* scratch = reinterpret_cast<float*>(smem + (size_t)wib * (per_warp / 16u));
   uint4* ring = smem + (size_t)wib * (per_warp / 16u) + FC_CODEC_SCRATCH_BYTES / 16u;
-#define FC_LOOP(BI) reduce_loop<T, BI, BO, MINB>(p, scratch, ring, direct)
-  FC_CODEC_IN_BITS_SWITCH(p.in_bits, FC_LOOP)
+  if constexpr (MINB >= 2) {
+#define FC_LOOP(BI) reduce_loop_call<T, BI, BO>(p, scratch, ring, direct)
+    FC_CODEC_IN_BITS_SWITCH(p.in_bits, FC_LOOP)
 #undef FC_LOOP
+  } else {
+#define FC_LOOP(BI) reduce_loop<T, BI, BO>(p, scratch, ring, direct)
+    FC_CODEC_IN_BITS_SWITCH(p.in_bits, FC_LOOP)
+#undef FC_LOOP
+  }
 }
 
 }  // namespace kern
@@ -441,9 +458,9 @@ __device__ __forceinline__ void reduce_kernel(const FcCodecReduceParams& p) {
 // (16 warps per SM). f32 encode (32 words of input per lane) keeps 1 CTA rather than spill at 3,
 // 5 bits. The fused reduce keeps 64 values per lane live (accumulators and one decoded input) on
 // top of the encoder and comes twice: fc_codec_reduce_requantize_* for 2 CTAs (128 registers;
-// its block loop is one non-inlined function per input width, reduce_loop, so that each width is
-// register-allocated alone and spills only a few words) and fc_codec_reduce_requantize_1cta_*
-// (the whole register file of 1 CTA, no spills). The host launches the second where shared memory
+// its block loop is one non-inlined function per input width, reduce_loop_call, so that each width
+// is register-allocated alone and spills only a few words) and fc_codec_reduce_requantize_1cta_*
+// (the whole register file of 1 CTA, the loop inlined, no spills). The host launches the second where shared memory
 // admits only one CTA of the first (many inputs of a wide format) or where the buffer has no more
 // blocks than 1 CTA per SM has warps (small calls), and the first otherwise (docs/perf.md).
 #define FC_CODEC_MIN_CTAS 2
