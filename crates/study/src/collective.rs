@@ -41,6 +41,12 @@ pub enum Mode {
     },
     /// Every rank sends its whole quantized partial to every other rank once.
     OneShot(Spec),
+    /// A bound, not an all-reduce that could run: the one-shot with every group of every rank's
+    /// partial replaced by its best approximation with `2^bits + spikes` distinct values (see
+    /// [`crate::oracle`]).
+    Oracle(Spec),
+    /// The one-shot with the non-uniform code grid of [`crate::grid`], exponent `p / 10`.
+    Grid(Spec, u8),
 }
 
 impl Mode {
@@ -52,6 +58,8 @@ impl Mode {
             Mode::TwoStep { rs, ag } if rs == ag => "two-step",
             Mode::TwoStep { .. } => "two-step mixed",
             Mode::OneShot(_) => "one-shot",
+            Mode::Oracle(_) => "oracle bound",
+            Mode::Grid(..) => "one-shot grid",
         }
     }
 
@@ -60,7 +68,7 @@ impl Mode {
         match *self {
             Mode::F32 | Mode::Lossless => None,
             Mode::TwoStep { rs, ag } => Some((rs, ag)),
-            Mode::OneShot(f) => Some((f, f)),
+            Mode::OneShot(f) | Mode::Oracle(f) | Mode::Grid(f, _) => Some((f, f)),
         }
     }
 }
@@ -346,6 +354,8 @@ impl AllReduce for Simulated<'_> {
                 self.backend.two_step_spikes_rotated(rs, ag, &inputs)
             }
             Mode::OneShot(f) if spikes_first => self.backend.one_shot_spikes_rotated(f, &inputs),
+            Mode::Oracle(f) => Ok(crate::oracle::one_shot(f, ar_inputs)),
+            Mode::Grid(f, p) => Ok(crate::grid::one_shot(f, f64::from(p) / 10.0, ar_inputs)),
             Mode::TwoStep { rs, ag } => self.backend.two_step(rs, ag, ar_inputs),
             Mode::OneShot(f) => self.backend.one_shot(f, ar_inputs),
         }

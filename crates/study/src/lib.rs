@@ -7,13 +7,16 @@
 //! exactly or quantized ([`collective`]). [`study`] turns the mean negative log-likelihood of
 //! each setting into a perplexity and compares it with the exact all-reduce. [`rotation`] is an
 //! optional randomized Hadamard rotation of the quantization groups around the codec;
-//! [`spike_rotation`] takes each group's spikes out before rotating the rest.
+//! [`spike_rotation`] takes each group's spikes out before rotating the rest. [`oracle`] bounds
+//! what any per-group scalar codec could reach; [`grid`] tries a non-uniform code grid.
 
 #![forbid(unsafe_code)]
 
 pub mod collective;
 pub mod gguf;
+pub mod grid;
 pub mod model;
+pub mod oracle;
 pub mod quant;
 pub mod rotation;
 pub mod spike_rotation;

@@ -19,13 +19,15 @@ usage: flashcomm-tp-study --model FILE.gguf --text FILE [options]
   --text FILE      WikiText-2 test set (test.txt)
   --windows N      non-overlapping windows of --ctx tokens from the start of the text [3]
   --ctx N          tokens per window [512]
-  --plan NAME      quick | tp2 | tp48 | full | rot | srot [quick]
+  --plan NAME      quick | tp2 | tp48 | full | rot | srot | oracle [quick]
   --run SETTING    a single setting, repeatable, replaces --plan:
                    TP:exact, TP:f32, TP:two:B:G:K, TP:one:B:G:K, TP:mixed:BRS:BAG:G:K,
-                   the quantized ones optionally followed by :rot to rotate each group
+                   TP:oracle:B:G:K (a bound: each group's best approximation with
+                   2^B + K distinct values, one-shot), TP:grid:B:G:K:P (one-shot,
+                   codes on a grid denser in the middle, exponent P/10), the quantized ones optionally followed by :rot to rotate each group
                    (randomized Hadamard) around the codec, or by :srot to take each
                    group's K spikes out first (kept exactly) and rotate and quantize the
-                   rest without spikes, then optionally by @L:S to
+                   rest without spikes (not the oracle or grid), then optionally by @L:S to
                    quantize only some all-reduces (the others stay exact): L is all, N or
                    A-B (layers, inclusive), S is both, o or down
   --threads N      worker threads [available cores]

@@ -57,6 +57,8 @@ impl Run {
         let name = self.mode.algorithm();
         if self.mode.formats().is_none() {
             name.to_string()
+        } else if let Mode::Grid(_, p) = self.mode {
+            format!("{name} p{:.1}", f64::from(p) / 10.0)
         } else if self.spikes_first {
             format!("{name} + srot")
         } else if self.rotate {
@@ -117,6 +119,8 @@ fn spec(bits: u8, group: u16, spikes: u8) -> Spec {
 ///   spikes 0/2, each with the rotation of the groups (see [`crate::rotation`]).
 /// * `srot`: TP = 2, exact, then one-shot and two-step with 2 spikes taken out before the
 ///   rotation (see [`crate::spike_rotation`]) at 4-bit g32/g64/g128, 3-bit g32/g64, 2-bit g32.
+/// * `oracle`: TP = 2, exact, then the bound of [`crate::oracle`] at widths 2..=6, groups 32 and
+///   128, spikes 0 and 2.
 /// * `quick`: TP = 2, exact, two-step widths 2, 3, 4, 8 at group 32 with spikes 2, one-shot
 ///   4-bit and mixed 4/8 at group 32 with spikes 2.
 pub fn plan(name: &str) -> Result<Vec<Run>, String> {
@@ -211,6 +215,17 @@ pub fn plan(name: &str) -> Result<Vec<Run>, String> {
                 }
             }
         }
+        "oracle" => {
+            let tp = 2;
+            runs.push(Run::new(tp, Mode::Lossless));
+            for b in [2, 3, 4, 5, 6] {
+                for g in [32, 128] {
+                    for k in [0, 2] {
+                        runs.push(Run::new(tp, Mode::Oracle(spec(b, g, k))));
+                    }
+                }
+            }
+        }
         "full" => {
             runs = plan("tp2")?;
             runs.extend(plan("tp48")?);
@@ -226,15 +241,16 @@ pub fn plan(name: &str) -> Result<Vec<Run>, String> {
         }
         other => {
             return Err(format!(
-                "unknown plan {other:?} (tp2, tp48, full, quick, rot, srot)"
+                "unknown plan {other:?} (tp2, tp48, full, quick, rot, srot, oracle)"
             ));
         }
     }
     Ok(runs)
 }
 
-/// Parses one setting: `TP:exact`, `TP:f32`, `TP:two:B:G:K`, `TP:one:B:G:K` or
-/// `TP:mixed:BRS:BAG:G:K`, e.g. `2:two:4:32:2`, optionally followed by `:rot` (quantized modes
+/// Parses one setting: `TP:exact`, `TP:f32`, `TP:two:B:G:K`, `TP:one:B:G:K`,
+/// `TP:mixed:BRS:BAG:G:K`, `TP:oracle:B:G:K` (the bound of [`crate::oracle`]) or
+/// `TP:grid:B:G:K:P` (the non-uniform grid of [`crate::grid`] with exponent P/10, P in 10..=40), e.g. `2:two:4:32:2`, optionally followed by `:rot` (quantized modes
 /// only) to rotate the quantization groups (see [`crate::rotation`]), e.g. `2:one:4:128:2:rot`,
 /// or by `:srot` to take each group's spikes out before rotating the rest (see
 /// [`crate::spike_rotation`]), e.g. `2:one:4:32:2:srot`, and by `@SCOPE` (see [`Scope::parse`]) to quantize only some all-reduces, e.g.
@@ -254,7 +270,7 @@ pub fn parse_run(s: &str) -> Result<Run, String> {
     let parts: Vec<&str> = s.split(':').collect();
     let bad = || {
         format!(
-            "bad setting {s:?}: use TP:exact, TP:f32, TP:two:B:G:K, TP:one:B:G:K or TP:mixed:BRS:BAG:G:K, the quantized ones optionally followed by :rot or :srot"
+            "bad setting {s:?}: use TP:exact, TP:f32, TP:two:B:G:K, TP:one:B:G:K, TP:mixed:BRS:BAG:G:K, TP:oracle:B:G:K or TP:grid:B:G:K:P (P: 10..=40), the quantized ones optionally followed by :rot or (not the oracle or grid) :srot"
         )
     };
     let tp: usize = parts
@@ -273,13 +289,19 @@ pub fn parse_run(s: &str) -> Result<Run, String> {
             Mode::TwoStep { rs: f, ag: f }
         }
         (Some("one"), 5) => Mode::OneShot(spec(num(2)? as u8, num(3)?, num(4)? as u8)),
+        (Some("oracle"), 5) => Mode::Oracle(spec(num(2)? as u8, num(3)?, num(4)? as u8)),
+        (Some("grid"), 6) if (10..=40).contains(&num(5)?) => {
+            Mode::Grid(spec(num(2)? as u8, num(3)?, num(4)? as u8), num(5)? as u8)
+        }
         (Some("mixed"), 6) => Mode::TwoStep {
             rs: spec(num(2)? as u8, num(4)?, num(5)? as u8),
             ag: spec(num(3)? as u8, num(4)?, num(5)? as u8),
         },
         _ => return Err(bad()),
     };
-    if (rotate || spikes_first) && mode.formats().is_none() {
+    if (rotate || spikes_first) && mode.formats().is_none()
+        || spikes_first && matches!(mode, Mode::Oracle(_) | Mode::Grid(..))
+    {
         return Err(bad());
     }
     Ok(Run {
@@ -568,11 +590,15 @@ pub fn json(results: &[RunResult], meta: &[(&str, String)]) -> String {
         let (eb_rs, eb_ag) = r.effective_bits.unwrap_or((f64::NAN, f64::NAN));
         let _ = write!(
             s,
-            "    {{\"tp\": {}, \"algorithm\": \"{}\", \"rotation\": {}, \"spikes_first\": {}, \"scope\": \"{}\", \"rs\": {rs}, \"ag\": {ag}, \"effective_bits_rs\": {}, \"effective_bits_ag\": {}, \"effective_bits\": {}, \"ppl\": {}, \"nll_sum\": {}, \"tokens\": {}, \"relative_change\": {}, \"ar_rel_l2_error\": {}, \"ar_rel_l2_error_after_first_token\": {}, \"ar_max_abs_error\": {}, \"max_abs_partial\": {}, \"allreduce_calls\": {}, \"cpu_seconds\": {:.3}}}",
+            "    {{\"tp\": {}, \"algorithm\": \"{}\", \"rotation\": {}, \"spikes_first\": {}, \"grid_exponent\": {}, \"scope\": \"{}\", \"rs\": {rs}, \"ag\": {ag}, \"effective_bits_rs\": {}, \"effective_bits_ag\": {}, \"effective_bits\": {}, \"ppl\": {}, \"nll_sum\": {}, \"tokens\": {}, \"relative_change\": {}, \"ar_rel_l2_error\": {}, \"ar_rel_l2_error_after_first_token\": {}, \"ar_max_abs_error\": {}, \"max_abs_partial\": {}, \"allreduce_calls\": {}, \"cpu_seconds\": {:.3}}}",
             r.run.tp,
             r.run.mode.algorithm(),
             r.run.rotate,
             r.run.spikes_first,
+            match r.run.mode {
+                Mode::Grid(_, p) => json_f(f64::from(p) / 10.0),
+                _ => "null".to_string(),
+            },
             r.run.scope,
             json_f(eb_rs),
             json_f(eb_ag),

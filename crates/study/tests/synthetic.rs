@@ -333,6 +333,56 @@ fn spikes_first_settings_parse() {
 }
 
 #[test]
+fn oracle_and_grid_settings_parse_and_run() {
+    let f = Spec {
+        bits: 3,
+        group: 64,
+        spikes: 2,
+    };
+    let o = parse_run("2:oracle:3:64:2").unwrap();
+    assert_eq!(o, Run::new(2, Mode::Oracle(f)));
+    assert_eq!(o.algorithm(), "oracle bound");
+    let g = parse_run("2:grid:3:64:2:15@0-27:both").unwrap();
+    assert_eq!(g.mode, Mode::Grid(f, 15));
+    assert_eq!(g.algorithm(), "one-shot grid p1.5");
+    assert_eq!(g.scope.end_layer, 28);
+    for bad in [
+        "2:oracle:3:64:2:srot",
+        "2:grid:3:64:2:15:srot",
+        "2:grid:3:64:2:9",
+        "2:grid:3:64:2:41",
+        "2:grid:3:64:2",
+        "2:oracle:3:64",
+    ] {
+        assert!(parse_run(bad).is_err(), "{bad}");
+    }
+    let p = plan("oracle").unwrap();
+    assert_eq!(p.len(), 1 + 20);
+    assert!(p[1..].iter().all(|r| matches!(r.mode, Mode::Oracle(_))));
+
+    // Both run through the simulated all-reduce (no codec backend needed) and their error is
+    // measured against the exact sum: the oracle's is below the grid's at the same format.
+    let inputs: Vec<Vec<f32>> = (0..2)
+        .map(|r| {
+            (0..2048)
+                .map(|i| {
+                    ((i * 37 + r * 11) % 101) as f32 / 50.0 - 1.0 + if i == 5 { 900.0 } else { 0.0 }
+                })
+                .collect()
+        })
+        .collect();
+    use flashcomm_study::model::{AllReduce, Site};
+    let err = |mode: Mode| {
+        let ar = Simulated::new(2, mode, &ExactOnly);
+        let out = ar.all_reduce(3, Site::DownProj, &inputs);
+        assert_eq!(out.len(), 2048);
+        ar.stats().rel_l2()
+    };
+    let (eo, eg) = (err(Mode::Oracle(f)), err(Mode::Grid(f, 10)));
+    assert!(eo > 0.0 && eo < eg, "oracle {eo}, grid {eg}");
+}
+
+#[test]
 fn spikes_first_runs_around_the_codec() {
     use flashcomm_study::model::{AllReduce, Site};
     let m = tiny_model();
