@@ -67,18 +67,9 @@ pub fn approximate(f: Spec, p: f64, values: &[bf16]) -> Vec<f32> {
 }
 
 /// The one-shot all-reduce with the grid: approximations summed in `f32` in rank order, rounded
-/// to `bf16`.
+/// to `bf16` (see [`crate::oracle::sum_approximations`]).
 pub fn one_shot(f: Spec, p: f64, inputs: &[&[bf16]]) -> Vec<bf16> {
-    let mut acc = match inputs.first() {
-        Some(first) => approximate(f, p, first),
-        None => return Vec::new(),
-    };
-    for x in &inputs[1..] {
-        acc.iter_mut()
-            .zip(approximate(f, p, x))
-            .for_each(|(a, v)| *a += v);
-    }
-    acc.into_iter().map(bf16::from_f32).collect()
+    crate::oracle::sum_approximations(inputs, |x| approximate(f, p, x))
 }
 
 #[cfg(test)]

@@ -124,16 +124,20 @@ pub fn approximate(f: Spec, values: &[bf16]) -> Vec<f32> {
 }
 
 /// The oracle one-shot all-reduce: every rank's partial approximated (see [`approximate`]),
-/// summed in `f32` in rank order (`acc = v_0; acc = acc + v_i`) and rounded to `bf16`.
+/// summed in `f32` in rank order and rounded to `bf16` (see [`sum_approximations`]).
 pub fn one_shot(f: Spec, inputs: &[&[bf16]]) -> Vec<bf16> {
+    sum_approximations(inputs, |x| approximate(f, x))
+}
+
+/// A one-shot all-reduce of per-rank approximations: `approx` of every rank's partial, summed in
+/// `f32` in rank order (`acc = v_0; acc = acc + v_i`) and rounded to `bf16`.
+pub fn sum_approximations(inputs: &[&[bf16]], approx: impl Fn(&[bf16]) -> Vec<f32>) -> Vec<bf16> {
     let mut acc = match inputs.first() {
-        Some(first) => approximate(f, first),
+        Some(first) => approx(first),
         None => return Vec::new(),
     };
     for x in &inputs[1..] {
-        acc.iter_mut()
-            .zip(approximate(f, x))
-            .for_each(|(a, v)| *a += v);
+        acc.iter_mut().zip(approx(x)).for_each(|(a, v)| *a += v);
     }
     acc.into_iter().map(bf16::from_f32).collect()
 }
