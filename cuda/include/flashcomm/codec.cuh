@@ -725,48 +725,6 @@ __device__ __forceinline__ void compute_codes(const Vals<T>& x, float lo, float 
   }
 }
 
-// The 2^23 parts of the codes' float bits, summed over the fields of one word of a 1-plane width
-// (mod 2^32): see compute_codes_packed.
-template <int B>
-__host__ __device__ constexpr uint32_t magic_field_sum() {
-  uint32_t s = 0;
-  for (int j = 0; j < 32 / B; ++j) s += (B * j < 32) ? (kMagicBits << (B * j)) : 0u;
-  return s;
-}
-
-// compute_codes<T, B, false> for the 1-plane widths (2, 4, 8 bits) in the fast path, packed with
-// integer multiply-adds instead of shifts and ORs. The float bits q of t + 2^23 are
-// 0x4B000000 + code for every kept value (0 <= t < 2^B - 1/2 + 1), so the word is
-// sum_j q_j 2^(B j) - sum_j 0x4B000000 2^(B j) (mod 2^32) and no field carries into the next.
-// The spikes (t outside that interval, even infinite or NaN) would: their own terms are
-// subtracted again, recomputed with the same operations from the spike values, which are the
-// values at those positions, so that their fields end as 0, as keep_codes makes them. `m` is the
-// fast path's metadata (every slot below m.ke valid, positions distinct); `sub` is the lane's
-// index inside its group. The result is bit for bit that of compute_codes then keep_codes.
-template <typename T, int B>
-__device__ __forceinline__ void compute_codes_packed(const Vals<T>& x, float lo, float r, const GroupMeta& m,
-                                                     uint32_t sub, uint32_t (&words)[B]) {
-  static_assert(B == 2 || B == 4 || B == 8, "1-plane widths only");
-  constexpr int per = 32 / B;
-  auto q_of = [&](float v) { return __float_as_uint(__fadd_rn(__fmul_rn(__fsub_rn(v, lo), r), kMagic)); };
-#pragma unroll
-  for (int w = 0; w < B; ++w) {
-    uint32_t acc = 0u - magic_field_sum<B>();
-#pragma unroll
-    for (int j = 0; j < per; ++j) acc += q_of(Elem<T>::value(x.w, w * per + j)) * (1u << (B * j));
-    words[w] = acc;
-  }
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const uint32_t p = m.pos[s];
-    const uint32_t i = p & 31u, wi = ((uint32_t)s < m.ke && (p >> 5) == sub) ? i / per : 0xffu;
-    const uint32_t term = (q_of(Elem<T>::from_bits(m.val_bits[s])) - kMagicBits) << (B * (i % per));
-    // A select per word, not words[wi]: a run-time index would move the words to local memory.
-#pragma unroll
-    for (int w = 0; w < B; ++w) words[w] -= (wi == (uint32_t)w) ? term : 0u;
-  }
-}
-
 // Range arithmetic shared by both paths (rule 3 to 4 of docs/codec.md): step, 1/step, and whether
 // the range poisons the group.
 struct Range {
@@ -929,16 +887,10 @@ __device__ __forceinline__ void encode(const Vals<T>& x, uint32_t nvalues, const
   if (FC_CODEC_ABLATE & 2) {
 #pragma unroll
     for (int w = 0; w < B; ++w) words[w] = x.w[w] ^ x.w[w + 8];
-  } else if (!plan.clamp) {
-    if constexpr (B == 2 || B == 4 || B == 8) {
-      compute_codes_packed<T, B>(x, plan.lo, plan.r, plan.meta, lane & (L.lpg - 1u), words);
-      plan.keep = kFullMask;  // the spikes' fields are already 0
-    } else {
-      compute_codes<T, B, false>(x, plan.lo, plan.r, words);
-    }
-  } else {
+  } else if (!plan.clamp)
+    compute_codes<T, B, false>(x, plan.lo, plan.r, words);
+  else
     compute_codes<T, B, true>(x, plan.lo, plan.r, words);
-  }
   if (plan.keep != kFullMask) keep_codes<B>(words, plan.keep);
   store_planes<B>(blk, words, lane);
   if ((lane & (L.lpg - 1u)) == 0) write_group_meta<T, B>(blk, L, lane >> L.lpg_log2, plan.meta);
