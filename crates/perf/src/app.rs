@@ -12,6 +12,9 @@ use crate::report::{self, Layout, Table};
 use crate::run;
 use crate::svg;
 
+/// Set in the rank processes of `--mode procs` and `procs-one-gpu`: `<rank>:<folder>`.
+pub const PROCESS_ENV: &str = "FLASHCOMM_PERF_PROCESS";
+
 /// Exit status: 0 when every check passed, 1 when some element was wrong, 2 on errors.
 pub fn main_with(argv: &[String]) -> i32 {
     let mut o = match args::parse(argv) {
@@ -33,13 +36,119 @@ pub fn main_with(argv: &[String]) -> i32 {
     if o.commit.is_none() {
         o.commit = find_commit();
     }
-    match run_program(&o, argv) {
+    let process = match std::env::var(PROCESS_ENV) {
+        Ok(v) if o.mode.processes() => match parse_process(&v, o.ranks) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                eprintln!("flashcomm-perf: {e}");
+                return 2;
+            }
+        },
+        _ if o.mode.processes() => return launch(&o, argv),
+        _ => None,
+    };
+    match run_program(&o, argv, process.as_ref()) {
         Ok(wrong) => i32::from(wrong > 0),
         Err(e) => {
             eprintln!("flashcomm-perf: {e}");
             2
         }
     }
+}
+
+/// `<rank>:<folder>` of a rank process.
+fn parse_process(v: &str, ranks: u32) -> Result<(u32, PathBuf), String> {
+    let bad = || format!("{PROCESS_ENV}='{v}': expected <rank>:<folder> with rank below {ranks}");
+    let (r, dir) = v.split_once(':').ok_or_else(bad)?;
+    let r: u32 = r.parse().map_err(|_| bad())?;
+    if r >= ranks || dir.is_empty() {
+        return Err(bad());
+    }
+    Ok((r, PathBuf::from(dir)))
+}
+
+/// The launcher of the process modes: starts one process of this program per rank (the same
+/// arguments, [`PROCESS_ENV`] naming its rank and the exchange folder), lets rank 0 print, and
+/// waits. When a rank fails the others get some seconds to report, then are stopped. Exit status:
+/// rank 0's when every rank ended with 0 or 1 (only rank 0 counts wrong elements), else 2.
+fn launch(o: &Options, argv: &[String]) -> i32 {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("flashcomm-perf: cannot find this program to start the ranks: {e}");
+            return 2;
+        }
+    };
+    let stamp = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let dir = std::env::temp_dir().join(format!("flashcomm-perf-{}-{stamp}", std::process::id()));
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        eprintln!("flashcomm-perf: cannot create {}: {e}", dir.display());
+        return 2;
+    }
+    let mut children = Vec::new();
+    let mut code = None;
+    for r in 0..o.ranks {
+        let mut c = Command::new(&exe);
+        c.args(argv)
+            .env(PROCESS_ENV, format!("{r}:{}", dir.display()))
+            .stdin(Stdio::null());
+        if r != 0 {
+            c.stdout(Stdio::null());
+        }
+        // One rank per process needs no extra hardware queues (and under CUDA MPS many queues
+        // per client exhaust the server): only a value the user chose is passed on.
+        if crate::ffi::queues_set_here() {
+            c.env_remove("CUDA_DEVICE_MAX_CONNECTIONS");
+        }
+        match c.spawn() {
+            Ok(child) => children.push(child),
+            Err(e) => {
+                eprintln!("flashcomm-perf: cannot start rank {r}: {e}");
+                code = Some(2);
+                break;
+            }
+        }
+    }
+    let grace = Duration::from_secs(10);
+    let mut codes: Vec<Option<i32>> = vec![None; children.len()];
+    let mut stop_at: Option<Instant> = code.map(|_| Instant::now());
+    loop {
+        for (i, c) in children.iter_mut().enumerate() {
+            if codes[i].is_none()
+                && let Ok(Some(st)) = c.try_wait()
+            {
+                let k = st.code().unwrap_or(-1);
+                codes[i] = Some(k);
+                if !(0..=1).contains(&k) {
+                    eprintln!("flashcomm-perf: rank {i} ended with status {k}");
+                    stop_at.get_or_insert_with(|| Instant::now() + grace);
+                }
+            }
+        }
+        if codes.iter().all(Option::is_some) {
+            break;
+        }
+        if stop_at.is_some_and(|t| Instant::now() >= t) {
+            for (i, c) in children.iter_mut().enumerate() {
+                if codes[i].is_none() {
+                    eprintln!("flashcomm-perf: stopping rank {i}");
+                    let _ = c.kill();
+                    codes[i] = Some(c.wait().ok().and_then(|s| s.code()).unwrap_or(-1));
+                }
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    if code.is_some() || codes.iter().any(|k| !matches!(k, Some(0 | 1))) {
+        return 2;
+    }
+    codes.first().copied().flatten().unwrap_or(2)
 }
 
 /// The commit to record: `$FLASHCOMM_COMMIT`, the `COMMIT` file of a GPU bundle (next to
@@ -142,10 +251,7 @@ pub fn settings_json(o: &Options, gpus: &[String], nccl: Option<&Nccl>, argv: &[
 /// The header lines printed before the table.
 pub fn header_lines(o: &Options, gpus: &[String], nccl: Option<&Nccl>) -> Vec<String> {
     let devs = run::devices(o);
-    let ngpus = match o.mode {
-        Mode::Virtual => 1,
-        Mode::Gpus => o.ranks,
-    };
+    let ngpus = if o.mode.one_gpu() { 1 } else { o.ranks };
     let step = if o.step_factor > 1 {
         format!("{}(factor)", o.step_factor)
     } else {
@@ -193,10 +299,21 @@ pub fn header_lines(o: &Options, gpus: &[String], nccl: Option<&Nccl>) -> Vec<St
     let host = host_name();
     for (r, d) in devs.iter().enumerate() {
         let name = gpus
-            .get(if o.mode == Mode::Virtual { 0 } else { r })
+            .get(if o.mode.one_gpu() { 0 } else { r })
             .map_or("?", String::as_str);
+        // In the process modes this is rank 0's process; the others have pids of their own.
         v.push(format!(
             "#  Rank {r:>2} Group  0 Pid {pid:>6} on {host} device {d:>2} [{name}]"
+        ));
+    }
+    if o.mode.processes() {
+        v.push(format!(
+            "# NOTE: one process per rank ({}); the pid above is rank 0's",
+            if o.mode.one_gpu() {
+                format!("all on GPU {}, under CUDA MPS", o.device)
+            } else {
+                "one GPU each".to_string()
+            }
         ));
     }
     if o.mode == Mode::Virtual && o.ranks > 1 {
@@ -242,7 +359,13 @@ fn layout(o: &Options) -> Layout {
     }
 }
 
-fn run_program(o: &Options, argv: &[String]) -> Result<u64, String> {
+/// Runs the benchmark in this process: all ranks (threads), or one rank of a process mode
+/// (`process`: its rank and the exchange folder), which prints and writes files only at rank 0.
+fn run_program(
+    o: &Options,
+    argv: &[String],
+    process: Option<&(u32, PathBuf)>,
+) -> Result<u64, String> {
     let ndev = flashcomm_comm::gpu::device_count()
         .map_err(|e| format!("needs a CUDA GPU and driver: {e}"))?;
     let devs = run::devices(o);
@@ -253,8 +376,12 @@ fn run_program(o: &Options, argv: &[String]) -> Result<u64, String> {
             "device {max} is needed but this machine has {ndev} CUDA device(s)"
         ));
     }
-    // Device names (the contexts stay alive for the whole run).
-    let mut unique: Vec<i32> = devs.clone();
+    // Device names (the contexts stay alive for the whole run; a rank process holds its own
+    // device's only and reads the other names from the driver).
+    let mut unique: Vec<i32> = match process {
+        Some(&(r, _)) => vec![devs[r as usize]],
+        None => devs.clone(),
+    };
     unique.dedup();
     let mut contexts = Vec::new();
     let mut gpus = Vec::new();
@@ -264,6 +391,18 @@ fn run_program(o: &Options, argv: &[String]) -> Result<u64, String> {
         gpus.push(ctx.name().unwrap_or_else(|_| "unknown GPU".into()));
         contexts.push(ctx);
     }
+    if process.is_some() && !o.mode.one_gpu() {
+        use cudarc::driver::result::device;
+        gpus = devs
+            .iter()
+            .map(|&d| {
+                device::get(d)
+                    .and_then(device::get_name)
+                    .unwrap_or_else(|_| "unknown GPU".into())
+            })
+            .collect();
+    }
+    let prints = process.is_none_or(|&(r, _)| r == 0);
     let nccl = if o.impls.contains(&Impl::Nccl) {
         let path = o.nccl_lib.as_ref().ok_or(
             "--impl nccl needs --nccl-lib <path of the real libnccl.so.2> (or FLASHCOMM_NCCL_LIB); \
@@ -273,14 +412,17 @@ fn run_program(o: &Options, argv: &[String]) -> Result<u64, String> {
     } else {
         None
     };
-    let comms = match &nccl {
-        Some(n) => n.init_all(&devs)?,
-        None => Vec::new(),
+    let comms = match (&nccl, process) {
+        (Some(n), None) => n.init_all(&devs)?,
+        _ => Vec::new(),
     };
     let lay = layout(o);
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut emit = |lines: &[String]| {
+        if !prints {
+            return;
+        }
         for l in lines {
             let _ = writeln!(out, "{l}");
         }
@@ -290,10 +432,14 @@ fn run_program(o: &Options, argv: &[String]) -> Result<u64, String> {
     emit(&["#".to_string()]);
     emit(&report::header(&lay));
     let mut table = Table::default();
-    let result = run::run(o, nccl.as_ref(), comms, &mut |row| {
+    let mut on_row = |row| {
         let lines = table.add(&lay, row);
         emit(&lines);
-    });
+    };
+    let result = match process {
+        Some((r, dir)) => run::run_process(o, *r, dir, nccl.as_ref(), &mut on_row),
+        None => run::run(o, nccl.as_ref(), comms, &mut on_row),
+    };
     emit(&table.footer());
     let latency = (o.preset == Some(Preset::Latency)).then(|| report::latency_rows(&table.rows));
     if let Some(l) = &latency {
@@ -314,6 +460,10 @@ fn run_program(o: &Options, argv: &[String]) -> Result<u64, String> {
         ));
     }
     drop(out);
+    if !prints {
+        drop(contexts);
+        return result.map(|()| 0);
+    }
     let settings = settings_json(o, &gpus, nccl.as_ref(), argv);
     if let Some(path) = &o.json {
         let doc = report::document(settings.clone(), &table, latency.as_deref());
@@ -400,5 +550,16 @@ mod tests {
     fn help_and_bad_flags_exit_codes() {
         assert_eq!(main_with(&["--help".to_string()]), 0);
         assert_eq!(main_with(&["--bogus".to_string()]), 2);
+    }
+
+    #[test]
+    fn rank_process_variable() {
+        assert_eq!(
+            parse_process("2:/tmp/x", 4).unwrap(),
+            (2, PathBuf::from("/tmp/x"))
+        );
+        for bad in ["4:/tmp/x", "x:/tmp/x", "1:", "1", ""] {
+            assert!(parse_process(bad, 4).unwrap_err().contains(PROCESS_ENV));
+        }
     }
 }

@@ -45,6 +45,11 @@ pub enum Mode {
     Virtual,
     /// One GPU per rank, one thread per GPU, in this process.
     Gpus,
+    /// One process per rank, rank r on GPU `--device + r` (as nccl-tests under a launcher).
+    Procs,
+    /// One process per rank, every rank on GPU `--device` (tests the process path on one GPU;
+    /// needs CUDA MPS, or the processes' kernels time-slice and every wait crawls).
+    ProcsOneGpu,
 }
 
 impl Mode {
@@ -53,7 +58,19 @@ impl Mode {
         match self {
             Mode::Virtual => "virtual",
             Mode::Gpus => "gpus",
+            Mode::Procs => "procs",
+            Mode::ProcsOneGpu => "procs-one-gpu",
         }
+    }
+
+    /// Whether each rank is a process of its own.
+    pub fn processes(self) -> bool {
+        matches!(self, Mode::Procs | Mode::ProcsOneGpu)
+    }
+
+    /// Whether every rank uses the same GPU.
+    pub fn one_gpu(self) -> bool {
+        matches!(self, Mode::Virtual | Mode::ProcsOneGpu)
     }
 }
 
@@ -305,8 +322,10 @@ nccl-tests flags:
 flashcomm flags:
       --coll <c>             allreduce | reducescatter | allgather [allreduce]
       --ranks <n>            ranks, 1..8 [8]
-      --mode <m>             virtual (n ranks on one GPU, one thread each) | gpus (n GPUs) [virtual]
-      --device <d>           the GPU of virtual ranks, first GPU of --mode gpus [0]
+      --mode <m>             virtual (n ranks on one GPU, one thread each) | gpus (n GPUs, one
+                             thread each) | procs (n GPUs, one process each) | procs-one-gpu
+                             (n processes on one GPU; needs CUDA MPS) [virtual]
+      --device <d>           the GPU of virtual ranks, first GPU of --mode gpus/procs [0]
       --impl <list>          flashcomm, nccl or flashcomm,nccl (side by side) [flashcomm]
       --nccl-lib <path>      the real libnccl.so.2 for --impl nccl [$FLASHCOMM_NCCL_LIB]
       --quant <list>         quantized AllReduce widths besides lossless: bits or rs/ag bits,
@@ -639,7 +658,13 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
                 o.mode = match v {
                     "virtual" => Mode::Virtual,
                     "gpus" => Mode::Gpus,
-                    _ => return err(format!("--mode: '{v}' (virtual, gpus)")),
+                    "procs" => Mode::Procs,
+                    "procs-one-gpu" => Mode::ProcsOneGpu,
+                    _ => {
+                        return err(format!(
+                            "--mode: '{v}' (virtual, gpus, procs, procs-one-gpu)"
+                        ));
+                    }
                 }
             }
             "--device" => o.device = parse_int(flag, v)?,
@@ -744,10 +769,10 @@ fn validate(o: &Options) -> Result<(), ArgError> {
             return err("--quant: only AllReduce is quantized");
         }
     }
-    if o.impls.contains(&Impl::Nccl) && o.mode == Mode::Virtual && o.ranks > 1 {
+    if o.impls.contains(&Impl::Nccl) && o.mode.one_gpu() && o.ranks > 1 {
         return err(
-            "--impl nccl needs --mode gpus: NCCL refuses several ranks on one GPU \
-             (virtual ranks are flashcomm's)",
+            "--impl nccl needs --mode gpus or procs: NCCL refuses several ranks on one GPU \
+             (virtual ranks and procs-one-gpu are flashcomm's)",
         );
     }
     if o.inplace && o.coll == Coll::ReduceScatter {
@@ -924,6 +949,13 @@ mod tests {
         assert!(fails("-n 0").contains("-n"));
         assert!(fails("stray").contains("unexpected"));
         assert!(fails("--mode cloud").contains("--mode"));
+        assert!(
+            fails("--impl nccl --ranks 2 --mode procs-one-gpu").contains("--mode gpus or procs")
+        );
+        assert_eq!(run("--mode procs --ranks 4").mode, Mode::Procs);
+        assert!(Mode::Procs.processes() && !Mode::Procs.one_gpu());
+        assert!(Mode::ProcsOneGpu.processes() && Mode::ProcsOneGpu.one_gpu());
+        assert!(!Mode::Gpus.processes() && Mode::Virtual.one_gpu());
         assert!(fails("-f 1 -i 0 -b 1K -e 2K").contains("-i"));
         let e = ArgError("x".into()).to_string();
         assert!(e.contains("--help"));

@@ -5,7 +5,9 @@
 //!   `flashcomm-nccl-sys`'s declarations of the pinned `nccl.h`;
 //! * the copy baseline's `cuMemcpyDtoDAsync`, the one driver call that `flashcomm-comm` does
 //!   not wrap;
-//! * setting `CUDA_DEVICE_MAX_CONNECTIONS` at program start (`std::env::set_var`).
+//! * setting `CUDA_DEVICE_MAX_CONNECTIONS` at program start (`std::env::set_var`);
+//! * viewing rank 0's output, opened in another rank process through CUDA IPC, as a
+//!   `DevicePtr` (`DevicePtr::from_raw`).
 //!
 //! Every entry point here is a safe function whose arguments carry the guarantees the foreign
 //! call needs: buffers come as `flashcomm_comm::DevicePtr` (valid device memory of the stated
@@ -16,6 +18,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 
 use cudarc::driver::sys as cu;
+use flashcomm_comm::gpu::IpcMapping;
 use flashcomm_comm::{DevicePtr, Stream};
 use flashcomm_nccl_sys as nccl;
 
@@ -32,7 +35,25 @@ pub fn use_all_hardware_queues() {
         // SAFETY: called first thing in `main`, while the process has a single thread, so no
         // other thread reads or writes the environment concurrently.
         unsafe { std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", MAX_CONNECTIONS) };
+        QUEUES_SET_HERE.store(true, std::sync::atomic::Ordering::Relaxed);
     }
+}
+
+static QUEUES_SET_HERE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether [`use_all_hardware_queues`] chose `CUDA_DEVICE_MAX_CONNECTIONS` (not the user).
+pub fn queues_set_here() -> bool {
+    QUEUES_SET_HERE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Rank 0's output buffer of `len` bytes, opened in this process through CUDA IPC, as a range
+/// the comparison kernel can read.
+pub fn peer_range(m: &IpcMapping, len: u64) -> DevicePtr {
+    // SAFETY: the mapping is rank 0's receive allocation, which is at least `len` bytes long
+    // (every rank allocates the same sizes; the caller passes its own receive length), opened in
+    // the current context with peer access enabled; the caller keeps `m` alive, and rank 0 keeps
+    // the allocation, until the last comparison has finished (a barrier follows each one).
+    unsafe { DevicePtr::from_raw(m.ptr(), len) }
 }
 
 type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> nccl::ncclResult_t;
@@ -40,6 +61,13 @@ type GetErrorStringFn = unsafe extern "C" fn(nccl::ncclResult_t) -> *const c_cha
 type CommInitAllFn =
     unsafe extern "C" fn(*mut nccl::ncclComm_t, c_int, *const c_int) -> nccl::ncclResult_t;
 type CommDestroyFn = unsafe extern "C" fn(nccl::ncclComm_t) -> nccl::ncclResult_t;
+type GetUniqueIdFn = unsafe extern "C" fn(*mut nccl::ncclUniqueId) -> nccl::ncclResult_t;
+type CommInitRankFn = unsafe extern "C" fn(
+    *mut nccl::ncclComm_t,
+    c_int,
+    nccl::ncclUniqueId,
+    c_int,
+) -> nccl::ncclResult_t;
 type ReduceFn = unsafe extern "C" fn(
     *const c_void,
     *mut c_void,
@@ -64,6 +92,8 @@ const _: GetVersionFn = nccl::decls::ncclGetVersion;
 const _: GetErrorStringFn = nccl::decls::ncclGetErrorString;
 const _: CommInitAllFn = nccl::decls::ncclCommInitAll;
 const _: CommDestroyFn = nccl::decls::ncclCommDestroy;
+const _: GetUniqueIdFn = nccl::decls::ncclGetUniqueId;
+const _: CommInitRankFn = nccl::decls::ncclCommInitRank;
 const _: ReduceFn = nccl::decls::ncclAllReduce;
 const _: ReduceFn = nccl::decls::ncclReduceScatter;
 const _: GatherFn = nccl::decls::ncclAllGather;
@@ -103,6 +133,8 @@ pub struct Nccl {
     get_error_string: GetErrorStringFn,
     comm_init_all: CommInitAllFn,
     comm_destroy: CommDestroyFn,
+    get_unique_id: GetUniqueIdFn,
+    comm_init_rank: CommInitRankFn,
     all_reduce: ReduceFn,
     reduce_scatter: ReduceFn,
     all_gather: GatherFn,
@@ -145,6 +177,8 @@ impl Nccl {
             get_error_string: symbol(&lib, "ncclGetErrorString")?,
             comm_init_all: symbol(&lib, "ncclCommInitAll")?,
             comm_destroy: symbol(&lib, "ncclCommDestroy")?,
+            get_unique_id: symbol(&lib, "ncclGetUniqueId")?,
+            comm_init_rank: symbol(&lib, "ncclCommInitRank")?,
             all_reduce: symbol(&lib, "ncclAllReduce")?,
             reduce_scatter: symbol(&lib, "ncclReduceScatter")?,
             all_gather: symbol(&lib, "ncclAllGather")?,
@@ -191,9 +225,43 @@ impl Nccl {
         Ok(comms.into_iter().map(NcclComm).collect())
     }
 
+    /// `ncclGetUniqueId`: the 128 bytes rank 0 hands to every rank process.
+    pub fn unique_id(&self) -> Result<Vec<u8>, String> {
+        let mut id = nccl::ncclUniqueId {
+            internal: [0; nccl::NCCL_UNIQUE_ID_BYTES as usize],
+        };
+        // SAFETY: typed pointer from the loaded library; `id` is a valid out-pointer.
+        let r = unsafe { (self.get_unique_id)(&mut id) };
+        self.check(r, "ncclGetUniqueId")?;
+        Ok(id.internal.iter().map(|&b| b as u8).collect())
+    }
+
+    /// Rank `rank` of `nranks` in this process (`ncclCommInitRank`), on the device of the CUDA
+    /// context current on this thread, joined through rank 0's `id` (from [`Nccl::unique_id`]).
+    pub fn init_rank(&self, nranks: u32, id: &[u8], rank: u32) -> Result<NcclComm, String> {
+        let mut uid = nccl::ncclUniqueId {
+            internal: [0; nccl::NCCL_UNIQUE_ID_BYTES as usize],
+        };
+        if id.len() != uid.internal.len() {
+            return Err(format!("an NCCL unique id has 128 bytes, not {}", id.len()));
+        }
+        for (d, &b) in uid.internal.iter_mut().zip(id) {
+            *d = b as c_char;
+        }
+        let n = c_int::try_from(nranks).map_err(|_| "too many ranks".to_string())?;
+        let r = c_int::try_from(rank).map_err(|_| "rank out of range".to_string())?;
+        let mut comm: nccl::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: typed pointer from the loaded library; `comm` is a valid out-pointer and the
+        // id is passed by value, as the header declares.
+        let res = unsafe { (self.comm_init_rank)(&mut comm, n, uid, r) };
+        self.check(res, "ncclCommInitRank")?;
+        Ok(NcclComm(comm))
+    }
+
     /// `ncclCommDestroy`.
     pub fn destroy(&self, comm: NcclComm) -> Result<(), String> {
-        // SAFETY: `comm` came from `init_all` of this library and is destroyed once (consumed).
+        // SAFETY: `comm` came from `init_all` or `init_rank` of this library and is destroyed
+        // once (consumed).
         let r = unsafe { (self.comm_destroy)(comm.0) };
         self.check(r, "ncclCommDestroy")
     }

@@ -1,5 +1,9 @@
 //! The GPU part: one thread per rank, each with its own flashcomm communicator (and NCCL
-//! communicator), stream, buffers and events, running the same list of jobs in lockstep.
+//! communicator), stream, buffers and events, running the same list of jobs in lockstep. In the
+//! process modes each rank is a process of its own running one such thread ([`run_process`]);
+//! the team barrier, the gathering of every rank's measurements at rank 0 and the exchange of
+//! rank 0's output buffer (a CUDA IPC handle) then go through files in a folder that the
+//! launcher creates ([`FileBootstrap`]).
 //!
 //! Rules that keep virtual ranks (several ranks on one GPU) from deadlocking, as in the GPU
 //! tests: everything is allocated before the first collective; no rank touches the legacy
@@ -24,12 +28,13 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use flashcomm_codec::{DType, Element, Format, bf16, f16};
-use flashcomm_comm::gpu::Event;
+use flashcomm_comm::gpu::{Event, IpcMapping};
 use flashcomm_comm::testing::{TestType, Verifier};
 use flashcomm_comm::{
-    Algorithm, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem, DevicePtr, Plan,
-    Protocol, QuantSpec, Stream, ThreadGroup,
+    Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem,
+    DevicePtr, FileBootstrap, Plan, Protocol, QuantSpec, Stream, ThreadGroup,
 };
+use serde_json::{Value, json};
 
 use crate::accuracy::{self, AccuracyStats, QuantAlgo};
 use crate::args::{AlgoChoice, Coll, Dtype, Impl, Launch, Mode, Options, ProtoChoice, Width};
@@ -83,11 +88,13 @@ pub fn jobs(o: &Options) -> Vec<Job> {
     out
 }
 
-/// The devices of the ranks: all on `--device` (virtual), or `--device`, `--device + 1`, ...
+/// The devices of the ranks: all on `--device` (virtual, procs-one-gpu), or `--device`,
+/// `--device + 1`, ... (gpus, procs).
 pub fn devices(o: &Options) -> Vec<i32> {
-    match o.mode {
-        Mode::Virtual => vec![o.device; o.ranks as usize],
-        Mode::Gpus => (0..o.ranks as i32).map(|r| o.device + r).collect(),
+    if o.mode.one_gpu() {
+        vec![o.device; o.ranks as usize]
+    } else {
+        (0..o.ranks as i32).map(|r| o.device + r).collect()
     }
 }
 
@@ -194,8 +201,10 @@ struct RankMeasure {
     accuracy: Option<AccuracyStats>,
 }
 
-/// The in-process team: a barrier that a failing rank can poison, the slots where ranks leave
-/// their results, and rank 0's receive buffer for the bitwise comparison.
+/// The team: a barrier that a failing rank can poison, the slots where ranks leave their
+/// results, and rank 0's receive buffer for the bitwise comparison. In the process modes it
+/// holds this process's rank only, and `link` carries the barrier and the results to the other
+/// rank processes (a failing process exits; the launcher then stops the others).
 struct Team {
     n: usize,
     timeout: Duration,
@@ -203,6 +212,7 @@ struct Team {
     cv: Condvar,
     slots: Mutex<Vec<Option<RankOut>>>,
     recv0: Mutex<Option<DevicePtr>>,
+    link: Option<FileBootstrap>,
 }
 
 struct TeamState {
@@ -224,10 +234,35 @@ impl Team {
             cv: Condvar::new(),
             slots: Mutex::new(vec![None; n]),
             recv0: Mutex::new(None),
+            link: None,
         }
     }
 
+    /// The team of one rank process, meeting the others through `link`.
+    fn process(link: FileBootstrap, timeout: Duration) -> Team {
+        Team {
+            link: Some(link),
+            ..Team::new(1, timeout)
+        }
+    }
+
+    /// All-gathers `mine` across the rank processes (process modes only).
+    fn exchange(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, String> {
+        let link = self.link.as_ref().ok_or("not a rank process")?;
+        if let Some(f) = self.failed() {
+            return Err(f);
+        }
+        link.all_gather(mine).map_err(|e| {
+            let msg = format!("rank processes: {e}");
+            self.fail(msg.clone());
+            msg
+        })
+    }
+
     fn wait(&self) -> Result<(), String> {
+        if self.link.is_some() {
+            return self.exchange(&[]).map(|_| ());
+        }
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = &st.failed {
             return Err(f.clone());
@@ -348,22 +383,11 @@ pub fn run(
             .map(|(r, (boot, nc))| {
                 let (jobs, team, rows, dev) = (&jobs, &team, rows.clone(), devs[r]);
                 let nccl = nccl.zip(nc);
+                let nccl = NcclSetup::Ready(nccl);
                 s.spawn(move || {
-                    let res = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    guarded(r as u32, team, || {
                         rank_main(o, jobs, team, boot, dev, nccl, (r == 0).then_some(rows))
-                    }))
-                    .unwrap_or_else(|p| {
-                        let msg = p
-                            .downcast_ref::<String>()
-                            .cloned()
-                            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                            .unwrap_or_else(|| "panic".into());
-                        Err(format!("rank {r} panicked: {msg}"))
-                    });
-                    if let Err(e) = &res {
-                        team.fail(e.clone());
-                    }
-                    res
+                    })
                 })
             })
             .collect();
@@ -383,16 +407,82 @@ pub fn run(
     results.into_iter().collect()
 }
 
+/// Runs one rank's `body`, turning a panic into an error; either poisons the team.
+fn guarded(
+    rank: u32,
+    team: &Team,
+    body: impl FnOnce() -> Result<(), String>,
+) -> Result<(), String> {
+    let res = std::panic::catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|p| {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "panic".into());
+        Err(format!("rank {rank} panicked: {msg}"))
+    });
+    if let Err(e) = &res {
+        team.fail(e.clone());
+    }
+    res
+}
+
+/// Where a rank's NCCL communicator comes from.
+enum NcclSetup<'a> {
+    /// Made beforehand (`ncclCommInitAll` for the threads of this process), or none.
+    Ready(Option<(&'a Nccl, NcclComm)>),
+    /// Made by the rank process itself (`ncclCommInitRank`, rank 0's id sent to the others).
+    PerProcess(&'a Nccl),
+}
+
+/// Rank `rank` of a process mode, this process's only rank: exchanges through files in `dir`
+/// (which every rank process of the run names), and calls `on_row` with each row at rank 0.
+pub fn run_process(
+    o: &Options,
+    rank: u32,
+    dir: &std::path::Path,
+    nccl: Option<&Nccl>,
+    on_row: &mut dyn FnMut(Row),
+) -> Result<(), String> {
+    let jobs = jobs(o);
+    let device = devices(o)[rank as usize];
+    let setup_timeout = Duration::from_secs(o.timeout_s + 300);
+    let team_timeout = Duration::from_secs(4 * o.timeout_s + 900);
+    let boot = FileBootstrap::new(&dir.join("comm"), rank, o.ranks, setup_timeout)
+        .map_err(|e| e.to_string())?;
+    let link = FileBootstrap::new(&dir.join("team"), rank, o.ranks, team_timeout)
+        .map_err(|e| e.to_string())?;
+    let team = Team::process(link, team_timeout);
+    let (rows, rx) = std::sync::mpsc::channel::<Row>();
+    let nccl = nccl.map_or(NcclSetup::Ready(None), NcclSetup::PerProcess);
+    let result = std::thread::scope(|s| {
+        let (jobs, team) = (&jobs, &team);
+        let rows = (rank == 0).then_some(rows);
+        let h = s.spawn(move || {
+            guarded(rank, team, || {
+                rank_main(o, jobs, team, &boot, device, nccl, rows)
+            })
+        });
+        for row in rx.iter() {
+            on_row(row);
+        }
+        h.join().unwrap_or_else(|_| Err("rank thread died".into()))
+    });
+    if let Some(f) = team.failed() {
+        return Err(f);
+    }
+    result
+}
+
 fn rank_main(
     o: &Options,
     jobs: &[Job],
     team: &Team,
-    boot: &flashcomm_comm::ThreadBootstrap,
+    boot: &dyn Bootstrap,
     device: i32,
-    nccl: Option<(&Nccl, NcclComm)>,
+    nccl: NcclSetup<'_>,
     rows: Option<Sender<Row>>,
 ) -> Result<(), String> {
-    use flashcomm_comm::Bootstrap;
     let rank = boot.rank();
     let cfg = CommConfig {
         timeout: Duration::from_secs(o.timeout_s),
@@ -412,6 +502,22 @@ fn rank_main(
     let v = Verifier::new(device).map_err(e2s(&format!("rank {rank}: device {device}")))?;
     // Streams, events, copies and graphs of this thread use this device's context.
     let _ctx = v.activate().map_err(e2s("activating the context"))?;
+    let nccl = match nccl {
+        NcclSetup::Ready(n) => n,
+        NcclSetup::PerProcess(lib) => {
+            // Every rank takes part in the exchange, even one whose id failed, so that none waits
+            // in vain; rank 0's id goes to all (NCCL then uses this thread's current device).
+            let id = if rank == 0 {
+                lib.unique_id()
+            } else {
+                Ok(Vec::new())
+            };
+            let all = team.exchange(id.as_deref().unwrap_or(&[]))?;
+            id?;
+            let comm = lib.init_rank(boot.size(), &all[0], rank)?;
+            Some((lib, comm))
+        }
+    };
     let stream = v.stream().map_err(e2s("stream"))?;
     let (sb, rb, qb) = buffer_bytes(o, jobs);
     let alloc = |b: u64| {
@@ -428,13 +534,35 @@ fn rank_main(
         starts.push(Event::new(true).map_err(e2s("creating events"))?);
         ends.push(Event::new(true).map_err(e2s("creating events"))?);
     }
-    if rank == 0 {
+    // Rank 0's output for the bitwise comparison: shared memory among threads, a CUDA IPC
+    // mapping among processes (opened with peer access when the GPUs differ).
+    let mut peer0: Option<IpcMapping> = None;
+    if team.link.is_some() {
+        let handle = if rank == 0 {
+            recv.ipc_handle()
+                .map(|h| h.to_vec())
+                .map_err(e2s("exporting rank 0's output buffer"))
+        } else {
+            Ok(Vec::new())
+        };
+        let all = team.exchange(handle.as_deref().unwrap_or(&[]))?;
+        handle?;
+        if rank != 0 {
+            let h: [u8; 64] = all[0]
+                .as_slice()
+                .try_into()
+                .map_err(|_| "rank 0's IPC handle is not 64 bytes".to_string())?;
+            let m = IpcMapping::open(&h).map_err(e2s("opening rank 0's output buffer"))?;
+            *team.recv0.lock().unwrap_or_else(|e| e.into_inner()) = Some(ffi::peer_range(&m, rb));
+            peer0 = Some(m);
+        }
+    } else if rank == 0 {
         *team.recv0.lock().unwrap_or_else(|e| e.into_inner()) = Some(recv.as_ptr());
     }
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .max(1);
-    let can_compare = o.mode == Mode::Virtual || comm.is_some();
+    let can_compare = o.mode == Mode::Virtual || team.link.is_some() || comm.is_some();
     let mut r = Rank {
         o,
         team,
@@ -453,7 +581,12 @@ fn rank_main(
         can_compare,
         threads,
     };
-    let result = r.jobs(jobs, rows);
+    let mut result = r.jobs(jobs, rows);
+    if team.link.is_some() && result.is_ok() {
+        // Rank 0 frees its output only after every mapping of it is closed.
+        drop(peer0);
+        result = team.wait();
+    }
     if let Err(e) = &result {
         team.fail(e.clone());
         if let Some(c) = &r.comm {
@@ -489,18 +622,35 @@ impl Rank<'_> {
         for (i, job) in jobs.iter().enumerate() {
             self.barrier()?;
             let out = self.job(job, i as u32 + 1)?;
-            self.team.slots.lock().unwrap_or_else(|e| e.into_inner())[self.rank as usize] =
-                Some(out);
-            self.barrier()?;
+            let gathered = if self.team.link.is_some() {
+                let all = self.team.exchange(&wire(&out))?;
+                let mut outs = Vec::with_capacity(all.len());
+                for (r, bytes) in all.iter().enumerate() {
+                    outs.push(if r == self.rank as usize {
+                        out.clone()
+                    } else {
+                        unwire(bytes).map_err(|e| format!("rank {r}'s results: {e}"))?
+                    });
+                }
+                Some(outs)
+            } else {
+                self.team.slots.lock().unwrap_or_else(|e| e.into_inner())[self.rank as usize] =
+                    Some(out);
+                self.barrier()?;
+                None
+            };
             if let Some(tx) = &rows {
-                let outs: Vec<RankOut> = self
-                    .team
-                    .slots
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .iter_mut()
-                    .map(|s| s.take().unwrap_or_default())
-                    .collect();
+                let outs: Vec<RankOut> = match gathered {
+                    Some(outs) => outs,
+                    None => self
+                        .team
+                        .slots
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .iter_mut()
+                        .map(|s| s.take().unwrap_or_default())
+                        .collect(),
+                };
                 let row = merge(self.o, job, &outs);
                 // The receiver only goes away when the main thread is gone.
                 let _ = tx.send(row);
@@ -930,6 +1080,46 @@ fn theirs_slice(p: DevicePtr, len: u64) -> Result<DevicePtr, String> {
     Ok(p)
 }
 
+/// What a rank process sends rank 0 of one job: the times and counts that [`merge`] combines
+/// across ranks (whether the job ran, its plan and the accuracy are rank 0's own).
+fn wire(out: &RankOut) -> Vec<u8> {
+    let m = |m: &RankMeasure| json!({"times": m.times, "wrong": m.wrong, "mismatch": m.mismatch});
+    let doc = json!({
+        "skipped": out.skipped,
+        "out": out.out.as_ref().map(m),
+        "inplace": out.inplace.as_ref().and_then(|r| r.as_ref().ok()).map(m),
+    });
+    doc.to_string().into_bytes()
+}
+
+/// The inverse of [`wire`].
+fn unwire(bytes: &[u8]) -> Result<RankOut, String> {
+    let doc: Value = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    let measure = |v: &Value| -> Result<Option<RankMeasure>, String> {
+        if v.is_null() {
+            return Ok(None);
+        }
+        let times = v["times"]
+            .as_array()
+            .ok_or("no times")?
+            .iter()
+            .map(|t| t.as_f64().ok_or("a time is not a number"))
+            .collect::<Result<Vec<f64>, _>>()?;
+        Ok(Some(RankMeasure {
+            times,
+            wrong: v["wrong"].as_u64(),
+            mismatch: v["mismatch"].as_u64(),
+            accuracy: None,
+        }))
+    };
+    Ok(RankOut {
+        skipped: doc["skipped"].as_str().map(String::from),
+        plan: None,
+        out: measure(&doc["out"])?,
+        inplace: measure(&doc["inplace"])?.map(Ok),
+    })
+}
+
 /// Combines every rank's report of a job into a row.
 fn merge(o: &Options, job: &Job, outs: &[RankOut]) -> Row {
     let first = outs.first().cloned().unwrap_or_default();
@@ -1037,6 +1227,14 @@ mod tests {
             devices(&opts("--ranks 3 --device 1 --mode gpus")),
             vec![1, 2, 3]
         );
+        assert_eq!(
+            devices(&opts("--ranks 3 --device 1 --mode procs")),
+            vec![1, 2, 3]
+        );
+        assert_eq!(
+            devices(&opts("--ranks 3 --device 1 --mode procs-one-gpu")),
+            vec![1, 1, 1]
+        );
     }
 
     #[test]
@@ -1101,6 +1299,68 @@ mod tests {
             quant_seed(1, Dtype::Bf16, 100),
             quant_seed(1, Dtype::F16, 100)
         );
+    }
+
+    #[test]
+    fn rank_reports_cross_processes_intact() {
+        let m = |t: f64, wrong| RankMeasure {
+            times: vec![t, t + 0.5],
+            wrong,
+            mismatch: Some(3),
+            accuracy: None,
+        };
+        let out = RankOut {
+            skipped: None,
+            plan: Some("plan not sent".into()),
+            out: Some(m(1.25, Some(0))),
+            inplace: Some(Ok(m(2.0, None))),
+        };
+        let back = unwire(&wire(&out)).unwrap();
+        let got = back.out.unwrap();
+        assert_eq!(
+            (got.times, got.wrong, got.mismatch),
+            (vec![1.25, 1.75], Some(0), Some(3))
+        );
+        let ip = back.inplace.unwrap().unwrap();
+        assert_eq!((ip.times, ip.wrong), (vec![2.0, 2.5], None));
+        assert_eq!((back.skipped, back.plan), (None, None));
+        let skipped = RankOut {
+            skipped: Some("too small".into()),
+            ..RankOut::default()
+        };
+        let back = unwire(&wire(&skipped)).unwrap();
+        assert_eq!(back.skipped.as_deref(), Some("too small"));
+        assert!(back.out.is_none() && back.inplace.is_none());
+        assert!(unwire(b"not json").is_err());
+        assert!(unwire(br#"{"out":{"times":["x"]}}"#).is_err());
+    }
+
+    #[test]
+    fn rank_processes_meet_merge_and_time_out() {
+        let dir = std::env::temp_dir().join(format!("flashcomm-perf-team-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let t = Duration::from_secs(5);
+        let teams: Vec<Team> = (0..3)
+            .map(|r| Team::process(FileBootstrap::new(&dir, r, 3, t).unwrap(), t))
+            .collect();
+        std::thread::scope(|s| {
+            for (r, team) in teams.iter().enumerate() {
+                s.spawn(move || {
+                    team.wait().unwrap();
+                    let all = team.exchange(&[r as u8]).unwrap();
+                    assert_eq!(all, vec![vec![0u8], vec![1], vec![2]]);
+                    team.wait().unwrap();
+                });
+            }
+        });
+        // A rank alone waits until the timeout, then the team stays failed.
+        let lone = Team::process(
+            FileBootstrap::new(&dir.join("lone"), 0, 2, Duration::from_millis(50)).unwrap(),
+            t,
+        );
+        assert!(lone.wait().unwrap_err().contains("rank processes"));
+        assert!(lone.failed().is_some() && lone.wait().is_err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
