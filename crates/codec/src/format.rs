@@ -40,6 +40,20 @@ impl DType {
         }
     }
 
+    /// Size of one value in bytes, for byte arithmetic on buffer lengths.
+    pub const fn bytes(self) -> u64 {
+        self.size() as u64
+    }
+
+    /// The short name kernels and tools use (`f32`, `f16`, `bf16`).
+    pub const fn suffix(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+        }
+    }
+
     /// The code written in byte 9 of the header (0 = f32, 1 = f16, 2 = bf16).
     pub const fn code(self) -> u8 {
         match self {

@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use flashcomm_kernels::catalog::{KAlgo, KDtype, KProto};
 use flashcomm_kernels::{Kernel, Kernels, LaunchConfig};
 
 use crate::abi::{self, FcCollParams, FcProbeParams, MAX_RANKS, THREADS};
@@ -356,9 +355,9 @@ impl Communicator {
         // the per-device share are applied after the exchange in `resident_grid`.
         let mut per_sm = u32::MAX;
         for k in [
-            Kernel::allreduce(KAlgo::TwoShot, KProto::Block, KDtype::F32),
-            Kernel::allreduce(KAlgo::OneShot, KProto::Ll, KDtype::F32),
-            Kernel::allreduce(KAlgo::TwoShot, KProto::Ll, KDtype::Bf16),
+            Kernel::allreduce(Algorithm::TwoShot, Protocol::Block, DataType::F32),
+            Kernel::allreduce(Algorithm::OneShot, Protocol::Ll, DataType::F32),
+            Kernel::allreduce(Algorithm::TwoShot, Protocol::Ll, DataType::Bf16),
         ] {
             per_sm = per_sm.min(kernels.get(k).max_active_blocks_per_sm(THREADS, 0)?);
         }
@@ -691,18 +690,11 @@ impl Communicator {
 
     /// The catalogue kernel of a plan: a few integer operations, no name and no lookup.
     fn kernel_for(p: &Plan, dtype: Option<DataType>) -> Result<Kernel<FcCollParams>, Error> {
-        let proto = match p.proto {
-            Protocol::Ll => KProto::Ll,
-            Protocol::Block => KProto::Block,
-        };
-        let algo = match p.algo {
-            Algorithm::OneShot => KAlgo::OneShot,
-            Algorithm::TwoShot => KAlgo::TwoShot,
-        };
-        let k = match (p.coll, dtype.map(DataType::kernel_type)) {
+        let (proto, algo) = (p.proto, p.algo);
+        let k = match (p.coll, dtype) {
             (Collective::AllGather, _) => Some(Kernel::allgather(proto)),
             (Collective::AllReduce, Some(t)) => match p.quant {
-                Some(q) if algo == KAlgo::OneShot => Kernel::quant_oneshot(t, q.rs_bits),
+                Some(q) if algo == Algorithm::OneShot => Kernel::quant_oneshot(t, q.rs_bits),
                 Some(q) => Kernel::quant_twostep(t, q.rs_bits, q.ag_bits),
                 None => Some(Kernel::allreduce(algo, proto, t)),
             },

@@ -18,99 +18,10 @@ pub enum Collective {
     AllGather,
 }
 
-/// Element types of the reducing collectives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DataType {
-    /// IEEE binary32.
-    F32,
-    /// IEEE binary16.
-    F16,
-    /// bfloat16.
-    Bf16,
-}
-
-impl DataType {
-    /// Bytes per element.
-    pub fn bytes(self) -> u64 {
-        match self {
-            DataType::F32 => 4,
-            DataType::F16 | DataType::Bf16 => 2,
-        }
-    }
-
-    /// Suffix of kernel names.
-    pub fn suffix(self) -> &'static str {
-        self.kernel_type().suffix()
-    }
-
-    /// The element type of the kernel catalogue.
-    pub fn kernel_type(self) -> flashcomm_kernels::catalog::KDtype {
-        use flashcomm_kernels::catalog::KDtype;
-        match self {
-            DataType::F32 => KDtype::F32,
-            DataType::F16 => KDtype::F16,
-            DataType::Bf16 => KDtype::Bf16,
-        }
-    }
-}
-
-/// How readiness travels with the data.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Protocol {
-    /// 16-byte lines with a tag in every 8 bytes: lowest latency, half the payload density.
-    Ll,
-    /// 4 KiB frames with one tag written after a fence: full density, one fence per frame.
-    Block,
-}
-
-impl Protocol {
-    /// Both protocols.
-    pub const ALL: [Protocol; 2] = [Protocol::Ll, Protocol::Block];
-
-    /// Kernel-name fragment.
-    pub fn name(self) -> &'static str {
-        match self {
-            Protocol::Ll => "ll",
-            Protocol::Block => "block",
-        }
-    }
-
-    fn index(self) -> usize {
-        match self {
-            Protocol::Ll => 0,
-            Protocol::Block => 1,
-        }
-    }
-}
-
-/// AllReduce algorithms.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Algorithm {
-    /// Every rank pushes its whole input to every peer and reduces all of them.
-    OneShot,
-    /// Reduce-scatter to shard owners, then all-gather of the reduced shards.
-    TwoShot,
-}
-
-impl Algorithm {
-    /// Both algorithms.
-    pub const ALL: [Algorithm; 2] = [Algorithm::OneShot, Algorithm::TwoShot];
-
-    /// Kernel-name fragment.
-    pub fn name(self) -> &'static str {
-        match self {
-            Algorithm::OneShot => "oneshot",
-            Algorithm::TwoShot => "twoshot",
-        }
-    }
-
-    fn index(self) -> usize {
-        match self {
-            Algorithm::OneShot => 0,
-            Algorithm::TwoShot => 1,
-        }
-    }
-}
+/// Element types of the reducing collectives: the codec's, the one datatype enum of the tree.
+pub use flashcomm_codec::DType as DataType;
+/// How readiness travels with the data, and the AllReduce algorithms: the kernel catalogue's.
+pub use flashcomm_kernels::catalog::{Algorithm, Protocol};
 
 /// A choice that is either automatic or forced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -356,12 +267,7 @@ impl QuantSpec {
 
     /// The codec format of one step.
     pub fn format(&self, dtype: DataType, bits: u8) -> Result<flashcomm_codec::Format, Error> {
-        let d = match dtype {
-            DataType::F32 => flashcomm_codec::DType::F32,
-            DataType::F16 => flashcomm_codec::DType::F16,
-            DataType::Bf16 => flashcomm_codec::DType::Bf16,
-        };
-        flashcomm_codec::Format::new(d, bits, self.group, self.spikes)
+        flashcomm_codec::Format::new(dtype, bits, self.group, self.spikes)
             .map_err(|e| Error::InvalidArgument(format!("codec format: {e:?}")))
     }
 }
@@ -486,27 +392,32 @@ pub fn plan(
     } else {
         None
     };
-    let algos: Vec<Algorithm> = match coll {
+    // Candidates as static slices: planning runs on every call and allocates nothing.
+    const ONE_SHOT: &[Algorithm] = &[Algorithm::OneShot];
+    const TWO_SHOT: &[Algorithm] = &[Algorithm::TwoShot];
+    let algos: &[Algorithm] = match coll {
         Collective::AllReduce => match algo_choice {
-            Choice::Force(Algorithm::TwoShot) if shard.is_some() && n > 1 => {
-                vec![Algorithm::TwoShot]
-            }
-            Choice::Force(_) => vec![Algorithm::OneShot],
-            Choice::Auto if shard.is_some() && n > 1 => Algorithm::ALL.to_vec(),
-            Choice::Auto => vec![Algorithm::OneShot],
+            Choice::Force(Algorithm::TwoShot) if shard.is_some() && n > 1 => TWO_SHOT,
+            Choice::Force(_) => ONE_SHOT,
+            Choice::Auto if shard.is_some() && n > 1 => &Algorithm::ALL,
+            Choice::Auto => ONE_SHOT,
         },
         // ReduceScatter has the cost structure of the first half of two-shot, AllGather of
         // one-shot's push; both use the corresponding model row.
-        Collective::ReduceScatter => vec![Algorithm::TwoShot],
-        Collective::AllGather => vec![Algorithm::OneShot],
+        Collective::ReduceScatter => TWO_SHOT,
+        Collective::AllGather => ONE_SHOT,
     };
-    let protos: Vec<Protocol> = match proto_choice {
-        Choice::Force(p) => vec![p],
-        Choice::Auto => Protocol::ALL.to_vec(),
+    let forced = [match proto_choice {
+        Choice::Force(p) => p,
+        Choice::Auto => Protocol::Ll,
+    }];
+    let protos: &[Protocol] = match proto_choice {
+        Choice::Force(_) => &forced,
+        Choice::Auto => &Protocol::ALL,
     };
     let mut best: Option<(f64, Algorithm, Protocol)> = None;
-    for &a in &algos {
-        for &p in &protos {
+    for &a in algos {
+        for &p in protos {
             let mut t = model.predict(a, p, bytes);
             if coll == Collective::ReduceScatter {
                 t *= 0.5;

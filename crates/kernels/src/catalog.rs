@@ -2,90 +2,87 @@
 //! from the call's shape with a few integer operations, so a launch needs neither a name nor a
 //! lookup. [`crate::Kernels`] resolves the whole table once when it loads the modules.
 //!
-//! This file is plain data and `const fn`s that import nothing of flashcomm: `xtask` includes it
+//! This file is plain data and `const fn`s that import nothing of flashcomm but the codec's `DType`: `xtask` includes it
 //! to generate the CUDA instantiation list (`cuda/include/flashcomm/instances.h`), so the kernels
 //! that exist and the kernels the host believes exist come from this one table.
 
-/// Element types of the reducing kernels, in table order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KDtype {
-    /// IEEE binary32.
-    F32 = 0,
-    /// IEEE binary16.
-    F16 = 1,
-    /// bfloat16.
-    Bf16 = 2,
-}
+pub use flashcomm_codec::DType;
 
-impl KDtype {
-    /// Every element type, in table order.
-    pub const ALL: [KDtype; 3] = [KDtype::F32, KDtype::F16, KDtype::Bf16];
-
-    /// Kernel-name suffix.
-    pub const fn suffix(self) -> &'static str {
-        match self {
-            KDtype::F32 => "f32",
-            KDtype::F16 => "f16",
-            KDtype::Bf16 => "bf16",
-        }
-    }
-
-    /// The CUDA element type.
-    pub const fn cuda_type(self) -> &'static str {
-        match self {
-            KDtype::F32 => "float",
-            KDtype::F16 => "__half",
-            KDtype::Bf16 => "__nv_bfloat16",
-        }
+/// The CUDA element type of `t`.
+pub const fn cuda_type(t: DType) -> &'static str {
+    match t {
+        DType::F32 => "float",
+        DType::F16 => "__half",
+        DType::Bf16 => "__nv_bfloat16",
     }
 }
 
-/// Readiness encodings, in table order.
+/// Element types of the reducing kernels, in table order (`DType::code`).
+pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
+
+/// How readiness travels with the data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KProto {
-    /// 16-byte lines, a tag beside every 4 bytes of data.
-    Ll = 0,
-    /// Frames with one tag written last.
-    Block = 1,
+pub enum Protocol {
+    /// 16-byte lines with a tag beside every 4 bytes of data: lowest latency, half the payload
+    /// density.
+    Ll,
+    /// Frames with one tag written after a fence: full density, one fence per frame.
+    Block,
 }
 
-impl KProto {
-    /// Both, in table order.
-    pub const ALL: [KProto; 2] = [KProto::Ll, KProto::Block];
+impl Protocol {
+    /// Both protocols, in table order.
+    pub const ALL: [Protocol; 2] = [Protocol::Ll, Protocol::Block];
 
     /// Kernel-name fragment.
     pub const fn name(self) -> &'static str {
         match self {
-            KProto::Ll => "ll",
-            KProto::Block => "block",
+            Protocol::Ll => "ll",
+            Protocol::Block => "block",
+        }
+    }
+
+    /// Position in [`Protocol::ALL`].
+    pub const fn index(self) -> usize {
+        match self {
+            Protocol::Ll => 0,
+            Protocol::Block => 1,
         }
     }
 }
 
-/// AllReduce algorithms, in table order.
+/// AllReduce algorithms.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KAlgo {
-    /// Every rank reduces every rank's input.
-    OneShot = 0,
-    /// Reduce-scatter, then all-gather.
-    TwoShot = 1,
+pub enum Algorithm {
+    /// Every rank pushes its whole input to every peer and reduces all of them.
+    OneShot,
+    /// Reduce-scatter to shard owners, then all-gather of the reduced shards.
+    TwoShot,
 }
 
-impl KAlgo {
-    /// Both, in table order.
-    pub const ALL: [KAlgo; 2] = [KAlgo::OneShot, KAlgo::TwoShot];
+impl Algorithm {
+    /// Both algorithms, in table order.
+    pub const ALL: [Algorithm; 2] = [Algorithm::OneShot, Algorithm::TwoShot];
 
     /// Kernel-name fragment.
     pub const fn name(self) -> &'static str {
         match self {
-            KAlgo::OneShot => "oneshot",
-            KAlgo::TwoShot => "twoshot",
+            Algorithm::OneShot => "oneshot",
+            Algorithm::TwoShot => "twoshot",
+        }
+    }
+
+    /// Position in [`Algorithm::ALL`].
+    pub const fn index(self) -> usize {
+        match self {
+            Algorithm::OneShot => 0,
+            Algorithm::TwoShot => 1,
         }
     }
 }
 
 /// Element types of the quantized kernels, in table order.
-pub const QUANT_DTYPES: [KDtype; 2] = [KDtype::F16, KDtype::Bf16];
+pub const QUANT_DTYPES: [DType; 2] = [DType::F16, DType::Bf16];
 
 /// Widths of the one-shot quantized AllReduce (one kernel each).
 pub const QUANT_ONESHOT_BITS: [u8; 7] = [2, 3, 4, 5, 6, 7, 8];
@@ -122,18 +119,18 @@ const Q2: usize = Q1 + QUANT_DTYPES.len() * QUANT_ONESHOT_BITS.len();
 pub const COUNT: usize = Q2 + QUANT_DTYPES.len() * QUANT_TWOSTEP_BITS.len();
 
 /// Table index of the lossless AllReduce kernel.
-pub const fn allreduce(algo: KAlgo, proto: KProto, t: KDtype) -> usize {
-    AR + (algo as usize * 2 + proto as usize) * 3 + t as usize
+pub const fn allreduce(algo: Algorithm, proto: Protocol, t: DType) -> usize {
+    AR + (algo.index() * 2 + proto.index()) * 3 + t.code() as usize
 }
 
 /// Table index of the lossless ReduceScatter kernel.
-pub const fn reducescatter(proto: KProto, t: KDtype) -> usize {
-    RS + proto as usize * 3 + t as usize
+pub const fn reducescatter(proto: Protocol, t: DType) -> usize {
+    RS + proto.index() * 3 + t.code() as usize
 }
 
 /// Table index of the AllGather kernel (any type: it moves bytes).
-pub const fn allgather(proto: KProto) -> usize {
-    AG + proto as usize
+pub const fn allgather(proto: Protocol) -> usize {
+    AG + proto.index()
 }
 
 /// Table index of the set-up probe (`fc_probe_write`).
@@ -141,16 +138,16 @@ pub const fn probe() -> usize {
     PROBE
 }
 
-const fn quant_dtype(t: KDtype) -> Option<usize> {
+const fn quant_dtype(t: DType) -> Option<usize> {
     match t {
-        KDtype::F16 => Some(0),
-        KDtype::Bf16 => Some(1),
-        KDtype::F32 => None,
+        DType::F16 => Some(0),
+        DType::Bf16 => Some(1),
+        DType::F32 => None,
     }
 }
 
 /// Table index of the one-shot quantized AllReduce at `bits`, if that kernel exists.
-pub const fn quant_oneshot(t: KDtype, bits: u8) -> Option<usize> {
+pub const fn quant_oneshot(t: DType, bits: u8) -> Option<usize> {
     match quant_dtype(t) {
         Some(d) if bits >= 2 && bits <= 8 => {
             Some(Q1 + d * QUANT_ONESHOT_BITS.len() + (bits - 2) as usize)
@@ -172,7 +169,7 @@ pub const fn twostep_pair(rs_bits: u8, ag_bits: u8) -> Option<usize> {
 }
 
 /// Table index of the two-step quantized AllReduce, if that kernel exists.
-pub const fn quant_twostep(t: KDtype, rs_bits: u8, ag_bits: u8) -> Option<usize> {
+pub const fn quant_twostep(t: DType, rs_bits: u8, ag_bits: u8) -> Option<usize> {
     match (quant_dtype(t), twostep_pair(rs_bits, ag_bits)) {
         (Some(d), Some(p)) => Some(Q2 + d * QUANT_TWOSTEP_BITS.len() + p),
         _ => None,
@@ -187,8 +184,8 @@ pub fn name(index: usize, out: &mut String) {
     let _ = match index {
         i if i < RS => {
             let (a, r) = ((i - AR) / 6, (i - AR) % 6);
-            let algo = KAlgo::ALL[a];
-            let (p, t) = (KProto::ALL[r / 3], KDtype::ALL[r % 3]);
+            let algo = Algorithm::ALL[a];
+            let (p, t) = (Protocol::ALL[r / 3], DTYPES[r % 3]);
             write!(
                 out,
                 "fc_allreduce_{}_{}_{}",
@@ -199,10 +196,10 @@ pub fn name(index: usize, out: &mut String) {
         }
         i if i < AG => {
             let r = i - RS;
-            let (p, t) = (KProto::ALL[r / 3], KDtype::ALL[r % 3]);
+            let (p, t) = (Protocol::ALL[r / 3], DTYPES[r % 3]);
             write!(out, "fc_reducescatter_{}_{}", p.name(), t.suffix())
         }
-        i if i < PROBE => write!(out, "fc_allgather_{}", KProto::ALL[i - AG].name()),
+        i if i < PROBE => write!(out, "fc_allgather_{}", Protocol::ALL[i - AG].name()),
         PROBE => write!(out, "fc_probe_write"),
         i if i < Q2 => {
             let r = i - Q1;
@@ -250,21 +247,21 @@ mod tests {
     #[test]
     fn every_index_is_reached_once() {
         let mut seen = vec![0u32; COUNT];
-        for a in KAlgo::ALL {
-            for p in KProto::ALL {
-                for t in KDtype::ALL {
+        for a in Algorithm::ALL {
+            for p in Protocol::ALL {
+                for t in DTYPES {
                     seen[allreduce(a, p, t)] += 1;
                 }
             }
         }
-        for p in KProto::ALL {
-            for t in KDtype::ALL {
+        for p in Protocol::ALL {
+            for t in DTYPES {
                 seen[reducescatter(p, t)] += 1;
             }
             seen[allgather(p)] += 1;
         }
         seen[probe()] += 1;
-        for t in KDtype::ALL {
+        for t in DTYPES {
             for b in 0..=10 {
                 if let Some(i) = quant_oneshot(t, b) {
                     seen[i] += 1;
@@ -282,17 +279,20 @@ mod tests {
     #[test]
     fn names_follow_the_shape() {
         let mut s = String::new();
-        name(allreduce(KAlgo::TwoShot, KProto::Ll, KDtype::Bf16), &mut s);
+        name(
+            allreduce(Algorithm::TwoShot, Protocol::Ll, DType::Bf16),
+            &mut s,
+        );
         assert_eq!(s, "fc_allreduce_twoshot_ll_bf16");
-        name(reducescatter(KProto::Block, KDtype::F16), &mut s);
+        name(reducescatter(Protocol::Block, DType::F16), &mut s);
         assert_eq!(s, "fc_reducescatter_block_f16");
-        name(allgather(KProto::Ll), &mut s);
+        name(allgather(Protocol::Ll), &mut s);
         assert_eq!(s, "fc_allgather_ll");
-        name(quant_oneshot(KDtype::Bf16, 3).unwrap(), &mut s);
+        name(quant_oneshot(DType::Bf16, 3).unwrap(), &mut s);
         assert_eq!(s, "fc_allreduce_q1_block_bf16_b3");
-        name(quant_twostep(KDtype::F16, 4, 8).unwrap(), &mut s);
+        name(quant_twostep(DType::F16, 4, 8).unwrap(), &mut s);
         assert_eq!(s, "fc_allreduce_q2_block_f16_r4_a8");
-        assert_eq!(quant_oneshot(KDtype::F32, 4), None);
-        assert_eq!(quant_twostep(KDtype::Bf16, 5, 8), None);
+        assert_eq!(quant_oneshot(DType::F32, 4), None);
+        assert_eq!(quant_twostep(DType::Bf16, 5, 8), None);
     }
 }

@@ -28,38 +28,8 @@ pub const STAGES_32BIT: u32 = 2;
 /// reduce_requantize (each slot holds one encoded block of every input).
 pub const IN_STAGES: u32 = 2;
 
-/// Element type of the values (the format's `dtype`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum CodecDtype {
-    /// IEEE binary32.
-    F32,
-    /// IEEE binary16.
-    F16,
-    /// bfloat16.
-    Bf16,
-}
-
-impl CodecDtype {
-    /// Every element type.
-    pub const ALL: [CodecDtype; 3] = [CodecDtype::F32, CodecDtype::F16, CodecDtype::Bf16];
-
-    /// Bytes per value.
-    pub const fn size(self) -> usize {
-        match self {
-            CodecDtype::F32 => 4,
-            CodecDtype::F16 | CodecDtype::Bf16 => 2,
-        }
-    }
-
-    /// The name used in kernel names (`f32`, `f16`, `bf16`).
-    pub const fn name(self) -> &'static str {
-        match self {
-            CodecDtype::F32 => "f32",
-            CodecDtype::F16 => "f16",
-            CodecDtype::Bf16 => "bf16",
-        }
-    }
-}
+/// Element type of the values (the format's `dtype`): the codec's own.
+pub use flashcomm_codec::DType as CodecDtype;
 
 /// A codec format: element type, bits per value (2..=8), group size (32, 64, 128, 256) and spikes
 /// per group (0, 2, 4). Mirrors `flashcomm_codec::Format` (the tests check that both agree on
@@ -133,7 +103,7 @@ impl std::fmt::Display for CodecFormat {
         write!(
             f,
             "{} b{} g{} k{}",
-            self.dtype.name(),
+            self.dtype.suffix(),
             self.bits,
             self.group,
             self.spikes
@@ -169,13 +139,13 @@ impl CodecOp {
 
 /// The name of the kernel of `op` for `dtype` and `bits`.
 pub fn kernel_name(op: CodecOp, dtype: CodecDtype, bits: u8) -> String {
-    format!("fc_codec_{}_{}_b{bits}", op.name(), dtype.name())
+    format!("fc_codec_{}_{}_b{bits}", op.name(), dtype.suffix())
 }
 
 /// The variant of the reduce_requantize kernel compiled for one resident CTA per SM (no register
 /// cap), which the launcher uses when shared memory admits only one CTA of the default kernel.
 pub fn reduce_one_cta_kernel_name(dtype: CodecDtype, bits: u8) -> String {
-    format!("fc_codec_reduce_requantize_1cta_{}_b{bits}", dtype.name())
+    format!("fc_codec_reduce_requantize_1cta_{}_b{bits}", dtype.suffix())
 }
 
 /// Dynamic shared memory per warp that the kernel of `op` needs with `flags`, when its encoded

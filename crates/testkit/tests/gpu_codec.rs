@@ -20,9 +20,7 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use flashcomm_codec::{self as cpu, DType, Element, Format, bf16, f16};
-use flashcomm_testkit::codec::{
-    Codec, CodecDtype, CodecFormat, CodecStatus, CodecValue, FLAG_DIRECT_IO,
-};
+use flashcomm_testkit::codec::{Codec, CodecFormat, CodecStatus, CodecValue, FLAG_DIRECT_IO};
 
 // ------------------------------------------------------------------------------ randomness ----
 
@@ -205,12 +203,7 @@ impl Dev for bf16 {
 }
 
 fn gpu_format(f: Format) -> CodecFormat {
-    let d = match f.dtype() {
-        DType::F32 => CodecDtype::F32,
-        DType::F16 => CodecDtype::F16,
-        DType::Bf16 => CodecDtype::Bf16,
-    };
-    CodecFormat::new(d, f.bits(), f.group(), f.spikes()).unwrap()
+    CodecFormat::new(f.dtype(), f.bits(), f.group(), f.spikes()).unwrap()
 }
 
 struct Gpu {

@@ -292,7 +292,7 @@ pub fn params_header(src: &str) -> Result<String, Error> {
 
 /// `instances.h` from the catalogue.
 pub fn instances_header() -> String {
-    use catalog::{KAlgo, KDtype, KProto};
+    use catalog::{Algorithm, DTYPES, Protocol, cuda_type};
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -303,34 +303,34 @@ pub fn instances_header() -> String {
          #pragma once\n"
     );
     out.push_str("// Lossless collectives: FC_AR(algorithm, proto, PROTO, T, suffix), FC_RS(proto, PROTO, T, suffix),\n// FC_AG(proto, PROTO).\n#define FC_LOSSLESS_INSTANCES");
-    for a in KAlgo::ALL {
-        for p in KProto::ALL {
-            for t in KDtype::ALL {
+    for a in Algorithm::ALL {
+        for p in Protocol::ALL {
+            for t in DTYPES {
                 let _ = write!(
                     out,
                     " \\\n  FC_AR({}, {}, FC_PROTO_{}, {}, {})",
                     a.name(),
                     p.name(),
                     p.name().to_uppercase(),
-                    t.cuda_type(),
+                    cuda_type(t),
                     t.suffix()
                 );
             }
         }
     }
-    for p in KProto::ALL {
-        for t in KDtype::ALL {
+    for p in Protocol::ALL {
+        for t in DTYPES {
             let _ = write!(
                 out,
                 " \\\n  FC_RS({}, FC_PROTO_{}, {}, {})",
                 p.name(),
                 p.name().to_uppercase(),
-                t.cuda_type(),
+                cuda_type(t),
                 t.suffix()
             );
         }
     }
-    for p in KProto::ALL {
+    for p in Protocol::ALL {
         let _ = write!(
             out,
             " \\\n  FC_AG({}, FC_PROTO_{})",
@@ -347,13 +347,13 @@ pub fn instances_header() -> String {
             t.suffix()
         );
         for b in catalog::QUANT_ONESHOT_BITS {
-            let _ = write!(out, " \\\n  FC_Q1({}, {}, {b})", t.cuda_type(), t.suffix());
+            let _ = write!(out, " \\\n  FC_Q1({}, {}, {b})", cuda_type(t), t.suffix());
         }
         for (r, a) in catalog::QUANT_TWOSTEP_BITS {
             let _ = write!(
                 out,
                 " \\\n  FC_Q2({}, {}, {r}, {a})",
-                t.cuda_type(),
+                cuda_type(t),
                 t.suffix()
             );
         }

@@ -15,7 +15,7 @@ pub use flashcomm_gpu::{Function, LaunchConfig, driver_present};
 
 use crate::Error;
 use crate::abi::{FcCollParams, FcProbeParams, KernelParams};
-use crate::catalog::{self, KAlgo, KDtype, KProto};
+use crate::catalog::{self, Algorithm, DType, Protocol};
 
 impl From<flashcomm_gpu::Error> for Error {
     fn from(e: flashcomm_gpu::Error) -> Self {
@@ -42,22 +42,22 @@ impl<P> Copy for Kernel<P> {}
 
 impl Kernel<FcCollParams> {
     /// The lossless AllReduce kernel.
-    pub const fn allreduce(algo: KAlgo, proto: KProto, t: KDtype) -> Self {
+    pub const fn allreduce(algo: Algorithm, proto: Protocol, t: DType) -> Self {
         Kernel::at(catalog::allreduce(algo, proto, t))
     }
 
     /// The lossless ReduceScatter kernel.
-    pub const fn reducescatter(proto: KProto, t: KDtype) -> Self {
+    pub const fn reducescatter(proto: Protocol, t: DType) -> Self {
         Kernel::at(catalog::reducescatter(proto, t))
     }
 
     /// The AllGather kernel.
-    pub const fn allgather(proto: KProto) -> Self {
+    pub const fn allgather(proto: Protocol) -> Self {
         Kernel::at(catalog::allgather(proto))
     }
 
     /// The one-shot quantized AllReduce kernel at `bits`, if it exists.
-    pub const fn quant_oneshot(t: KDtype, bits: u8) -> Option<Self> {
+    pub const fn quant_oneshot(t: DType, bits: u8) -> Option<Self> {
         match catalog::quant_oneshot(t, bits) {
             Some(i) => Some(Kernel::at(i)),
             None => None,
@@ -65,7 +65,7 @@ impl Kernel<FcCollParams> {
     }
 
     /// The two-step quantized AllReduce kernel, if it exists for these widths.
-    pub const fn quant_twostep(t: KDtype, rs_bits: u8, ag_bits: u8) -> Option<Self> {
+    pub const fn quant_twostep(t: DType, rs_bits: u8, ag_bits: u8) -> Option<Self> {
         match catalog::quant_twostep(t, rs_bits, ag_bits) {
             Some(i) => Some(Kernel::at(i)),
             None => None,
