@@ -9,6 +9,9 @@
 //! point (right after the real init returned), so the exchange is collective. A rank whose round
 //! fails locally still takes part in the all-gather, with a frame that says so, so that every rank
 //! sees the failure and gives up together instead of waiting for it.
+//!
+//! Owns: [`NcclBootstrap`] and its frame format.
+//! May import: `types`, `calls::cuda`, `calls::nccl`.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,9 +20,9 @@ use flashcomm_comm::gpu::Device;
 use flashcomm_comm::{Bootstrap, DeviceMem, Error};
 use flashcomm_nccl_sys::{ncclComm_t, ncclResult_t};
 
-use crate::ffi::cuda::OwnStream;
-use crate::ffi::nccl;
-use crate::route::CommHandle;
+use crate::calls::cuda::OwnStream;
+use crate::calls::nccl;
+use crate::types::CommHandle;
 
 /// Bytes of one rank's frame in every round.
 pub(crate) const FRAME_BYTES: usize = 4096;

@@ -1,22 +1,28 @@
-//! The few CUDA driver calls the shim makes itself: saving and restoring the calling thread's
+//! Every CUDA driver call the shim makes itself: saving and restoring the calling thread's
 //! current context around communicator set-up and teardown, the internal stream of a set-up
-//! exchange, and wrapping the caller's buffers of a routed collective as [`DevicePtr`]s.
+//! exchange, the current device (for log lines), and wrapping the caller's buffers of a routed
+//! collective as [`DevicePtr`]s.
 //!
 //! The driver is never loaded from here: its functions are looked up in the `libcuda.so.1` the
 //! process already loaded (`RTLD_NOLOAD`; the real NCCL loads it before any communicator exists).
-//! Without it, nothing here does anything (saving a context) or everything fails with a message.
+//! Without it, nothing here does anything (saving a context, the current device) or everything
+//! fails with a message.
+//!
+//! Owns: [`SavedContext`], [`OwnStream`], [`current_device`], [`user_buffers`].
+//! May import: `types`.
 
 use std::ffi::c_void;
 use std::sync::OnceLock;
 
 use flashcomm_comm::{DevicePtr, Stream};
 
-use crate::route::{CollCall, Collective};
+use crate::types::{CollCall, Collective};
 
 type CtxGetCurrent = unsafe extern "C" fn(*mut *mut c_void) -> i32;
 type CtxSetCurrent = unsafe extern "C" fn(*mut c_void) -> i32;
 type StreamCreate = unsafe extern "C" fn(*mut *mut c_void, u32) -> i32;
 type StreamOne = unsafe extern "C" fn(*mut c_void) -> i32;
+type CtxGetDevice = unsafe extern "C" fn(*mut i32) -> i32;
 
 /// `CUDA_ERROR_NOT_READY`.
 const NOT_READY: i32 = 600;
@@ -29,6 +35,7 @@ struct Driver {
     stream_create: StreamCreate,
     stream_destroy: StreamOne,
     stream_query: StreamOne,
+    ctx_get_device: CtxGetDevice,
 }
 
 static DRIVER: OnceLock<Driver> = OnceLock::new();
@@ -50,9 +57,10 @@ fn lookup() -> Option<Driver> {
     let create = sym(c"cuStreamCreate")?;
     let destroy = sym(c"cuStreamDestroy_v2")?;
     let query = sym(c"cuStreamQuery")?;
+    let device = sym(c"cuCtxGetDevice")?;
     // SAFETY: each pointer is the driver's function of that name, whose C signature (cuda.h) is
     // the type it is cast to: CUresult is a 32-bit enum, CUcontext and CUstream are pointers,
-    // `unsigned int` flags are u32.
+    // `unsigned int` flags are u32, CUdevice is a 32-bit integer.
     unsafe {
         Some(Driver {
             ctx_get_current: std::mem::transmute::<*mut c_void, CtxGetCurrent>(get),
@@ -60,6 +68,7 @@ fn lookup() -> Option<Driver> {
             stream_create: std::mem::transmute::<*mut c_void, StreamCreate>(create),
             stream_destroy: std::mem::transmute::<*mut c_void, StreamOne>(destroy),
             stream_query: std::mem::transmute::<*mut c_void, StreamOne>(query),
+            ctx_get_device: std::mem::transmute::<*mut c_void, CtxGetDevice>(device),
         })
     }
 }
@@ -77,6 +86,16 @@ fn current_context(d: &Driver) -> Option<*mut c_void> {
     // SAFETY: `ctx` is a valid out pointer; the call only reads this thread's driver state.
     let rc = unsafe { (d.ctx_get_current)(&mut ctx) };
     (rc == 0).then_some(ctx)
+}
+
+/// The device of the calling thread's current CUDA context, if the CUDA driver is already loaded
+/// and a context is current. Never loads or initializes CUDA.
+pub(crate) fn current_device() -> Option<i32> {
+    let d = driver()?;
+    let mut dev = -1;
+    // SAFETY: `dev` is a valid out pointer; the call only reads this thread's driver state.
+    let rc = unsafe { (d.ctx_get_device)(&mut dev) };
+    (rc == 0).then_some(dev)
 }
 
 /// The calling thread's current CUDA context, made current again when this value drops, so that
