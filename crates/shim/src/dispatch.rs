@@ -22,6 +22,7 @@
 //! [`on_comm_destroying`], [`group_ended`], [`async_error`]).
 //! May import: `types`, `logging`, `stats`, `policy`, `registry`, `group`, `serve`.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use flashcomm_config::Config;
@@ -201,7 +202,7 @@ fn announce(
     route: Route,
     view: Option<&policy::CommView>,
     state: Option<&CommState>,
-    refused: Option<String>,
+    refused: Option<Cow<'static, str>>,
 ) {
     let why = match refused {
         Some(r) => format!(

@@ -22,6 +22,7 @@
 //! May import: `types`, `error`, `logging`, `init`, `calls::cuda`, `calls::nccl`, `policy`,
 //! `registry`, `bootstrap`.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -291,8 +292,9 @@ pub(crate) fn tear_down(h: CommHandle, state: Arc<CommState>, abort: bool) {
 pub(crate) enum Executed {
     /// flashcomm ran it (or refused it with an error): this is the result.
     Done(ncclResult_t),
-    /// flashcomm's kernels do not support this call: it goes to NCCL.
-    Refused(String),
+    /// flashcomm's kernels do not support this call: it goes to NCCL (the reason is logged the
+    /// first time; static where flashcomm itself refuses, so that refusing allocates nothing).
+    Refused(Cow<'static, str>),
 }
 
 fn report(call: &CollCall, e: CommError) -> ncclResult_t {
@@ -313,13 +315,13 @@ fn report(call: &CollCall, e: CommError) -> ncclResult_t {
 /// does not synchronize (the communicator's collectives do neither), so it may be captured.
 pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Executed {
     let Some(c) = state.served() else {
-        return Executed::Refused("flashcomm does not serve the communicator".into());
+        return Executed::Refused(Cow::Borrowed("flashcomm does not serve the communicator"));
     };
     if let Err(e) = c.check_status() {
         return Executed::Done(report(call, e));
     }
     let Some((send, recv)) = user_buffers(call, u64::from(c.nranks())) else {
-        return Executed::Refused("the buffer sizes overflow".into());
+        return Executed::Refused(Cow::Borrowed("the buffer sizes overflow"));
     };
     let stream = Stream(call.stream.cast());
     let count = call.count as u64;
@@ -334,11 +336,11 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
             let elem = call.bytes / count.max(1);
             c.all_gather(send, recv, count, elem, stream)
         }
-        _ => return Executed::Refused("not a call flashcomm's kernels take".into()),
+        _ => return Executed::Refused(Cow::Borrowed("not a call flashcomm's kernels take")),
     };
     match r {
         Ok(_) => Executed::Done(ncclResult_t::ncclSuccess),
-        Err(CommError::Unsupported(why)) => Executed::Refused(why),
+        Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
         Err(e) => Executed::Done(report(call, e)),
     }
 }
