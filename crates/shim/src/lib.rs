@@ -10,7 +10,8 @@
 //!
 //! The modules, from the top (the C symbols) to the bottom (the call types). Each may import
 //! only modules below it, exactly those listed (`tests/module_graph.rs` checks this table against
-//! the `crate::` paths of the code, so the graph has no cycle and the table stays true):
+//! the `crate::` paths of the code, so the graph has no cycle and the table stays true, and
+//! checks that `docs/architecture.md` shows the same table):
 //!
 //! | module | owns | may import |
 //! |---|---|---|

@@ -236,11 +236,12 @@ fn find_cycle(g: &Graph) -> Option<Vec<String>> {
     None
 }
 
-/// The rows of the module table of `src/lib.rs`, top to bottom: module and what it may import.
-fn documented() -> Vec<(String, BTreeSet<String>)> {
-    let lib = std::fs::read_to_string(src_dir().join("lib.rs")).unwrap();
-    lib.lines()
-        .filter_map(|l| l.strip_prefix("//! | `"))
+type Rows = Vec<(String, BTreeSet<String>)>;
+
+/// Table rows (`| `module` | owns | `a`, `b` |`, the prefix already cut off): module and what it
+/// may import ("—" or "nothing": none).
+fn rows<'a>(lines: impl Iterator<Item = &'a str>) -> Rows {
+    lines
         .map(|row| {
             let cells: Vec<&str> = row.trim_end_matches(" |").split(" | ").collect();
             let module = cells[0].trim_end_matches('`').to_string();
@@ -248,12 +249,29 @@ fn documented() -> Vec<(String, BTreeSet<String>)> {
                 .last()
                 .unwrap()
                 .split(", ")
-                .filter(|c| *c != "—")
+                .filter(|c| *c != "—" && *c != "nothing")
                 .map(|c| c.trim_matches('`').to_string())
                 .collect();
             (module, imports)
         })
         .collect()
+}
+
+/// The rows of the module table of `src/lib.rs`, top to bottom.
+fn documented() -> Rows {
+    let lib = std::fs::read_to_string(src_dir().join("lib.rs")).unwrap();
+    rows(lib.lines().filter_map(|l| l.strip_prefix("//! | `")))
+}
+
+/// The rows of the shim's module table in `docs/architecture.md`.
+fn documented_in_architecture() -> Rows {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/architecture.md");
+    let doc = std::fs::read_to_string(path).unwrap();
+    let section = doc
+        .split("\n## ")
+        .find(|s| s.starts_with("The modules of the shim"))
+        .expect("docs/architecture.md has a section \"The modules of the shim\"");
+    rows(section.lines().filter_map(|l| l.strip_prefix("| `")))
 }
 
 #[test]
@@ -355,4 +373,9 @@ fn items_outside_the_c_api_are_crate_private() {
         "make these pub(crate):\n{}",
         public.join("\n")
     );
+}
+
+#[test]
+fn the_architecture_document_shows_the_same_table() {
+    assert_eq!(documented_in_architecture(), documented());
 }
