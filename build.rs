@@ -1,9 +1,15 @@
-//! Build script of `crates/kernels`: compiles every `cuda/*.cu` into a fatbin and embeds it.
+//! Build script of the two crates that embed CUDA modules (both manifests point at this file):
 //!
-//! Each top-level `.cu` file becomes one CUDA module (one fatbin) holding machine code for the
-//! architectures in `FLASHCOMM_CUDA_ARCHS` (default `80;90;100`, filtered by what the nvcc found
-//! supports) plus PTX of the highest one, so newer GPUs can JIT it. The generated
-//! `$OUT_DIR/images.rs` lists the modules as `(name, bytes)` pairs.
+//! * `crates/kernels` (the product): every `cuda/*.cu`, for the architectures in
+//!   `FLASHCOMM_CUDA_ARCHS` (default `80;90;100`, filtered by what the nvcc found supports) plus
+//!   PTX of the highest one, so newer GPUs can JIT it. The shipped `libnccl.so` carries these.
+//! * `crates/testkit` (tests and benchmarks only): every `cuda/testing/*.cu` (verification and
+//!   codec buffer kernels), for `FLASHCOMM_TEST_CUDA_ARCHS` (default `90`, the GPU machine's
+//!   H200) without PTX unless `FLASHCOMM_CUDA_PTX=1`: they never ship, so they need not run on
+//!   every GPU, and compiling them once keeps the test command short.
+//!
+//! Each source becomes one CUDA module (one fatbin); the generated `$OUT_DIR/images.rs` lists the
+//! modules as `(name, bytes)` pairs.
 //!
 //! nvcc is found through `NVCC`, then `$CUDA_HOME/bin/nvcc`, then `PATH`; `ci/setup.sh` installs
 //! the pinned toolchain (CUDA 13.0 from PyPI). Without nvcc the build still succeeds with no
@@ -16,6 +22,9 @@
 //! For GPU test bundles (which must stay small): `FLASHCOMM_CUDA_PTX=0` leaves the PTX out, and
 //! `FLASHCOMM_EMBED_KERNELS=0` embeds no images (the binaries then load `<name>.fatbin` from the
 //! folder named by `FLASHCOMM_KERNEL_DIR` at run time); the fatbins stay in `$OUT_DIR`.
+//!
+//! This file stays at the top of the repository, beside `cuda/`, as the project's layout names it:
+//! it builds the CUDA sources of the whole tree, for whichever of the two crates runs it.
 
 use std::env;
 use std::fs;
@@ -29,7 +38,12 @@ fn main() {
         .find(|p| p.join("cuda").is_dir() && p.join("Cargo.toml").is_file())
         .expect("repository root with cuda/")
         .to_path_buf();
-    let cuda_dir = root.join("cuda");
+    let testkit = env::var("CARGO_PKG_NAME").is_ok_and(|n| n == "flashcomm-testkit");
+    let cuda_dir = if testkit {
+        root.join("cuda/testing")
+    } else {
+        root.join("cuda")
+    };
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
 
     println!("cargo::rustc-check-cfg=cfg(flashcomm_kernels)");
@@ -40,10 +54,12 @@ fn main() {
         "CUDA_HOME",
         "CUDA_PATH",
         "FLASHCOMM_CUDA_ARCHS",
+        "FLASHCOMM_TEST_CUDA_ARCHS",
         "FLASHCOMM_REQUIRE_KERNELS",
         "FLASHCOMM_NO_KERNELS",
         "FLASHCOMM_CUDA_PTX",
         "FLASHCOMM_EMBED_KERNELS",
+        "FLASHCOMM_KERNEL_CACHE",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -52,7 +68,7 @@ fn main() {
     for s in &sources {
         println!("cargo:rerun-if-changed={}", s.display());
     }
-    let headers = cuda_dir.join("include");
+    let headers = root.join("cuda/include");
     if headers.is_dir() {
         for h in walk(&headers) {
             println!("cargo:rerun-if-changed={}", h.display());
@@ -83,7 +99,15 @@ fn main() {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_default();
-    let wanted = env::var("FLASHCOMM_CUDA_ARCHS").unwrap_or_else(|_| "80;90;100".to_string());
+    let wanted = if testkit {
+        env::var("FLASHCOMM_TEST_CUDA_ARCHS").unwrap_or_else(|_| "90".to_string())
+    } else {
+        env::var("FLASHCOMM_CUDA_ARCHS").unwrap_or_else(|_| "80;90;100".to_string())
+    };
+    let ptx = match env::var("FLASHCOMM_CUDA_PTX") {
+        Ok(v) => v != "0",
+        Err(_) => !testkit,
+    };
     let archs: Vec<String> = wanted
         .split([';', ','])
         .map(str::trim)
@@ -109,7 +133,10 @@ fn main() {
                 scope.spawn(move || {
                     let name = src.file_stem().unwrap().to_string_lossy().into_owned();
                     let out = out_dir.join(format!("{name}.fatbin"));
-                    (name, compile(nvcc, src, &out, archs, headers).map(|()| out))
+                    (
+                        name,
+                        compile_cached(nvcc, src, &out, archs, ptx, headers).map(|()| out),
+                    )
                 })
             })
             .collect();
@@ -140,15 +167,9 @@ fn main() {
     println!("cargo:rustc-cfg=flashcomm_kernels");
 }
 
-fn compile(
-    nvcc: &Path,
-    src: &Path,
-    out: &Path,
-    archs: &[String],
-    include: &Path,
-) -> Result<(), String> {
-    let mut cmd = Command::new(nvcc);
-    cmd.args([
+/// The nvcc arguments of one module (everything but the output path and the source).
+fn nvcc_args(archs: &[String], ptx: bool, include: &Path) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = [
         "--fatbin",
         "-std=c++17",
         "-O3",
@@ -156,18 +177,104 @@ fn compile(
         "--expt-relaxed-constexpr",
         "-fmad=false",
         "-Xptxas=-warn-spills",
-    ]);
+    ]
+    .iter()
+    .map(Into::into)
+    .collect();
     if let Some(cc) = env::var_os("NVCC_CCBIN") {
-        cmd.arg("-ccbin").arg(cc);
+        args.push("-ccbin".into());
+        args.push(cc);
     }
-    cmd.arg("-I").arg(include);
+    args.push("-I".into());
+    args.push(include.into());
     for a in archs {
-        cmd.arg(format!("-gencode=arch=compute_{a},code=sm_{a}"));
+        args.push(format!("-gencode=arch=compute_{a},code=sm_{a}").into());
     }
-    if !env::var("FLASHCOMM_CUDA_PTX").is_ok_and(|v| v == "0") {
+    if ptx {
         let hi = archs.last().unwrap();
-        cmd.arg(format!("-gencode=arch=compute_{hi},code=compute_{hi}"));
+        args.push(format!("-gencode=arch=compute_{hi},code=compute_{hi}").into());
     }
+    args
+}
+
+/// Compiles `src` into `out`, or copies the fatbin an earlier build script run made from exactly
+/// the same inputs (the source, every header, the arguments and the nvcc).
+///
+/// One `ci/test.sh` run builds the kernels crate twice (clippy's build and the tests' build hash
+/// the crate differently, so each runs this script in its own `OUT_DIR`); nvcc is most of the
+/// run's time, so the second build takes the first one's fatbins from a cache shared by every
+/// build of one target folder (`<target>/flashcomm-kernel-cache`, or `FLASHCOMM_KERNEL_CACHE`).
+/// A source that does not compile is never cached, so it fails every build.
+fn compile_cached(
+    nvcc: &Path,
+    src: &Path,
+    out: &Path,
+    archs: &[String],
+    ptx: bool,
+    include: &Path,
+) -> Result<(), String> {
+    let args = nvcc_args(archs, ptx, include);
+    let Some(cache) = cache_dir(out) else {
+        return compile(nvcc, src, out, &args);
+    };
+    let key = input_hash(nvcc, src, include, &args);
+    let stem = src.file_stem().unwrap().to_string_lossy();
+    let cached = cache.join(format!("{stem}-{key:016x}.fatbin"));
+    if cached.is_file() && fs::copy(&cached, out).is_ok() {
+        println!("cargo:warning={stem}.cu: fatbin taken from the kernel cache (same inputs)");
+        return Ok(());
+    }
+    compile(nvcc, src, out, &args)?;
+    // Publish atomically: a concurrent build sees either nothing or the whole file.
+    let _ = fs::create_dir_all(&cache);
+    let tmp = cache.join(format!(".{stem}-{key:016x}.{}", std::process::id()));
+    if fs::copy(out, &tmp).is_ok() {
+        let _ = fs::rename(&tmp, &cached);
+    }
+    Ok(())
+}
+
+/// `FLASHCOMM_KERNEL_CACHE`, else `flashcomm-kernel-cache` in the target folder of `out`
+/// (`<target>/[<triple>/]<profile>/build/<crate>-<hash>/out/<name>.fatbin`); `0` turns caching off.
+fn cache_dir(out: &Path) -> Option<PathBuf> {
+    match env::var_os("FLASHCOMM_KERNEL_CACHE") {
+        Some(v) if v == "0" => None,
+        Some(v) => Some(PathBuf::from(v)),
+        None => out
+            .ancestors()
+            .find(|p| p.file_name().is_some_and(|n| n == "build"))
+            .and_then(Path::parent)
+            .and_then(Path::parent)
+            .map(|t| t.join("flashcomm-kernel-cache")),
+    }
+}
+
+/// A hash of everything nvcc's output depends on: the compiler (path and version banner), the
+/// arguments, the source and every header under `include`.
+fn input_hash(nvcc: &Path, src: &Path, include: &Path, args: &[std::ffi::OsString]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    nvcc.hash(&mut h);
+    Command::new(nvcc)
+        .arg("--version")
+        .output()
+        .map(|o| o.stdout)
+        .unwrap_or_default()
+        .hash(&mut h);
+    args.hash(&mut h);
+    fs::read(src).unwrap_or_default().hash(&mut h);
+    let mut headers = walk(include);
+    headers.sort();
+    for p in headers {
+        p.hash(&mut h);
+        fs::read(&p).unwrap_or_default().hash(&mut h);
+    }
+    h.finish()
+}
+
+fn compile(nvcc: &Path, src: &Path, out: &Path, args: &[std::ffi::OsString]) -> Result<(), String> {
+    let mut cmd = Command::new(nvcc);
+    cmd.args(args);
     cmd.arg("-o").arg(out).arg(src);
     let output = cmd
         .output()
@@ -191,8 +298,9 @@ fn compile(
 }
 
 fn write_images(out_dir: &Path, images: &[(String, PathBuf)]) {
-    let mut code =
-        String::from("/// Every CUDA module of `cuda/`, as `(module name, fatbin bytes)`.\n");
+    let mut code = String::from(
+        "/// Every CUDA module this crate embeds, as `(module name, fatbin bytes)`.\n",
+    );
     code.push_str("pub static IMAGES: &[(&str, &[u8])] = &[\n");
     for (name, path) in images {
         code.push_str(&format!(
@@ -207,7 +315,7 @@ fn write_images(out_dir: &Path, images: &[(String, PathBuf)]) {
 /// Lists the modules without embedding them (their bytes are loaded at run time).
 fn write_names_only(out_dir: &Path, images: &[(String, PathBuf)]) {
     let mut code = String::from(
-        "/// Every CUDA module of `cuda/`; not embedded in this build (loaded from FLASHCOMM_KERNEL_DIR).\n",
+        "/// Every CUDA module of this crate; not embedded in this build (loaded from FLASHCOMM_KERNEL_DIR).\n",
     );
     code.push_str("pub static IMAGES: &[(&str, &[u8])] = &[\n");
     for (name, _) in images {

@@ -28,19 +28,22 @@ mkdir -p "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c" "$out/kernels
 # The library and the tools.
 cargo build --release -p flashcomm-shim --quiet
 cp "$CARGO_TARGET_DIR/release/libnccl.so" "$out/lib/libnccl.so.2"
-cargo build --release -p flashcomm-perf -p flashcomm-kernels --features flashcomm-kernels/gpu --examples --bins --quiet \
+cargo build --release -p flashcomm-perf -p flashcomm-testkit --features flashcomm-testkit/gpu --examples --bins --quiet \
   && cp "$CARGO_TARGET_DIR/release/flashcomm-perf" "$out/bin/" \
   && { cp "$CARGO_TARGET_DIR/release/examples/codec_bench" "$out/bin/" 2>/dev/null || true; }
-# The fatbins of the build that produced these binaries.
+# The fatbins of the build that produced these binaries: the product's modules and the test-only
+# ones (both crates load theirs from FLASHCOMM_KERNEL_DIR in a bundle).
 # The newest complete kernel build (an interrupted build can leave fatbins without images.rs).
-fatdir=$(dirname "$(ls -t "$CARGO_TARGET_DIR"/release/build/flashcomm-kernels-*/out/images.rs | head -n 1)")
-for m in $(sed -n 's/^ *("\([a-z0-9_]*\)", .*/\1/p' "$fatdir/images.rs"); do cp "$fatdir/$m.fatbin" "$out/kernels/"; done
+for crate in flashcomm-kernels flashcomm-testkit; do
+  fatdir=$(dirname "$(ls -t "$CARGO_TARGET_DIR"/release/build/$crate-*/out/images.rs | head -n 1)")
+  for m in $(sed -n 's/^ *("\([a-z0-9_]*\)", .*/\1/p' "$fatdir/images.rs"); do cp "$fatdir/$m.fatbin" "$out/kernels/"; done
+done
 
 # GPU test executables (cargo test --features gpu --no-run), one per test target.
 python3 - "$out/tests" <<'PY'
 import json, os, shutil, subprocess, sys
 dest = sys.argv[1]
-pkgs = ["flashcomm-comm", "flashcomm-kernels"]
+pkgs = ["flashcomm-comm", "flashcomm-kernels", "flashcomm-testkit"]
 cmd = ["cargo", "test", "--release", "--no-run", "--message-format=json", "--features", ",".join(p + "/gpu" for p in pkgs)]
 for p in pkgs:
     cmd += ["-p", p]

@@ -404,29 +404,24 @@ __device__ void allgather(const FcCollParams& p) {
 
 }  // namespace fc
 
-#define FC_DEFINE_REDUCING(NAME, T, SUFFIX)                                                              \
+// The instantiations: exactly the host's kernel catalogue (flashcomm/instances.h is generated
+// from crates/kernels/src/catalog.rs).
+#define FC_AR(ALGO, PROTO, PROTO_ID, T, SUFFIX)                                                          \
   extern "C" __global__ void __launch_bounds__(fc::kThreads)                                            \
-      fc_##NAME##_ll_##SUFFIX(const __grid_constant__ FcCollParams p) {                                  \
-    fc::NAME<T, FC_PROTO_LL>(p);                                                                         \
-  }                                                                                                      \
+      fc_allreduce_##ALGO##_##PROTO##_##SUFFIX(const __grid_constant__ FcCollParams p) {                \
+    fc::allreduce_##ALGO<T, PROTO_ID>(p);                                                               \
+  }
+#define FC_RS(PROTO, PROTO_ID, T, SUFFIX)                                                                \
   extern "C" __global__ void __launch_bounds__(fc::kThreads)                                            \
-      fc_##NAME##_block_##SUFFIX(const __grid_constant__ FcCollParams p) {                               \
-    fc::NAME<T, FC_PROTO_BLOCK>(p);                                                                      \
+      fc_reducescatter_##PROTO##_##SUFFIX(const __grid_constant__ FcCollParams p) {                     \
+    fc::reducescatter<T, PROTO_ID>(p);                                                                  \
+  }
+#define FC_AG(PROTO, PROTO_ID)                                                                           \
+  extern "C" __global__ void __launch_bounds__(fc::kThreads)                                            \
+      fc_allgather_##PROTO(const __grid_constant__ FcCollParams p) {                                    \
+    fc::allgather<PROTO_ID>(p);                                                                         \
   }
 
-FC_DEFINE_REDUCING(allreduce_oneshot, float, f32)
-FC_DEFINE_REDUCING(allreduce_oneshot, __half, f16)
-FC_DEFINE_REDUCING(allreduce_oneshot, __nv_bfloat16, bf16)
-FC_DEFINE_REDUCING(allreduce_twoshot, float, f32)
-FC_DEFINE_REDUCING(allreduce_twoshot, __half, f16)
-FC_DEFINE_REDUCING(allreduce_twoshot, __nv_bfloat16, bf16)
-FC_DEFINE_REDUCING(reducescatter, float, f32)
-FC_DEFINE_REDUCING(reducescatter, __half, f16)
-FC_DEFINE_REDUCING(reducescatter, __nv_bfloat16, bf16)
+#include "flashcomm/instances.h"
 
-extern "C" __global__ void __launch_bounds__(fc::kThreads) fc_allgather_ll(const __grid_constant__ FcCollParams p) {
-  fc::allgather<FC_PROTO_LL>(p);
-}
-extern "C" __global__ void __launch_bounds__(fc::kThreads) fc_allgather_block(const __grid_constant__ FcCollParams p) {
-  fc::allgather<FC_PROTO_BLOCK>(p);
-}
+FC_LOSSLESS_INSTANCES

@@ -1,4 +1,4 @@
 // Quantized AllReduce kernels for bf16 (bodies in flashcomm/coll_quant.cuh).
 #include "flashcomm/coll_quant.cuh"
 
-FC_QUANT_ALL(__nv_bfloat16, bf16)
+FC_QUANT_INSTANCES_bf16

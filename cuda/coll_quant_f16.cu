@@ -1,4 +1,4 @@
 // Quantized AllReduce kernels for f16 (bodies in flashcomm/coll_quant.cuh).
 #include "flashcomm/coll_quant.cuh"
 
-FC_QUANT_ALL(__half, f16)
+FC_QUANT_INSTANCES_f16

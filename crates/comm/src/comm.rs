@@ -17,11 +17,11 @@
 //! captured into CUDA graphs; epochs live on the device.
 
 use std::sync::Arc;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use flashcomm_kernels::{Function, Kernels, LaunchConfig};
+use flashcomm_kernels::catalog::{KAlgo, KDtype, KProto};
+use flashcomm_kernels::{Kernel, Kernels, LaunchConfig};
 
 use crate::abi::{self, FcCollParams, FcProbeParams, MAX_RANKS, THREADS};
 use crate::bootstrap::Bootstrap;
@@ -142,8 +142,14 @@ struct LocalSetup {
     grid: u32,
 }
 
+/// The communicator's last eager launch: an event recorded after it, and the stream it went to.
+/// Written only by the launching thread (NCCL allows one thread at a time per communicator), so
+/// atomics suffice: no lock on the call path.
 struct LastLaunch {
-    stream: Option<Stream>,
+    /// The stream of the last eager launch (its raw handle as an integer).
+    stream: AtomicUsize,
+    /// Whether any eager launch happened (`stream` is meaningful).
+    launched: AtomicBool,
     event: Event,
 }
 
@@ -161,8 +167,7 @@ pub struct Communicator {
     max_grid: u32,
     model: CostModel,
     cfg: CommConfig,
-    last: Mutex<LastLaunch>,
-    launched: AtomicBool,
+    last: LastLaunch,
 }
 
 impl Communicator {
@@ -263,7 +268,6 @@ impl Communicator {
         }
         Self::agree(boot, failure)?;
 
-        let kernels_probe = kernels.function("fc_probe_write")?;
         let stream = Stream::create()?;
         // Probe: every rank writes into every arena; each checks what arrived.
         let probe_value = PROBE_MAGIC | rank;
@@ -275,7 +279,8 @@ impl Communicator {
             pad: 0,
         };
         gpu::launch(
-            kernels_probe,
+            &kernels,
+            Kernel::probe(),
             LaunchConfig {
                 grid: 1,
                 block: 32,
@@ -325,11 +330,11 @@ impl Communicator {
             max_grid,
             model: CostModel::default_for(nranks),
             cfg: cfg.clone(),
-            last: Mutex::new(LastLaunch {
-                stream: None,
+            last: LastLaunch {
+                stream: AtomicUsize::new(0),
+                launched: AtomicBool::new(false),
                 event: Event::new(false)?,
-            }),
-            launched: AtomicBool::new(false),
+            },
         };
         if cfg.calibrate && nranks > 1 {
             comm.calibrate(boot, stream)?;
@@ -350,16 +355,12 @@ impl Communicator {
         // ranks of this GPU. The count of co-located ranks is not known yet; the caller's cap and
         // the per-device share are applied after the exchange in `resident_grid`.
         let mut per_sm = u32::MAX;
-        for name in [
-            "fc_allreduce_twoshot_block_f32",
-            "fc_allreduce_oneshot_ll_f32",
-            "fc_allreduce_twoshot_ll_bf16",
+        for k in [
+            Kernel::allreduce(KAlgo::TwoShot, KProto::Block, KDtype::F32),
+            Kernel::allreduce(KAlgo::OneShot, KProto::Ll, KDtype::F32),
+            Kernel::allreduce(KAlgo::TwoShot, KProto::Ll, KDtype::Bf16),
         ] {
-            per_sm = per_sm.min(
-                kernels
-                    .function(name)?
-                    .max_active_blocks_per_sm(THREADS, 0)?,
-            );
+            per_sm = per_sm.min(kernels.get(k).max_active_blocks_per_sm(THREADS, 0)?);
         }
         let grid = (per_sm.max(1) * dev.sm_count()).min(arena.max_grid());
         let grid = cfg.max_blocks.map_or(grid, |m| grid.min(m.max(1)));
@@ -386,7 +387,7 @@ impl Communicator {
                         me.ordinal()
                     )));
                 }
-                return me.enable_peer_access(&d);
+                return Ok(me.enable_peer_access(&d)?);
             }
         }
         Err(Error::Unsupported(
@@ -688,35 +689,27 @@ impl Communicator {
         self.launch_plan(p, send, recv, count, elem, dtype, stream)
     }
 
-    fn kernel_for(&self, p: &Plan, dtype: Option<DataType>) -> Result<Function, Error> {
-        let name = match (p.coll, dtype) {
-            (Collective::AllGather, _) => format!("fc_allgather_{}", p.proto.name()),
-            (Collective::AllReduce, Some(t)) if p.quant.is_some() => {
-                let q = p.quant.unwrap();
-                match p.algo {
-                    Algorithm::OneShot => {
-                        format!("fc_allreduce_q1_block_{}_b{}", t.suffix(), q.rs_bits)
-                    }
-                    Algorithm::TwoShot => format!(
-                        "fc_allreduce_q2_block_{}_r{}_a{}",
-                        t.suffix(),
-                        q.rs_bits,
-                        q.ag_bits
-                    ),
-                }
-            }
-            (Collective::AllReduce, Some(t)) => format!(
-                "fc_allreduce_{}_{}_{}",
-                p.algo.name(),
-                p.proto.name(),
-                t.suffix()
-            ),
-            (Collective::ReduceScatter, Some(t)) => {
-                format!("fc_reducescatter_{}_{}", p.proto.name(), t.suffix())
-            }
+    /// The catalogue kernel of a plan: a few integer operations, no name and no lookup.
+    fn kernel_for(p: &Plan, dtype: Option<DataType>) -> Result<Kernel<FcCollParams>, Error> {
+        let proto = match p.proto {
+            Protocol::Ll => KProto::Ll,
+            Protocol::Block => KProto::Block,
+        };
+        let algo = match p.algo {
+            Algorithm::OneShot => KAlgo::OneShot,
+            Algorithm::TwoShot => KAlgo::TwoShot,
+        };
+        let k = match (p.coll, dtype.map(DataType::kernel_type)) {
+            (Collective::AllGather, _) => Some(Kernel::allgather(proto)),
+            (Collective::AllReduce, Some(t)) => match p.quant {
+                Some(q) if algo == KAlgo::OneShot => Kernel::quant_oneshot(t, q.rs_bits),
+                Some(q) => Kernel::quant_twostep(t, q.rs_bits, q.ag_bits),
+                None => Some(Kernel::allreduce(algo, proto, t)),
+            },
+            (Collective::ReduceScatter, Some(t)) => Some(Kernel::reducescatter(proto, t)),
             _ => return Err(Error::InvalidArgument("missing datatype".into())),
         };
-        Ok(self.kernels.function(&name)?)
+        k.ok_or_else(|| Error::Unsupported("no kernel for these codec widths".into()))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -730,7 +723,7 @@ impl Communicator {
         dtype: Option<DataType>,
         stream: Stream,
     ) -> Result<(), Error> {
-        let f = self.kernel_for(p, dtype)?;
+        let k = Self::kernel_for(p, dtype)?;
         let params = FcCollParams {
             send: send.addr(),
             recv: recv.addr(),
@@ -764,19 +757,20 @@ impl Communicator {
             threads = plan::QUANT_THREADS;
         }
         let _ctx = self.device.activate()?;
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
         let capturing = stream.is_capturing()?;
+        let last = &self.last;
         // Kernels of one communicator must not overlap: if this call comes on another stream than
         // the previous one, order it after the previous launch (outside graph capture, where the
         // graph's own order applies).
         if !capturing
-            && self.launched.load(Ordering::Relaxed)
-            && last.stream.is_some_and(|s| s != stream)
+            && last.launched.load(Ordering::Acquire)
+            && last.stream.load(Ordering::Relaxed) != stream.0 as usize
         {
             last.event.wait_on(stream)?;
         }
         gpu::launch(
-            f,
+            &self.kernels,
+            k,
             LaunchConfig {
                 grid: p.grid,
                 block: threads,
@@ -787,8 +781,8 @@ impl Communicator {
         )?;
         if !capturing {
             last.event.record(stream)?;
-            last.stream = Some(stream);
-            self.launched.store(true, Ordering::Relaxed);
+            last.stream.store(stream.0 as usize, Ordering::Relaxed);
+            last.launched.store(true, Ordering::Release);
         }
         Ok(())
     }
@@ -840,10 +834,9 @@ impl Communicator {
 
     /// Waits (bounded by the device timeout) until this communicator's last launch has finished.
     pub fn wait_idle(&self) -> Result<(), Error> {
-        let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        if self.launched.load(Ordering::Relaxed) {
+        if self.last.launched.load(Ordering::Acquire) {
             let _ctx = self.device.activate()?;
-            last.event.synchronize()?;
+            self.last.event.synchronize()?;
         }
         Ok(())
     }

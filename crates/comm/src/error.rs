@@ -49,3 +49,12 @@ impl From<flashcomm_kernels::Error> for Error {
         }
     }
 }
+
+impl From<flashcomm_gpu::Error> for Error {
+    fn from(e: flashcomm_gpu::Error) -> Self {
+        match e {
+            flashcomm_gpu::Error::Cuda { during, detail } => Error::Cuda { during, detail },
+            other => Error::Unsupported(other.to_string()),
+        }
+    }
+}

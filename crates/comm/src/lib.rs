@@ -12,13 +12,12 @@
 //! `unsafe` code is confined to the [`gpu`] module.
 #![deny(unsafe_code)]
 
-pub mod abi;
+pub use flashcomm_kernels::abi;
 pub mod bootstrap;
 mod comm;
 pub mod error;
 pub mod gpu;
 pub mod plan;
-pub mod testing;
 
 pub use bootstrap::{Bootstrap, FileBootstrap, ThreadBootstrap, ThreadGroup};
 pub use comm::{CommConfig, Communicator};

@@ -40,10 +40,16 @@ impl DataType {
 
     /// Suffix of kernel names.
     pub fn suffix(self) -> &'static str {
+        self.kernel_type().suffix()
+    }
+
+    /// The element type of the kernel catalogue.
+    pub fn kernel_type(self) -> flashcomm_kernels::catalog::KDtype {
+        use flashcomm_kernels::catalog::KDtype;
         match self {
-            DataType::F32 => "f32",
-            DataType::F16 => "f16",
-            DataType::Bf16 => "bf16",
+            DataType::F32 => KDtype::F32,
+            DataType::F16 => KDtype::F16,
+            DataType::Bf16 => KDtype::Bf16,
         }
     }
 }
@@ -341,10 +347,11 @@ impl QuantSpec {
 }
 
 impl QuantSpec {
-    /// Whether kernels exist for this pair of widths (equal widths, or an 8-bit all-gather after
-    /// a 2-, 3- or 4-bit reduce-scatter).
+    /// Whether kernels exist for this pair of widths (the catalogue's
+    /// `QUANT_TWOSTEP_BITS`: equal widths, or an 8-bit all-gather after a 2-, 3- or 4-bit
+    /// reduce-scatter).
     pub fn has_kernels(&self) -> bool {
-        self.rs_bits == self.ag_bits || (self.ag_bits == 8 && self.rs_bits <= 4)
+        flashcomm_kernels::catalog::twostep_pair(self.rs_bits, self.ag_bits).is_some()
     }
 
     /// The codec format of one step.

@@ -9,11 +9,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use flashcomm_comm::testing::TestType;
 use flashcomm_comm::{
     Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DeviceMem, DevicePtr, Plan,
     Protocol, ThreadGroup,
 };
+use flashcomm_testkit::verify::TestType;
 
 /// Largest message of the sweeps (256 MiB; `FLASHCOMM_SWEEP_MAX_MIB` lowers it for quick runs).
 fn max_bytes() -> u64 {
@@ -513,12 +513,12 @@ fn stress_call(x: u64, n: u64) -> (Collective, TestType, u64) {
         Collective::AllGather,
         Collective::ReduceScatter,
     ][(x % 4) as usize];
-    let ty = if coll == Collective::AllGather && (x >> 8) % 2 == 0 {
+    let ty = if coll == Collective::AllGather && (x >> 8).is_multiple_of(2) {
         TestType::U8
     } else {
         TYPES[((x >> 4) % 3) as usize]
     };
-    let big = (x >> 12) % 64 == 0;
+    let big = (x >> 12).is_multiple_of(64);
     let max_bytes: u64 = if big { 2 << 20 } else { 64 << 10 };
     let count = 1
         + (x >> 20) % (max_bytes / ty.bytes() / if coll == Collective::AllReduce { 1 } else { n });
@@ -616,7 +616,7 @@ fn missing_rank_times_out_and_process_goes_on() {
             let cfg = cfg.clone();
             s.spawn(move || {
                 let comm = Communicator::new(m, 0, cfg).unwrap();
-                let v = flashcomm_comm::testing::Verifier::new(0).unwrap();
+                let v = flashcomm_testkit::verify::Verifier::new(0).unwrap();
                 let _ctx = v.activate().unwrap();
                 let stream = v.stream().unwrap();
                 let buf = v.alloc(1 << 20).unwrap();
@@ -707,7 +707,7 @@ fn disagreeing_ranks_get_an_error() {
             let cfg = cfg.clone();
             s.spawn(move || {
                 let comm = Communicator::new(m, 0, cfg).unwrap();
-                let v = flashcomm_comm::testing::Verifier::new(0).unwrap();
+                let v = flashcomm_testkit::verify::Verifier::new(0).unwrap();
                 let _ctx = v.activate().unwrap();
                 let stream = v.stream().unwrap();
                 let buf = v.alloc(16 << 20).unwrap();

@@ -10,8 +10,8 @@
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use flashcomm_comm::testing::{TestType, Verifier};
 use flashcomm_comm::{Bootstrap, Collective, CommConfig, Communicator, DataType, FileBootstrap};
+use flashcomm_testkit::verify::{TestType, Verifier};
 
 const ENV: &str = "FLASHCOMM_TEST_CHILD";
 /// Exit code of a child that saw the expected error in time (the "killed peer" mode).
@@ -184,7 +184,10 @@ fn child_process_entry() {
                 .unwrap();
             // The error arrives as the device status (timeout) or, if the dead peer's memory
             // became unreachable, as a CUDA error of the stream.
-            let err = s.synchronize().and_then(|()| comm.check_status());
+            let err = s
+                .synchronize()
+                .map_err(flashcomm_comm::Error::from)
+                .and_then(|()| comm.check_status());
             let took = t.elapsed();
             println!("rank {rank}: after {took:?}: {err:?}");
             drop(comm);

@@ -1,17 +1,21 @@
-//! The CUDA kernels of flashcomm, embedded as fatbins, and typed access to them.
+//! The product's CUDA kernels, embedded as fatbins, and typed access to them.
 //!
 //! The top-level `build.rs` compiles every `cuda/*.cu` into one module image (fatbin with
-//! sm_80/sm_90/sm_100 machine code and PTX for newer GPUs). This crate embeds those images,
-//! loads them into a CUDA context on first use, and hands out [`Function`] handles by kernel name.
-//! It knows kernel names and parameter layouts; it makes no algorithmic decisions.
+//! sm_80/sm_90/sm_100 machine code and PTX for newer GPUs). This crate embeds those images and
+//! loads them into a CUDA context on first use ([`Kernels`]), resolving every kernel of the
+//! [`catalog`] once into a table, so that a launch is an index, not a name. It owns the kernels'
+//! ABI ([`abi`]: constants and parameter layouts, the source of the generated
+//! `cuda/include/flashcomm/params.h`) and ties each kernel to its parameter type ([`Kernel`]). It
+//! makes no algorithmic decisions. Test-only kernels live in `flashcomm-testkit`, never here.
 //!
-//! All `unsafe` code (CUDA driver calls through cudarc's `sys` and `result` layers) lives in the
-//! [`ffi`] module.
+//! The driver is reached through `flashcomm-gpu`; the launch of a catalogue kernel is the only
+//! `unsafe` code here, in the [`ffi`] module.
 
-pub mod codec;
+pub mod abi;
+pub mod catalog;
 pub mod ffi;
 
-pub use ffi::{Function, Kernels, LaunchConfig, launch};
+pub use ffi::{Function, Kernel, Kernels, LaunchConfig, launch};
 
 /// The embedded module images.
 pub mod image {

@@ -29,11 +29,11 @@ use std::time::{Duration, Instant};
 
 use flashcomm_codec::{DType, Element, Format, bf16, f16};
 use flashcomm_comm::gpu::{Event, IpcMapping};
-use flashcomm_comm::testing::{TestType, Verifier};
 use flashcomm_comm::{
     Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem,
     DevicePtr, FileBootstrap, Plan, Protocol, QuantSpec, Stream, ThreadGroup,
 };
+use flashcomm_testkit::verify::{TestType, Verifier};
 use serde_json::{Value, json};
 
 use crate::accuracy::{self, AccuracyStats, QuantAlgo};
@@ -675,7 +675,7 @@ impl Rank<'_> {
         call: &dyn Fn(Stream) -> Result<(), String>,
     ) -> Result<Vec<f64>, String> {
         let s = self.stream;
-        let ev = |r: Result<(), flashcomm_comm::Error>| r.map_err(e2s("timing event"));
+        let ev = |r: Result<(), flashcomm_comm::gpu::Error>| r.map_err(e2s("timing event"));
         // Under graphs at least one eager call comes first, so that one-time set-up (module
         // loading, NCCL's connections) never happens inside a capture.
         let warmup = match launch {

@@ -10,6 +10,7 @@
 //! | `gen-exports` | `crates/shim/src/exports/forwarders.rs`, the support matrix in `docs/abi.md` |
 //! | `gen-env-doc` | the variable table in `docs/env.md` |
 //! | `gen-header` | `include/flashcomm.h` (cbindgen over `crates/shim/src/exports/ext.rs`) |
+//! | `gen-kernels` | `cuda/include/flashcomm/params.h` (from `crates/kernels/src/abi.rs`) and `cuda/include/flashcomm/instances.h` (from `crates/kernels/src/catalog.rs`) |
 //! | `gen-all` | all of the above |
 //! | `check` | nothing; fails when a committed file differs from a fresh run |
 
@@ -18,6 +19,7 @@ pub mod bindings;
 pub mod envdoc;
 pub mod exports;
 pub mod header;
+pub mod kernels;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -151,6 +153,8 @@ fn task_for(path: &Path) -> &'static str {
     let p = path.to_string_lossy();
     if p.contains("nccl-sys") {
         "gen-bindings"
+    } else if p.contains("cuda/include") {
+        "gen-kernels"
     } else if p.ends_with("env.md") {
         "gen-env-doc"
     } else if p.ends_with(".h") {

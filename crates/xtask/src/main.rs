@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use xtask::{Error, Generated, abi, bindings, envdoc, exports, header};
+use xtask::{Error, Generated, abi, bindings, envdoc, exports, header, kernels};
 
 fn usage() -> ExitCode {
     eprintln!(
@@ -12,6 +12,7 @@ fn usage() -> ExitCode {
          gen-exports    regenerate the plain forwarders and the support matrix of docs/abi.md\n  \
          gen-env-doc    regenerate the variable table of docs/env.md\n  \
          gen-header     regenerate include/flashcomm.h with cbindgen\n  \
+         gen-kernels    regenerate the CUDA ABI header and kernel instantiation list\n  \
          gen-all        all of the above\n  \
          check          fail if any committed generated file is stale (bindings only when headers are found)"
     );
@@ -31,6 +32,7 @@ fn products(task: &str) -> Result<Vec<Generated>, Error> {
         }
         "gen-env-doc" => envdoc::outputs()?,
         "gen-header" => header::outputs()?,
+        "gen-kernels" => kernels::outputs()?,
         other => return Err(Error::new(format!("unknown task {other}"))),
     })
 }
@@ -41,11 +43,17 @@ fn main() -> ExitCode {
         return usage();
     };
     let result = match task.as_str() {
-        "gen-all" => ["gen-bindings", "gen-exports", "gen-env-doc", "gen-header"]
-            .iter()
-            .try_for_each(|t| write_all(products(t)?)),
+        "gen-all" => [
+            "gen-bindings",
+            "gen-exports",
+            "gen-env-doc",
+            "gen-header",
+            "gen-kernels",
+        ]
+        .iter()
+        .try_for_each(|t| write_all(products(t)?)),
         "check" => check_all(),
-        "gen-bindings" | "gen-exports" | "gen-env-doc" | "gen-header" => {
+        "gen-bindings" | "gen-exports" | "gen-env-doc" | "gen-header" | "gen-kernels" => {
             products(task).and_then(write_all)
         }
         "-h" | "--help" | "help" => return usage(),
@@ -77,7 +85,7 @@ fn write_all(products: Vec<Generated>) -> Result<(), Error> {
 
 fn check_all() -> Result<(), Error> {
     let mut stale = Vec::new();
-    let mut tasks = vec!["gen-exports", "gen-env-doc", "gen-header"];
+    let mut tasks = vec!["gen-exports", "gen-env-doc", "gen-header", "gen-kernels"];
     match bindings::HeaderPaths::from_env() {
         Ok(_) => tasks.insert(0, "gen-bindings"),
         Err(why) => eprintln!("xtask: skipping the bindings check: {why}"),

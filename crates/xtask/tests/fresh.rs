@@ -82,3 +82,8 @@ fn hand_written_and_generated_exports_partition_the_api() {
     }
     assert_eq!(hand.len(), 32, "{hand:?}");
 }
+
+#[test]
+fn kernel_headers_are_current() {
+    assert_current(xtask::kernels::outputs().expect("kernel headers render"));
+}

@@ -339,10 +339,6 @@ __device__ void allreduce_twostep(const FcCollParams& p) {
     fc::quant::allreduce_twostep<T, BR, BA>(p);                                                          \
   }
 
-// Every width for one-shot; two-step with equal widths, and with an 8-bit all-gather after a
-// 2-, 3- or 4-bit reduce-scatter (Flash Communication's INT4 + INT8 setting and its neighbours).
-#define FC_QUANT_ALL(T, SUF)                                                                             \
-  FC_Q1(T, SUF, 2) FC_Q1(T, SUF, 3) FC_Q1(T, SUF, 4) FC_Q1(T, SUF, 5) FC_Q1(T, SUF, 6) FC_Q1(T, SUF, 7)  \
-  FC_Q1(T, SUF, 8)                                                                                       \
-  FC_Q2(T, SUF, 2, 2) FC_Q2(T, SUF, 3, 3) FC_Q2(T, SUF, 4, 4) FC_Q2(T, SUF, 5, 5) FC_Q2(T, SUF, 6, 6)    \
-  FC_Q2(T, SUF, 7, 7) FC_Q2(T, SUF, 8, 8) FC_Q2(T, SUF, 2, 8) FC_Q2(T, SUF, 3, 8) FC_Q2(T, SUF, 4, 8)
+// The instantiations are listed in flashcomm/instances.h (FC_QUANT_INSTANCES_<type>), generated
+// from the host's kernel catalogue (crates/kernels/src/catalog.rs).
+#include "flashcomm/instances.h"

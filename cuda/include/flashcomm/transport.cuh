@@ -28,11 +28,7 @@
 #include "flashcomm/params.h"
 #include "flashcomm/ptx.cuh"
 
-#define FC_FRAME_HEADER 16
-#define FC_FRAME_PAYLOAD 4096
-#define FC_FRAME_BYTES (FC_FRAME_HEADER + FC_FRAME_PAYLOAD)
-#define FC_LL_LINE 16
-#define FC_LL_PAYLOAD 8
+// Frame and line sizes (FC_FRAME_*, FC_LL_*) come from params.h, generated from the host's ABI.
 
 namespace fc {
 

@@ -4,10 +4,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use flashcomm_comm::testing::{TestType, Verifier};
 use flashcomm_comm::{
     Bootstrap, CommConfig, Communicator, DeviceMem, Stream, ThreadBootstrap, ThreadGroup,
 };
+use flashcomm_testkit::verify::{TestType, Verifier};
 
 /// One virtual rank as a test sees it.
 pub struct Rank<'a> {

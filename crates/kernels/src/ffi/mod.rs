@@ -3,97 +3,107 @@
 //! Every `unsafe` block of the crate is here (this module and its children), each with the reason
 //! it is sound.
 
-pub mod codec;
-
 use std::collections::HashMap;
-use std::ffi::{CString, c_void};
+use std::ffi::CString;
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
 
+use flashcomm_gpu::Module;
+pub use flashcomm_gpu::{Function, LaunchConfig, driver_present};
+
 use crate::Error;
+use crate::abi::{FcCollParams, FcProbeParams, KernelParams};
+use crate::catalog::{self, KAlgo, KDtype, KProto};
 
-/// Converts a driver result into this crate's error.
-pub(crate) fn check(r: sys::CUresult, during: &'static str) -> Result<(), Error> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Cuda {
-            during,
-            detail: format!("{r:?}"),
-        })
+impl From<flashcomm_gpu::Error> for Error {
+    fn from(e: flashcomm_gpu::Error) -> Self {
+        match e {
+            flashcomm_gpu::Error::NoDriver => Error::NoDriver,
+            flashcomm_gpu::Error::Cuda { during, detail } => Error::Cuda { during, detail },
+        }
     }
 }
 
-/// Whether the CUDA driver library can be loaded (cudarc panics on first use otherwise).
-pub fn driver_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: is_culib_present only tries to dlopen the driver library by its usual names.
-    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+/// A kernel of the [catalogue](crate::catalog), tied to the one parameter type it takes.
+#[derive(Debug)]
+pub struct Kernel<P> {
+    index: usize,
+    _params: PhantomData<fn(&P)>,
 }
 
-/// A kernel entry point in a loaded module.
-#[derive(Clone, Copy, Debug)]
-pub struct Function(sys::CUfunction);
+impl<P> Clone for Kernel<P> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<P> Copy for Kernel<P> {}
 
-// SAFETY: a CUfunction is an immutable handle owned by its module, which lives as long as the
-// process (modules are never unloaded); the driver API is thread-safe.
-unsafe impl Send for Function {}
-// SAFETY: as above; the handle is only passed by value to the driver.
-unsafe impl Sync for Function {}
-
-impl Function {
-    /// The raw handle.
-    pub fn raw(&self) -> sys::CUfunction {
-        self.0
+impl Kernel<FcCollParams> {
+    /// The lossless AllReduce kernel.
+    pub const fn allreduce(algo: KAlgo, proto: KProto, t: KDtype) -> Self {
+        Kernel::at(catalog::allreduce(algo, proto, t))
     }
 
-    /// Allows launches with up to `bytes` of dynamic shared memory (needed above 48 KiB).
-    pub fn set_max_dynamic_smem(&self, bytes: u32) -> Result<(), Error> {
-        // SAFETY: `self.0` is a valid function handle; the attribute takes a plain integer.
-        check(
-            unsafe {
-                sys::cuFuncSetAttribute(
-                    self.0,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )
-            },
-            "setting the dynamic shared memory limit",
-        )
+    /// The lossless ReduceScatter kernel.
+    pub const fn reducescatter(proto: KProto, t: KDtype) -> Self {
+        Kernel::at(catalog::reducescatter(proto, t))
     }
 
-    /// How many blocks of `threads` threads fit on one multiprocessor at once.
-    pub fn max_active_blocks_per_sm(&self, threads: u32, smem: usize) -> Result<u32, Error> {
-        let mut n: i32 = 0;
-        // SAFETY: `self.0` is a valid function handle; `n` is a valid out-pointer.
-        let r = unsafe {
-            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, self.0, threads as i32, smem)
-        };
-        check(r, "querying occupancy")?;
-        Ok(n.max(0) as u32)
+    /// The AllGather kernel.
+    pub const fn allgather(proto: KProto) -> Self {
+        Kernel::at(catalog::allgather(proto))
+    }
+
+    /// The one-shot quantized AllReduce kernel at `bits`, if it exists.
+    pub const fn quant_oneshot(t: KDtype, bits: u8) -> Option<Self> {
+        match catalog::quant_oneshot(t, bits) {
+            Some(i) => Some(Kernel::at(i)),
+            None => None,
+        }
+    }
+
+    /// The two-step quantized AllReduce kernel, if it exists for these widths.
+    pub const fn quant_twostep(t: KDtype, rs_bits: u8, ag_bits: u8) -> Option<Self> {
+        match catalog::quant_twostep(t, rs_bits, ag_bits) {
+            Some(i) => Some(Kernel::at(i)),
+            None => None,
+        }
     }
 }
 
-/// Every embedded module loaded into one CUDA context; functions are looked up by name on first
-/// use and cached.
+impl Kernel<FcProbeParams> {
+    /// The set-up probe.
+    pub const fn probe() -> Self {
+        Kernel::at(catalog::probe())
+    }
+}
+
+impl<P> Kernel<P> {
+    const fn at(index: usize) -> Self {
+        Kernel {
+            index,
+            _params: PhantomData,
+        }
+    }
+
+    /// Index in the catalogue.
+    pub const fn index(self) -> usize {
+        self.index
+    }
+}
+
+/// Every embedded module loaded into one CUDA context, and every kernel of the
+/// [catalogue](crate::catalog) resolved once, at load: a launch indexes a table.
 pub struct Kernels {
     modules: Vec<(&'static str, Module)>,
-    functions: Mutex<HashMap<String, Function>>,
+    table: Box<[Function]>,
 }
-
-#[derive(Clone, Copy)]
-struct Module(sys::CUmodule);
-
-// SAFETY: a CUmodule handle is never unloaded (modules live for the process) and the driver API is
-// thread-safe.
-unsafe impl Send for Module {}
-// SAFETY: as above.
-unsafe impl Sync for Module {}
 
 impl Kernels {
     /// Loads (once per context, then cached) every embedded module into `ctx`, which must be
-    /// current on the calling thread.
+    /// current on the calling thread, and resolves the catalogue.
     pub fn for_context(ctx: sys::CUcontext) -> Result<Arc<Kernels>, Error> {
         static CACHE: OnceLock<Mutex<HashMap<usize, Arc<Kernels>>>> = OnceLock::new();
         if !crate::built_with_kernels() {
@@ -110,55 +120,74 @@ impl Kernels {
         let mut modules = Vec::new();
         for (name, embedded) in crate::image::IMAGES {
             let bytes = crate::image_bytes(name, embedded)?;
-            let mut module: sys::CUmodule = std::ptr::null_mut();
-            // SAFETY: `bytes` is a complete fatbin image (embedded at build time or read from the
-            // kernel folder) that stays alive during the call, which copies what it needs;
-            // `module` is a valid out-pointer; the caller made the context current.
-            let r = unsafe { sys::cuModuleLoadData(&mut module, bytes.as_ptr() as *const c_void) };
-            if r != sys::CUresult::CUDA_SUCCESS {
-                return Err(Error::Cuda {
-                    during: "loading a kernel module",
-                    detail: format!("{name}: {r:?}"),
-                });
-            }
             // The collective modules are loaded completely now. With the driver's lazy loading
             // (the default since CUDA 12.2) a kernel's first launch loads it, which can wait for
             // the kernels already running in the context; a rank whose first launch waits behind
             // peers that spin waiting for that very rank would deadlock until the timeout (seen
             // on the GPU with eight ranks in one process). The codec modules, which are never
             // launched while collectives spin, stay lazy (they are large).
-            if !name.starts_with("codec") {
-                load_all_functions(module);
-            }
+            let module = Module::load(&bytes, !name.starts_with("codec")).map_err(|e| match e {
+                flashcomm_gpu::Error::Cuda { during, detail } => Error::Cuda {
+                    during,
+                    detail: format!("{name}: {detail}"),
+                },
+                other => other.into(),
+            })?;
             // Modules stay loaded for the life of the process: kernels may still be in flight when
             // a communicator is dropped, and the driver may be gone at exit.
-            modules.push((*name, Module(module)));
+            modules.push((*name, module));
+        }
+        let mut table = Vec::with_capacity(catalog::COUNT);
+        let mut name = String::new();
+        for i in 0..catalog::COUNT {
+            catalog::name(i, &mut name);
+            table.push(find(&modules, &name)?);
         }
         let k = Arc::new(Kernels {
             modules,
-            functions: Mutex::new(HashMap::new()),
+            table: table.into_boxed_slice(),
         });
         map.insert(ctx as usize, k.clone());
         Ok(k)
     }
 
-    /// The function called `name`, from whichever module defines it.
+    /// The function of a catalogue kernel (an index into the table resolved at load).
+    pub fn get<P>(&self, k: Kernel<P>) -> Function {
+        self.table[k.index]
+    }
+
+    /// Launches catalogue kernel `k` with its parameter block.
+    ///
+    /// # Safety
+    /// Every device pointer inside `params` must stay valid until the kernel has finished, and
+    /// `stream` must belong to the context that is current on this thread. (The parameter layout
+    /// is right by construction: `k` is tied to `P`.)
+    pub unsafe fn launch<P: KernelParams>(
+        &self,
+        k: Kernel<P>,
+        cfg: LaunchConfig,
+        stream: flashcomm_gpu::Stream,
+        params: &P,
+    ) -> Result<(), Error> {
+        // SAFETY: `P` is the parameter type of kernel `k` (the catalogue ties them) and one of the
+        // layout-asserted mirrors of `abi`; the caller upholds pointer lifetimes and the stream.
+        unsafe { flashcomm_gpu::launch(self.get(k), cfg, stream, params) }.map_err(Error::from)
+    }
+
+    /// The function called `name`, from whichever module defines it: for kernels outside the
+    /// catalogue (tests, codec benchmarks). It allocates; collectives use [`Kernels::get`].
     pub fn function(&self, name: &str) -> Result<Function, Error> {
-        let mut fns = self.functions.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(f) = fns.get(name) {
-            return Ok(*f);
-        }
-        let cname = CString::new(name).map_err(|_| Error::MissingKernel(name.to_string()))?;
+        find(&self.modules, name)
+    }
+
+    /// The name of every kernel in the loaded modules.
+    pub fn kernel_names(&self) -> Result<Vec<String>, Error> {
+        let mut v = Vec::new();
         for (_, m) in &self.modules {
-            let mut func: sys::CUfunction = std::ptr::null_mut();
-            // SAFETY: `m` is a loaded module; `cname` is NUL-terminated; `func` is an out-pointer.
-            let r = unsafe { sys::cuModuleGetFunction(&mut func, m.0, cname.as_ptr()) };
-            if r == sys::CUresult::CUDA_SUCCESS {
-                fns.insert(name.to_string(), Function(func));
-                return Ok(Function(func));
-            }
+            v.extend(m.function_names()?);
         }
-        Err(Error::MissingKernel(name.to_string()))
+        v.sort();
+        Ok(v)
     }
 
     /// Names of the loaded modules.
@@ -167,70 +196,29 @@ impl Kernels {
     }
 }
 
-/// Forces every function of `module` to be loaded (best effort: drivers older than CUDA 12.4 lack
-/// the calls, and there every function is loaded eagerly anyway unless lazy loading was asked for).
-fn load_all_functions(module: sys::CUmodule) {
-    let mut count: u32 = 0;
-    // SAFETY: `module` was just loaded; `count` is an out-pointer.
-    let r = unsafe { sys::cuModuleGetFunctionCount(&mut count, module) };
-    if r != sys::CUresult::CUDA_SUCCESS || count == 0 {
-        return;
-    }
-    let mut funcs: Vec<sys::CUfunction> = vec![std::ptr::null_mut(); count as usize];
-    // SAFETY: `funcs` has room for `count` handles; `module` is loaded.
-    let r = unsafe { sys::cuModuleEnumerateFunctions(funcs.as_mut_ptr(), count, module) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return;
-    }
-    for f in funcs {
-        // SAFETY: `f` is a function handle the driver just enumerated from a loaded module.
-        let _ = unsafe { sys::cuFuncLoad(f) };
-    }
+fn find(modules: &[(&'static str, Module)], name: &str) -> Result<Function, Error> {
+    let cname = CString::new(name).map_err(|_| Error::MissingKernel(name.to_string()))?;
+    modules
+        .iter()
+        .find_map(|(_, m)| m.function(&cname))
+        .ok_or_else(|| Error::MissingKernel(name.to_string()))
 }
 
-/// Grid, block and dynamic shared memory of one launch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LaunchConfig {
-    /// Blocks.
-    pub grid: u32,
-    /// Threads per block.
-    pub block: u32,
-    /// Dynamic shared memory bytes.
-    pub smem: u32,
-}
-
-/// Launches `f` with one by-value parameter struct.
+/// Launches `f` with one by-value parameter struct on a raw stream handle.
 ///
 /// # Safety
-/// * `P` must be exactly the layout of the kernel's single parameter (a `#[repr(C)]` mirror whose
-///   size and offsets are asserted against the CUDA header).
-/// * Every device pointer inside `params` must stay valid until the kernel has finished.
-/// * `stream` must belong to the context that is current on this thread.
+/// As [`flashcomm_gpu::launch`]: `P` is exactly the kernel's parameter layout, every device
+/// pointer in `params` stays valid until the kernel has finished, and `stream` belongs to the
+/// current context.
 pub unsafe fn launch<P>(
     f: Function,
     cfg: LaunchConfig,
     stream: sys::CUstream,
     params: &P,
 ) -> Result<(), Error> {
-    let mut args = [params as *const P as *mut c_void];
-    // SAFETY: the caller guarantees the parameter layout and pointer lifetimes; the driver copies
-    // the parameter bytes at launch (and into the graph node when capturing).
-    let r = unsafe {
-        sys::cuLaunchKernel(
-            f.0,
-            cfg.grid,
-            1,
-            1,
-            cfg.block,
-            1,
-            1,
-            cfg.smem,
-            stream,
-            args.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    };
-    check(r, "launching a kernel")
+    // SAFETY: the caller upholds the contract of flashcomm_gpu::launch (stated above).
+    unsafe { flashcomm_gpu::launch(f, cfg, flashcomm_gpu::Stream(stream), params) }
+        .map_err(Error::from)
 }
 
 #[cfg(test)]

@@ -1,5 +1,8 @@
 //! Launchers of the codec kernels: raw (device pointers, `unsafe`) and over cudarc slices (safe:
 //! sizes and alignment are checked, pointers come from live slices on the launch stream).
+//!
+//! The crate's FFI module: its only `unsafe` code.
+#![allow(unsafe_code)]
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -7,8 +10,10 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::{Function, Kernels, LaunchConfig, launch};
-use crate::Error;
+use flashcomm_gpu::{Function, LaunchConfig};
+use flashcomm_kernels::Error;
+
+use crate::TestKernels as Kernels;
 use crate::codec::{
     CodecDtype, CodecFormat, CodecOp, CodecStatus, DecodeParams, EncodeParams, FLAG_DIRECT_IO,
     ReduceParams, THREADS, WARPS, kernel_name, reduce_one_cta_kernel_name, smem_per_warp,
@@ -185,7 +190,8 @@ impl Codec {
         };
         // SAFETY: EncodeParams mirrors FcCodecEncodeParams (sizes asserted on both sides); the
         // caller guarantees the pointers and the stream.
-        unsafe { launch(f, cfg, stream, &p) }
+        unsafe { flashcomm_gpu::launch(f, cfg, flashcomm_gpu::Stream(stream), &p) }
+            .map_err(Error::from)
     }
 
     /// Launches decode (`accumulate` false: T values at `output`) or decode_accumulate (`true`:
@@ -232,7 +238,8 @@ impl Codec {
             reserved: 0,
         };
         // SAFETY: DecodeParams mirrors FcCodecDecodeParams; the caller guarantees the pointers.
-        unsafe { launch(f, cfg, stream, &p) }
+        unsafe { flashcomm_gpu::launch(f, cfg, flashcomm_gpu::Stream(stream), &p) }
+            .map_err(Error::from)
     }
 
     /// Launches reduce_requantize: `ninputs` encoded buffers (format `fmt_in`) whose device
@@ -284,7 +291,8 @@ impl Codec {
             reserved: 0,
         };
         // SAFETY: ReduceParams mirrors FcCodecReduceParams; the caller guarantees the pointers.
-        unsafe { launch(f, cfg, stream, &p) }
+        unsafe { flashcomm_gpu::launch(f, cfg, flashcomm_gpu::Stream(stream), &p) }
+            .map_err(Error::from)
     }
 
     /// Encodes `input` (all of it) into `output`, which must hold exactly
@@ -509,4 +517,23 @@ fn check_len(what: &str, expected: usize, actual: usize) -> Result<(), Error> {
             "{what} has {actual} elements, expected {expected}"
         )))
     }
+}
+
+/// The parameter blocks of the verification kernels of [`crate::verify`] (layouts asserted
+/// against `cuda/testing/verify.cu` there).
+pub(crate) trait TestParams: Copy {}
+
+/// Launches a verification kernel found by name.
+///
+/// Sound because `P` is the `#[repr(C)]` mirror of the named kernel's parameter (the callers in
+/// `verify` pair them), and the buffers in it are
+/// [`flashcomm_gpu::DevicePtr`]s of live allocations.
+pub(crate) fn launch_test<P: TestParams>(
+    f: Function,
+    cfg: LaunchConfig,
+    stream: flashcomm_gpu::Stream,
+    params: &P,
+) -> Result<(), flashcomm_comm::Error> {
+    // SAFETY: see the function's documentation.
+    unsafe { flashcomm_gpu::launch(f, cfg, stream, params) }.map_err(flashcomm_comm::Error::from)
 }

@@ -1,15 +1,19 @@
-//! Rust mirrors of the layouts in `cuda/include/flashcomm/params.h`. Sizes and offsets are
-//! asserted at compile time here and with `static_assert` on the CUDA side.
+//! The kernels' ABI: constants and `#[repr(C)]` layouts shared by the host and the CUDA code.
+//!
+//! This file is the source of `cuda/include/flashcomm/params.h`, which `cargo run -p xtask --
+//! gen-kernels` generates from it (every constant, every struct, and a `static_assert` of every
+//! size and offset); `xtask check` fails when the committed header is stale. Keep it plain:
+//! constants of integer type and structs of `u32`, `u64` and `[u64; MAX_RANKS]` fields.
 
-/// Ranks a flashcomm communicator supports (`FC_MAX_RANKS`).
+/// Ranks a flashcomm communicator supports.
 pub const MAX_RANKS: usize = 8;
-/// Bytes of the arena header (`FC_ARENA_HEADER_BYTES`).
+/// Bytes at the start of every rank's arena, before the data halves.
 pub const ARENA_HEADER_BYTES: u64 = 4096;
-/// Offset of the abort-request word in the arena header.
+/// Arena header, u32: a peer (or this rank) asks every block of this rank to stop.
 pub const HDR_ABORT_REQ: u64 = 0;
-/// Offset of the probe words in the arena header.
+/// Arena header, u32[MAX_RANKS]: peer-write probe words written at set-up.
 pub const HDR_PROBE: u64 = 64;
-/// Offset of the control block in the arena header.
+/// Arena header, FcCtl: this rank's device-side epoch state.
 pub const HDR_CTL: u64 = 1024;
 /// Frame header bytes of the BLOCK protocol.
 pub const FRAME_HEADER: u64 = 16;
@@ -21,48 +25,56 @@ pub const FRAME_BYTES: u64 = FRAME_HEADER + FRAME_PAYLOAD;
 pub const LL_LINE: u64 = 16;
 /// Payload bytes of one LL line.
 pub const LL_PAYLOAD: u64 = 8;
-/// Threads per block of the collective kernels.
+/// Threads per block of the lossless collective kernels.
 pub const THREADS: u32 = 512;
+/// Protocol LL: 16-byte lines {4 B data, 4 B tag, 4 B data, 4 B tag}.
+pub const PROTO_LL: u32 = 0;
+/// Protocol BLOCK: frames of payload with one tag in a 16-byte header, written last.
+pub const PROTO_BLOCK: u32 = 1;
+/// FcCollParams.flags: the send buffer is 16-byte aligned.
+pub const FLAG_SEND_ALIGNED: u32 = 1;
+/// FcCollParams.flags: the receive buffer is 16-byte aligned.
+pub const FLAG_RECV_ALIGNED: u32 = 2;
 
-/// Device status codes (`FC_STATUS_*`).
+/// Status codes in host-mapped memory, written by a kernel that gives up waiting.
 pub mod status {
     /// No error.
     pub const OK: u32 = 0;
-    /// A peer did not arrive in time.
+    /// A peer's data did not arrive within the timeout.
     pub const TIMEOUT: u32 = 1;
-    /// The host asked to abort.
+    /// The host set the abort flag (ncclCommAbort).
     pub const ABORTED: u32 = 2;
-    /// A peer gave up and asked this rank to stop.
+    /// A peer gave up and asked us to stop.
     pub const PEER_ABORTED: u32 = 3;
-    /// A peer ran a different collective.
+    /// A peer's tag belongs to another collective: calls differ across ranks.
     pub const MISMATCH: u32 = 4;
-    /// A kernel is writing the record; the code follows.
+    /// A kernel is writing the record (an error, details follow).
     pub const CLAIMED: u32 = 0xffff_ffff;
 }
 
-/// `FcCtl`.
+/// Device-side state of one rank of one communicator. Only this rank's kernels touch it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FcCtl {
-    /// Epoch of the next collective.
+    /// Epoch of the next collective; its low 32 bits (never 0) tag the data.
     pub seq: u64,
-    /// Finished blocks of the running kernel.
+    /// Blocks of the running kernel that have finished (the last one advances seq).
     pub done: u32,
     /// Padding.
     pub pad: u32,
 }
 
-/// `FcStatus`.
+/// What a kernel that gave up records (host-mapped; the first error wins).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FcStatus {
-    /// `status::*`.
+    /// status::*.
     pub code: u32,
-    /// Rank waited for.
+    /// The rank waited for.
     pub peer: u32,
-    /// Block that gave up.
+    /// The block that gave up.
     pub block: u32,
-    /// Tag observed (mismatch).
+    /// The tag seen (mismatch) or 0.
     pub observed: u32,
     /// Epoch of the failed collective.
     pub seq: u64,
@@ -70,7 +82,7 @@ pub struct FcStatus {
     pub expected: u64,
 }
 
-/// `FcCollParams`: the single by-value parameter of every collective kernel.
+/// Parameters of every collective kernel, passed by value.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FcCollParams {
@@ -78,55 +90,55 @@ pub struct FcCollParams {
     pub send: u64,
     /// User receive buffer.
     pub recv: u64,
-    /// Elements (AllReduce count, ReduceScatter recvcount, AllGather sendcount).
+    /// Elements: AllReduce count, ReduceScatter recvcount, AllGather sendcount.
     pub count: u64,
-    /// Every rank's arena as mapped in this process.
+    /// Every rank's arena, as mapped in this process.
     pub peer_base: [u64; MAX_RANKS],
-    /// This rank's `FcCtl`.
+    /// This rank's FcCtl.
     pub ctl: u64,
-    /// Host-mapped abort flag.
+    /// Host-mapped u32 set by ncclCommAbort.
     pub abort_flag: u64,
-    /// Host-mapped `FcStatus`.
+    /// Host-mapped FcStatus.
     pub status: u64,
     /// Bound on every wait, in nanoseconds.
     pub timeout_ns: u64,
     /// Bytes of one call-parity half.
     pub half_bytes: u64,
-    /// Bytes of one region.
+    /// Bytes of one region (region B starts this far into a half).
     pub region_bytes: u64,
-    /// Bytes per source slot.
+    /// Bytes per source rank inside a region (LL area, then BLOCK area).
     pub slot_bytes: u64,
-    /// Bytes per (block, round parity) sub-slot.
+    /// Bytes per (block, round parity) inside a slot.
     pub sub_bytes: u64,
-    /// Payload bytes per chunk.
+    /// Payload bytes carried per (block, round) per source.
     pub chunk_bytes: u64,
-    /// Two-shot shard size in elements.
+    /// Two-shot: elements per shard (the last shard may be shorter).
     pub shard_elems: u64,
     /// This rank.
     pub rank: u32,
     /// Ranks.
     pub nranks: u32,
-    /// Bytes per element.
+    /// Bytes per element of the datatype.
     pub elem_bytes: u32,
-    /// `FC_FLAG_*`.
+    /// FLAG_*.
     pub flags: u32,
-    /// Codec width, first step.
+    /// Quantized collectives (zero for lossless ones): codec width of the first (or only) step.
     pub q_bits_rs: u32,
-    /// Codec width, all-gather step.
+    /// Codec width of the all-gather step.
     pub q_bits_ag: u32,
     /// Codec group size.
     pub q_group: u32,
     /// Codec spikes per group.
     pub q_spikes: u32,
-    /// Encoded bytes per block, first step.
+    /// Encoded bytes per 1024-value block, first step.
     pub q_block_bytes_rs: u32,
-    /// Encoded bytes per block, all-gather step.
+    /// Encoded bytes per 1024-value block, second step.
     pub q_block_bytes_ag: u32,
-    /// Offset of this protocol's area inside every slot.
+    /// Where this protocol's area starts inside every slot.
     pub area_offset: u64,
 }
 
-/// `FcProbeParams`.
+/// Parameters of the set-up probe, which writes one word into every peer's arena header.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FcProbeParams {
@@ -156,10 +168,17 @@ const _: () = {
     assert!(size_of::<FcProbeParams>() == 80);
 };
 
-/// Marker for the parameter structs that kernels take by value.
-pub(crate) trait KernelParams: Copy {}
+/// The parameter structs that kernels take by value (sealed: only the `#[repr(C)]` mirrors of
+/// this module, whose layouts are asserted against the CUDA header).
+pub trait KernelParams: Copy + sealed::Sealed {}
 impl KernelParams for FcCollParams {}
 impl KernelParams for FcProbeParams {}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::FcCollParams {}
+    impl Sealed for super::FcProbeParams {}
+}
 
 #[cfg(test)]
 mod tests {
@@ -187,12 +206,8 @@ mod tests {
             assert_eq!(val, v, "{name}");
         }
         assert!(h.contains("sizeof(FcCollParams) == 216"));
-        let t = std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../cuda/include/flashcomm/transport.cuh"
-        ))
-        .unwrap();
-        assert!(t.contains("#define FC_FRAME_PAYLOAD 4096"));
-        assert!(t.contains("#define FC_FRAME_HEADER 16"));
+        // The frame sizes moved from transport.cuh into the generated params.h.
+        assert!(h.contains("#define FC_FRAME_PAYLOAD 4096"));
+        assert!(h.contains("#define FC_FRAME_HEADER 16"));
     }
 }

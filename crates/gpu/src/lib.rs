@@ -1,19 +1,53 @@
-//! Thin, checked wrappers over the CUDA driver calls the communicator needs: the primary
-//! context of a device, device and host-mapped memory, IPC handles, events, stream queries,
-//! kernel launches. This module (and only this module) contains `unsafe` code; every block states
-//! why it is sound. Everything here works on raw device addresses (`u64`), which the rest of the
-//! crate never dereferences on the host.
-#![allow(unsafe_code)]
+//! The one layer of flashcomm that calls the CUDA driver: whether the driver is present (and
+//! already loaded), the primary context of a device, device and host-mapped memory, IPC handles,
+//! events, streams and graphs, module loading and kernel launches.
+//!
+//! Every other crate reaches the driver through this one; it is the only crate whose code calls
+//! `cudarc`'s driver bindings, and each `unsafe` block states why it is sound. Everything here
+//! works on raw device addresses (`u64`), which callers never dereference on the host.
+//!
+//! It imports nothing of flashcomm (it is the bottom of the dependency graph with the NCCL
+//! bindings and the CPU codec).
 
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
 
-use crate::error::Error;
+mod module;
 
-/// Converts a driver result into the crate's error.
-pub(crate) fn check(r: sys::CUresult, during: &'static str) -> Result<(), Error> {
+pub use module::{Function, LaunchConfig, Module, launch};
+
+/// What can go wrong in a driver call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// No CUDA driver library could be loaded.
+    NoDriver,
+    /// A CUDA driver call failed.
+    Cuda {
+        /// What was being done.
+        during: &'static str,
+        /// The driver's error name.
+        detail: String,
+    },
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::NoDriver => write!(
+                f,
+                "the CUDA driver library (libcuda.so.1) could not be loaded"
+            ),
+            Error::Cuda { during, detail } => write!(f, "CUDA error while {during}: {detail}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// Converts a driver result into this crate's error.
+pub fn check(r: sys::CUresult, during: &'static str) -> Result<(), Error> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -22,6 +56,13 @@ pub(crate) fn check(r: sys::CUresult, during: &'static str) -> Result<(), Error>
             detail: format!("{r:?}"),
         })
     }
+}
+
+/// Whether the CUDA driver library can be loaded (cudarc panics on first use otherwise).
+pub fn driver_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: is_culib_present only tries to dlopen the driver library by its usual names.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
 }
 
 /// A raw stream handle as NCCL callers pass it (`cudaStream_t` and `CUstream` are the same).
@@ -69,10 +110,8 @@ impl Stream {
 
 /// Initializes the driver API (idempotent).
 pub fn init() -> Result<(), Error> {
-    if !flashcomm_kernels::ffi::driver_present() {
-        return Err(Error::Unsupported(
-            "the CUDA driver library (libcuda.so.1) is not available".into(),
-        ));
+    if !driver_present() {
+        return Err(Error::NoDriver);
     }
     // SAFETY: cuInit has no preconditions; it is idempotent.
     let r = unsafe { sys::cuInit(0) };
@@ -586,25 +625,6 @@ impl Drop for Event {
         // SAFETY: destroys the event this value owns.
         let _ = unsafe { sys::cuEventDestroy_v2(self.0) };
     }
-}
-
-/// Launches a kernel whose single parameter is `params`.
-///
-/// Sound because of what the communicator guarantees for every launch it makes through this
-/// function: `P` is one of the `#[repr(C)]` mirrors in `abi.rs` (layouts asserted against the
-/// CUDA header) and matches the kernel; every arena address in it belongs to an allocation or
-/// mapping the communicator keeps alive until its last launch has finished; user buffers come in
-/// as [`DevicePtr`]s, whose creators promised they are valid device memory of the right length;
-/// the stream belongs to the current context (the communicator activated its device).
-pub(crate) fn launch<P: crate::abi::KernelParams>(
-    f: flashcomm_kernels::Function,
-    cfg: flashcomm_kernels::LaunchConfig,
-    stream: Stream,
-    params: &P,
-) -> Result<(), Error> {
-    // SAFETY: see the function's documentation: layout, lifetimes and stream are guaranteed by
-    // the communicator (the only caller) and by the DevicePtr contract.
-    unsafe { flashcomm_kernels::launch(f, cfg, stream.0, params) }.map_err(Error::from)
 }
 
 /// A CUDA graph captured from a stream and instantiated.

@@ -1,7 +1,7 @@
 //! Throughput and latency of the codec kernels on one GPU.
 //!
 //! ```text
-//! cargo run --release -p flashcomm-kernels --features gpu --example codec_bench -- OUT.json [--quick]
+//! cargo run --release -p flashcomm-testkit --features gpu --example codec_bench -- OUT.json [--quick]
 //! ```
 //!
 //! Large buffers (64 MiB and 256 MiB of bf16 input): encode (quantize), decode (dequantize) and
@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use flashcomm_kernels::codec::{Codec, CodecDtype, CodecFormat, FLAG_DIRECT_IO};
+use flashcomm_testkit::codec::{Codec, CodecDtype, CodecFormat, FLAG_DIRECT_IO};
 
 const WARMUP: usize = 3;
 const REPS: usize = 25;

@@ -1,6 +1,6 @@
 //! The GPU codec against the CPU reference (`flashcomm-codec`), bit for bit.
 //!
-//! Run with `cargo test -p flashcomm-kernels --features gpu --release -- --nocapture` on a machine
+//! Run with `cargo test -p flashcomm-testkit --features gpu --release -- --nocapture` on a machine
 //! with a CUDA device (`--release` makes the CPU reference fast; debug works too). Inputs are
 //! fresh random data every run; the seed is printed with every failure and can be fixed with
 //! `FLASHCOMM_TEST_SEED=<n>`. Each test prints one summary line per configuration family.
@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use flashcomm_codec::{self as cpu, DType, Element, Format, bf16, f16};
-use flashcomm_kernels::codec::{
+use flashcomm_testkit::codec::{
     Codec, CodecDtype, CodecFormat, CodecStatus, CodecValue, FLAG_DIRECT_IO,
 };
 

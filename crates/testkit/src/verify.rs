@@ -1,16 +1,14 @@
-//! Device-side verification for the GPU tests and the benchmark tool (`cuda/testing.cu`):
+//! Device-side verification for the GPU tests and the benchmark tool (`cuda/testing/verify.cu`):
 //! integer-valued inputs whose collective results are exact in every supported type and can be
 //! recomputed from indices on the device, so sweeps up to hundreds of MiB check every element
 //! without copying anything back.
 
 use std::sync::Arc;
 
-use flashcomm_kernels::{Kernels, LaunchConfig};
+use flashcomm_comm::gpu::{Device, DeviceMem, DevicePtr, LaunchConfig, Stream};
+use flashcomm_comm::{Collective, DataType, Error};
 
-use crate::abi::KernelParams;
-use crate::error::Error;
-use crate::gpu::{self, Device, DeviceMem, DevicePtr, Stream};
-use crate::plan::{Collective, DataType};
+use crate::TestKernels as Kernels;
 
 /// Element types the verification kernels know.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,9 +94,9 @@ const _: () = {
     assert!(std::mem::size_of::<FcTestCompare>() == 32);
 };
 
-impl KernelParams for FcTestFill {}
-impl KernelParams for FcTestCheck {}
-impl KernelParams for FcTestCompare {}
+impl crate::codec_launch::TestParams for FcTestFill {}
+impl crate::codec_launch::TestParams for FcTestCheck {}
+impl crate::codec_launch::TestParams for FcTestCompare {}
 
 const GRID: u32 = 264;
 const BLOCK: u32 = 256;
@@ -129,10 +127,15 @@ impl Verifier {
         Ok(v)
     }
 
-    fn launch<P: KernelParams>(&self, name: &str, stream: Stream, p: &P) -> Result<(), Error> {
+    fn launch<P: crate::codec_launch::TestParams>(
+        &self,
+        name: &str,
+        stream: Stream,
+        p: &P,
+    ) -> Result<(), Error> {
         let _ctx = self.device.activate()?;
         let f = self.kernels.function(name)?;
-        gpu::launch(
+        crate::codec_launch::launch_test(
             f,
             LaunchConfig {
                 grid: GRID,
@@ -230,12 +233,12 @@ impl Verifier {
         let _ctx = self.device.activate()?;
         let mut b = [0u8; 16];
         b[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
-        self.errors.upload(0, &b, self.stream)
+        Ok(self.errors.upload(0, &b, self.stream)?)
     }
 
     /// Allocates device memory on this verifier's device.
     pub fn alloc(&self, bytes: usize) -> Result<DeviceMem, Error> {
-        DeviceMem::alloc_zeroed(&self.device, bytes)
+        Ok(DeviceMem::alloc_zeroed(&self.device, bytes)?)
     }
 
     /// The verifier's own stream (non-blocking; use it for the rank's work so that reading the
@@ -245,7 +248,7 @@ impl Verifier {
     }
 
     /// Makes the device's context current for the caller's scope.
-    pub fn activate(&self) -> Result<gpu::CtxGuard, Error> {
-        self.device.activate()
+    pub fn activate(&self) -> Result<flashcomm_comm::gpu::CtxGuard, Error> {
+        Ok(self.device.activate()?)
     }
 }

@@ -1,11 +1,12 @@
-//! The codec kernels (`cuda/codec_<dtype>.cu`, device functions in `flashcomm/codec.cuh`): kernel
-//! names, parameter blocks, formats and launch geometry. The launchers are
-//! [`ffi::codec::Codec`](crate::ffi::codec::Codec), re-exported here.
+//! The codec kernels (`cuda/testing/codec_<dtype>.cu`, device functions in
+//! `flashcomm/codec.cuh`): kernel names, parameter blocks, formats and launch geometry. The
+//! launchers are [`Codec`], re-exported here from the crate's FFI module.
 //!
 //! The wire format is `docs/codec.md`; the CPU reference (`flashcomm-codec`) is its
 //! specification, and the GPU kernels reproduce it bit for bit.
 
-pub use crate::ffi::codec::{Codec, CodecStatusWords, CodecValue, InputTable};
+pub use crate::codec_launch::{Codec, CodecStatusWords, CodecValue, InputTable};
+use flashcomm_kernels::Error;
 
 /// Threads per CTA of every codec kernel (`FC_CODEC_THREADS`): 8 warps, one 1024-value block
 /// per warp at a time.
@@ -73,12 +74,12 @@ pub struct CodecFormat {
 
 impl CodecFormat {
     /// Validates the parameters.
-    pub fn new(dtype: CodecDtype, bits: u8, group: u16, spikes: u8) -> Result<Self, crate::Error> {
+    pub fn new(dtype: CodecDtype, bits: u8, group: u16, spikes: u8) -> Result<Self, Error> {
         if !(2..=8).contains(&bits)
             || !matches!(group, 32 | 64 | 128 | 256)
             || !matches!(spikes, 0 | 2 | 4)
         {
-            return Err(crate::Error::InvalidArgument(format!(
+            return Err(Error::InvalidArgument(format!(
                 "invalid codec format: bits {bits}, group {group}, spikes {spikes}"
             )));
         }

@@ -1,0 +1,298 @@
+//! The catalogue of the product's collective kernels: every kernel has a fixed index, computed
+//! from the call's shape with a few integer operations, so a launch needs neither a name nor a
+//! lookup. [`crate::Kernels`] resolves the whole table once when it loads the modules.
+//!
+//! This file is plain data and `const fn`s that import nothing of flashcomm: `xtask` includes it
+//! to generate the CUDA instantiation list (`cuda/include/flashcomm/instances.h`), so the kernels
+//! that exist and the kernels the host believes exist come from this one table.
+
+/// Element types of the reducing kernels, in table order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KDtype {
+    /// IEEE binary32.
+    F32 = 0,
+    /// IEEE binary16.
+    F16 = 1,
+    /// bfloat16.
+    Bf16 = 2,
+}
+
+impl KDtype {
+    /// Every element type, in table order.
+    pub const ALL: [KDtype; 3] = [KDtype::F32, KDtype::F16, KDtype::Bf16];
+
+    /// Kernel-name suffix.
+    pub const fn suffix(self) -> &'static str {
+        match self {
+            KDtype::F32 => "f32",
+            KDtype::F16 => "f16",
+            KDtype::Bf16 => "bf16",
+        }
+    }
+
+    /// The CUDA element type.
+    pub const fn cuda_type(self) -> &'static str {
+        match self {
+            KDtype::F32 => "float",
+            KDtype::F16 => "__half",
+            KDtype::Bf16 => "__nv_bfloat16",
+        }
+    }
+}
+
+/// Readiness encodings, in table order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KProto {
+    /// 16-byte lines, a tag beside every 4 bytes of data.
+    Ll = 0,
+    /// Frames with one tag written last.
+    Block = 1,
+}
+
+impl KProto {
+    /// Both, in table order.
+    pub const ALL: [KProto; 2] = [KProto::Ll, KProto::Block];
+
+    /// Kernel-name fragment.
+    pub const fn name(self) -> &'static str {
+        match self {
+            KProto::Ll => "ll",
+            KProto::Block => "block",
+        }
+    }
+}
+
+/// AllReduce algorithms, in table order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KAlgo {
+    /// Every rank reduces every rank's input.
+    OneShot = 0,
+    /// Reduce-scatter, then all-gather.
+    TwoShot = 1,
+}
+
+impl KAlgo {
+    /// Both, in table order.
+    pub const ALL: [KAlgo; 2] = [KAlgo::OneShot, KAlgo::TwoShot];
+
+    /// Kernel-name fragment.
+    pub const fn name(self) -> &'static str {
+        match self {
+            KAlgo::OneShot => "oneshot",
+            KAlgo::TwoShot => "twoshot",
+        }
+    }
+}
+
+/// Element types of the quantized kernels, in table order.
+pub const QUANT_DTYPES: [KDtype; 2] = [KDtype::F16, KDtype::Bf16];
+
+/// Widths of the one-shot quantized AllReduce (one kernel each).
+pub const QUANT_ONESHOT_BITS: [u8; 7] = [2, 3, 4, 5, 6, 7, 8];
+
+/// (reduce-scatter, all-gather) widths of the two-step quantized AllReduce that have kernels:
+/// equal widths, and an 8-bit all-gather after a 2-, 3- or 4-bit reduce-scatter (Flash
+/// Communication's INT4 + INT8 setting and its neighbours).
+pub const QUANT_TWOSTEP_BITS: [(u8, u8); 10] = [
+    (2, 2),
+    (3, 3),
+    (4, 4),
+    (5, 5),
+    (6, 6),
+    (7, 7),
+    (8, 8),
+    (2, 8),
+    (3, 8),
+    (4, 8),
+];
+
+/// Index of the lossless AllReduce kernels (algorithm x protocol x type).
+const AR: usize = 0;
+/// Index of the lossless ReduceScatter kernels (protocol x type).
+const RS: usize = AR + 2 * 2 * 3;
+/// Index of the lossless AllGather kernels (protocol).
+const AG: usize = RS + 2 * 3;
+/// The set-up probe.
+const PROBE: usize = AG + 2;
+/// Index of the one-shot quantized kernels (type x width).
+const Q1: usize = PROBE + 1;
+/// Index of the two-step quantized kernels (type x width pair).
+const Q2: usize = Q1 + QUANT_DTYPES.len() * QUANT_ONESHOT_BITS.len();
+/// Number of kernels in the table.
+pub const COUNT: usize = Q2 + QUANT_DTYPES.len() * QUANT_TWOSTEP_BITS.len();
+
+/// Table index of the lossless AllReduce kernel.
+pub const fn allreduce(algo: KAlgo, proto: KProto, t: KDtype) -> usize {
+    AR + (algo as usize * 2 + proto as usize) * 3 + t as usize
+}
+
+/// Table index of the lossless ReduceScatter kernel.
+pub const fn reducescatter(proto: KProto, t: KDtype) -> usize {
+    RS + proto as usize * 3 + t as usize
+}
+
+/// Table index of the AllGather kernel (any type: it moves bytes).
+pub const fn allgather(proto: KProto) -> usize {
+    AG + proto as usize
+}
+
+/// Table index of the set-up probe (`fc_probe_write`).
+pub const fn probe() -> usize {
+    PROBE
+}
+
+const fn quant_dtype(t: KDtype) -> Option<usize> {
+    match t {
+        KDtype::F16 => Some(0),
+        KDtype::Bf16 => Some(1),
+        KDtype::F32 => None,
+    }
+}
+
+/// Table index of the one-shot quantized AllReduce at `bits`, if that kernel exists.
+pub const fn quant_oneshot(t: KDtype, bits: u8) -> Option<usize> {
+    match quant_dtype(t) {
+        Some(d) if bits >= 2 && bits <= 8 => {
+            Some(Q1 + d * QUANT_ONESHOT_BITS.len() + (bits - 2) as usize)
+        }
+        _ => None,
+    }
+}
+
+/// Position of a width pair in [`QUANT_TWOSTEP_BITS`].
+pub const fn twostep_pair(rs_bits: u8, ag_bits: u8) -> Option<usize> {
+    let mut i = 0;
+    while i < QUANT_TWOSTEP_BITS.len() {
+        if QUANT_TWOSTEP_BITS[i].0 == rs_bits && QUANT_TWOSTEP_BITS[i].1 == ag_bits {
+            return Some(i);
+        }
+        i += 1;
+    }
+    None
+}
+
+/// Table index of the two-step quantized AllReduce, if that kernel exists.
+pub const fn quant_twostep(t: KDtype, rs_bits: u8, ag_bits: u8) -> Option<usize> {
+    match (quant_dtype(t), twostep_pair(rs_bits, ag_bits)) {
+        (Some(d), Some(p)) => Some(Q2 + d * QUANT_TWOSTEP_BITS.len() + p),
+        _ => None,
+    }
+}
+
+/// Writes the CUDA name of kernel `index` into `out` (used once per kernel when the modules
+/// load, and by the generator of the CUDA instantiation list).
+pub fn name(index: usize, out: &mut String) {
+    use std::fmt::Write;
+    out.clear();
+    let _ = match index {
+        i if i < RS => {
+            let (a, r) = ((i - AR) / 6, (i - AR) % 6);
+            let algo = KAlgo::ALL[a];
+            let (p, t) = (KProto::ALL[r / 3], KDtype::ALL[r % 3]);
+            write!(
+                out,
+                "fc_allreduce_{}_{}_{}",
+                algo.name(),
+                p.name(),
+                t.suffix()
+            )
+        }
+        i if i < AG => {
+            let r = i - RS;
+            let (p, t) = (KProto::ALL[r / 3], KDtype::ALL[r % 3]);
+            write!(out, "fc_reducescatter_{}_{}", p.name(), t.suffix())
+        }
+        i if i < PROBE => write!(out, "fc_allgather_{}", KProto::ALL[i - AG].name()),
+        PROBE => write!(out, "fc_probe_write"),
+        i if i < Q2 => {
+            let r = i - Q1;
+            let t = QUANT_DTYPES[r / QUANT_ONESHOT_BITS.len()];
+            let b = QUANT_ONESHOT_BITS[r % QUANT_ONESHOT_BITS.len()];
+            write!(out, "fc_allreduce_q1_block_{}_b{b}", t.suffix())
+        }
+        i if i < COUNT => {
+            let r = i - Q2;
+            let t = QUANT_DTYPES[r / QUANT_TWOSTEP_BITS.len()];
+            let (rs, ag) = QUANT_TWOSTEP_BITS[r % QUANT_TWOSTEP_BITS.len()];
+            write!(out, "fc_allreduce_q2_block_{}_r{rs}_a{ag}", t.suffix())
+        }
+        _ => write!(out, "fc_invalid_{index}"),
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_names() -> Vec<String> {
+        (0..COUNT)
+            .map(|i| {
+                let mut s = String::new();
+                name(i, &mut s);
+                s
+            })
+            .collect()
+    }
+
+    #[test]
+    fn names_are_unique_and_valid() {
+        let mut names = all_names();
+        assert!(
+            names
+                .iter()
+                .all(|n| n.starts_with("fc_") && !n.contains("invalid"))
+        );
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), COUNT);
+    }
+
+    #[test]
+    fn every_index_is_reached_once() {
+        let mut seen = vec![0u32; COUNT];
+        for a in KAlgo::ALL {
+            for p in KProto::ALL {
+                for t in KDtype::ALL {
+                    seen[allreduce(a, p, t)] += 1;
+                }
+            }
+        }
+        for p in KProto::ALL {
+            for t in KDtype::ALL {
+                seen[reducescatter(p, t)] += 1;
+            }
+            seen[allgather(p)] += 1;
+        }
+        seen[probe()] += 1;
+        for t in KDtype::ALL {
+            for b in 0..=10 {
+                if let Some(i) = quant_oneshot(t, b) {
+                    seen[i] += 1;
+                }
+                for a in 0..=10 {
+                    if let Some(i) = quant_twostep(t, b, a) {
+                        seen[i] += 1;
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
+    }
+
+    #[test]
+    fn names_follow_the_shape() {
+        let mut s = String::new();
+        name(allreduce(KAlgo::TwoShot, KProto::Ll, KDtype::Bf16), &mut s);
+        assert_eq!(s, "fc_allreduce_twoshot_ll_bf16");
+        name(reducescatter(KProto::Block, KDtype::F16), &mut s);
+        assert_eq!(s, "fc_reducescatter_block_f16");
+        name(allgather(KProto::Ll), &mut s);
+        assert_eq!(s, "fc_allgather_ll");
+        name(quant_oneshot(KDtype::Bf16, 3).unwrap(), &mut s);
+        assert_eq!(s, "fc_allreduce_q1_block_bf16_b3");
+        name(quant_twostep(KDtype::F16, 4, 8).unwrap(), &mut s);
+        assert_eq!(s, "fc_allreduce_q2_block_f16_r4_a8");
+        assert_eq!(quant_oneshot(KDtype::F32, 4), None);
+        assert_eq!(quant_twostep(KDtype::Bf16, 5, 8), None);
+    }
+}
