@@ -35,7 +35,7 @@
 //! | `logging` | NCCL-style logging | `calls::cuda`, `calls::os`, `types` |
 //! | `last_error` | `ncclGetLastError`'s messages | — |
 //! | `discovery` | where to look for the real NCCL | — |
-//! | `calls::cuda` | every CUDA driver call of the shim: saved context, own stream, current device, the caller's buffers | `types` |
+//! | `calls::cuda` | the shim's CUDA needs, through `flashcomm-gpu` (saved context, own stream, current device), and the caller's buffers as device pointers | `types` |
 //! | `calls::os` | thread id, fork detection | — |
 //! | `types` | the call types: route, collective kind, one call, communicator handle, origin and end | — |
 #![deny(unsafe_code)]

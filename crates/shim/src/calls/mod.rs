@@ -1,10 +1,12 @@
-//! What we call: the bindings to the operating system, the CUDA driver and the real NCCL. With
-//! `exports`, the only place where `unsafe` code is allowed; every `unsafe` block carries a
-//! `// SAFETY:` comment (`clippy::undocumented_unsafe_blocks` is denied workspace-wide).
+//! What we call: the operating system, the CUDA driver (through `flashcomm-gpu`) and the real
+//! NCCL. With `exports`, the only place where `unsafe` code is allowed; every `unsafe` block
+//! carries a `// SAFETY:` comment (`clippy::undocumented_unsafe_blocks` is denied
+//! workspace-wide).
 //!
 //! * `os`: the thread id, fork detection.
-//! * `cuda`: every CUDA driver call of the shim (the caller's context around set-up, the
-//!   set-up exchange's stream, the current device, the caller's buffers of a routed collective).
+//! * `cuda`: the shim's CUDA needs, through `flashcomm-gpu` (the caller's context around
+//!   set-up, the set-up exchange's stream, the current device), and the caller's buffers of a
+//!   routed collective as device pointers. The shim has no driver bindings of its own.
 //! * `real`: finding, opening and resolving the real NCCL.
 //! * `nccl`: flashcomm's own calls to the real NCCL (identity, set-up all-gather, async error).
 //!
