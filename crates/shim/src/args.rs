@@ -5,6 +5,9 @@
 //! bad value. What depends on the communicator (root and peer ranges, whether this rank is the
 //! root, whether a PreMulSum operator belongs to this communicator) is left to the real library,
 //! which checks it with the same codes.
+//!
+//! Owns: [`Args`], [`Checked`], [`check`], [`element_size`].
+//! May import: `error`, `logging`, `types`.
 
 use std::ffi::c_void;
 

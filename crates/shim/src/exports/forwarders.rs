@@ -2,6 +2,8 @@
 // crates/nccl-sys/src/bindings.rs, minus the functions crates/shim/src/exports/api.rs defines by hand.
 // Do not edit by hand. Each entry becomes the exports `ncclX` and `pncclX`, which call the real
 // library's `ncclX` with the arguments unchanged (see `forward!` in boundary.rs).
+//
+// Owns: the plain forwarders. May import: `exports::boundary`.
 
 use flashcomm_nccl_sys::*;
 
