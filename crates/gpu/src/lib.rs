@@ -1,6 +1,8 @@
 //! The one layer of flashcomm that calls the CUDA driver: whether the driver is present (and
 //! already loaded), the primary context of a device, device and host-mapped memory, IPC handles,
-//! events, streams and graphs, module loading and kernel launches.
+//! events, streams and graphs, module loading and kernel launches, and the calling thread's own
+//! state as a library inside someone else's process sees it (`caller`: the current device, the
+//! current context saved and restored, a stream of our own).
 //!
 //! Every other crate reaches the driver through this one; it is the only crate whose code calls
 //! `cudarc`'s driver bindings, and each `unsafe` block states why it is sound. Everything here
@@ -14,8 +16,10 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
 
+mod caller;
 mod module;
 
+pub use caller::{OwnStream, SavedContext, current_device, driver_loaded};
 pub use module::{Function, LaunchConfig, Module, launch};
 
 /// What can go wrong in a driver call.

@@ -5,33 +5,37 @@
 //! bad value. What depends on the communicator (root and peer ranges, whether this rank is the
 //! root, whether a PreMulSum operator belongs to this communicator) is left to the real library,
 //! which checks it with the same codes.
+//!
+//! Owns: [`Args`], [`Checked`], [`check`], [`element_size`].
+//! May import: `error`, `logging`, `types`.
 
 use std::ffi::c_void;
 
 use flashcomm_nccl_sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t};
 
 use crate::error::Error;
-use crate::route::Collective;
+use crate::logging::Subsys;
+use crate::types::Collective;
 
 /// The arguments to check.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Args {
     /// The export's name.
-    pub api: &'static str,
+    pub(crate) api: &'static str,
     /// Its kind.
-    pub kind: Collective,
+    pub(crate) kind: Collective,
     /// Send buffer (`ncclBcast`'s only buffer; null where the kind has none).
-    pub sendbuff: *const c_void,
+    pub(crate) sendbuff: *const c_void,
     /// Receive buffer (null where the kind has none).
-    pub recvbuff: *mut c_void,
+    pub(crate) recvbuff: *mut c_void,
     /// Element count.
-    pub count: usize,
+    pub(crate) count: usize,
     /// Element type.
-    pub datatype: ncclDataType_t,
+    pub(crate) datatype: ncclDataType_t,
     /// Operator of reducing kinds.
-    pub op: Option<ncclRedOp_t>,
+    pub(crate) op: Option<ncclRedOp_t>,
     /// Communicator.
-    pub comm: ncclComm_t,
+    pub(crate) comm: ncclComm_t,
 }
 
 /// What the checks found.
@@ -75,7 +79,7 @@ fn required_buffers(kind: Collective) -> (bool, bool) {
 
 /// Checks one collective call.
 pub(crate) fn check(a: &Args) -> Result<Checked, Error> {
-    let sub = a.kind.subsys();
+    let sub = Subsys::of(a.kind);
     if a.comm.is_null() {
         return Err(Error::invalid_argument(
             sub,

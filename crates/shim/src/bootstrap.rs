@@ -9,17 +9,20 @@
 //! point (right after the real init returned), so the exchange is collective. A rank whose round
 //! fails locally still takes part in the all-gather, with a frame that says so, so that every rank
 //! sees the failure and gives up together instead of waiting for it.
+//!
+//! Owns: [`NcclBootstrap`] and its frame format.
+//! May import: `types`, `calls::cuda`, `calls::nccl`.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use flashcomm_comm::gpu::Device;
 use flashcomm_comm::{Bootstrap, DeviceMem, Error};
+use flashcomm_gpu::Device;
 use flashcomm_nccl_sys::{ncclComm_t, ncclResult_t};
 
-use crate::ffi::cuda::OwnStream;
-use crate::ffi::nccl;
-use crate::route::CommHandle;
+use crate::calls::cuda::OwnStream;
+use crate::calls::nccl;
+use crate::types::CommHandle;
 
 /// Bytes of one rank's frame in every round.
 pub(crate) const FRAME_BYTES: usize = 4096;
@@ -135,7 +138,7 @@ impl NcclBootstrap {
     ) -> Result<NcclBootstrap, Error> {
         let dev = Device::open(device)?;
         let _ctx = dev.activate()?;
-        let stream = OwnStream::create().map_err(Error::Unsupported)?;
+        let stream = OwnStream::create().map_err(|e| Error::Unsupported(e.to_string()))?;
         let send = DeviceMem::alloc_zeroed(&dev, FRAME_BYTES)?;
         let recv = DeviceMem::alloc_zeroed(&dev, FRAME_BYTES * nranks as usize)?;
         Ok(NcclBootstrap {
@@ -161,7 +164,7 @@ impl NcclBootstrap {
         let start = Instant::now();
         let mut pause = Duration::from_micros(20);
         loop {
-            if self.stream.is_idle()? {
+            if self.stream.is_idle().map_err(|e| e.to_string())? {
                 return Ok(());
             }
             match nccl::async_error(self.raw_comm())? {

@@ -1,9 +1,12 @@
 //! Where to look for the real NCCL: the ordered list of candidate files.
 //!
 //! Pure logic over the inputs (the configured path, the objects loaded in the process, the
-//! environment), so that the order can be tested; `ffi::real` opens the candidates and refuses
+//! environment), so that the order can be tested; `calls::real` opens the candidates and refuses
 //! any that is flashcomm itself. Every candidate is a path with a `/`: `dlopen` of a bare
 //! `libnccl.so.2` would return this very library.
+//!
+//! Owns: [`Candidate`], [`Origin`], [`Inputs`], [`candidates`].
+//! May import: nothing of this crate.
 
 use std::path::{Component, Path, PathBuf};
 
@@ -42,22 +45,22 @@ impl Origin {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Candidate {
     /// The file.
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
     /// Why it is tried.
-    pub origin: Origin,
+    pub(crate) origin: Origin,
 }
 
 /// What discovery looks at.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Inputs {
     /// `FLASHCOMM_NCCL_LIB`, validated by the configuration.
-    pub configured: Option<String>,
+    pub(crate) configured: Option<String>,
     /// Paths of the objects loaded in the process, in load order.
-    pub loaded: Vec<PathBuf>,
+    pub(crate) loaded: Vec<PathBuf>,
     /// `LD_LIBRARY_PATH`.
-    pub ld_library_path: Option<String>,
+    pub(crate) ld_library_path: Option<String>,
     /// `CUDA_HOME`.
-    pub cuda_home: Option<String>,
+    pub(crate) cuda_home: Option<String>,
 }
 
 /// System folders, tried last.

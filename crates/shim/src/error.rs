@@ -3,6 +3,9 @@
 //! Every failure that flashcomm itself detects becomes an [`Error`]: a result code and a message.
 //! [`Error::report`] logs it once at WARN (under the error's subsystem) and records it for
 //! `ncclGetLastError`; the export then returns [`Error::code`].
+//!
+//! Owns: [`Error`], [`Kind`], [`error_string`].
+//! May import: `logging`, `last_error`, `calls::os`.
 
 use std::fmt;
 
@@ -116,7 +119,7 @@ impl Error {
     /// Logs the error at WARN and records it for `ncclGetLastError`; returns its code. After a
     /// `fork()` only the code is returned: the child touches none of our state.
     pub(crate) fn report(&self) -> ncclResult_t {
-        if !crate::ffi::sys::forked() {
+        if !crate::calls::os::forked() {
             crate::logging::warn(self.subsys, self.message());
             crate::last_error::record(self.message());
         }

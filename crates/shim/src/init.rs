@@ -1,8 +1,13 @@
 //! Lazy initialization: configuration, logging, fork detection, the panic hook.
 //!
 //! Happens once, at the first call of any export (never in a library constructor). Loading the
-//! real library is separate and happens at the first call that needs it (`ffi::real`).
+//! real library is separate and happens at the first call that needs it (`calls::real`).
+//!
+//! Owns: [`State`] (the configuration), [`state`], the panic hook and its stash
+//! ([`take_panic_text`]), [`debug_panic_point`].
+//! May import: `logging`, `calls::os`.
 
+use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use flashcomm_config::Config;
@@ -24,11 +29,43 @@ pub(crate) fn state() -> &'static State {
     STATE.get_or_init(|| {
         let mut config = Config::from_env();
         let later = logging::install(&mut config);
-        crate::ffi::sys::watch_fork();
-        crate::ffi::boundary::install_panic_hook();
+        if let Err(rc) = crate::calls::os::watch_fork() {
+            logging::warn(
+                Subsys::Init,
+                &format!("pthread_atfork failed ({rc}); fork children will not be detected"),
+            );
+        }
+        install_panic_hook();
         report(&config, &later);
         State { config }
     })
+}
+
+thread_local! {
+    static PANIC_INFO: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// Installs the panic hook (once). The cdylib carries its own copy of `std`, so this hook sees
+/// only panics of flashcomm's code: it keeps the location and message for the export boundary
+/// ([`take_panic_text`]) instead of printing them. In unit tests the host's default hook stays.
+fn install_panic_hook() {
+    #[cfg(not(test))]
+    std::panic::set_hook(Box::new(|info| {
+        let text = info.to_string().replace('\n', " ");
+        let _ = PANIC_INFO.try_with(|p| {
+            if let Ok(mut p) = p.try_borrow_mut() {
+                *p = Some(text);
+            }
+        });
+    }));
+}
+
+/// The location and message of this thread's last panic, as the hook stashed them.
+pub(crate) fn take_panic_text() -> Option<String> {
+    PANIC_INFO
+        .try_with(|p| p.try_borrow_mut().ok().and_then(|mut p| p.take()))
+        .ok()
+        .flatten()
 }
 
 /// Logs what the configuration found: problems and unknown names at WARN, values that differ

@@ -5,6 +5,11 @@
 //! `ncclGetLastError` can answer with the message that belongs to the failure the caller saw:
 //! this thread's last failure if it was ours; the real library's own message if the thread's last
 //! failure came from there; else the process-wide one, with the same rule.
+//!
+//! Recorded only on failures, never on the per-call path of a successful call.
+//!
+//! Owns: [`Last`], [`record`], [`record_real_failure`], [`current`].
+//! May import: nothing of this crate.
 
 use std::cell::RefCell;
 use std::sync::Mutex;

@@ -5,36 +5,54 @@
 //! AllGather calls to flashcomm's own kernels (`flashcomm-comm`), and forwards everything else to
 //! the real NCCL, which it finds and opens itself. See `docs/abi.md` and `docs/architecture.md`.
 //!
-//! `unsafe` code lives only in the FFI modules `ffi` and `ext`; every other module is safe Rust.
+//! `unsafe` code lives only in `exports` (what we export) and `calls` (what we call); every other
+//! module is safe Rust.
 //!
-//! | module | role |
-//! |---|---|
-//! | `ffi::api` | hand-written exports (collectives, communicator lifecycle, groups, errors) |
-//! | `ffi::forwarders` | generated plain forwarders |
-//! | `ffi::boundary` | panic boundary, export macros, signature checks |
-//! | `ffi::real` | loading the real NCCL |
-//! | `ffi::nccl` | flashcomm's own calls to the real NCCL |
-//! | `ffi::cuda` | CUDA context save/restore, the set-up stream, the caller's buffers as device pointers |
-//! | `ext` | flashcomm's own API (`include/flashcomm.h`) |
-//! | `route` | the routing seam: decisions, statistics, communicator and group hooks |
-//! | `serve` | flashcomm's communicator behind a served NCCL communicator: set-up, routed calls, teardown |
-//! | `bootstrap` | the set-up exchange over the real NCCL's `ncclAllGather` |
-//! | `args` | argument checks of the collectives |
-//! | `coll` | the common path of the collective exports |
-//! | `discovery` | where to look for the real NCCL |
-//! | `error`, `last_error` | errors, their codes, `ncclGetLastError` |
-//! | `init`, `logging` | lazy initialization, NCCL-style logging |
+//! The modules, from the top (the C symbols) to the bottom (the call types). Each may import
+//! only modules below it, exactly those listed (`tests/module_graph.rs` checks this table against
+//! the `crate::` paths of the code, so the graph has no cycle and the table stays true, and
+//! checks that `docs/architecture.md` shows the same table):
+//!
+//! | module | owns | may import |
+//! |---|---|---|
+//! | `exports::api` | the NCCL exports we inspect: versions, errors, collectives, communicator lifecycle, groups | `exports::collective`, `exports::boundary`, `dispatch`, `group`, `args`, `calls::real`, `error`, `logging`, `last_error`, `calls::os`, `types` |
+//! | `exports::forwarders` | the generated plain forwarders | `exports::boundary` |
+//! | `exports::ext` | flashcomm's own C API (`include/flashcomm.h`) | `exports::boundary`, `registry`, `stats`, `init`, `error`, `logging`, `types` |
+//! | `exports::collective` | the common path of the collective exports: checks, then dispatch | `exports::boundary`, `dispatch`, `args`, `init`, `error`, `calls::os`, `types` |
+//! | `exports::boundary` | the panic boundary, the export macros, signature checks | `calls::real`, `init`, `error`, `logging`, `last_error`, `calls::os` |
+//! | `dispatch` | the hooks of the exports: run one call (lookup, decision, serve or forward, count), communicator and group events | `serve`, `registry`, `group`, `policy`, `stats`, `logging`, `types` |
+//! | `serve` | flashcomm's communicator behind a served NCCL communicator: set-up, routed calls, teardown | `bootstrap`, `registry`, `policy`, `calls::nccl`, `init`, `error`, `logging`, `calls::cuda`, `types` |
+//! | `bootstrap` | the set-up exchange over the real NCCL's `ncclAllGather` | `calls::nccl`, `calls::cuda`, `types` |
+//! | `registry` | the side table of communicators and what flashcomm knows of each | `policy`, `stats`, `calls::nccl`, `types` |
+//! | `group` | this thread's group depth and the set-ups deferred to the group's end | `types` |
+//! | `policy` | the pure routing decision and its explanation | `types` |
+//! | `stats` | calls and bytes per route and kind, the first-use bits | `types` |
+//! | `args` | argument checks of the collectives | `error`, `logging`, `types` |
+//! | `calls::nccl` | flashcomm's own calls to the real NCCL | `calls::real`, `error` |
+//! | `calls::real` | finding, opening and resolving the real NCCL | `init`, `error`, `logging`, `discovery`, `calls::os` |
+//! | `init` | lazy initialization: configuration, logging, fork detection, the panic hook | `logging`, `calls::os` |
+//! | `error` | errors, their codes, NCCL's error strings | `logging`, `last_error`, `calls::os` |
+//! | `logging` | NCCL-style logging | `calls::cuda`, `calls::os`, `types` |
+//! | `last_error` | `ncclGetLastError`'s messages | — |
+//! | `discovery` | where to look for the real NCCL | — |
+//! | `calls::cuda` | the shim's CUDA needs, through `flashcomm-gpu` (saved context, own stream, current device), and the caller's buffers as device pointers | `types` |
+//! | `calls::os` | thread id, fork detection | — |
+//! | `types` | the call types: route, collective kind, one call, communicator handle, origin and end | — |
 #![deny(unsafe_code)]
 
 mod args;
 mod bootstrap;
-mod coll;
+mod calls;
 mod discovery;
+mod dispatch;
 mod error;
-pub mod ext;
-mod ffi;
+mod exports;
+mod group;
 mod init;
 mod last_error;
 mod logging;
-pub mod route;
+mod policy;
+mod registry;
 mod serve;
+mod stats;
+mod types;

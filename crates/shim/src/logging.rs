@@ -8,6 +8,9 @@
 //! `NCCL_DEBUG_FILE` + `.flashcomm`. The subscriber is installed once, lazily, and only if no
 //! global subscriber exists yet (`try_init` semantics); inside the cdylib this is our own copy of
 //! `tracing`, so a host program's subscriber is never replaced. See `docs/logging.md`.
+//!
+//! Owns: [`Subsys`], [`warn`], [`info`], [`version_banner`], [`install`].
+//! May import: `types`, `calls::os`, `calls::cuda`.
 
 use std::fmt::Write as _;
 use std::fs::OpenOptions;
@@ -19,6 +22,9 @@ use tracing_subscriber::EnvFilter;
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::registry::LookupSpan;
+
+use crate::calls::{cuda, os};
+use crate::types::Collective;
 
 /// A subsystem: the `NCCL_DEBUG_SUBSYS` token and the tracing target of its events.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +39,17 @@ pub(crate) enum Subsys {
     Env,
     /// API calls (TRACE: one line per call).
     Call,
+}
+
+impl Subsys {
+    /// The subsystem of a collective of kind `kind`.
+    pub(crate) fn of(kind: Collective) -> Subsys {
+        if kind.is_p2p() {
+            Subsys::P2p
+        } else {
+            Subsys::Coll
+        }
+    }
 }
 
 /// Emits one event under `sub`'s target. Targets must be literals, hence the match.
@@ -153,13 +170,13 @@ where
             Level::INFO => "INFO",
             Level::DEBUG | Level::TRACE => "TRACE",
         };
-        let dev = crate::ffi::sys::cuda_device().unwrap_or(-1);
+        let dev = cuda::current_device().unwrap_or(-1);
         write!(
             writer,
             "{}:{}:{} [{}] FLASHCOMM {} ",
             self.host,
             std::process::id(),
-            crate::ffi::sys::thread_id(),
+            os::thread_id(),
             dev,
             level
         )?;

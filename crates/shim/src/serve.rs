@@ -17,7 +17,12 @@
 //!    `flashcommCommGetInfo`.
 //!
 //! The caller's current CUDA context is saved before and restored after set-up and teardown.
+//!
+//! Owns: [`set_up`], [`tear_down`], [`execute`], [`Executed`], [`comm_config`].
+//! May import: `types`, `error`, `logging`, `init`, `calls::cuda`, `calls::nccl`, `policy`,
+//! `registry`, `bootstrap`.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,14 +30,16 @@ use flashcomm_comm::{
     Algorithm, Choice, CommConfig, Communicator, Error as CommError, Protocol, Stream, ThreadGroup,
 };
 use flashcomm_config::{Algo, Config, Proto};
-use flashcomm_nccl_sys::{ncclComm_t, ncclResult_t};
+use flashcomm_nccl_sys::ncclResult_t;
 
 use crate::bootstrap::NcclBootstrap;
+use crate::calls::cuda::{SavedContext, user_buffers};
+use crate::calls::nccl::{self, Identity};
 use crate::error::Error;
-use crate::ffi::cuda::{SavedContext, user_buffers};
-use crate::ffi::nccl::{self, Identity};
 use crate::logging::{self, Subsys};
-use crate::route::{self, CollCall, Collective, CommHandle, CommState, Decision, Setup};
+use crate::policy::{self, Decision};
+use crate::registry::{CommState, Setup};
+use crate::types::{CollCall, Collective, CommHandle};
 
 /// flashcomm's communicator settings from the configuration (identical on every rank when the
 /// environment is, which flashcomm requires of every `FLASHCOMM_*` variable).
@@ -71,7 +78,7 @@ fn precheck(
                 .into(),
         );
     }
-    let id = nccl::identity(h.0 as ncclComm_t);
+    let id = nccl::identity(h.raw());
     if let Ok(id) = id {
         state.set_identity(id);
     }
@@ -285,12 +292,13 @@ pub(crate) fn tear_down(h: CommHandle, state: Arc<CommState>, abort: bool) {
 pub(crate) enum Executed {
     /// flashcomm ran it (or refused it with an error): this is the result.
     Done(ncclResult_t),
-    /// flashcomm's kernels do not support this call: it goes to NCCL.
-    Refused(String),
+    /// flashcomm's kernels do not support this call: it goes to NCCL (the reason is logged the
+    /// first time; static where flashcomm itself refuses, so that refusing allocates nothing).
+    Refused(Cow<'static, str>),
 }
 
 fn report(call: &CollCall, e: CommError) -> ncclResult_t {
-    let sub = call.kind.subsys();
+    let sub = Subsys::of(call.kind);
     let msg = format!("{} on communicator {:p}: {e}", call.api, call.comm);
     match e {
         CommError::InvalidArgument(_) => Error::invalid_argument(sub, msg),
@@ -303,21 +311,21 @@ fn report(call: &CollCall, e: CommError) -> ncclResult_t {
     .report()
 }
 
-/// Runs a call [`route::decide`] sent to flashcomm's kernels. Allocates no device memory and
+/// Runs a call [`policy::decide`] sent to flashcomm's kernels. Allocates no device memory and
 /// does not synchronize (the communicator's collectives do neither), so it may be captured.
 pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Executed {
     let Some(c) = state.served() else {
-        return Executed::Refused("flashcomm does not serve the communicator".into());
+        return Executed::Refused(Cow::Borrowed("flashcomm does not serve the communicator"));
     };
     if let Err(e) = c.check_status() {
         return Executed::Done(report(call, e));
     }
     let Some((send, recv)) = user_buffers(call, u64::from(c.nranks())) else {
-        return Executed::Refused("the buffer sizes overflow".into());
+        return Executed::Refused(Cow::Borrowed("the buffer sizes overflow"));
     };
     let stream = Stream(call.stream.cast());
     let count = call.count as u64;
-    let dtype = route::float_type(call.datatype);
+    let dtype = policy::float_type(call.datatype);
     let r = match (call.kind, dtype, d.quant) {
         (Collective::AllReduce, Some(t), Some(q)) => {
             c.all_reduce_quant(send, recv, count, t, q, stream)
@@ -328,11 +336,11 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
             let elem = call.bytes / count.max(1);
             c.all_gather(send, recv, count, elem, stream)
         }
-        _ => return Executed::Refused("not a call flashcomm's kernels take".into()),
+        _ => return Executed::Refused(Cow::Borrowed("not a call flashcomm's kernels take")),
     };
     match r {
         Ok(_) => Executed::Done(ncclResult_t::ncclSuccess),
-        Err(CommError::Unsupported(why)) => Executed::Refused(why),
+        Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
         Err(e) => Executed::Done(report(call, e)),
     }
 }

@@ -7,9 +7,9 @@
 //! | task | writes |
 //! |---|---|
 //! | `gen-bindings` | `crates/nccl-sys/src/bindings.rs`, `crates/nccl-sys/src/functions.rs` (needs libclang and the pinned headers) |
-//! | `gen-exports` | `crates/shim/src/ffi/forwarders.rs`, the support matrix in `docs/abi.md` |
+//! | `gen-exports` | `crates/shim/src/exports/forwarders.rs`, the support matrix in `docs/abi.md` |
 //! | `gen-env-doc` | the variable table in `docs/env.md` |
-//! | `gen-header` | `include/flashcomm.h` (cbindgen over `crates/shim/src/ext.rs`) |
+//! | `gen-header` | `include/flashcomm.h` (cbindgen over `crates/shim/src/exports/ext.rs`) |
 //! | `gen-kernels` | `cuda/include/flashcomm/params.h` (from `crates/kernels/src/abi.rs`) and `cuda/include/flashcomm/instances.h` (from `crates/kernels/src/catalog.rs`) |
 //! | `gen-all` | all of the above |
 //! | `check` | nothing; fails when a committed file differs from a fresh run |

@@ -3,6 +3,9 @@
 //! the effective configuration, per-communicator quantization settings and what flashcomm knows
 //! of a communicator. Every function returns an `ncclResult_t` and runs inside the same panic
 //! boundary as the NCCL exports.
+//!
+//! Owns: the `flashcomm*` exports and their C types and constants.
+//! May import: `exports::boundary`, `error`, `logging`, `init`, `types`, `stats`, `registry`.
 #![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int};
@@ -12,9 +15,11 @@ use flashcomm_config::{QuantBits, QuantSettings};
 use flashcomm_nccl_sys::{ncclComm_t, ncclResult_t};
 
 use crate::error::Error;
-use crate::ffi::boundary::guard;
+use crate::exports::boundary::guard;
 use crate::logging::Subsys;
-use crate::route::{self, Collective, Route};
+use crate::registry::{self, CommState};
+use crate::stats;
+use crate::types::{Collective, Route};
 
 /// flashcomm's version as `major * 10000 + minor * 100 + patch`.
 pub const FLASHCOMM_VERSION_CODE: c_int = version_code();
@@ -127,9 +132,9 @@ pub unsafe extern "C" fn flashcommGetStats(
                 .report();
         }
         let snap = if comm.is_null() {
-            route::totals()
+            stats::totals()
         } else {
-            match route::comm(comm) {
+            match registry::get(comm) {
                 Some(state) => state.counters.snapshot(),
                 None => {
                     return Error::invalid_argument(
@@ -234,13 +239,13 @@ pub struct flashcommCommInfo_t {
     pub reason: [c_char; FLASHCOMM_REASON_BYTES],
 }
 
-fn known_comm(api: &str, comm: ncclComm_t) -> Result<Arc<route::CommState>, ncclResult_t> {
+fn known_comm(api: &str, comm: ncclComm_t) -> Result<Arc<CommState>, ncclResult_t> {
     if comm.is_null() {
         return Err(
             Error::invalid_argument(Subsys::Call, format!("{api}: comm argument is NULL")).report(),
         );
     }
-    route::comm(comm).ok_or_else(|| {
+    registry::get(comm).ok_or_else(|| {
         Error::invalid_argument(
             Subsys::Call,
             format!(
@@ -372,7 +377,7 @@ pub unsafe extern "C" fn flashcommCommGetQuant(
     })
 }
 
-fn info_of(state: &route::CommState) -> flashcommCommInfo_t {
+fn info_of(state: &CommState) -> flashcommCommInfo_t {
     let mut info = flashcommCommInfo_t {
         served: 0,
         rank: -1,
@@ -435,7 +440,8 @@ pub unsafe extern "C" fn flashcommCommGetInfo(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::route::{CommOrigin, CommState, Setup};
+    use crate::registry::Setup;
+    use crate::types::CommOrigin;
 
     fn c(rs: c_int, ag: c_int) -> flashcommQuantConfig_t {
         flashcommQuantConfig_t {

@@ -8,6 +8,9 @@
 //! It is opened with `RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND`, so that the real library's calls to
 //! its own exports (`ncclBcast` calls `ncclBroadcast`, ...) stay inside it instead of coming back
 //! through ours. The handle is never closed.
+//!
+//! Owns: [`RealLib`], [`Slot`], [`library`], [`loaded`], [`real_last_error`].
+//! May import: `discovery`, `error`, `logging`, `init`, `calls::os`.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::os::unix::ffi::OsStrExt;
@@ -291,7 +294,7 @@ fn load() -> Result<RealLib, String> {
     for c in discovery::candidates(&inputs) {
         match try_open(&c, &me) {
             Ok(lib) => {
-                if !crate::ffi::sys::forked() {
+                if !crate::calls::os::forked() {
                     log_choice(&lib, &me, &tried);
                 }
                 return Ok(lib);

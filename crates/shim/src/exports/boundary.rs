@@ -7,10 +7,12 @@
 //!   twin), both running the same body inside [`guard`], and proves at compile time that the
 //!   signature equals bindgen's declaration of `ncclX` in `flashcomm_nccl_sys::decls`.
 //! * [`forward!`] defines plain forwarders (used by the generated `forwarders.rs`).
-//! * [`call_real!`] calls the real library's function of a [`Slot`](super::real::Slot).
+//! * [`call_real!`] calls the real library's function of a [`Slot`](crate::calls::real::Slot).
+//!
+//! Owns: [`CReturn`], [`guard`], [`unavailable`], the export macros.
+//! May import: `error`, `logging`, `last_error`, `init`, `calls::os`, `calls::real`.
 
 use std::any::Any;
-use std::cell::RefCell;
 use std::ffi::c_char;
 use std::panic::AssertUnwindSafe;
 
@@ -42,7 +44,7 @@ impl CReturn for ncclResult_t {
     fn after_real(&self) {
         if *self != ncclResult_t::ncclSuccess
             && *self != ncclResult_t::ncclInProgress
-            && !super::sys::forked()
+            && !crate::calls::os::forked()
         {
             crate::last_error::record_real_failure();
         }
@@ -97,30 +99,8 @@ pub(crate) fn unavailable<R: CReturn>(e: Error) -> R {
     R::on_unavailable(&e)
 }
 
-thread_local! {
-    static PANIC_INFO: RefCell<Option<String>> = const { RefCell::new(None) };
-}
-
-/// Installs the panic hook (once, from `init`). The cdylib carries its own copy of `std`, so this
-/// hook sees only panics of flashcomm's code: it keeps the location and message for [`guard`]
-/// instead of printing them. In unit tests the host's default hook stays.
-pub(crate) fn install_panic_hook() {
-    #[cfg(not(test))]
-    std::panic::set_hook(Box::new(|info| {
-        let text = info.to_string().replace('\n', " ");
-        let _ = PANIC_INFO.try_with(|p| {
-            if let Ok(mut p) = p.try_borrow_mut() {
-                *p = Some(text);
-            }
-        });
-    }));
-}
-
 fn panic_message(api: &str, payload: &(dyn Any + Send)) -> String {
-    let stashed = PANIC_INFO
-        .try_with(|p| p.borrow_mut().take())
-        .ok()
-        .flatten();
+    let stashed = crate::init::take_panic_text();
     let text = stashed.unwrap_or_else(|| {
         payload
             .downcast_ref::<&str>()
@@ -169,14 +149,14 @@ macro_rules! call_real {
                     ::core::mem::transmute::<
                         *mut ::core::ffi::c_void,
                         unsafe extern "C" fn(
-                            $($crate::ffi::boundary::call_real!(@placeholder $arg)),*
+                            $($crate::exports::boundary::call_real!(@placeholder $arg)),*
                         ) $(-> $ret)?,
                     >(p)
                 };
                 // SAFETY: the caller's arguments go through unchanged, so the caller's
                 // obligations under NCCL's contract carry over to the real function.
                 let r = unsafe { f($($arg),*) };
-                $crate::ffi::boundary::CReturn::after_real(&r);
+                $crate::exports::boundary::CReturn::after_real(&r);
                 Ok(r)
             }
             Err(e) => Err(e),
@@ -202,23 +182,23 @@ macro_rules! nccl_api {
             #[unsafe(no_mangle)]
             #[allow(non_snake_case, clippy::too_many_arguments)]
             unsafe extern "C" fn $name($($arg: $ty),*) $(-> $ret)? {
-                $crate::ffi::boundary::guard(stringify!($name), || body($($arg),*))
+                $crate::exports::boundary::guard(stringify!($name), || body($($arg),*))
             }
 
             /// NCCL's profiling twin (`pncclX`): the same function under the other name.
             #[unsafe(export_name = concat!("p", stringify!($name)))]
             #[allow(non_snake_case, clippy::too_many_arguments)]
             unsafe extern "C" fn profiling_twin($($arg: $ty),*) $(-> $ret)? {
-                $crate::ffi::boundary::guard(stringify!($name), || body($($arg),*))
+                $crate::exports::boundary::guard(stringify!($name), || body($($arg),*))
             }
 
             // Both symbols have exactly the header's signature: casting bindgen's declaration to
             // our parameter list fails to compile if any type differs.
-            $crate::ffi::boundary::same_signature(
+            $crate::exports::boundary::same_signature(
                 $name as unsafe extern "C" fn($($ty),*) $(-> $ret)?,
                 ::flashcomm_nccl_sys::decls::$name as unsafe extern "C" fn($($ty),*) $(-> $ret)?,
             );
-            $crate::ffi::boundary::same_signature(
+            $crate::exports::boundary::same_signature(
                 profiling_twin as unsafe extern "C" fn($($ty),*) $(-> $ret)?,
                 ::flashcomm_nccl_sys::decls::$name as unsafe extern "C" fn($($ty),*) $(-> $ret)?,
             );
@@ -234,10 +214,10 @@ macro_rules! forward {
         $(#[$meta:meta])*
         pub fn $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(-> $ret:ty)? ;
     )*) => {$(
-        $crate::ffi::boundary::nccl_api! {
+        $crate::exports::boundary::nccl_api! {
             $(#[$meta])*
             fn $name($($arg: $ty),*) $(-> $ret)? {
-                static REAL: $crate::ffi::real::Slot = $crate::ffi::real::Slot::new(
+                static REAL: $crate::calls::real::Slot = $crate::calls::real::Slot::new(
                     match ::core::ffi::CStr::from_bytes_with_nul(
                         concat!(stringify!($name), "\0").as_bytes()
                     ) {
@@ -245,9 +225,9 @@ macro_rules! forward {
                         Err(_) => panic!("function names contain no NUL"),
                     },
                 );
-                match $crate::ffi::boundary::call_real!(REAL, ($($arg),*) $(-> $ret)?) {
+                match $crate::exports::boundary::call_real!(REAL, ($($arg),*) $(-> $ret)?) {
                     Ok(r) => r,
-                    Err(e) => $crate::ffi::boundary::unavailable(e),
+                    Err(e) => $crate::exports::boundary::unavailable(e),
                 }
             }
         }

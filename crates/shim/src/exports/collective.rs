@@ -1,22 +1,26 @@
-//! The common path of every collective export: checks, the empty case, then the router.
+//! The common path of every collective export: checks, the empty case, then dispatch.
+//!
+//! Owns: [`Extra`], [`collective`].
+//! May import: `exports::boundary`, `calls::os`, `args`, `error`, `init`, `types`, `dispatch`.
 
 use flashcomm_nccl_sys::{cudaStream_t, ncclCollConfig_t, ncclResult_t};
 
 use crate::args::{self, Args, Checked};
+use crate::calls::os::forked;
+use crate::dispatch;
 use crate::error::Error;
-use crate::ffi::boundary::unavailable;
-use crate::ffi::sys::forked;
-use crate::route::{self, CollCall};
+use crate::exports::boundary::unavailable;
+use crate::types::CollCall;
 
 /// What the checks do not look at.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Extra {
     /// Root (broadcast, reduce) or peer (send, receive).
-    pub root_or_peer: Option<i32>,
+    pub(crate) root_or_peer: Option<i32>,
     /// The caller's stream.
-    pub stream: cudaStream_t,
+    pub(crate) stream: cudaStream_t,
     /// `ncclXConfig`'s per-call configuration (null for the plain functions).
-    pub config: *const ncclCollConfig_t,
+    pub(crate) config: *const ncclCollConfig_t,
 }
 
 /// Runs one collective export. `forward` calls the real library with the caller's arguments.
@@ -50,13 +54,12 @@ pub(crate) fn collective(
                 count: a.count,
                 datatype: a.datatype,
                 op: a.op,
-                root_or_peer: extra.root_or_peer,
                 comm: a.comm,
                 stream: extra.stream,
                 config: extra.config,
                 bytes,
             };
-            route::run(&call, &crate::init::state().config, forward)
+            dispatch::run(&call, &crate::init::state().config, forward)
         }
     }
 }

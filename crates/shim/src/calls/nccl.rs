@@ -2,12 +2,15 @@
 //! the identity of a new communicator, the all-gather of the set-up exchange, and the
 //! communicator's asynchronous error. They never count in the statistics and never record a last
 //! error; failures come back as messages for the caller to log.
+//!
+//! Owns: [`Identity`], [`identity`], [`all_gather_bytes`], [`async_error`].
+//! May import: `calls::real`, `error`.
 
 use std::ffi::{c_int, c_void};
 
 use flashcomm_nccl_sys::{ncclComm_t, ncclDataType_t, ncclResult_t};
 
-use super::real::Slot;
+use crate::calls::real::Slot;
 use crate::error::error_string;
 
 static USER_RANK: Slot = Slot::new(c"ncclCommUserRank");
@@ -54,11 +57,11 @@ fn comm_int(slot: &Slot, comm: ncclComm_t) -> Result<i32, String> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Identity {
     /// This rank.
-    pub rank: i32,
+    pub(crate) rank: i32,
     /// Number of ranks.
-    pub nranks: i32,
+    pub(crate) nranks: i32,
     /// CUDA device ordinal.
-    pub device: i32,
+    pub(crate) device: i32,
 }
 
 /// Rank, size and device of `comm`, from the real library.

@@ -1,6 +1,10 @@
 //! The exports flashcomm inspects before (or instead of) forwarding them: versions, error
 //! strings, the last error, every collective, communicator creation and destruction, and group
 //! calls. Everything else is a plain forwarder in `forwarders.rs`.
+//!
+//! Owns: the hand-written `nccl_api!` exports.
+//! May import: `exports::boundary`, `exports::collective`, `calls::os`, `calls::real`, `args`,
+//! `error`, `last_error`, `logging`, `types`, `group`, `dispatch`.
 
 use std::cell::RefCell;
 use std::ffi::{CString, c_char, c_int, c_void};
@@ -10,14 +14,17 @@ use flashcomm_nccl_sys::{
     ncclResult_t, ncclUniqueId,
 };
 
-use super::boundary::{call_real, nccl_api, unavailable};
-use super::real::{self, Slot};
-use super::sys::forked;
 use crate::args::Args;
-use crate::coll::{Extra, collective};
+use crate::calls::os::forked;
+use crate::calls::real::{self, Slot};
+use crate::dispatch;
 use crate::error::error_string;
+use crate::exports::boundary::{call_real, nccl_api, unavailable};
+use crate::exports::collective::{Extra, collective};
+use crate::group;
 use crate::last_error::{self, Last};
-use crate::route::{self, Collective, CommEnd, CommHandle, CommOrigin};
+use crate::logging::{self, Subsys};
+use crate::types::{Collective, CommEnd, CommHandle, CommOrigin};
 
 // One slot per real function we call.
 static GET_VERSION: Slot = Slot::new(c"ncclGetVersion");
@@ -104,7 +111,7 @@ fn created(
         // the real library has just written because it returned success or in-progress.
         .map(|i| unsafe { out.add(i).read() })
         .collect();
-    route::on_comms_created(
+    dispatch::on_comms_created(
         &comms,
         origin,
         result == ncclResult_t::ncclSuccess,
@@ -115,7 +122,7 @@ fn created(
 /// Before an ending call.
 fn ending(comm: ncclComm_t, end: CommEnd) {
     if !forked() {
-        route::on_comm_destroying(comm, end);
+        dispatch::on_comm_destroying(comm, end);
     }
 }
 
@@ -443,17 +450,17 @@ nccl_api! {
     fn ncclGroupStart() -> ncclResult_t {
         let r = forwarded!(call_real!(GROUP_START, () -> ncclResult_t));
         if r == ncclResult_t::ncclSuccess && !forked() {
-            route::group_started();
+            group::started();
         }
         r
     }
 
     /// The communicators created inside the outermost group are set up after it ended.
     fn ncclGroupEnd() -> ncclResult_t {
-        let depth = (!forked()).then(route::group_ending);
+        let depth = (!forked()).then(group::ending);
         let r = forwarded!(call_real!(GROUP_END, () -> ncclResult_t));
         if let Some(depth) = depth {
-            route::group_ended(depth, r);
+            dispatch::group_ended(depth, r);
         }
         r
     }
@@ -472,9 +479,9 @@ nccl_api! {
         if real != ncclResult_t::ncclSuccess {
             return r;
         }
-        if let Some((code, msg, first)) = route::async_error(comm) {
+        if let Some((code, msg, first)) = dispatch::async_error(comm) {
             if first {
-                crate::logging::warn(crate::logging::Subsys::Coll, &msg);
+                logging::warn(Subsys::Coll, &msg);
             }
             last_error::record(&msg);
             // SAFETY: the caller's out pointer, valid for one ncclResult_t (just written by the

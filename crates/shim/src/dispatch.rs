@@ -1,0 +1,328 @@
+//! Dispatch: the one seam between the NCCL exports and flashcomm's kernels.
+//!
+//! * [`run`] is called by every collective export after its arguments passed the checks (and
+//!   `count > 0`): it looks the communicator up ([`crate::registry`]), decides
+//!   ([`crate::policy::decide`]), runs the call on flashcomm's kernels ([`crate::serve`]) or
+//!   forwards it, and counts it ([`crate::stats`]) under the route it actually took.
+//! * [`on_comms_created`] runs after communicators were created (InitRank, InitRankConfig,
+//!   InitAll, InitRankScalable, Split, Shrink, Grow): it registers each one and, for blocking
+//!   communicators, sets flashcomm's own communicator up on it collectively (`crate::serve`),
+//!   now or, inside a group, when the outermost group ends ([`group_ended`]).
+//!   [`on_comm_destroying`] runs before one is finalized, revoked, destroyed or aborted.
+//! * [`async_error`] is the device error `ncclCommGetAsyncError` merges.
+//!
+//! The per-call path ([`run`] up to the launch) takes no lock, allocates nothing and formats no
+//! string: the registry lookup is an atomic generation check, the decision is pure, the counters
+//! and the first-use bits are atomics, and the one INFO line per (collective, route) pair of a
+//! communicator is written only the first time. No lock of flashcomm is held while the real
+//! library runs, and nothing on the path allocates device memory or synchronizes, so routed
+//! calls may be captured into CUDA graphs.
+//!
+//! Owns: the hooks the exports call ([`run`], [`on_comms_created`],
+//! [`on_comm_destroying`], [`group_ended`], [`async_error`]).
+//! May import: `types`, `logging`, `stats`, `policy`, `registry`, `group`, `serve`.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use flashcomm_config::Config;
+use flashcomm_nccl_sys::{ncclComm_t, ncclResult_t};
+
+use crate::group;
+use crate::logging::{self, Subsys};
+use crate::policy::{self, decide};
+use crate::registry::{self, CommState};
+use crate::serve::{self, Executed};
+use crate::stats::{self, Announced};
+use crate::types::{CollCall, CommEnd, CommHandle, CommOrigin, Route};
+
+/// Hook: the real library created `comms` (one, or `ncclCommInitAll`'s list) and returned success
+/// (`ready`) or `ncclInProgress` (a non-blocking communicator still initializing).
+/// `config_blocking` is the `blocking` field of the caller's `ncclConfig_t`, if it set one.
+///
+/// Registers each communicator, then sets it up (`crate::serve`): collectively with the other
+/// ranks, right now, or, inside `ncclGroupStart`/`End`, when the outermost group ends.
+pub(crate) fn on_comms_created(
+    comms: &[ncclComm_t],
+    origin: CommOrigin,
+    ready: bool,
+    config_blocking: Option<bool>,
+) {
+    let new: Vec<(CommHandle, Arc<CommState>)> = comms
+        .iter()
+        .filter(|c| !c.is_null())
+        .map(|&c| {
+            (
+                CommHandle::of(c),
+                registry::register(c, origin, config_blocking),
+            )
+        })
+        .collect();
+    if new.is_empty() {
+        return;
+    }
+    for (h, _) in &new {
+        logging::info(
+            Subsys::Init,
+            &format!("communicator {h:?} created ({origin:?}, ready: {ready})"),
+        );
+    }
+    if group::depth() > 0 && ready {
+        group::defer(new.iter().map(|(h, _)| *h));
+        return;
+    }
+    serve::set_up(&new, origin == CommOrigin::InitAll, ready);
+}
+
+/// Hook: a communicator is about to be finalized, revoked, destroyed or aborted (called before
+/// the real library sees the call). Revoke and Abort first stop flashcomm's kernels of this
+/// communicator; after `Destroy` and `Abort` it leaves the registry and flashcomm's communicator
+/// is released (after its last kernel finished) before the real call runs.
+pub(crate) fn on_comm_destroying(comm: ncclComm_t, end: CommEnd) {
+    if comm.is_null() {
+        return;
+    }
+    logging::info(Subsys::Init, &format!("communicator {comm:p}: {end:?}"));
+    let h = CommHandle::of(comm);
+    match end {
+        CommEnd::Finalize | CommEnd::Revoke => {
+            let Some(state) = registry::by_handle(h) else {
+                return;
+            };
+            state.close();
+            if end == CommEnd::Revoke {
+                state.revoke();
+                if let Some(c) = state.served() {
+                    c.abort();
+                }
+            }
+        }
+        CommEnd::Destroy | CommEnd::Abort => {
+            if let Some(state) = registry::remove(h) {
+                serve::tear_down(h, state, end == CommEnd::Abort);
+            }
+        }
+    }
+}
+
+/// The device error of `comm`'s kernels, if flashcomm serves it and a kernel gave up, as
+/// `ncclCommGetAsyncError` merges it: `(ncclRemoteError, message, first time)`. Cheap when there
+/// is none (a registry lookup and a read of host memory) and takes no lock the real library
+/// could wait on.
+pub(crate) fn async_error(comm: ncclComm_t) -> Option<(ncclResult_t, String, bool)> {
+    let state = registry::get(comm)?;
+    if state.is_revoked() {
+        return None;
+    }
+    let e = state.served()?.check_status().err()?;
+    Some((
+        ncclResult_t::ncclRemoteError,
+        format!("flashcomm's kernels of communicator {comm:p} stopped: {e}"),
+        state.first_async_error(),
+    ))
+}
+
+/// Hook: the real `ncclGroupEnd` returned `result`, leaving depth `depth`. When the outermost
+/// group ended, the communicators created inside it are set up now (collectively: every rank
+/// reaches this point after the same group); if the group failed or is still in progress, they
+/// stay with NCCL.
+pub(crate) fn group_ended(depth: u32, result: ncclResult_t) {
+    if depth > 0 {
+        return;
+    }
+    let states: Vec<(CommHandle, Arc<CommState>)> = group::take_deferred()
+        .into_iter()
+        .filter_map(|h| registry::by_handle(h).map(|s| (h, s)))
+        .filter(|(_, s)| !s.is_set_up())
+        .collect();
+    if states.is_empty() {
+        return;
+    }
+    serve::set_up(&states, false, result == ncclResult_t::ncclSuccess);
+}
+
+/// (kind, route) pairs already logged for communicators flashcomm never saw.
+static UNKNOWN_ANNOUNCED: Announced = Announced::new();
+
+/// Decides, runs and counts one checked collective (`count > 0`). `forward` calls the real
+/// library with the caller's arguments unchanged. A call flashcomm's kernels refuse as
+/// unsupported (a pure function of the arguments, so every rank refuses it) goes to NCCL instead.
+pub(crate) fn run(
+    call: &CollCall,
+    config: &Config,
+    forward: impl FnOnce() -> ncclResult_t,
+) -> ncclResult_t {
+    let state = registry::get(call.comm);
+    let view = state.as_deref().map(|s| s.view(config));
+    let depth = group::depth();
+    let d = decide(call, config, view.as_ref(), depth);
+    let (route, result, refused) = match (d.route, state.as_deref()) {
+        (Route::Lossless | Route::Quantized, Some(st)) => match serve::execute(st, call, &d) {
+            Executed::Done(r) => (d.route, r, None),
+            Executed::Refused(why) => (Route::Nccl, forward(), Some(why)),
+        },
+        _ => (Route::Nccl, forward(), None),
+    };
+    stats::add_total(route, call.kind, call.bytes);
+    let first = match state.as_deref() {
+        Some(st) => {
+            st.counters.add(route, call.kind, call.bytes);
+            st.announced.first_time(call.kind, route)
+        }
+        None => UNKNOWN_ANNOUNCED.first_time(call.kind, route),
+    };
+    if first {
+        announce(
+            call,
+            config,
+            &d,
+            route,
+            view.as_ref(),
+            state.as_deref(),
+            refused,
+        );
+    }
+    if tracing::enabled!(target: "flashcomm::tuning", tracing::Level::TRACE) {
+        tracing::trace!(
+            target: "flashcomm::tuning",
+            "{} count {} datatype {} bytes {} comm {:p} stream {:p} group depth {} -> {} ({:?})",
+            call.api, call.count, call.datatype.0, call.bytes, call.comm, call.stream,
+            depth, route.name(), d.why
+        );
+    }
+    result
+}
+
+/// The INFO line of the first use of `route` by this kind of call on its communicator.
+#[cold]
+fn announce(
+    call: &CollCall,
+    config: &Config,
+    d: &policy::Decision,
+    route: Route,
+    view: Option<&policy::CommView>,
+    state: Option<&CommState>,
+    refused: Option<Cow<'static, str>>,
+) {
+    let why = match refused {
+        Some(r) => format!(
+            "flashcomm's {} kernels refused it ({r}; every rank refuses it alike)",
+            d.route.name()
+        ),
+        None => {
+            let why_not = state.and_then(CommState::why_not);
+            policy::explain(d, call, config, view, why_not.as_deref())
+        }
+    };
+    // Under INIT (once per communicator, kind and route), so that NCCL_DEBUG=INFO shows it with
+    // NCCL's default subsystems.
+    logging::info(
+        Subsys::Init,
+        &format!(
+            "{} on communicator {:p}: route {} (first time on this communicator): {why}",
+            call.api,
+            call.comm,
+            route.name()
+        ),
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::tests::call;
+    use crate::stats::totals;
+    use crate::types::Collective;
+
+    /// One communicator was created by the real library (see [`on_comms_created`]).
+    fn on_comm_created(
+        comm: ncclComm_t,
+        origin: CommOrigin,
+        ready: bool,
+        config_blocking: Option<bool>,
+    ) {
+        on_comms_created(&[comm], origin, ready, config_blocking);
+    }
+
+    #[test]
+    fn run_counts_per_comm_and_in_total() {
+        let comm = 0x5000usize as ncclComm_t;
+        // Not ready (a non-blocking communicator still initializing): registered, not served,
+        // and nothing asks the real library.
+        on_comm_created(comm, CommOrigin::InitRank, false, None);
+        let state = registry::get(comm).unwrap();
+        assert!(state.served().is_none());
+        assert!(state.why_not().unwrap().contains("non-blocking"));
+        let before = totals().calls[0][0];
+        let r = run(&call(comm), &Config::default(), || {
+            ncclResult_t::ncclSuccess
+        });
+        assert_eq!(r, ncclResult_t::ncclSuccess);
+        let s = state.counters.snapshot();
+        assert_eq!(
+            s.calls[Route::Nccl as usize][Collective::AllReduce as usize],
+            1
+        );
+        assert_eq!(
+            s.bytes[Route::Nccl as usize][Collective::AllReduce as usize],
+            16
+        );
+        assert!(totals().calls[0][0] > before);
+        // Each (kind, route) pair is announced once.
+        assert!(
+            !state
+                .announced
+                .first_time(Collective::AllReduce, Route::Nccl)
+        );
+        assert!(
+            state
+                .announced
+                .first_time(Collective::AllGather, Route::Nccl)
+        );
+        on_comm_destroying(comm, CommEnd::Finalize);
+        assert!(registry::get(comm).unwrap().is_closed());
+        on_comm_destroying(comm, CommEnd::Destroy);
+        assert!(registry::get(comm).is_none());
+    }
+
+    #[test]
+    fn blocking_mode_comes_from_the_config_or_the_parent() {
+        let parent = 0x5100usize as ncclComm_t;
+        on_comm_created(parent, CommOrigin::InitRankConfig, false, Some(false));
+        assert!(!registry::get(parent).unwrap().blocking);
+        let child = 0x5200usize as ncclComm_t;
+        let origin = CommOrigin::Split {
+            parent: CommHandle::of(parent),
+        };
+        on_comm_created(child, origin, false, None);
+        assert!(!registry::get(child).unwrap().blocking, "inherited");
+        let other = 0x5300usize as ncclComm_t;
+        on_comm_created(other, origin, false, Some(true));
+        assert!(
+            registry::get(other).unwrap().blocking,
+            "its own config wins"
+        );
+        for c in [parent, child, other] {
+            on_comm_destroying(c, CommEnd::Abort);
+            assert!(registry::get(c).is_none());
+        }
+    }
+
+    #[test]
+    fn communicators_created_in_a_group_are_set_up_when_it_ends() {
+        let comm = 0x5400usize as ncclComm_t;
+        group::started();
+        group::started();
+        on_comm_created(comm, CommOrigin::InitRank, true, None);
+        let state = registry::get(comm).unwrap();
+        assert!(!state.is_set_up());
+        assert!(state.why_not().unwrap().contains("pending"));
+        group_ended(group::ending(), ncclResult_t::ncclSuccess);
+        assert!(!state.is_set_up(), "only the outermost group end sets up");
+        // The group failed: the communicator stays with NCCL (without asking the real library).
+        group_ended(group::ending(), ncclResult_t::ncclInternalError);
+        assert!(state.is_set_up());
+        assert!(state.served().is_none());
+        on_comm_destroying(comm, CommEnd::Destroy);
+    }
+}

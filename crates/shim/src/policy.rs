@@ -1,0 +1,702 @@
+//! The routing policy: where one collective goes, and the words that explain why.
+//!
+//! [`decide`] is a pure function of the call's arguments, the configuration, what was agreed
+//! about the communicator at set-up ([`CommView`]) and this thread's group depth, so every rank
+//! of a correct program takes the same route for the same call. It reads no global state, takes
+//! no lock and allocates nothing, so it is tested here without a communicator, a GPU or the real
+//! library. The rules are in `docs/architecture.md` ("Routing rules").
+//!
+//! Owns: [`CommView`], [`Decision`], [`Why`], [`NotQuantized`], [`decide`], [`explain`],
+//! [`float_type`].
+//! May import: `types`.
+
+use flashcomm_comm::{DataType, QuantSpec};
+use flashcomm_config::{Config, Dtype, Op, QuantSettings};
+use flashcomm_nccl_sys::{ncclDataType_t, ncclRedOp_t};
+
+use crate::types::{CollCall, Collective, Route};
+
+/// What [`decide`] knows about a communicator: state agreed at set-up (identical on every rank)
+/// and its quantization settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CommView {
+    /// Whether flashcomm's kernels serve it.
+    pub(crate) served: bool,
+    /// Its ranks (0 when not served).
+    pub(crate) nranks: u64,
+    /// Finalized or revoked.
+    pub(crate) closed: bool,
+    /// Its quantization settings.
+    pub(crate) quant: QuantSettings,
+}
+
+/// Why an AllReduce that goes to the lossless kernels is not quantized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NotQuantized {
+    /// A step's width is `off` or `16`.
+    Off,
+    /// Only AllReduce has quantized kernels.
+    NoQuantizedKernels,
+    /// `FLASHCOMM_QUANT_OPS` excludes it.
+    OpsExclude,
+    /// `FLASHCOMM_QUANT_DTYPES` excludes the element type.
+    DtypeExcluded,
+    /// Below the quantization window.
+    BelowWindow,
+    /// Above the quantization window.
+    AboveWindow,
+}
+
+/// Why a call goes where it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Why {
+    /// Bad configuration: every call goes to NCCL.
+    PassthroughForced,
+    /// `FLASHCOMM_DISABLE`.
+    Disabled,
+    /// flashcomm's kernels do not implement this kind of collective.
+    NotOurs,
+    /// The operator is not a sum.
+    NotSum,
+    /// A reducing collective of an element type other than f32, f16, bf16.
+    NotFloat,
+    /// The communicator was not created through flashcomm.
+    UnknownComm,
+    /// flashcomm does not serve the communicator (see its set-up reason).
+    NotServed,
+    /// Finalized or revoked.
+    Closed,
+    /// `FLASHCOMM_OPS` excludes the collective.
+    OpsExclude,
+    /// Inside `ncclGroupStart`/`End`.
+    Grouped,
+    /// A per-call `ncclCollConfig_t` was given.
+    CollConfig,
+    /// Below `FLASHCOMM_MIN_BYTES`.
+    BelowMin,
+    /// Above `FLASHCOMM_MAX_BYTES` (or too large to address).
+    AboveMax,
+    /// The quantization widths asked for have no kernels.
+    QuantNoKernels,
+    /// Quantized.
+    Quantized,
+    /// Lossless, and why not quantized.
+    Lossless(NotQuantized),
+}
+
+/// Where a call goes, and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Decision {
+    /// The route.
+    pub(crate) route: Route,
+    /// The reason.
+    pub(crate) why: Why,
+    /// The codec settings of a quantized call.
+    pub(crate) quant: Option<QuantSpec>,
+}
+
+impl Decision {
+    /// The NCCL route, for this reason.
+    pub(crate) fn nccl(why: Why) -> Decision {
+        Decision {
+            route: Route::Nccl,
+            why,
+            quant: None,
+        }
+    }
+}
+
+/// The element type of a reducing collective flashcomm's kernels take.
+pub(crate) fn float_type(t: ncclDataType_t) -> Option<DataType> {
+    match t {
+        ncclDataType_t::ncclFloat32 => Some(DataType::F32),
+        ncclDataType_t::ncclFloat16 => Some(DataType::F16),
+        ncclDataType_t::ncclBfloat16 => Some(DataType::Bf16),
+        _ => None,
+    }
+}
+
+fn config_op(kind: Collective) -> Option<Op> {
+    match kind {
+        Collective::AllReduce => Some(Op::AllReduce),
+        Collective::ReduceScatter => Some(Op::ReduceScatter),
+        Collective::AllGather => Some(Op::AllGather),
+        _ => None,
+    }
+}
+
+fn config_dtype(t: DataType) -> Dtype {
+    match t {
+        DataType::F32 => Dtype::F32,
+        DataType::F16 => Dtype::F16,
+        DataType::Bf16 => Dtype::Bf16,
+    }
+}
+
+/// Where `call` goes. A pure function of the call's arguments, the configuration, what was agreed
+/// about the communicator at set-up (`comm`, `None` for a communicator flashcomm never saw) and
+/// this thread's group depth, all identical on every rank of a correct program.
+///
+/// In order: pass-through configuration; the kind (AllReduce, ReduceScatter, AllGather); sum and
+/// f32/f16/bf16 for the reducing ones; a communicator flashcomm serves and that is still open;
+/// `FLASHCOMM_OPS`; not grouped; no per-call config; then an AllReduce is quantized when both
+/// widths quantize, the type is in `FLASHCOMM_QUANT_DTYPES`, `allreduce` in `FLASHCOMM_QUANT_OPS`
+/// and the size in the quantization window (widths without kernels go to NCCL); otherwise the size
+/// must lie in `[FLASHCOMM_MIN_BYTES, FLASHCOMM_MAX_BYTES]` for the lossless kernels.
+pub(crate) fn decide(
+    call: &CollCall,
+    config: &Config,
+    comm: Option<&CommView>,
+    group_depth: u32,
+) -> Decision {
+    let s = &config.settings;
+    if config.passthrough_forced.is_some() {
+        return Decision::nccl(Why::PassthroughForced);
+    }
+    if s.disable {
+        return Decision::nccl(Why::Disabled);
+    }
+    let Some(op) = config_op(call.kind) else {
+        return Decision::nccl(Why::NotOurs);
+    };
+    let dtype = float_type(call.datatype);
+    if call.kind != Collective::AllGather {
+        if call.op != Some(ncclRedOp_t::ncclSum) {
+            return Decision::nccl(Why::NotSum);
+        }
+        if dtype.is_none() {
+            return Decision::nccl(Why::NotFloat);
+        }
+    }
+    let Some(view) = comm else {
+        return Decision::nccl(Why::UnknownComm);
+    };
+    if !view.served {
+        return Decision::nccl(Why::NotServed);
+    }
+    if view.closed {
+        return Decision::nccl(Why::Closed);
+    }
+    if !s.ops.contains(&op) {
+        return Decision::nccl(Why::OpsExclude);
+    }
+    if group_depth > 0 {
+        return Decision::nccl(Why::Grouped);
+    }
+    if !call.config.is_null() {
+        return Decision::nccl(Why::CollConfig);
+    }
+    if call.bytes.checked_mul(view.nranks.max(1)).is_none() {
+        return Decision::nccl(Why::AboveMax);
+    }
+    let not_quantized = match (view.quant.widths(), dtype) {
+        (None, _) => NotQuantized::Off,
+        (Some(_), _) if !s.quant_ops.contains(&op) => NotQuantized::OpsExclude,
+        (Some(_), _) if call.kind != Collective::AllReduce => NotQuantized::NoQuantizedKernels,
+        (Some(_), Some(t)) if !s.quant_dtypes.contains(&config_dtype(t)) => {
+            NotQuantized::DtypeExcluded
+        }
+        (Some(_), None) => NotQuantized::DtypeExcluded,
+        (Some(_), _) if call.bytes < view.quant.min_bytes => NotQuantized::BelowWindow,
+        (Some(_), _) if call.bytes > view.quant.max_bytes => NotQuantized::AboveWindow,
+        (Some((rs, ag)), Some(_)) => {
+            let q = &view.quant;
+            let group = u16::try_from(q.group).unwrap_or(0);
+            let spikes = u8::try_from(q.spikes).unwrap_or(u8::MAX);
+            return match QuantSpec::new(rs, ag, group, spikes) {
+                Ok(spec) => Decision {
+                    route: Route::Quantized,
+                    why: Why::Quantized,
+                    quant: Some(spec),
+                },
+                Err(_) => Decision::nccl(Why::QuantNoKernels),
+            };
+        }
+    };
+    if call.bytes < s.min_bytes.0 {
+        return Decision::nccl(Why::BelowMin);
+    }
+    if call.bytes > s.max_bytes.0 {
+        return Decision::nccl(Why::AboveMax);
+    }
+    Decision {
+        route: Route::Lossless,
+        why: Why::Lossless(not_quantized),
+        quant: None,
+    }
+}
+
+fn dtype_name(t: ncclDataType_t) -> String {
+    match t {
+        ncclDataType_t::ncclFloat32 => "f32".into(),
+        ncclDataType_t::ncclFloat16 => "f16".into(),
+        ncclDataType_t::ncclBfloat16 => "bf16".into(),
+        other => format!("datatype {}", other.0),
+    }
+}
+
+/// Words for the log line of a decision. `comm` is what [`decide`] knew of the communicator
+/// (its quantization settings are quoted; `None`: the environment's), `why_not` its set-up
+/// reason when flashcomm does not serve it. Allocates: called once per (collective, route) pair
+/// of a communicator, never per call.
+pub(crate) fn explain(
+    d: &Decision,
+    call: &CollCall,
+    config: &Config,
+    comm: Option<&CommView>,
+    why_not: Option<&str>,
+) -> String {
+    let s = &config.settings;
+    let bytes = flashcomm_config::Bytes(call.bytes);
+    let quant = comm.map_or_else(|| config.quant_settings(), |v| v.quant);
+    match d.why {
+        Why::PassthroughForced => {
+            "the configuration is invalid, so every call goes to NCCL (see the ENV warning)".into()
+        }
+        Why::Disabled => "FLASHCOMM_DISABLE is set".into(),
+        Why::NotOurs => {
+            "flashcomm's kernels implement only AllReduce, ReduceScatter and AllGather".into()
+        }
+        Why::NotSum => format!(
+            "reduction operator {} is not ncclSum",
+            call.op.map_or(-1, |o| o.0 as i64)
+        ),
+        Why::NotFloat => format!(
+            "{} is not reduced by flashcomm's kernels (f32, f16, bf16 are)",
+            dtype_name(call.datatype)
+        ),
+        Why::UnknownComm => "the communicator was not created through flashcomm".into(),
+        Why::NotServed => format!(
+            "flashcomm does not serve this communicator: {}",
+            why_not.unwrap_or("unknown")
+        ),
+        Why::Closed => "the communicator was finalized or revoked".into(),
+        Why::OpsExclude => format!(
+            "FLASHCOMM_OPS={} excludes it",
+            s.ops
+                .0
+                .iter()
+                .map(|o| o.as_str())
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+        Why::Grouped => "inside ncclGroupStart/ncclGroupEnd (grouped calls go to NCCL)".into(),
+        Why::CollConfig => "a per-call ncclCollConfig_t was given".into(),
+        Why::BelowMin => format!("{bytes} bytes is below FLASHCOMM_MIN_BYTES={}", s.min_bytes),
+        Why::AboveMax => format!("{bytes} bytes is above FLASHCOMM_MAX_BYTES={}", s.max_bytes),
+        Why::QuantNoKernels => format!("quantization {quant} has no kernels"),
+        Why::Quantized => format!(
+            "{} bytes of {} quantized with {quant}",
+            bytes,
+            dtype_name(call.datatype)
+        ),
+        Why::Lossless(nq) => {
+            let why_not = match nq {
+                NotQuantized::Off => "quantization is off".to_string(),
+                NotQuantized::NoQuantizedKernels => {
+                    "only AllReduce has quantized kernels".to_string()
+                }
+                NotQuantized::OpsExclude => "FLASHCOMM_QUANT_OPS excludes it".to_string(),
+                NotQuantized::DtypeExcluded => format!(
+                    "FLASHCOMM_QUANT_DTYPES excludes {}",
+                    dtype_name(call.datatype)
+                ),
+                NotQuantized::BelowWindow | NotQuantized::AboveWindow => {
+                    format!("outside the quantization window of {quant}")
+                }
+            };
+            format!(
+                "{bytes} bytes within [FLASHCOMM_MIN_BYTES={}, FLASHCOMM_MAX_BYTES={}]; not \
+                 quantized: {why_not}",
+                s.min_bytes, s.max_bytes
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    //! The decision table, and helpers the registry's and the dispatch's tests share.
+
+    use super::*;
+    use flashcomm_config::{KIB, MIB};
+    use flashcomm_nccl_sys::{ncclCollConfig_t, ncclComm_t};
+
+    pub(crate) fn call(comm: ncclComm_t) -> CollCall {
+        CollCall {
+            api: "ncclAllReduce",
+            kind: Collective::AllReduce,
+            sendbuff: std::ptr::null(),
+            recvbuff: std::ptr::null_mut(),
+            count: 4,
+            datatype: ncclDataType_t::ncclFloat32,
+            op: Some(ncclRedOp_t::ncclSum),
+            comm,
+            stream: std::ptr::null_mut(),
+            config: std::ptr::null(),
+            bytes: 16,
+        }
+    }
+
+    /// A call of `kind` on `bytes` bytes of `dtype` (sum for the reducing kinds).
+    pub(crate) fn coll(kind: Collective, dtype: ncclDataType_t, bytes: u64) -> CollCall {
+        let elem = crate::args::element_size(dtype).unwrap();
+        CollCall {
+            api: "test",
+            kind,
+            datatype: dtype,
+            op: kind.reduces().then_some(ncclRedOp_t::ncclSum),
+            count: (bytes / elem) as usize,
+            bytes,
+            ..call(0x7000usize as ncclComm_t)
+        }
+    }
+
+    pub(crate) fn cfg(vars: &[(&str, &str)]) -> Config {
+        Config::from_vars(vars.iter().copied())
+    }
+
+    pub(crate) fn served(config: &Config) -> CommView {
+        CommView {
+            served: true,
+            nranks: 4,
+            closed: false,
+            quant: config.quant_settings(),
+        }
+    }
+
+    /// The decision for `c` on a served, open, ungrouped communicator with the settings of `vars`.
+    pub(crate) fn route_of(vars: &[(&str, &str)], c: &CollCall) -> Decision {
+        let config = cfg(vars);
+        decide(c, &config, Some(&served(&config)), 0)
+    }
+
+    pub(crate) const BF16: ncclDataType_t = ncclDataType_t::ncclBfloat16;
+    pub(crate) const F16: ncclDataType_t = ncclDataType_t::ncclFloat16;
+    pub(crate) const F32: ncclDataType_t = ncclDataType_t::ncclFloat32;
+    pub(crate) const AR: Collective = Collective::AllReduce;
+    pub(crate) const RS: Collective = Collective::ReduceScatter;
+    pub(crate) const AG: Collective = Collective::AllGather;
+
+    pub(crate) fn lossless(nq: NotQuantized) -> Decision {
+        Decision {
+            route: Route::Lossless,
+            why: Why::Lossless(nq),
+            quant: None,
+        }
+    }
+
+    pub(crate) fn quantized(rs: u8, ag: u8, group: u16, spikes: u8) -> Decision {
+        Decision {
+            route: Route::Quantized,
+            why: Why::Quantized,
+            quant: Some(QuantSpec::new(rs, ag, group, spikes).unwrap()),
+        }
+    }
+
+    #[test]
+    fn eligible_calls_take_the_lossless_kernels_by_default() {
+        for kind in [AR, RS, AG] {
+            for dt in [BF16, F16, F32] {
+                assert_eq!(
+                    route_of(&[], &coll(kind, dt, 4096)),
+                    lossless(NotQuantized::Off),
+                    "{kind:?} {dt:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn other_kinds_operators_and_types_go_to_nccl() {
+        use Collective::*;
+        for kind in [AlltoAll, Broadcast, Reduce, Send, Recv] {
+            let d = route_of(&[], &coll(kind, F32, 4096));
+            assert_eq!(d, Decision::nccl(Why::NotOurs), "{kind:?}");
+        }
+        for op in [
+            ncclRedOp_t::ncclProd,
+            ncclRedOp_t::ncclMax,
+            ncclRedOp_t::ncclMin,
+            ncclRedOp_t::ncclAvg,
+            ncclRedOp_t(8), // a PreMulSum handle
+        ] {
+            for kind in [AR, RS] {
+                let c = CollCall {
+                    op: Some(op),
+                    ..coll(kind, BF16, 4096)
+                };
+                assert_eq!(route_of(&[], &c), Decision::nccl(Why::NotSum), "{op:?}");
+            }
+        }
+        for dt in [
+            ncclDataType_t::ncclInt8,
+            ncclDataType_t::ncclUint8,
+            ncclDataType_t::ncclInt32,
+            ncclDataType_t::ncclUint32,
+            ncclDataType_t::ncclInt64,
+            ncclDataType_t::ncclUint64,
+            ncclDataType_t::ncclFloat64,
+            ncclDataType_t::ncclFloat8e4m3,
+            ncclDataType_t::ncclFloat8e5m2,
+        ] {
+            for kind in [AR, RS] {
+                let d = route_of(&[], &coll(kind, dt, 4096));
+                assert_eq!(d, Decision::nccl(Why::NotFloat), "{kind:?} {dt:?}");
+            }
+            // AllGather moves bytes: any type.
+            assert_eq!(
+                route_of(&[], &coll(AG, dt, 4096)),
+                lossless(NotQuantized::Off),
+                "{dt:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn configuration_can_send_everything_to_nccl() {
+        let c = coll(AR, BF16, 4096);
+        assert_eq!(
+            route_of(&[("FLASHCOMM_DISABLE", "1")], &c),
+            Decision::nccl(Why::Disabled)
+        );
+        assert_eq!(
+            route_of(&[("FLASHCOMM_PROTO", "fast")], &c),
+            Decision::nccl(Why::PassthroughForced)
+        );
+        // Pass-through wins over quantization.
+        assert_eq!(
+            route_of(
+                &[("FLASHCOMM_DISABLE", "1"), ("FLASHCOMM_QUANT_BITS", "4")],
+                &c
+            ),
+            Decision::nccl(Why::Disabled)
+        );
+        let ops = [("FLASHCOMM_OPS", "allgather")];
+        assert_eq!(route_of(&ops, &c), Decision::nccl(Why::OpsExclude));
+        assert_eq!(
+            route_of(&ops, &coll(RS, BF16, 4096)),
+            Decision::nccl(Why::OpsExclude)
+        );
+        assert_eq!(
+            route_of(&ops, &coll(AG, BF16, 4096)),
+            lossless(NotQuantized::Off)
+        );
+        for kind in [AR, RS, AG] {
+            assert_eq!(
+                route_of(&[("FLASHCOMM_OPS", "none")], &coll(kind, BF16, 4096)),
+                Decision::nccl(Why::OpsExclude)
+            );
+        }
+        // FLASHCOMM_OPS also gates the quantized kernels.
+        assert_eq!(
+            route_of(
+                &[
+                    ("FLASHCOMM_OPS", "allgather"),
+                    ("FLASHCOMM_QUANT_BITS", "4")
+                ],
+                &c
+            ),
+            Decision::nccl(Why::OpsExclude)
+        );
+    }
+
+    #[test]
+    fn the_communicator_must_be_served_open_and_the_call_plain() {
+        let config = cfg(&[("FLASHCOMM_QUANT_BITS", "4")]);
+        let c = coll(AR, BF16, 4096);
+        let view = served(&config);
+        assert_eq!(decide(&c, &config, Some(&view), 0).route, Route::Quantized);
+        assert_eq!(
+            decide(&c, &config, None, 0),
+            Decision::nccl(Why::UnknownComm)
+        );
+        let not_served = CommView {
+            served: false,
+            ..view
+        };
+        assert_eq!(
+            decide(&c, &config, Some(&not_served), 0),
+            Decision::nccl(Why::NotServed)
+        );
+        let closed = CommView {
+            closed: true,
+            ..view
+        };
+        assert_eq!(
+            decide(&c, &config, Some(&closed), 0),
+            Decision::nccl(Why::Closed)
+        );
+        for depth in [1, 2] {
+            assert_eq!(
+                decide(&c, &config, Some(&view), depth),
+                Decision::nccl(Why::Grouped)
+            );
+        }
+        let with_config = CollCall {
+            config: 0x40usize as *const ncclCollConfig_t,
+            ..c
+        };
+        assert_eq!(
+            decide(&with_config, &config, Some(&view), 0),
+            Decision::nccl(Why::CollConfig)
+        );
+    }
+
+    #[test]
+    fn the_lossless_window_bounds_the_bytes_per_rank() {
+        let vars = [("FLASHCOMM_MIN_BYTES", "1K"), ("FLASHCOMM_MAX_BYTES", "1M")];
+        for kind in [AR, RS, AG] {
+            let at = |b: u64| route_of(&vars, &coll(kind, F16, b));
+            assert_eq!(at(KIB - 2), Decision::nccl(Why::BelowMin));
+            assert_eq!(at(KIB), lossless(NotQuantized::Off));
+            assert_eq!(at(MIB), lossless(NotQuantized::Off));
+            assert_eq!(at(MIB + 2), Decision::nccl(Why::AboveMax));
+        }
+        // Sizes that cannot be addressed across the ranks go to NCCL.
+        let huge = CollCall {
+            bytes: u64::MAX / 2,
+            count: usize::MAX / 2,
+            ..coll(AG, ncclDataType_t::ncclUint8, 1)
+        };
+        assert_eq!(route_of(&[], &huge), Decision::nccl(Why::AboveMax));
+    }
+
+    #[test]
+    fn quantization_takes_allreduce_of_the_quantized_types() {
+        let q4 = [("FLASHCOMM_QUANT_BITS", "4")];
+        assert_eq!(
+            route_of(&q4, &coll(AR, BF16, 4096)),
+            quantized(4, 4, 128, 2)
+        );
+        assert_eq!(route_of(&q4, &coll(AR, F16, 4096)), quantized(4, 4, 128, 2));
+        // f32 is not in the default FLASHCOMM_QUANT_DTYPES: lossless.
+        assert_eq!(
+            route_of(&q4, &coll(AR, F32, 4096)),
+            lossless(NotQuantized::DtypeExcluded)
+        );
+        // Asked for, f32 is decided quantized; the kernels then refuse it (at run time, on
+        // every rank alike) and the call goes to NCCL.
+        let f32_too = [
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_DTYPES", "bf16,f16,f32"),
+        ];
+        assert_eq!(
+            route_of(&f32_too, &coll(AR, F32, 4096)).route,
+            Route::Quantized
+        );
+        let bf16_only = [
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_DTYPES", "bf16"),
+        ];
+        assert_eq!(
+            route_of(&bf16_only, &coll(AR, F16, 4096)),
+            lossless(NotQuantized::DtypeExcluded)
+        );
+        // Only AllReduce has quantized kernels.
+        assert_eq!(
+            route_of(&q4, &coll(RS, BF16, 4096)),
+            lossless(NotQuantized::OpsExclude)
+        );
+        let all_ops = [
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_OPS", "allreduce,reducescatter,allgather"),
+        ];
+        for kind in [RS, AG] {
+            assert_eq!(
+                route_of(&all_ops, &coll(kind, BF16, 4096)),
+                lossless(NotQuantized::NoQuantizedKernels)
+            );
+        }
+        let rs_only = [
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_OPS", "reducescatter"),
+        ];
+        assert_eq!(
+            route_of(&rs_only, &coll(AR, BF16, 4096)),
+            lossless(NotQuantized::OpsExclude)
+        );
+        // Group and spikes come from the configuration.
+        let g = [
+            ("FLASHCOMM_QUANT_BITS", "3"),
+            ("FLASHCOMM_QUANT_GROUP", "32"),
+            ("FLASHCOMM_QUANT_SPIKES", "4"),
+        ];
+        assert_eq!(route_of(&g, &coll(AR, BF16, 4096)), quantized(3, 3, 32, 4));
+    }
+
+    #[test]
+    fn quantization_widths_per_step() {
+        let at = |vars: &[(&str, &str)]| route_of(vars, &coll(AR, BF16, 1 << 20));
+        for off in ["off", "16"] {
+            assert_eq!(
+                at(&[("FLASHCOMM_QUANT_BITS", off)]),
+                lossless(NotQuantized::Off)
+            );
+            assert_eq!(
+                at(&[
+                    ("FLASHCOMM_QUANT_BITS", "4"),
+                    ("FLASHCOMM_QUANT_AG_BITS", off)
+                ]),
+                lossless(NotQuantized::Off)
+            );
+        }
+        assert_eq!(
+            at(&[
+                ("FLASHCOMM_QUANT_BITS", "4"),
+                ("FLASHCOMM_QUANT_AG_BITS", "8")
+            ]),
+            quantized(4, 8, 128, 2)
+        );
+        assert_eq!(
+            at(&[
+                ("FLASHCOMM_QUANT_RS_BITS", "2"),
+                ("FLASHCOMM_QUANT_AG_BITS", "8")
+            ]),
+            quantized(2, 8, 128, 2)
+        );
+        // Widths without kernels go to NCCL (decided from the configuration alone).
+        assert_eq!(
+            at(&[
+                ("FLASHCOMM_QUANT_BITS", "4"),
+                ("FLASHCOMM_QUANT_AG_BITS", "6")
+            ]),
+            Decision::nccl(Why::QuantNoKernels)
+        );
+        // 5/8 is a valid codec pair; the communicator refuses it at run time (no kernels).
+        assert_eq!(
+            at(&[
+                ("FLASHCOMM_QUANT_BITS", "5"),
+                ("FLASHCOMM_QUANT_AG_BITS", "8")
+            ])
+            .route,
+            Route::Quantized
+        );
+    }
+
+    #[test]
+    fn the_quantization_window_is_separate_from_the_lossless_one() {
+        let vars = [
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_MIN_BYTES", "64K"),
+            ("FLASHCOMM_QUANT_MAX_BYTES", "16M"),
+            ("FLASHCOMM_MAX_BYTES", "1M"),
+        ];
+        let at = |b: u64| route_of(&vars, &coll(AR, BF16, b));
+        assert_eq!(at(64 * KIB - 2), lossless(NotQuantized::BelowWindow));
+        assert_eq!(at(64 * KIB), quantized(4, 4, 128, 2));
+        // Above the lossless window but inside the quantized one: quantized.
+        assert_eq!(at(8 * MIB), quantized(4, 4, 128, 2));
+        assert_eq!(at(16 * MIB), quantized(4, 4, 128, 2));
+        // Above both.
+        assert_eq!(at(16 * MIB + 2), Decision::nccl(Why::AboveMax));
+        let vars = [
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_MAX_BYTES", "1M"),
+        ];
+        assert_eq!(
+            route_of(&vars, &coll(AR, BF16, 4 * MIB)),
+            lossless(NotQuantized::AboveWindow)
+        );
+    }
+}

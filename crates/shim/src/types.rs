@@ -1,0 +1,179 @@
+//! The call types: what one collective call is, where it can go, and how communicators begin and
+//! end. Plain data shared by every layer above.
+//!
+//! Owns: [`Route`], [`Collective`], [`CollCall`], [`CommHandle`], [`CommOrigin`], [`CommEnd`].
+//! May import: nothing of this crate (the bottom of the module graph).
+
+use std::ffi::c_void;
+
+use flashcomm_nccl_sys::{cudaStream_t, ncclCollConfig_t, ncclComm_t, ncclDataType_t, ncclRedOp_t};
+
+/// Where a collective runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(usize)]
+pub(crate) enum Route {
+    /// Forwarded to the real NCCL.
+    Nccl = 0,
+    /// flashcomm's lossless kernels.
+    Lossless = 1,
+    /// flashcomm's quantized kernels.
+    Quantized = 2,
+}
+
+impl Route {
+    /// Number of routes (the first index of `flashcommStats_t`).
+    pub(crate) const COUNT: usize = 3;
+
+    /// The route's name in logs.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Route::Nccl => "nccl",
+            Route::Lossless => "lossless",
+            Route::Quantized => "quantized",
+        }
+    }
+}
+
+/// The kind of a collective (`ncclBcast` counts as `Broadcast`, `ncclXConfig` as `X`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(usize)]
+pub(crate) enum Collective {
+    /// `ncclAllReduce`.
+    AllReduce = 0,
+    /// `ncclReduceScatter`.
+    ReduceScatter = 1,
+    /// `ncclAllGather`.
+    AllGather = 2,
+    /// `ncclAlltoAll`.
+    AlltoAll = 3,
+    /// `ncclBroadcast`, `ncclBcast`.
+    Broadcast = 4,
+    /// `ncclReduce`.
+    Reduce = 5,
+    /// `ncclSend`.
+    Send = 6,
+    /// `ncclRecv`.
+    Recv = 7,
+}
+
+impl Collective {
+    /// Number of kinds (the second index of `flashcommStats_t`).
+    pub(crate) const COUNT: usize = 8;
+
+    /// Whether the operation takes a reduction operator.
+    #[cfg(test)]
+    pub(crate) fn reduces(self) -> bool {
+        matches!(
+            self,
+            Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce
+        )
+    }
+
+    /// Whether it is a point-to-point operation (logged under `P2P` rather than `COLL`).
+    pub(crate) fn is_p2p(self) -> bool {
+        matches!(self, Collective::Send | Collective::Recv)
+    }
+}
+
+/// One collective call, as the export received it (arguments already checked).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CollCall {
+    /// The export's name (`ncclAllReduce`, `ncclBcast`, `ncclAllGatherConfig`, ...).
+    pub(crate) api: &'static str,
+    /// Its kind.
+    pub(crate) kind: Collective,
+    /// The caller's send buffer (null for `ncclRecv`; `ncclBcast`'s one buffer for both).
+    pub(crate) sendbuff: *const c_void,
+    /// The caller's receive buffer (null for `ncclSend`).
+    pub(crate) recvbuff: *mut c_void,
+    /// The element count as passed (per rank: `sendcount`, `recvcount`, per-peer for all-to-all).
+    pub(crate) count: usize,
+    /// Element type, a valid `ncclDataType_t` (below `ncclNumTypes`).
+    pub(crate) datatype: ncclDataType_t,
+    /// Reduction operator (built-in, or a PreMulSum handle `>= ncclNumOps`), for reducing kinds.
+    pub(crate) op: Option<ncclRedOp_t>,
+    /// The real communicator.
+    pub(crate) comm: ncclComm_t,
+    /// The caller's stream.
+    pub(crate) stream: cudaStream_t,
+    /// The per-call configuration of `ncclXConfig` (may be null), never copied.
+    pub(crate) config: *const ncclCollConfig_t,
+    /// `count` x the element size.
+    pub(crate) bytes: u64,
+}
+
+/// A communicator handle as a plain address (the registry key; `ncclComm_t` itself is a raw
+/// pointer, which is neither `Send` nor `Sync`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct CommHandle(pub(crate) usize);
+
+impl CommHandle {
+    /// The handle of `comm`.
+    pub(crate) fn of(comm: ncclComm_t) -> Self {
+        CommHandle(comm as usize)
+    }
+
+    /// The real library's handle.
+    pub(crate) fn raw(self) -> ncclComm_t {
+        self.0 as ncclComm_t
+    }
+}
+
+impl std::fmt::Debug for CommHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// How a communicator came to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CommOrigin {
+    /// `ncclCommInitRank`.
+    InitRank,
+    /// `ncclCommInitRankConfig`.
+    InitRankConfig,
+    /// `ncclCommInitAll` (one of its communicators).
+    InitAll,
+    /// `ncclCommInitRankScalable`.
+    InitRankScalable,
+    /// `ncclCommSplit` of this parent.
+    Split {
+        /// The parent communicator.
+        parent: CommHandle,
+    },
+    /// `ncclCommShrink` of this parent.
+    Shrink {
+        /// The parent communicator.
+        parent: CommHandle,
+    },
+    /// `ncclCommGrow` (parent null on a joining rank).
+    Grow {
+        /// The parent communicator, or null.
+        parent: CommHandle,
+    },
+}
+
+impl CommOrigin {
+    /// The parent of a split, shrunk or grown communicator.
+    pub(crate) fn parent(self) -> Option<CommHandle> {
+        match self {
+            CommOrigin::Split { parent }
+            | CommOrigin::Shrink { parent }
+            | CommOrigin::Grow { parent } => Some(parent),
+            _ => None,
+        }
+    }
+}
+
+/// How a communicator ends (or pauses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CommEnd {
+    /// `ncclCommFinalize`: the communicator stays until destroyed.
+    Finalize,
+    /// `ncclCommRevoke`: in-flight work stops; the communicator stays until destroyed.
+    Revoke,
+    /// `ncclCommDestroy`: it is gone after this.
+    Destroy,
+    /// `ncclCommAbort`: it is gone after this.
+    Abort,
+}
