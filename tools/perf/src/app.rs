@@ -19,7 +19,7 @@ pub const PROCESS_ENV: &str = "FLASHCOMM_PERF_PROCESS";
 pub fn main_with(argv: &[String]) -> i32 {
     let mut o = match args::parse(argv) {
         Ok(Command::Help) => {
-            print!("{}", args::USAGE);
+            print!("{}", args::usage());
             return 0;
         }
         Ok(Command::Run(o)) => *o,
