@@ -4,7 +4,8 @@ Builds SmolLM2's tokenizer with Hugging Face `tokenizers` from the GGUF file's v
 merges and control tokens, configured as the model's tokenizer.json is (Digits with individual
 digits, then ByteLevel with its regular expression and no prefix space, BPE, the control tokens
 as special tokens), encodes a text file and writes the ids one per line, like
-`cargo run --release -p flashcomm-study --example encode`. Compare the two files with `cmp`.
+`cargo run --release -p flashcomm-study --example encode` (in tools/research). Compare the two
+files with `cmp`.
 
     pip install tokenizers gguf
     python3 reference_tokenizer.py <model.gguf> <text> <ids-out>

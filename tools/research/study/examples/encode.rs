@@ -1,7 +1,8 @@
 //! Prints the token ids of a text file, one per line, as the study's tokenizer encodes it: the
 //! other half of the comparison with the reference tokenizer (`reference_tokenizer.py`).
 //!
-//!     cargo run --release -p flashcomm-study --example encode -- <model.gguf> <text> <ids-out>
+//!     cd tools/research && cargo run --release -p flashcomm-study --example encode -- \
+//!         <model.gguf> <text> <ids-out>
 
 use flashcomm_study::gguf::Gguf;
 use flashcomm_study::tokenizer::Tokenizer;
