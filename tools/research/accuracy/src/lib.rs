@@ -18,8 +18,9 @@ use flashcomm_codec::{ALL_BITS, ALL_GROUPS, ALL_SPIKES, DType, Format, bf16};
 
 use crate::data::Problem;
 
-/// Error statistics of a result against the exact values.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// Error statistics of a result against the exact values (in JSON, non-finite values are
+/// `null`).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct Stats {
     /// `||y - x|| / ||x||` (L2 norms).
     pub rel_l2: f64,

@@ -1,19 +1,28 @@
 //! Command-line options: nccl-tests' flags where they apply (`-b -e -f -i -n -w -c -d -o -G`,
 //! short or long, `-b 8`, `-b8`, `--minbytes=8` and `--minbytes 8` alike) plus flashcomm's own.
 //!
+//! clap reads the command line (spellings, help text, unknown flags, missing values); this module
+//! keeps what is flashcomm-perf's own: the value syntaxes (sizes with suffixes, type and width
+//! lists), the `--preset` defaults that explicit flags override, and the rules between flags.
 //! Parsing is pure (no GPU, no environment), so every rule here is unit-tested on the CPU.
 
 use std::fmt;
 use std::path::PathBuf;
 
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::{CommandFactory, Parser, ValueEnum};
+
 /// The collective under test.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum)]
 pub enum Coll {
     /// Sum AllReduce.
+    #[value(name = "allreduce", alias = "all_reduce")]
     AllReduce,
     /// Sum ReduceScatter.
+    #[value(name = "reducescatter", alias = "reduce_scatter")]
     ReduceScatter,
     /// AllGather.
+    #[value(name = "allgather", alias = "all_gather")]
     AllGather,
 }
 
@@ -39,7 +48,7 @@ impl Coll {
 }
 
 /// Where the ranks live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
     /// N ranks share one GPU, one thread each (measures synchronization and compute, not links).
     Virtual,
@@ -117,22 +126,25 @@ impl Dtype {
 }
 
 /// Forced AllReduce algorithm.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum AlgoChoice {
     /// The cost model decides.
     Auto,
     /// One-shot.
+    #[value(name = "oneshot")]
     OneShot,
     /// Two-shot (reduce-scatter + all-gather; "two-step" for the quantized AllReduce).
+    #[value(name = "twoshot", alias = "twostep")]
     TwoShot,
 }
 
 /// Forced device protocol.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ProtoChoice {
     /// The cost model decides.
     Auto,
     /// Low-latency 16-byte lines.
+    #[value(alias = "LL")]
     Ll,
     /// 4 KiB frames.
     Block,
@@ -178,7 +190,7 @@ impl Launch {
 }
 
 /// Named sets of defaults.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Preset {
     /// 8 virtual ranks, bf16, 8 KiB..1 MiB, one-shot AllReduce against a device copy of the same
     /// bytes, eager and under CUDA graphs.
@@ -302,64 +314,10 @@ pub enum Command {
 /// The widths of `--quant sweep`.
 pub const SWEEP_WIDTHS: [u8; 5] = [8, 6, 4, 3, 2];
 
-/// The usage text (`-h`).
-pub const USAGE: &str = "\
-flashcomm-perf: nccl-tests-style benchmark and accuracy tool for flashcomm
-
-USAGE: flashcomm-perf [OPTIONS]
-
-nccl-tests flags:
-  -b, --minbytes <size>      smallest message, bytes; suffix K, M, G (powers of 1024) [32M]
-  -e, --maxbytes <size>      largest message [32M]
-  -f, --stepfactor <n>       multiply the size by n each step [1: add --stepbytes]
-  -i, --stepbytes <size>     add this many bytes each step when -f is 1 [1M]
-  -n, --iters <n>            timed calls per size [20]
-  -w, --warmup_iters <n>     untimed calls before timing [1]
-  -c, --check <0|1>          check every result [1]
-  -d, --datatype <t>         bfloat16 | half | float | all [bfloat16]
-  -o, --op <op>              sum (the only reduction flashcomm implements) [sum]
-  -G, --cudagraph <n>        capture the -n calls into a CUDA graph and replay it n times [0]
-flashcomm flags:
-      --coll <c>             allreduce | reducescatter | allgather [allreduce]
-      --ranks <n>            ranks, 1..8 [8]
-      --mode <m>             virtual (n ranks on one GPU, one thread each) | gpus (n GPUs, one
-                             thread each) | procs (n GPUs, one process each) | procs-one-gpu
-                             (n processes on one GPU; needs CUDA MPS) [virtual]
-      --device <d>           the GPU of virtual ranks, first GPU of --mode gpus/procs [0]
-      --impl <list>          flashcomm, nccl or flashcomm,nccl (side by side) [flashcomm]
-      --nccl-lib <path>      the real libnccl.so.2 for --impl nccl [$FLASHCOMM_NCCL_LIB]
-      --quant <list>         quantized AllReduce widths besides lossless: bits or rs/ag bits,
-                             comma-separated (4, 4/8, 8,6,4), or sweep (= 8,6,4,3,2)
-      --group <g>            values per quantization group: 32 | 64 | 128 | 256 [128]
-      --spikes <k>           extreme values kept exactly per group: 0 | 2 | 4 [2]
-      --algo <a>             auto | oneshot | twoshot [auto]
-      --proto <p>            auto | ll | block [auto]
-      --launch <l>           eager | graph | both [graph when -G > 0, else eager]
-      --inplace <0|1>        also time and check in-place calls (lossless only) [0]
-      --copy-baseline        add a device-to-device copy of the same bytes, timed the same way
-      --preset latency       8 virtual ranks, bfloat16, 8K..1M, one-shot AllReduce against the
-                             copy baseline, eager and under CUDA graphs (flags given override it)
-      --check-values <n>     most values per quantized call compared with the CPU reference [1M]
-      --seed <n>             seed of the random inputs of quantized calls [1]
-      --timeout <s>          bound on every device-side wait, seconds [60]
-      --calibrate <0|1>      time the cost model when the communicator is created [1]
-      --json <file>          write every row and the settings as JSON
-      --svg <file>           plot latency and algbw against size
-      --commit <id>          commit recorded in the JSON [$FLASHCOMM_COMMIT, COMMIT file, git]
-  -h, --help                 this text
-";
-
 /// A command-line error, printed with a hint to `--help`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0} (see --help)")]
 pub struct ArgError(pub String);
-
-impl fmt::Display for ArgError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} (see --help)", self.0)
-    }
-}
-
-impl std::error::Error for ArgError {}
 
 fn err<T>(msg: impl Into<String>) -> Result<T, ArgError> {
     Err(ArgError(msg.into()))
@@ -395,14 +353,6 @@ fn parse_int<T: std::str::FromStr>(flag: &str, v: &str) -> Result<T, ArgError> {
     v.trim()
         .parse()
         .map_err(|_| ArgError(format!("{flag}: '{v}' is not a valid number")))
-}
-
-fn parse_bool(flag: &str, v: &str) -> Result<bool, ArgError> {
-    match v.trim() {
-        "0" => Ok(false),
-        "1" => Ok(true),
-        _ => err(format!("{flag}: '{v}' must be 0 or 1")),
-    }
 }
 
 /// Parses `-d`: one type name (nccl-tests' names and a few aliases) or `all`.
@@ -490,228 +440,285 @@ fn parse_impls(v: &str) -> Result<Vec<Impl>, ArgError> {
     Ok(out)
 }
 
-/// Flags that take a value, with their long names (nccl-tests' where they exist).
-const VALUE_FLAGS: &[(&str, &str)] = &[
-    ("-b", "--minbytes"),
-    ("-e", "--maxbytes"),
-    ("-f", "--stepfactor"),
-    ("-i", "--stepbytes"),
-    ("-n", "--iters"),
-    ("-w", "--warmup_iters"),
-    ("-c", "--check"),
-    ("-d", "--datatype"),
-    ("-o", "--op"),
-    ("-G", "--cudagraph"),
-];
+/// A list-valued flag's value (`-d`, `--impl`, `--quant`), kept whole: clap would otherwise read
+/// a `Vec` field as a flag given several times.
+#[derive(Clone, Debug)]
+struct List<T>(Vec<T>);
 
-const LONG_VALUE_FLAGS: &[&str] = &[
-    "--coll",
-    "--ranks",
-    "--mode",
-    "--device",
-    "--impl",
-    "--nccl-lib",
-    "--quant",
-    "--group",
-    "--spikes",
-    "--algo",
-    "--proto",
-    "--launch",
-    "--inplace",
-    "--preset",
-    "--check-values",
-    "--seed",
-    "--timeout",
-    "--calibrate",
-    "--json",
-    "--svg",
-    "--commit",
-];
+fn size_value(v: &str) -> Result<u64, String> {
+    parse_size(v).map_err(|e| e.0)
+}
 
-/// Splits the arguments into (canonical long flag, value) pairs; boolean flags get no value.
-fn tokenize(args: &[String]) -> Result<Vec<(String, Option<String>)>, ArgError> {
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < args.len() {
-        let a = &args[i];
-        i += 1;
-        if a == "-h" || a == "--help" {
-            out.push(("--help".to_string(), None));
-            continue;
-        }
-        if a == "--copy-baseline" {
-            out.push((a.clone(), None));
-            continue;
-        }
-        // Long flags: --name=value or --name value.
-        if let Some(rest) = a.strip_prefix("--") {
-            let (name, inline) = match rest.split_once('=') {
-                Some((n, v)) => (format!("--{n}"), Some(v.to_string())),
-                None => (a.clone(), None),
-            };
-            let known = VALUE_FLAGS.iter().any(|(_, l)| *l == name)
-                || LONG_VALUE_FLAGS.contains(&name.as_str());
-            if !known {
-                return err(format!("unknown option '{name}'"));
-            }
-            let value = match inline {
-                Some(v) => v,
-                None => {
-                    let v = args
-                        .get(i)
-                        .ok_or_else(|| ArgError(format!("{name} needs a value")))?;
-                    i += 1;
-                    v.clone()
-                }
-            };
-            out.push((name, Some(value)));
-            continue;
-        }
-        // Short flags: -b 8 or -b8.
-        if a.starts_with('-') && a.len() >= 2 {
-            let short = &a[..2];
-            let Some((_, long)) = VALUE_FLAGS.iter().find(|(s, _)| *s == short) else {
-                return err(format!("unknown option '{a}'"));
-            };
-            let value = if a.len() > 2 {
-                a[2..].to_string()
-            } else {
-                let v = args
-                    .get(i)
-                    .ok_or_else(|| ArgError(format!("{short} needs a value")))?;
-                i += 1;
-                v.clone()
-            };
-            out.push((long.to_string(), Some(value)));
-            continue;
-        }
-        return err(format!("unexpected argument '{a}'"));
+fn dtypes_value(v: &str) -> Result<List<Dtype>, String> {
+    parse_dtypes(v).map(List).map_err(|e| e.0)
+}
+
+fn impls_value(v: &str) -> Result<List<Impl>, String> {
+    parse_impls(v).map(List).map_err(|e| e.0)
+}
+
+fn quant_value(v: &str) -> Result<List<Width>, String> {
+    parse_quant(v).map(List).map_err(|e| e.0)
+}
+
+fn bit_value(v: &str) -> Result<bool, String> {
+    match v.trim() {
+        "0" => Ok(false),
+        "1" => Ok(true),
+        _ => Err(format!("'{v}' must be 0 or 1")),
     }
-    Ok(out)
+}
+
+/// `--launch`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LaunchArg {
+    /// One launch per call.
+    Eager,
+    /// Calls captured into a CUDA graph and replayed.
+    Graph,
+    /// Both, one row each.
+    Both,
+}
+
+const NCCL_TESTS: &str = "nccl-tests flags";
+const FLASHCOMM: &str = "flashcomm flags";
+
+/// The command line as clap reads it. Every field is optional: absent means "the default, or the
+/// preset's value", so that [`parse`] can apply a `--preset` first and explicit flags over it.
+#[derive(Debug, Parser)]
+#[command(
+    name = "flashcomm-perf",
+    about = "flashcomm-perf: nccl-tests-style benchmark and accuracy tool for flashcomm",
+    args_override_self = true,
+    disable_version_flag = true,
+    max_term_width = 100
+)]
+struct Cli {
+    /// Smallest message, bytes; suffix K, M, G (powers of 1024) [32M]
+    #[arg(short = 'b', long = "minbytes", value_name = "size", value_parser = size_value, help_heading = NCCL_TESTS)]
+    min_bytes: Option<u64>,
+    /// Largest message [32M]
+    #[arg(short = 'e', long = "maxbytes", value_name = "size", value_parser = size_value, help_heading = NCCL_TESTS)]
+    max_bytes: Option<u64>,
+    /// Multiply the size by n each step [1: add --stepbytes]
+    #[arg(short = 'f', long = "stepfactor", value_name = "n", help_heading = NCCL_TESTS)]
+    step_factor: Option<u64>,
+    /// Add this many bytes each step when -f is 1 [1M]
+    #[arg(short = 'i', long = "stepbytes", value_name = "size", value_parser = size_value, help_heading = NCCL_TESTS)]
+    step_bytes: Option<u64>,
+    /// Timed calls per size [20]
+    #[arg(short = 'n', long = "iters", value_name = "n", help_heading = NCCL_TESTS)]
+    iters: Option<u32>,
+    /// Untimed calls before timing [1]
+    #[arg(short = 'w', long = "warmup_iters", value_name = "n", help_heading = NCCL_TESTS)]
+    warmup: Option<u32>,
+    /// Check every result (0: no) [1]
+    #[arg(short = 'c', long = "check", value_name = "0|1", help_heading = NCCL_TESTS)]
+    check: Option<u32>,
+    /// bfloat16 | half | float | all (or a comma list) [bfloat16]
+    #[arg(short = 'd', long = "datatype", value_name = "t", value_parser = dtypes_value, help_heading = NCCL_TESTS)]
+    dtypes: Option<List<Dtype>>,
+    /// sum (the only reduction flashcomm implements) [sum]
+    #[arg(short = 'o', long = "op", value_name = "op", help_heading = NCCL_TESTS)]
+    op: Option<String>,
+    /// Capture the -n calls into a CUDA graph and replay it n times [0]
+    #[arg(short = 'G', long = "cudagraph", value_name = "n", help_heading = NCCL_TESTS)]
+    graph_replays: Option<u32>,
+
+    /// The collective [allreduce]
+    #[arg(long, value_name = "c", ignore_case = true, help_heading = FLASHCOMM)]
+    coll: Option<Coll>,
+    /// Ranks, 1..8 [8]
+    #[arg(long, value_name = "n", help_heading = FLASHCOMM)]
+    ranks: Option<u32>,
+    /// virtual (n ranks on one GPU, one thread each) | gpus (n GPUs, one thread each) | procs
+    /// (n GPUs, one process each) | procs-one-gpu (n processes on one GPU; needs CUDA MPS)
+    /// [virtual]
+    #[arg(long, value_name = "m", help_heading = FLASHCOMM)]
+    mode: Option<Mode>,
+    /// The GPU of virtual ranks, first GPU of --mode gpus/procs [0]
+    #[arg(long, value_name = "d", allow_negative_numbers = true, help_heading = FLASHCOMM)]
+    device: Option<i32>,
+    /// flashcomm, nccl or flashcomm,nccl (side by side) [flashcomm]
+    #[arg(long = "impl", value_name = "list", value_parser = impls_value, help_heading = FLASHCOMM)]
+    impls: Option<List<Impl>>,
+    /// The real libnccl.so.2 for --impl nccl [$FLASHCOMM_NCCL_LIB]
+    #[arg(long, value_name = "path", help_heading = FLASHCOMM)]
+    nccl_lib: Option<PathBuf>,
+    /// Quantized AllReduce widths besides lossless: bits or rs/ag bits, comma-separated (4, 4/8,
+    /// 8,6,4), or sweep (= 8,6,4,3,2)
+    #[arg(long, value_name = "list", value_parser = quant_value, help_heading = FLASHCOMM)]
+    quant: Option<List<Width>>,
+    /// Values per quantization group: 32 | 64 | 128 | 256 [128]
+    #[arg(long, value_name = "g", help_heading = FLASHCOMM)]
+    group: Option<u16>,
+    /// Extreme values kept exactly per group: 0 | 2 | 4 [2]
+    #[arg(long, value_name = "k", help_heading = FLASHCOMM)]
+    spikes: Option<u8>,
+    /// Forced AllReduce algorithm [auto]
+    #[arg(long, value_name = "a", help_heading = FLASHCOMM)]
+    algo: Option<AlgoChoice>,
+    /// Forced device protocol [auto]
+    #[arg(long, value_name = "p", help_heading = FLASHCOMM)]
+    proto: Option<ProtoChoice>,
+    /// How the timed calls are issued [graph when -G > 0, else eager]
+    #[arg(long, value_name = "l", help_heading = FLASHCOMM)]
+    launch: Option<LaunchArg>,
+    /// Also time and check in-place calls (lossless only) [0]
+    #[arg(long, value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
+    inplace: Option<bool>,
+    /// Add a device-to-device copy of the same bytes, timed the same way
+    #[arg(long, help_heading = FLASHCOMM)]
+    copy_baseline: bool,
+    /// latency: 8 virtual ranks, bfloat16, 8K..1M, one-shot AllReduce against the copy baseline,
+    /// eager and under CUDA graphs (flags given override it)
+    #[arg(long, value_name = "name", help_heading = FLASHCOMM)]
+    preset: Option<Preset>,
+    /// Most values per quantized call compared with the CPU reference [1M]
+    #[arg(long, value_name = "n", value_parser = size_value, help_heading = FLASHCOMM)]
+    check_values: Option<u64>,
+    /// Seed of the random inputs of quantized calls [1]
+    #[arg(long, value_name = "n", help_heading = FLASHCOMM)]
+    seed: Option<u64>,
+    /// Bound on every device-side wait, seconds [60]
+    #[arg(long = "timeout", value_name = "s", help_heading = FLASHCOMM)]
+    timeout_s: Option<u64>,
+    /// Time the cost model when the communicator is created [1]
+    #[arg(long, value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
+    calibrate: Option<bool>,
+    /// Write every row and the settings as JSON
+    #[arg(long, value_name = "file", help_heading = FLASHCOMM)]
+    json: Option<PathBuf>,
+    /// Plot latency and algbw against size
+    #[arg(long, value_name = "file", help_heading = FLASHCOMM)]
+    svg: Option<PathBuf>,
+    /// Commit recorded in the JSON [$FLASHCOMM_COMMIT, COMMIT file, git]
+    #[arg(long, value_name = "id", help_heading = FLASHCOMM)]
+    commit: Option<String>,
+}
+
+/// The usage text (`-h`, `--help`).
+pub fn usage() -> String {
+    Cli::command().render_help().to_string()
+}
+
+/// A clap error in this tool's words: the flag and what is wrong with it.
+fn from_clap(e: &clap::Error) -> ArgError {
+    let context = |kind| match e.get(kind) {
+        Some(ContextValue::String(s)) => s.clone(),
+        _ => String::new(),
+    };
+    // "--minbytes <size>" names the flag; the value name adds nothing to a message.
+    let arg = context(ContextKind::InvalidArg);
+    let flag = arg.split_whitespace().next().unwrap_or("").to_string();
+    let value = context(ContextKind::InvalidValue);
+    let msg = match e.kind() {
+        ErrorKind::UnknownArgument if flag.starts_with('-') => format!("unknown option '{flag}'"),
+        ErrorKind::UnknownArgument => format!("unexpected argument '{flag}'"),
+        ErrorKind::InvalidValue if value.is_empty() => format!("{flag} needs a value"),
+        ErrorKind::InvalidValue => {
+            let valid = match e.get(ContextKind::ValidValue) {
+                Some(ContextValue::Strings(v)) => v.join(", "),
+                _ => String::new(),
+            };
+            format!("{flag}: '{value}' ({valid})")
+        }
+        ErrorKind::ValueValidation => {
+            let why = std::error::Error::source(e).map_or(String::new(), |s| s.to_string());
+            // Messages of this module's value parsers name the flag ("-d: ...") or the value
+            // already; clap's number parsers name neither.
+            if why.starts_with('-') {
+                why
+            } else if why.contains(&format!("'{value}'")) {
+                format!("{flag}: {why}")
+            } else {
+                format!("{flag}: '{value}': {why}")
+            }
+        }
+        _ => e
+            .kind()
+            .as_str()
+            .map_or_else(|| e.to_string(), str::to_string),
+    };
+    ArgError(msg)
 }
 
 /// Parses the arguments (without the program name). A `--preset` supplies defaults; every flag
 /// given explicitly overrides them, wherever it appears.
 pub fn parse(args: &[String]) -> Result<Command, ArgError> {
-    let tokens = tokenize(args)?;
-    if tokens.iter().any(|(f, _)| f == "--help") {
-        return Ok(Command::Help);
-    }
+    let argv = std::iter::once("flashcomm-perf").chain(args.iter().map(String::as_str));
+    let cli = match Cli::try_parse_from(argv) {
+        Ok(cli) => cli,
+        Err(e) if e.kind() == ErrorKind::DisplayHelp => return Ok(Command::Help),
+        Err(e) => return Err(from_clap(&e)),
+    };
     let mut o = Options::default();
-    let given = |flag: &str| tokens.iter().any(|(f, _)| f == flag);
-    if let Some((_, Some(p))) = tokens.iter().find(|(f, _)| f == "--preset") {
-        match p.as_str() {
-            "latency" => {
-                o.preset = Some(Preset::Latency);
-                o.ranks = 8;
-                o.mode = Mode::Virtual;
-                o.dtypes = vec![Dtype::Bf16];
-                o.min_bytes = 8 << 10;
-                o.max_bytes = 1 << 20;
-                o.step_factor = 2;
-                o.coll = Coll::AllReduce;
-                o.impls = vec![Impl::Flashcomm];
-                o.algo = AlgoChoice::OneShot;
-                o.copy_baseline = true;
-                o.iters = 100;
-                o.warmup = 20;
-                o.graph_replays = 20;
-                o.launches = vec![Launch::Eager, Launch::Graph];
-            }
-            other => return err(format!("--preset: '{other}' (latency)")),
+    if let Some(Preset::Latency) = cli.preset {
+        o.preset = Some(Preset::Latency);
+        o.ranks = 8;
+        o.mode = Mode::Virtual;
+        o.dtypes = vec![Dtype::Bf16];
+        o.min_bytes = 8 << 10;
+        o.max_bytes = 1 << 20;
+        o.step_factor = 2;
+        o.coll = Coll::AllReduce;
+        o.impls = vec![Impl::Flashcomm];
+        o.algo = AlgoChoice::OneShot;
+        o.copy_baseline = true;
+        o.iters = 100;
+        o.warmup = 20;
+        o.graph_replays = 20;
+        o.launches = vec![Launch::Eager, Launch::Graph];
+    }
+    fn set<T>(field: &mut T, given: Option<T>) {
+        if let Some(v) = given {
+            *field = v;
         }
     }
-    let mut launch_flag: Option<String> = None;
-    for (flag, value) in &tokens {
-        let v = value.as_deref().unwrap_or("");
-        match flag.as_str() {
-            "--minbytes" => o.min_bytes = parse_size(v)?,
-            "--maxbytes" => o.max_bytes = parse_size(v)?,
-            "--stepfactor" => o.step_factor = parse_int(flag, v)?,
-            "--stepbytes" => o.step_bytes = parse_size(v)?,
-            "--iters" => o.iters = parse_int(flag, v)?,
-            "--warmup_iters" => o.warmup = parse_int(flag, v)?,
-            "--check" => o.check = parse_int::<u32>(flag, v)? != 0,
-            "--datatype" => o.dtypes = parse_dtypes(v)?,
-            "--op" => {
-                if !v.eq_ignore_ascii_case("sum") {
-                    return err(format!(
-                        "-o {v}: only sum is supported (flashcomm's kernels implement sum)"
-                    ));
-                }
-            }
-            "--cudagraph" => o.graph_replays = parse_int(flag, v)?,
-            "--coll" => {
-                o.coll = match v.to_ascii_lowercase().as_str() {
-                    "allreduce" | "all_reduce" => Coll::AllReduce,
-                    "reducescatter" | "reduce_scatter" => Coll::ReduceScatter,
-                    "allgather" | "all_gather" => Coll::AllGather,
-                    _ => {
-                        return err(format!(
-                            "--coll: '{v}' (allreduce, reducescatter, allgather)"
-                        ));
-                    }
-                }
-            }
-            "--ranks" => o.ranks = parse_int(flag, v)?,
-            "--mode" => {
-                o.mode = match v {
-                    "virtual" => Mode::Virtual,
-                    "gpus" => Mode::Gpus,
-                    "procs" => Mode::Procs,
-                    "procs-one-gpu" => Mode::ProcsOneGpu,
-                    _ => {
-                        return err(format!(
-                            "--mode: '{v}' (virtual, gpus, procs, procs-one-gpu)"
-                        ));
-                    }
-                }
-            }
-            "--device" => o.device = parse_int(flag, v)?,
-            "--impl" => o.impls = parse_impls(v)?,
-            "--nccl-lib" => o.nccl_lib = Some(PathBuf::from(v)),
-            "--quant" => o.quant = parse_quant(v)?,
-            "--group" => o.group = parse_int(flag, v)?,
-            "--spikes" => o.spikes = parse_int(flag, v)?,
-            "--algo" => {
-                o.algo = match v {
-                    "auto" => AlgoChoice::Auto,
-                    "oneshot" => AlgoChoice::OneShot,
-                    "twoshot" | "twostep" => AlgoChoice::TwoShot,
-                    _ => return err(format!("--algo: '{v}' (auto, oneshot, twoshot)")),
-                }
-            }
-            "--proto" => {
-                o.proto = match v {
-                    "auto" => ProtoChoice::Auto,
-                    "ll" | "LL" => ProtoChoice::Ll,
-                    "block" => ProtoChoice::Block,
-                    _ => return err(format!("--proto: '{v}' (auto, ll, block)")),
-                }
-            }
-            "--launch" => launch_flag = Some(v.to_string()),
-            "--inplace" => o.inplace = parse_bool(flag, v)?,
-            "--copy-baseline" => o.copy_baseline = true,
-            "--preset" => {}
-            "--check-values" => o.check_values = parse_size(v)?,
-            "--seed" => o.seed = parse_int(flag, v)?,
-            "--timeout" => o.timeout_s = parse_int(flag, v)?,
-            "--calibrate" => o.calibrate = parse_bool(flag, v)?,
-            "--json" => o.json = Some(PathBuf::from(v)),
-            "--svg" => o.svg = Some(PathBuf::from(v)),
-            "--commit" => o.commit = Some(v.to_string()),
-            other => return err(format!("unknown option '{other}'")),
-        }
+    set(&mut o.min_bytes, cli.min_bytes);
+    set(&mut o.max_bytes, cli.max_bytes);
+    set(&mut o.step_factor, cli.step_factor);
+    set(&mut o.step_bytes, cli.step_bytes);
+    set(&mut o.iters, cli.iters);
+    set(&mut o.warmup, cli.warmup);
+    set(&mut o.check, cli.check.map(|c| c != 0));
+    set(&mut o.dtypes, cli.dtypes.map(|l| l.0));
+    if let Some(op) = &cli.op
+        && !op.eq_ignore_ascii_case("sum")
+    {
+        return err(format!(
+            "-o {op}: only sum is supported (flashcomm's kernels implement sum)"
+        ));
     }
+    set(&mut o.graph_replays, cli.graph_replays);
+    set(&mut o.coll, cli.coll);
+    set(&mut o.ranks, cli.ranks);
+    set(&mut o.mode, cli.mode);
+    set(&mut o.device, cli.device);
+    set(&mut o.impls, cli.impls.map(|l| l.0));
+    o.nccl_lib = cli.nccl_lib.or(o.nccl_lib);
+    set(&mut o.quant, cli.quant.map(|l| l.0));
+    set(&mut o.group, cli.group);
+    set(&mut o.spikes, cli.spikes);
+    set(&mut o.algo, cli.algo);
+    set(&mut o.proto, cli.proto);
+    set(&mut o.inplace, cli.inplace);
+    o.copy_baseline |= cli.copy_baseline;
+    set(&mut o.check_values, cli.check_values);
+    set(&mut o.seed, cli.seed);
+    set(&mut o.timeout_s, cli.timeout_s);
+    set(&mut o.calibrate, cli.calibrate);
+    o.json = cli.json.or(o.json);
+    o.svg = cli.svg.or(o.svg);
+    o.commit = cli.commit.or(o.commit);
     // Launch modes: explicit --launch, else -G decides (a preset's choice stands unless -G is
     // given explicitly).
-    match launch_flag.as_deref() {
-        Some("eager") => o.launches = vec![Launch::Eager],
-        Some("graph") => o.launches = vec![Launch::Graph],
-        Some("both") => o.launches = vec![Launch::Eager, Launch::Graph],
-        Some(other) => return err(format!("--launch: '{other}' (eager, graph, both)")),
+    match cli.launch {
+        Some(LaunchArg::Eager) => o.launches = vec![Launch::Eager],
+        Some(LaunchArg::Graph) => o.launches = vec![Launch::Graph],
+        Some(LaunchArg::Both) => o.launches = vec![Launch::Eager, Launch::Graph],
         None => {
-            if given("--cudagraph") || o.preset.is_none() {
+            if cli.graph_replays.is_some() || o.preset.is_none() {
                 o.launches = if o.graph_replays > 0 {
                     vec![Launch::Graph]
                 } else {

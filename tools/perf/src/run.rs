@@ -34,7 +34,7 @@ use flashcomm_comm::{
     DevicePtr, FileBootstrap, Plan, Protocol, QuantSpec, Stream, ThreadGroup,
 };
 use flashcomm_testkit::verify::{TestType, Verifier};
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
 
 use crate::accuracy::{self, AccuracyStats, QuantAlgo};
 use crate::args::{AlgoChoice, Coll, Dtype, Impl, Launch, Mode, Options, ProtoChoice, Width};
@@ -623,7 +623,7 @@ impl Rank<'_> {
             self.barrier()?;
             let out = self.job(job, i as u32 + 1)?;
             let gathered = if self.team.link.is_some() {
-                let all = self.team.exchange(&wire(&out))?;
+                let all = self.team.exchange(&wire(&out)?)?;
                 let mut outs = Vec::with_capacity(all.len());
                 for (r, bytes) in all.iter().enumerate() {
                     outs.push(if r == self.rank as usize {
@@ -1082,42 +1082,51 @@ fn theirs_slice(p: DevicePtr, len: u64) -> Result<DevicePtr, String> {
 
 /// What a rank process sends rank 0 of one job: the times and counts that [`merge`] combines
 /// across ranks (whether the job ran, its plan and the accuracy are rank 0's own).
-fn wire(out: &RankOut) -> Vec<u8> {
-    let m = |m: &RankMeasure| json!({"times": m.times, "wrong": m.wrong, "mismatch": m.mismatch});
-    let doc = json!({
-        "skipped": out.skipped,
-        "out": out.out.as_ref().map(m),
-        "inplace": out.inplace.as_ref().and_then(|r| r.as_ref().ok()).map(m),
-    });
-    doc.to_string().into_bytes()
+fn wire(out: &RankOut) -> Result<Vec<u8>, String> {
+    let m = |m: &RankMeasure| WireMeasure {
+        times: m.times.clone(),
+        wrong: m.wrong,
+        mismatch: m.mismatch,
+    };
+    let doc = Wire {
+        skipped: out.skipped.clone(),
+        out: out.out.as_ref().map(m),
+        inplace: out.inplace.as_ref().and_then(|r| r.as_ref().ok()).map(m),
+    };
+    serde_json::to_vec(&doc).map_err(|e| format!("encoding this rank's results: {e}"))
 }
 
 /// The inverse of [`wire`].
 fn unwire(bytes: &[u8]) -> Result<RankOut, String> {
-    let doc: Value = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
-    let measure = |v: &Value| -> Result<Option<RankMeasure>, String> {
-        if v.is_null() {
-            return Ok(None);
-        }
-        let times = v["times"]
-            .as_array()
-            .ok_or("no times")?
-            .iter()
-            .map(|t| t.as_f64().ok_or("a time is not a number"))
-            .collect::<Result<Vec<f64>, _>>()?;
-        Ok(Some(RankMeasure {
-            times,
-            wrong: v["wrong"].as_u64(),
-            mismatch: v["mismatch"].as_u64(),
-            accuracy: None,
-        }))
+    let doc: Wire = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    let m = |w: WireMeasure| RankMeasure {
+        times: w.times,
+        wrong: w.wrong,
+        mismatch: w.mismatch,
+        accuracy: None,
     };
     Ok(RankOut {
-        skipped: doc["skipped"].as_str().map(String::from),
+        skipped: doc.skipped,
         plan: None,
-        out: measure(&doc["out"])?,
-        inplace: measure(&doc["inplace"])?.map(Ok),
+        out: doc.out.map(m),
+        inplace: doc.inplace.map(m).map(Ok),
     })
+}
+
+/// A rank's report of one job as it travels to rank 0 (JSON; a missing field reads as `None`).
+#[derive(Debug, Serialize, Deserialize)]
+struct Wire {
+    skipped: Option<String>,
+    out: Option<WireMeasure>,
+    inplace: Option<WireMeasure>,
+}
+
+/// One measurement of a rank: its per-call times and counts (rank 0 keeps its own accuracy).
+#[derive(Debug, Serialize, Deserialize)]
+struct WireMeasure {
+    times: Vec<f64>,
+    wrong: Option<u64>,
+    mismatch: Option<u64>,
 }
 
 /// Combines every rank's report of a job into a row.
@@ -1315,7 +1324,7 @@ mod tests {
             out: Some(m(1.25, Some(0))),
             inplace: Some(Ok(m(2.0, None))),
         };
-        let back = unwire(&wire(&out)).unwrap();
+        let back = unwire(&wire(&out).unwrap()).unwrap();
         let got = back.out.unwrap();
         assert_eq!(
             (got.times, got.wrong, got.mismatch),
@@ -1328,7 +1337,7 @@ mod tests {
             skipped: Some("too small".into()),
             ..RankOut::default()
         };
-        let back = unwire(&wire(&skipped)).unwrap();
+        let back = unwire(&wire(&skipped).unwrap()).unwrap();
         assert_eq!(back.skipped.as_deref(), Some("too small"));
         assert!(back.out.is_none() && back.inplace.is_none());
         assert!(unwire(b"not json").is_err());

@@ -1,16 +1,24 @@
 //! The model's byte-level BPE tokenizer, built from the GGUF metadata
 //! (`tokenizer.ggml.tokens`, `tokenizer.ggml.merges`).
 //!
-//! Encoding is done in three stages:
+//! Encoding is done in four stages:
 //!
+//! 0. **Control tokens** (`tokenizer.ggml.token_type` 3, e.g. `<|endoftext|>`, `<|im_start|>`)
+//!    written in the text become their own ids, leftmost first and the longest at one place, as
+//!    the reference tokenizer's added special tokens do; the text between them goes through the
+//!    stages below.
 //! 1. **Pre-tokenization**, a hand-written equivalent of SmolLM2's pre-tokenizer: every numeric
 //!    character stands alone (individual digits), and the rest is split by the GPT-2 pattern
 //!    `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`.
-//!    Simplifications: `\p{L}` is Rust's `char::is_alphabetic` (the Unicode *Alphabetic*
-//!    property, slightly larger than the letter categories), `\p{N}` is `char::is_numeric`, and
-//!    special tokens written in the text (e.g. `<|endoftext|>`) are not recognised: they are
-//!    encoded as ordinary text. The study only needs the encoding to be the same for the exact
-//!    and the quantized runs, which it is.
+//!    `\p{L}` is Rust's `char::is_alphabetic` (the Unicode *Alphabetic* property, slightly
+//!    larger than the letter categories) and `\p{N}` is `char::is_numeric`.
+//!
+//! Checked against the reference (Hugging Face `tokenizers`, configured as SmolLM2's
+//! `tokenizer.json`: Digits with individual digits, then ByteLevel with its regex, BPE over the
+//! GGUF's vocabulary and merges, the control tokens as special tokens): the same ids, token
+//! for token, for the whole WikiText-2 test file (312,144 tokens) and for a text of Devanagari,
+//! Tamil and Thai with combining marks, letter and other numbers, CJK, emoji, no-break and
+//! ideographic spaces, tabs and CRLF (docs/accuracy-model.md).
 //! 2. **Byte mapping**: every UTF-8 byte becomes one printable character by the GPT-2
 //!    byte-to-unicode table (bytes `!`..`~`, `¡`..`¬`, `®`..`ÿ` map to themselves, the other 68
 //!    bytes to U+0100.. in increasing order), so that a space is `Ġ` and a newline `Ċ`.
@@ -29,6 +37,8 @@ pub struct Tokenizer {
     byte_char: [char; 256],
     char_byte: HashMap<char, u8>,
     byte_ids: [u32; 256],
+    /// Control tokens matched in the text before pre-tokenization, longest first.
+    controls: Vec<(String, u32)>,
 }
 
 /// The GPT-2 byte-to-unicode table.
@@ -176,10 +186,27 @@ impl Tokenizer {
             byte_char,
             char_byte,
             byte_ids,
+            controls: Vec::new(),
         })
     }
 
-    /// Reads `tokenizer.ggml.tokens` and `tokenizer.ggml.merges` from a GGUF file.
+    /// Declares control tokens (by id): written in the text, each becomes its own id instead of
+    /// being encoded as text.
+    pub fn with_controls(mut self, ids: impl IntoIterator<Item = u32>) -> Tokenizer {
+        for id in ids {
+            if let Some(t) = self.tokens.get(id as usize)
+                && !t.is_empty()
+            {
+                self.controls.push((t.clone(), id));
+            }
+        }
+        self.controls
+            .sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        self
+    }
+
+    /// Reads `tokenizer.ggml.tokens`, `tokenizer.ggml.merges` and the control tokens of
+    /// `tokenizer.ggml.token_type` (type 3; none when the key is absent) from a GGUF file.
     pub fn from_gguf(g: &crate::gguf::Gguf) -> Result<Tokenizer, String> {
         let strings = |key: &str| -> Result<Vec<String>, String> {
             g.get(key)
@@ -193,10 +220,32 @@ impl Tokenizer {
                 })
                 .collect()
         };
-        Tokenizer::new(
+        let controls: Vec<u32> = match g.get("tokenizer.ggml.token_type") {
+            None => Vec::new(),
+            Some(v) => v
+                .as_array()
+                .ok_or("tokenizer.ggml.token_type is not an array")?
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.as_u64() == Some(3))
+                .map(|(i, _)| i as u32)
+                .collect(),
+        };
+        Ok(Tokenizer::new(
             strings("tokenizer.ggml.tokens")?,
             &strings("tokenizer.ggml.merges")?,
-        )
+        )?
+        .with_controls(controls))
+    }
+
+    /// The next control token in `text`: its byte offset and index in `controls` (leftmost,
+    /// then longest).
+    fn next_control(&self, text: &str) -> Option<(usize, usize)> {
+        self.controls
+            .iter()
+            .enumerate()
+            .filter_map(|(k, (t, _))| text.find(t.as_str()).map(|at| (at, k)))
+            .min()
     }
 
     /// Vocabulary size.
@@ -242,6 +291,24 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Vec<u32> {
         let mut cache: HashMap<&str, Vec<u32>> = HashMap::new();
         let mut out = Vec::with_capacity(text.len() / 3);
+        let mut rest = text;
+        while let Some((at, k)) = self.next_control(rest) {
+            self.encode_text(&rest[..at], &mut cache, &mut out);
+            let (t, id) = &self.controls[k];
+            out.push(*id);
+            rest = &rest[at + t.len()..];
+        }
+        self.encode_text(rest, &mut cache, &mut out);
+        out
+    }
+
+    /// Pre-tokenization and BPE of text without control tokens.
+    fn encode_text<'a>(
+        &self,
+        text: &'a str,
+        cache: &mut HashMap<&'a str, Vec<u32>>,
+        out: &mut Vec<u32>,
+    ) {
         for piece in pre_tokenize(text) {
             if let Some(ids) = cache.get(piece) {
                 out.extend_from_slice(ids);
@@ -252,7 +319,6 @@ impl Tokenizer {
             out.extend_from_slice(&ids);
             cache.insert(piece, ids);
         }
-        out
     }
 
     /// Decodes token ids to text (invalid UTF-8 is replaced).
@@ -338,6 +404,27 @@ mod tests {
         // Byte 0 has no token in this vocabulary: it becomes the unknown token.
         assert_eq!(t.encode("\0a"), vec![0, id("a")]);
         let text = "the hall, all the tea\n";
+        assert_eq!(t.decode(&t.encode(text)), text);
+    }
+
+    #[test]
+    fn control_tokens_are_matched_before_pre_tokenization() {
+        let mut tokens: Vec<String> = byte_to_unicode().iter().map(|c| c.to_string()).collect();
+        let base = tokens.len() as u32;
+        tokens.extend(["<|end|>", "<|end|>x", "<|im|>"].map(String::from));
+        let plain = Tokenizer::new(tokens, &[]).unwrap();
+        let t = plain.clone().with_controls([base, base + 1, base + 2]);
+        let id = |s: &str| plain.token_id(s).unwrap();
+        // Without controls declared, the text is encoded byte by byte.
+        assert_eq!(plain.encode("a<|im|>").len(), 7);
+        assert_eq!(t.encode("a<|im|>"), vec![id("a"), base + 2]);
+        // Leftmost first, then the longest at that place; text around them is plain.
+        assert_eq!(
+            t.encode("<|end|>xy <|end|><|im|>"),
+            vec![base + 1, id("y"), id("Ġ"), base, base + 2]
+        );
+        assert_eq!(t.encode("<|en"), plain.encode("<|en"));
+        let text = "x<|end|> y";
         assert_eq!(t.decode(&t.encode(text)), text);
     }
 }

@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use serde_json::{Value, json};
+use serde::Serialize;
 
 use crate::args::{self, Command, Impl, Launch, Mode, Options, Preset};
 use crate::ffi::Nccl;
@@ -19,7 +19,7 @@ pub const PROCESS_ENV: &str = "FLASHCOMM_PERF_PROCESS";
 pub fn main_with(argv: &[String]) -> i32 {
     let mut o = match args::parse(argv) {
         Ok(Command::Help) => {
-            print!("{}", args::USAGE);
+            print!("{}", args::usage());
             return 0;
         }
         Ok(Command::Run(o)) => *o,
@@ -203,49 +203,101 @@ pub fn timing_text(o: &Options) -> Vec<String> {
 }
 
 /// The settings recorded in the JSON file.
-pub fn settings_json(o: &Options, gpus: &[String], nccl: Option<&Nccl>, argv: &[String]) -> Value {
-    json!({
-        "commit": o.commit,
-        "command_line": argv,
-        "host": host_name(),
-        "gpu": gpus.first(),
-        "gpus": gpus,
-        "devices": run::devices(o),
-        "ranks": o.ranks,
-        "mode": o.mode.name(),
-        "collective": o.coll.name(),
-        "datatypes": o.dtypes.iter().map(|d| d.name()).collect::<Vec<_>>(),
-        "min_bytes": o.min_bytes,
-        "max_bytes": o.max_bytes,
-        "step_factor": o.step_factor,
-        "step_bytes": o.step_bytes,
-        "iters": o.iters,
-        "warmup_iters": o.warmup,
-        "check": o.check,
-        "graph_replays": o.graph_replays,
-        "launches": o.launches.iter().map(|l| l.name()).collect::<Vec<_>>(),
-        "impls": o.impls.iter().map(|i| match i {
-            Impl::Flashcomm => "flashcomm",
-            Impl::Nccl => "nccl",
-        }).collect::<Vec<_>>(),
-        "quant": o.quant.iter().map(|w| w.to_string()).collect::<Vec<_>>(),
-        "group": o.group,
-        "spikes": o.spikes,
-        "algo": format!("{:?}", o.algo).to_lowercase(),
-        "proto": format!("{:?}", o.proto).to_lowercase(),
-        "inplace": o.inplace,
-        "copy_baseline": o.copy_baseline,
-        "preset": o.preset.map(|p| match p { Preset::Latency => "latency" }),
-        "timeout_s": o.timeout_s,
-        "calibrate": o.calibrate,
-        "check_values": o.check_values,
-        "seed": o.seed,
-        "nccl": nccl.map(|n| json!({
-            "path": n.path().display().to_string(),
-            "version": flashcomm_nccl_sys::version_string(n.version()),
-        })),
-        "timing": timing_text(o),
-    })
+#[derive(Debug, Serialize)]
+pub struct Settings {
+    commit: Option<String>,
+    command_line: Vec<String>,
+    host: String,
+    gpu: Option<String>,
+    gpus: Vec<String>,
+    devices: Vec<i32>,
+    ranks: u32,
+    mode: &'static str,
+    collective: &'static str,
+    datatypes: Vec<&'static str>,
+    min_bytes: u64,
+    max_bytes: u64,
+    step_factor: u64,
+    step_bytes: u64,
+    iters: u32,
+    warmup_iters: u32,
+    check: bool,
+    graph_replays: u32,
+    launches: Vec<&'static str>,
+    impls: Vec<&'static str>,
+    quant: Vec<String>,
+    group: u16,
+    spikes: u8,
+    algo: String,
+    proto: String,
+    inplace: bool,
+    copy_baseline: bool,
+    preset: Option<&'static str>,
+    timeout_s: u64,
+    calibrate: bool,
+    check_values: u64,
+    seed: u64,
+    nccl: Option<NcclSettings>,
+    timing: Vec<String>,
+}
+
+/// The real NCCL of a run, in the JSON file.
+#[derive(Debug, Serialize)]
+struct NcclSettings {
+    path: String,
+    version: String,
+}
+
+/// The settings of a run, as recorded in the JSON file.
+pub fn settings(o: &Options, gpus: &[String], nccl: Option<&Nccl>, argv: &[String]) -> Settings {
+    Settings {
+        commit: o.commit.clone(),
+        command_line: argv.to_vec(),
+        host: host_name(),
+        gpu: gpus.first().cloned(),
+        gpus: gpus.to_vec(),
+        devices: run::devices(o),
+        ranks: o.ranks,
+        mode: o.mode.name(),
+        collective: o.coll.name(),
+        datatypes: o.dtypes.iter().map(|d| d.name()).collect(),
+        min_bytes: o.min_bytes,
+        max_bytes: o.max_bytes,
+        step_factor: o.step_factor,
+        step_bytes: o.step_bytes,
+        iters: o.iters,
+        warmup_iters: o.warmup,
+        check: o.check,
+        graph_replays: o.graph_replays,
+        launches: o.launches.iter().map(|l| l.name()).collect(),
+        impls: o
+            .impls
+            .iter()
+            .map(|i| match i {
+                Impl::Flashcomm => "flashcomm",
+                Impl::Nccl => "nccl",
+            })
+            .collect(),
+        quant: o.quant.iter().map(|w| w.to_string()).collect(),
+        group: o.group,
+        spikes: o.spikes,
+        algo: format!("{:?}", o.algo).to_lowercase(),
+        proto: format!("{:?}", o.proto).to_lowercase(),
+        inplace: o.inplace,
+        copy_baseline: o.copy_baseline,
+        preset: o.preset.map(|p| match p {
+            Preset::Latency => "latency",
+        }),
+        timeout_s: o.timeout_s,
+        calibrate: o.calibrate,
+        check_values: o.check_values,
+        seed: o.seed,
+        nccl: nccl.map(|n| NcclSettings {
+            path: n.path().display().to_string(),
+            version: flashcomm_nccl_sys::version_string(n.version()),
+        }),
+        timing: timing_text(o),
+    }
 }
 
 /// The header lines printed before the table.
@@ -464,9 +516,9 @@ fn run_program(
         drop(contexts);
         return result.map(|()| 0);
     }
-    let settings = settings_json(o, &gpus, nccl.as_ref(), argv);
     if let Some(path) = &o.json {
-        let doc = report::document(settings.clone(), &table, latency.as_deref());
+        let settings = settings(o, &gpus, nccl.as_ref(), argv);
+        let doc = report::document(settings, &table, latency.as_deref());
         let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
         std::fs::write(path, text + "\n")
             .map_err(|e| format!("writing {}: {e}", path.display()))?;
@@ -504,6 +556,7 @@ fn run_program(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn opts(args: &str) -> Options {
         let v: Vec<String> = args.split_whitespace().map(String::from).collect();
@@ -535,7 +588,8 @@ mod tests {
     #[test]
     fn settings_record_the_run() {
         let o = opts("--quant 4,4/8 --commit abc123 -b 4K -e 8K -f 2");
-        let s = settings_json(&o, &["NVIDIA H200".into()], None, &["-b".into()]);
+        let s = serde_json::to_value(settings(&o, &["NVIDIA H200".into()], None, &["-b".into()]))
+            .unwrap();
         assert_eq!(s["commit"], "abc123");
         assert_eq!(s["gpu"], "NVIDIA H200");
         assert_eq!(s["ranks"], 8);

@@ -1,7 +1,7 @@
 //! Checks against the real SmolLM2-135M-Instruct GGUF file. The file is not in the repository
 //! (`ci/get-model.sh` fetches it); these tests skip, saying why, when it is absent. The path is
-//! `$FLASHCOMM_STUDY_MODEL`, or `.toolchain/models/SmolLM2-135M-Instruct.Q4_1.gguf` in the
-//! workspace.
+//! `$FLASHCOMM_STUDY_MODEL`, or `.toolchain/models/SmolLM2-135M-Instruct.Q4_1.gguf` of the
+//! repository.
 
 use flashcomm_study::collective::{ExactOnly, Mode, Simulated};
 use flashcomm_study::gguf::{GgmlType, Gguf};
@@ -13,7 +13,7 @@ fn model_path() -> Option<PathBuf> {
     let p = match std::env::var_os("FLASHCOMM_STUDY_MODEL") {
         Some(p) => PathBuf::from(p),
         None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../.toolchain/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            .join("../../../.toolchain/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
     };
     if p.is_file() {
         Some(p)

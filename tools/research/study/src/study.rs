@@ -3,6 +3,7 @@
 
 use crate::collective::{Backend, ErrorStats, Mode, Scope, Simulated, Spec};
 use crate::model::Model;
+use serde::Serialize;
 use std::fmt::Write as _;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -559,63 +560,114 @@ pub fn change_cell(v: f64) -> String {
     }
 }
 
-fn json_f(v: f64) -> String {
-    if v.is_finite() {
-        format!("{v}")
-    } else {
-        "null".to_string()
+/// A quantized step's format in the JSON file.
+#[derive(Serialize)]
+struct JsonSpec {
+    bits: u8,
+    group: u16,
+    spikes: u8,
+}
+
+impl From<Spec> for JsonSpec {
+    fn from(f: Spec) -> JsonSpec {
+        JsonSpec {
+            bits: f.bits,
+            group: f.group,
+            spikes: f.spikes,
+        }
     }
 }
 
-fn json_spec(f: Spec) -> String {
-    format!(
-        r#"{{"bits": {}, "group": {}, "spikes": {}}}"#,
-        f.bits, f.group, f.spikes
-    )
+/// One setting's result in the JSON file. Non-finite numbers are written as `null` (serde_json's
+/// rule), as are the fields that do not apply to the setting.
+#[derive(Serialize)]
+struct JsonResult {
+    tp: usize,
+    algorithm: &'static str,
+    rotation: bool,
+    spikes_first: bool,
+    grid_exponent: Option<f64>,
+    scope: String,
+    rs: Option<JsonSpec>,
+    ag: Option<JsonSpec>,
+    effective_bits_rs: Option<f64>,
+    effective_bits_ag: Option<f64>,
+    effective_bits: Option<f64>,
+    ppl: f64,
+    nll_sum: f64,
+    tokens: usize,
+    relative_change: Option<f64>,
+    ar_rel_l2_error: f64,
+    ar_rel_l2_error_after_first_token: f64,
+    ar_max_abs_error: f64,
+    max_abs_partial: f64,
+    allreduce_calls: u64,
+    cpu_seconds: f64,
+}
+
+/// The run metadata, written as the first keys of the JSON object in the order given.
+struct JsonMeta<'a>(&'a [(&'a str, String)]);
+
+impl Serialize for JsonMeta<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(self.0.len()))?;
+        for (k, v) in self.0 {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
+}
+
+#[derive(Serialize)]
+struct JsonDoc<'a> {
+    #[serde(flatten)]
+    meta: JsonMeta<'a>,
+    results: Vec<JsonResult>,
 }
 
 /// The results as JSON (an object with the run metadata and one entry per setting).
-pub fn json(results: &[RunResult], meta: &[(&str, String)]) -> String {
-    let mut s = String::from("{\n");
-    for (k, v) in meta {
-        let v = v.replace('\\', "\\\\").replace('"', "\\\"");
-        let _ = writeln!(s, "  \"{k}\": \"{v}\",");
-    }
-    s.push_str("  \"results\": [\n");
-    for (i, r) in results.iter().enumerate() {
-        let (rs, ag) = match r.run.mode.formats() {
-            Some((rs, ag)) => (json_spec(rs), json_spec(ag)),
-            None => ("null".to_string(), "null".to_string()),
-        };
-        let (eb_rs, eb_ag) = r.effective_bits.unwrap_or((f64::NAN, f64::NAN));
-        let _ = write!(
-            s,
-            "    {{\"tp\": {}, \"algorithm\": \"{}\", \"rotation\": {}, \"spikes_first\": {}, \"grid_exponent\": {}, \"scope\": \"{}\", \"rs\": {rs}, \"ag\": {ag}, \"effective_bits_rs\": {}, \"effective_bits_ag\": {}, \"effective_bits\": {}, \"ppl\": {}, \"nll_sum\": {}, \"tokens\": {}, \"relative_change\": {}, \"ar_rel_l2_error\": {}, \"ar_rel_l2_error_after_first_token\": {}, \"ar_max_abs_error\": {}, \"max_abs_partial\": {}, \"allreduce_calls\": {}, \"cpu_seconds\": {:.3}}}",
-            r.run.tp,
-            r.run.mode.algorithm(),
-            r.run.rotate,
-            r.run.spikes_first,
-            match r.run.mode {
-                Mode::Grid(_, p) => json_f(f64::from(p) / 10.0),
-                _ => "null".to_string(),
-            },
-            r.run.scope,
-            json_f(eb_rs),
-            json_f(eb_ag),
-            json_f(r.mean_effective_bits().unwrap_or(f64::NAN)),
-            json_f(r.ppl()),
-            json_f(r.nll),
-            r.tokens,
-            json_f(relative_change(results, r).unwrap_or(f64::NAN)),
-            json_f(r.stats.rel_l2()),
-            json_f(r.stats.rel_l2_rest()),
-            json_f(r.stats.max_abs_err),
-            json_f(r.stats.max_abs_input),
-            r.stats.calls,
-            r.cpu_time.as_secs_f64()
-        );
-        s.push_str(if i + 1 < results.len() { ",\n" } else { "\n" });
-    }
-    s.push_str("  ]\n}\n");
-    s
+///
+/// # Errors
+///
+/// Only if serde_json fails to serialize (it does not for these plain structs).
+pub fn json(results: &[RunResult], meta: &[(&str, String)]) -> Result<String, serde_json::Error> {
+    let rows = results
+        .iter()
+        .map(|r| {
+            let formats = r.run.mode.formats();
+            JsonResult {
+                tp: r.run.tp,
+                algorithm: r.run.mode.algorithm(),
+                rotation: r.run.rotate,
+                spikes_first: r.run.spikes_first,
+                grid_exponent: match r.run.mode {
+                    Mode::Grid(_, p) => Some(f64::from(p) / 10.0),
+                    _ => None,
+                },
+                scope: r.run.scope.to_string(),
+                rs: formats.map(|(rs, _)| rs.into()),
+                ag: formats.map(|(_, ag)| ag.into()),
+                effective_bits_rs: r.effective_bits.map(|e| e.0),
+                effective_bits_ag: r.effective_bits.map(|e| e.1),
+                effective_bits: r.mean_effective_bits(),
+                ppl: r.ppl(),
+                nll_sum: r.nll,
+                tokens: r.tokens,
+                relative_change: relative_change(results, r),
+                ar_rel_l2_error: r.stats.rel_l2(),
+                ar_rel_l2_error_after_first_token: r.stats.rel_l2_rest(),
+                ar_max_abs_error: r.stats.max_abs_err,
+                max_abs_partial: r.stats.max_abs_input,
+                allreduce_calls: r.stats.calls,
+                // Milliseconds are all the precision a CPU time needs.
+                cpu_seconds: (r.cpu_time.as_secs_f64() * 1e3).round() / 1e3,
+            }
+        })
+        .collect();
+    let doc = JsonDoc {
+        meta: JsonMeta(meta),
+        results: rows,
+    };
+    serde_json::to_string_pretty(&doc).map(|t| t + "\n")
 }

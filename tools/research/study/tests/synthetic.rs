@@ -447,3 +447,49 @@ fn spikes_first_runs_around_the_codec() {
     assert!(ExactOnly.two_step_spikes_rotated(g, g, &inputs).is_err());
     assert_eq!(Codec.one_shot_spikes_rotated(g, &inputs).unwrap().len(), 64);
 }
+
+#[test]
+fn json_results_parse_back() {
+    use flashcomm_study::collective::ErrorStats;
+    use flashcomm_study::study::{RunResult, json};
+    use std::time::Duration;
+    let f = Spec {
+        bits: 4,
+        group: 128,
+        spikes: 2,
+    };
+    let result = |mode, nll, eb| RunResult {
+        run: Run::new(2, mode),
+        nll,
+        tokens: 100,
+        stats: ErrorStats {
+            calls: 3,
+            ..ErrorStats::default()
+        },
+        effective_bits: eb,
+        cpu_time: Duration::from_millis(1234),
+    };
+    let results = [
+        result(Mode::Lossless, 100.0, None),
+        result(Mode::TwoStep { rs: f, ag: f }, 110.0, Some((4.5, 4.5))),
+        result(Mode::TwoStep { rs: f, ag: f }, f64::NAN, Some((4.5, 4.5))),
+    ];
+    let meta = [("model", "a \"quoted\" name".to_string())];
+    let text = json(&results, &meta).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["model"], "a \"quoted\" name");
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 3);
+    assert!(rows[0]["rs"].is_null() && rows[0]["effective_bits"].is_null());
+    assert_eq!(rows[1]["rs"]["bits"], 4);
+    assert_eq!(rows[1]["effective_bits"], 4.5);
+    assert_eq!(rows[1]["tokens"], 100);
+    assert_eq!(rows[1]["allreduce_calls"], 3);
+    assert_eq!(rows[1]["cpu_seconds"], 1.234);
+    // The exact run is the baseline: a 10% larger NLL sum is exp(0.1) times its perplexity.
+    let change = rows[1]["relative_change"].as_f64().unwrap();
+    assert!((change - (0.1f64.exp() - 1.0)).abs() < 1e-12, "{change}");
+    assert_eq!(rows[1]["ar_rel_l2_error"], 0.0);
+    // A perplexity that is not a number is written as null, and the document stays valid.
+    assert!(rows[2]["ppl"].is_null() && rows[2]["relative_change"].is_null());
+}

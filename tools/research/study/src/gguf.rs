@@ -16,16 +16,18 @@
 //! with `dims = [in, out]` is stored as `out` rows of `in` values.
 
 use std::collections::BTreeMap;
-use std::fmt;
 
 /// Errors raised while parsing a GGUF file.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GgufError {
     /// The file does not start with the `GGUF` magic.
+    #[error("not a GGUF file (bad magic)")]
     BadMagic,
     /// Only version 3 is read.
+    #[error("unsupported GGUF version {0}")]
     UnsupportedVersion(u32),
     /// The file ends before a field that should be there.
+    #[error("file truncated while reading {what} at byte {offset}")]
     Truncated {
         /// What was being read.
         what: &'static str,
@@ -33,29 +35,15 @@ pub enum GgufError {
         offset: usize,
     },
     /// A metadata value type outside the specification.
+    #[error("unknown metadata value type {0}")]
     BadValueType(u32),
     /// A string that is not valid UTF-8.
+    #[error("string at byte {0} is not UTF-8")]
     BadString(usize),
     /// A structural inconsistency (bad alignment, tensor out of bounds, ...).
+    #[error("invalid GGUF: {0}")]
     Invalid(String),
 }
-
-impl fmt::Display for GgufError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            GgufError::BadMagic => write!(f, "not a GGUF file (bad magic)"),
-            GgufError::UnsupportedVersion(v) => write!(f, "unsupported GGUF version {v}"),
-            GgufError::Truncated { what, offset } => {
-                write!(f, "file truncated while reading {what} at byte {offset}")
-            }
-            GgufError::BadValueType(t) => write!(f, "unknown metadata value type {t}"),
-            GgufError::BadString(o) => write!(f, "string at byte {o} is not UTF-8"),
-            GgufError::Invalid(s) => write!(f, "invalid GGUF: {s}"),
-        }
-    }
-}
-
-impl std::error::Error for GgufError {}
 
 /// A metadata value.
 #[derive(Debug, Clone, PartialEq)]

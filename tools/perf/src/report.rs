@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use serde_json::{Value, json};
+use serde::Serialize;
 
 use crate::accuracy::AccuracyStats;
 use crate::args::{Coll, Dtype, Launch, Width};
@@ -486,108 +486,195 @@ pub fn format_latency(title: &str, rows: &[LatencyRow]) -> Vec<String> {
     out
 }
 
-fn num(v: f64) -> Value {
-    serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number)
+/// A measurement in the JSON file. Times and bandwidths that are not finite are written as `null`
+/// (serde_json's rule for non-finite floats).
+#[derive(Serialize)]
+#[serde(untagged)]
+enum OutcomeJson<'a> {
+    Skipped {
+        skipped: &'a str,
+    },
+    Done {
+        time_us: f64,
+        time_us_mean: f64,
+        time_us_min: f64,
+        time_us_max: f64,
+        samples: usize,
+        algbw_gbs: f64,
+        busbw_gbs: Option<f64>,
+        wrong: Option<u64>,
+        wrong_elements: Option<u64>,
+        rank_mismatch_bytes: Option<u64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        accuracy: Option<AccuracyJson>,
+    },
 }
 
-fn opt_num(v: Option<f64>) -> Value {
-    v.map_or(Value::Null, num)
+/// Error statistics of a quantized measurement in the JSON file.
+#[derive(Serialize)]
+struct AccuracyJson {
+    checked_values: u64,
+    rel_l2: f64,
+    max_err: f64,
+    outside_bound: u64,
+    ref_mismatch: u64,
 }
 
-fn measure_json(row: &Row, o: &Outcome) -> Value {
-    match o {
-        Outcome::Skipped(why) => json!({ "skipped": why }),
-        Outcome::Done(m) => {
-            let mut v = json!({
-                "time_us": num(m.time.median_us),
-                "time_us_mean": num(m.time.mean_us),
-                "time_us_min": num(m.time.min_us),
-                "time_us_max": num(m.time.max_us),
-                "samples": m.time.samples,
-                "algbw_gbs": num(row.algbw(m)),
-                "busbw_gbs": opt_num(row.busbw(m)),
-                "wrong": m.wrong_total(),
-                "wrong_elements": m.wrong,
-                "rank_mismatch_bytes": m.rank_mismatch_bytes,
-            });
-            if let Some(a) = &m.accuracy {
-                v["accuracy"] = json!({
-                    "checked_values": a.checked,
-                    "rel_l2": num(a.rel_l2),
-                    "max_err": num(a.max_err),
-                    "outside_bound": a.outside_bound,
-                    "ref_mismatch": a.ref_mismatch,
-                });
-            }
-            v
+impl<'a> OutcomeJson<'a> {
+    fn of(row: &Row, o: &'a Outcome) -> Self {
+        match o {
+            Outcome::Skipped(why) => OutcomeJson::Skipped { skipped: why },
+            Outcome::Done(m) => OutcomeJson::Done {
+                time_us: m.time.median_us,
+                time_us_mean: m.time.mean_us,
+                time_us_min: m.time.min_us,
+                time_us_max: m.time.max_us,
+                samples: m.time.samples,
+                algbw_gbs: row.algbw(m),
+                busbw_gbs: row.busbw(m),
+                wrong: m.wrong_total(),
+                wrong_elements: m.wrong,
+                rank_mismatch_bytes: m.rank_mismatch_bytes,
+                accuracy: m.accuracy.as_ref().map(|a| AccuracyJson {
+                    checked_values: a.checked,
+                    rel_l2: a.rel_l2,
+                    max_err: a.max_err,
+                    outside_bound: a.outside_bound,
+                    ref_mismatch: a.ref_mismatch,
+                }),
+            },
         }
     }
 }
 
+/// A row in the JSON file: nccl-tests' fields, then flashcomm's.
+#[derive(Serialize)]
+pub struct RowJson<'a> {
+    #[serde(rename = "impl")]
+    implementation: String,
+    launch: &'static str,
+    collective: &'static str,
+    #[serde(rename = "type")]
+    dtype: &'static str,
+    redop: &'static str,
+    root: i32,
+    nranks: u32,
+    size_bytes: u64,
+    count: u64,
+    plan: Option<&'a str>,
+    out_of_place: OutcomeJson<'a>,
+    in_place: Option<OutcomeJson<'a>>,
+    vs_nccl: Option<f64>,
+    vs_copy: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    quant: Option<QuantJson>,
+}
+
+/// Codec settings of a quantized row in the JSON file.
+#[derive(Serialize)]
+struct QuantJson {
+    rs_bits: u8,
+    ag_bits: u8,
+    group: u16,
+    spikes: u8,
+    effbits_rs: f64,
+    effbits_ag: f64,
+}
+
 /// A row as JSON.
-pub fn row_json(row: &Row) -> Value {
-    let mut v = json!({
-        "impl": row.variant.label(),
-        "launch": row.launch.name(),
-        "collective": row.coll.name(),
-        "type": row.dtype.name(),
-        "redop": row.redop(),
-        "root": -1,
-        "nranks": row.nranks,
-        "size_bytes": row.bytes,
-        "count": row.count,
-        "plan": row.plan,
-        "out_of_place": measure_json(row, &row.out),
-        "in_place": row.inplace.as_ref().map(|o| measure_json(row, o)),
-        "vs_nccl": opt_num(row.vs_nccl),
-        "vs_copy": opt_num(row.vs_copy),
-    });
-    if let Some(q) = &row.quant {
-        v["quant"] = json!({
-            "rs_bits": q.width.rs,
-            "ag_bits": q.width.ag,
-            "group": q.group,
-            "spikes": q.spikes,
-            "effbits_rs": num(q.effbits_rs),
-            "effbits_ag": num(q.effbits_ag),
-        });
+pub fn row_json(row: &Row) -> RowJson<'_> {
+    RowJson {
+        implementation: row.variant.label(),
+        launch: row.launch.name(),
+        collective: row.coll.name(),
+        dtype: row.dtype.name(),
+        redop: row.redop(),
+        root: -1,
+        nranks: row.nranks,
+        size_bytes: row.bytes,
+        count: row.count,
+        plan: row.plan.as_deref(),
+        out_of_place: OutcomeJson::of(row, &row.out),
+        in_place: row.inplace.as_ref().map(|o| OutcomeJson::of(row, o)),
+        vs_nccl: row.vs_nccl,
+        vs_copy: row.vs_copy,
+        quant: row.quant.map(|q| QuantJson {
+            rs_bits: q.width.rs,
+            ag_bits: q.width.ag,
+            group: q.group,
+            spikes: q.spikes,
+            effbits_rs: q.effbits_rs,
+            effbits_ag: q.effbits_ag,
+        }),
     }
-    v
+}
+
+/// A row of the latency table in the JSON file.
+#[derive(Serialize)]
+struct LatencyJson {
+    size_bytes: u64,
+    fc_eager_us: Option<f64>,
+    copy_eager_us: Option<f64>,
+    ratio_eager: Option<f64>,
+    fc_graph_us: Option<f64>,
+    copy_graph_us: Option<f64>,
+    ratio_graph: Option<f64>,
+}
+
+/// The summary at the end of the JSON file.
+#[derive(Serialize)]
+struct SummaryJson {
+    wrong_total: u64,
+    ok: bool,
 }
 
 /// The whole JSON document: settings, rows, the latency table (when built) and the summary.
-pub fn document(settings: Value, table: &Table, latency: Option<&[LatencyRow]>) -> Value {
+#[derive(Serialize)]
+pub struct Document<'a, S> {
+    tool: &'static str,
+    version: &'static str,
+    settings: S,
+    rows: Vec<RowJson<'a>>,
+    latency: Option<Vec<LatencyJson>>,
+    summary: SummaryJson,
+}
+
+/// The whole JSON document: settings, rows, the latency table (when built) and the summary.
+pub fn document<'a, S: Serialize>(
+    settings: S,
+    table: &'a Table,
+    latency: Option<&[LatencyRow]>,
+) -> Document<'a, S> {
     let lat = latency.map(|rows| {
         rows.iter()
-            .map(|l| {
-                json!({
-                    "size_bytes": l.bytes,
-                    "fc_eager_us": opt_num(l.fc_eager),
-                    "copy_eager_us": opt_num(l.copy_eager),
-                    "ratio_eager": opt_num(ratio(l.fc_eager, l.copy_eager)),
-                    "fc_graph_us": opt_num(l.fc_graph),
-                    "copy_graph_us": opt_num(l.copy_graph),
-                    "ratio_graph": opt_num(ratio(l.fc_graph, l.copy_graph)),
-                })
+            .map(|l| LatencyJson {
+                size_bytes: l.bytes,
+                fc_eager_us: l.fc_eager,
+                copy_eager_us: l.copy_eager,
+                ratio_eager: ratio(l.fc_eager, l.copy_eager),
+                fc_graph_us: l.fc_graph,
+                copy_graph_us: l.copy_graph,
+                ratio_graph: ratio(l.fc_graph, l.copy_graph),
             })
-            .collect::<Vec<_>>()
+            .collect()
     });
-    json!({
-        "tool": "flashcomm-perf",
-        "version": env!("CARGO_PKG_VERSION"),
-        "settings": settings,
-        "rows": table.rows.iter().map(row_json).collect::<Vec<_>>(),
-        "latency": lat,
-        "summary": {
-            "wrong_total": table.wrong_total(),
-            "ok": table.wrong_total() == 0,
+    Document {
+        tool: "flashcomm-perf",
+        version: env!("CARGO_PKG_VERSION"),
+        settings,
+        rows: table.rows.iter().map(row_json).collect(),
+        latency: lat,
+        summary: SummaryJson {
+            wrong_total: table.wrong_total(),
+            ok: table.wrong_total() == 0,
         },
-    })
+    }
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use serde_json::{Value, json};
 
     pub(crate) fn measure(t: f64, wrong: u64) -> Measure {
         Measure {

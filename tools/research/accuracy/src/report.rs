@@ -3,6 +3,7 @@
 use std::fmt::Write as _;
 
 use flashcomm_codec::{ALL_BITS, ALL_GROUPS, ALL_SPIKES};
+use serde::Serialize;
 
 use crate::{Algorithm, Record, Section, Stats};
 
@@ -239,92 +240,75 @@ pub fn markdown(sections: &[Section]) -> String {
     out
 }
 
-fn json_num(x: f64) -> String {
-    if x.is_finite() {
-        format!("{x:e}")
-    } else {
-        "null".into()
-    }
+/// The JSON document of [`json`].
+#[derive(Serialize)]
+struct JsonDoc<'a> {
+    sections: Vec<JsonSection<'a>>,
 }
 
-fn json_str(s: &str) -> String {
-    let mut o = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(o, "\\u{:04x}", c as u32);
-            }
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
+#[derive(Serialize)]
+struct JsonSection<'a> {
+    problem: &'a str,
+    tokens: usize,
+    hidden: usize,
+    notes: &'a [String],
+    records: Vec<JsonRecord<'a>>,
 }
 
-fn json_stats(s: Option<&Stats>) -> String {
-    match s {
-        None => "null".into(),
-        Some(s) => format!(
-            "{{\"rel_l2\": {}, \"snr_db\": {}, \"max_abs\": {}, \"max_rel\": {}, \"count\": {}}}",
-            json_num(s.rel_l2),
-            json_num(s.snr_db),
-            json_num(s.max_abs),
-            json_num(s.max_rel),
-            s.count
-        ),
-    }
+#[derive(Serialize)]
+struct JsonRecord<'a> {
+    algorithm: &'static str,
+    ranks: usize,
+    format: Option<JsonFormat>,
+    all: &'a Stats,
+    non_spike: Option<&'a Stats>,
+    spike: Option<&'a Stats>,
+}
+
+#[derive(Serialize)]
+struct JsonFormat {
+    dtype: String,
+    bits: u8,
+    group: u16,
+    spikes: u8,
+    effective_bits: f64,
 }
 
 /// Every record as JSON: `{"sections": [{"problem", "notes", "records": [...]}]}`. Non-finite
 /// numbers (an exact result's SNR) are `null`.
-pub fn json(sections: &[Section]) -> String {
-    let mut out = String::from("{\"sections\": [\n");
-    for (si, s) in sections.iter().enumerate() {
-        let notes: Vec<String> = s.problem.notes.iter().map(|n| json_str(n)).collect();
-        let _ = writeln!(
-            out,
-            "  {{\"problem\": {}, \"tokens\": {}, \"hidden\": {}, \"notes\": [{}], \"records\": [",
-            json_str(&s.problem.name),
-            s.problem.tokens,
-            s.problem.hidden,
-            notes.join(", ")
-        );
-        for (ri, r) in s.records.iter().enumerate() {
-            let fmt = match r.format {
-                None => "null".to_string(),
-                Some(f) => format!(
-                    "{{\"dtype\": \"{}\", \"bits\": {}, \"group\": {}, \"spikes\": {}, \"effective_bits\": {}}}",
-                    f.dtype(),
-                    f.bits(),
-                    f.group(),
-                    f.spikes(),
-                    f.effective_bits()
-                ),
-            };
-            let _ = write!(
-                out,
-                "    {{\"algorithm\": \"{}\", \"ranks\": {}, \"format\": {}, \"all\": {}, \"non_spike\": {}, \"spike\": {}}}",
-                r.algorithm.name(),
-                r.ranks,
-                fmt,
-                json_stats(Some(&r.all)),
-                json_stats(r.non_spike.as_ref()),
-                json_stats(r.spike.as_ref())
-            );
-            out.push_str(if ri + 1 < s.records.len() {
-                ",\n"
-            } else {
-                "\n"
-            });
-        }
-        out.push_str(if si + 1 < sections.len() {
-            "  ]},\n"
-        } else {
-            "  ]}\n"
-        });
-    }
-    out.push_str("]}\n");
-    out
+///
+/// # Errors
+///
+/// Only if serde_json fails to serialize (it does not for these plain structs).
+pub fn json(sections: &[Section]) -> Result<String, serde_json::Error> {
+    let doc = JsonDoc {
+        sections: sections
+            .iter()
+            .map(|s| JsonSection {
+                problem: &s.problem.name,
+                tokens: s.problem.tokens,
+                hidden: s.problem.hidden,
+                notes: &s.problem.notes,
+                records: s
+                    .records
+                    .iter()
+                    .map(|r| JsonRecord {
+                        algorithm: r.algorithm.name(),
+                        ranks: r.ranks,
+                        format: r.format.map(|f| JsonFormat {
+                            dtype: f.dtype().to_string(),
+                            bits: f.bits(),
+                            group: f.group(),
+                            spikes: f.spikes(),
+                            effective_bits: f.effective_bits(),
+                        }),
+                        all: &r.all,
+                        non_spike: r.non_spike.as_ref(),
+                        spike: r.spike.as_ref(),
+                    })
+                    .collect(),
+            })
+            .collect(),
+    };
+    serde_json::to_string_pretty(&doc).map(|t| t + "\n")
 }

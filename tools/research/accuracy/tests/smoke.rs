@@ -67,7 +67,7 @@ fn study_smoke() {
     // Both outputs render every section.
     let md = report::markdown(&sections);
     assert_eq!(md.matches("### ").count(), 5);
-    let json = report::json(&sections);
+    let json = report::json(&sections).unwrap();
     assert_eq!(json.matches('{').count(), json.matches('}').count());
     assert!(json.contains("\"algorithm\": \"two-step\""));
 

@@ -245,7 +245,10 @@ fn run() -> Result<(), String> {
             r.cpu_time.as_secs_f64()
         );
         if let Some(path) = &args.json {
-            let _ = std::fs::write(path, study::json(&done, &meta(t2.elapsed().as_secs_f64())));
+            // Progress only: the final write below reports errors.
+            if let Ok(text) = study::json(&done, &meta(t2.elapsed().as_secs_f64())) {
+                let _ = std::fs::write(path, text);
+            }
         }
     };
     let results = study::evaluate(&model, &Codec, &runs, &windows, args.threads, &on_done)?;
@@ -289,8 +292,8 @@ fn run() -> Result<(), String> {
         }
     }
     if let Some(path) = &args.json {
-        std::fs::write(path, study::json(&results, &meta(wall)))
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let text = study::json(&results, &meta(wall)).map_err(|e| format!("JSON: {e}"))?;
+        std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?;
     }
     Ok(())
 }
