@@ -5,7 +5,8 @@
 //! AllGather calls to flashcomm's own kernels (`flashcomm-comm`), and forwards everything else to
 //! the real NCCL, which it finds and opens itself. See `docs/abi.md` and `docs/architecture.md`.
 //!
-//! `unsafe` code lives only in the FFI modules `ffi` and `ext`; every other module is safe Rust.
+//! `unsafe` code lives only in the FFI modules `ffi`, `ext` and `engage`; every other module is safe
+//! Rust.
 //!
 //! | module | role |
 //! |---|---|
@@ -24,12 +25,14 @@
 //! | `discovery` | where to look for the real NCCL |
 //! | `error`, `last_error` | errors, their codes, `ncclGetLastError` |
 //! | `init`, `logging` | lazy initialization, NCCL-style logging |
+//! | `engage` | the "flashcomm is on" line and the exit summary |
 #![deny(unsafe_code)]
 
 mod args;
 mod bootstrap;
 mod coll;
 mod discovery;
+mod engage;
 mod error;
 pub mod ext;
 mod ffi;

@@ -177,6 +177,7 @@ pub(crate) fn install(config: &mut Config) -> Vec<String> {
         config.logging.nccl_debug,
         config.logging.nccl_debug_subsys.as_ref(),
     );
+    let nccl = crate::engage::directives(nccl, config);
     let filter = match &config.logging.log {
         Some(text) => match EnvFilter::builder().parse(&text.0) {
             Ok(f) => f,

@@ -925,6 +925,7 @@ pub fn run(
         _ => (Route::Nccl, forward(), None),
     };
     TOTALS.add(route, call.kind, call.bytes);
+    crate::engage::on_routed(call.kind, route, d.why);
     let first = match state.as_deref() {
         Some(st) => {
             st.counters.add(route, call.kind, call.bytes);
