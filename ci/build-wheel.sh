@@ -13,8 +13,8 @@
 # version (the workspace's, from Cargo.toml), a record of how the library was built
 # (flashcomm/_build.py) and the platform tag, and `pip wheel` builds it with setuptools (fetched
 # from PyPI into pip's isolated build environment). The platform tag is manylinux_2_<N>_<arch>,
-# N being the newest glibc symbol version the library needs (at least 17) (linux_<arch> if it needs a library
-# outside the manylinux set). Prints the wheel's path last. Default DIR: target/wheels.
+# N being the newest glibc symbol version the library needs, at least 17 (linux_<arch> if it needs
+# a library outside the manylinux set). Prints the wheel's path last. Default DIR: target/wheels.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 lib="" out="$root/target/wheels"
@@ -22,7 +22,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --lib) lib=${2:?--lib needs a file}; shift 2;;
     --out) out=${2:?--out needs a folder}; shift 2;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0;;
+    -h|--help) awk 'NR > 1 && /^set /{exit} NR > 1' "$0"; exit 0;;
     *) echo "build-wheel: unknown argument $1 (see --help)" >&2; exit 2;;
   esac
 done

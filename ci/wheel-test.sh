@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU test of the Python wheel: builds it with ci/build-wheel.sh from a library that is already
-# built (by default the one `cargo test` builds, target/debug/libnccl.so: no second CUDA compile),
-# installs it into a fresh virtual environment and runs python/tests/check_wheel.py there with
+# built (by default the one `cargo test` builds, target/debug/deps/libnccl.so: no second CUDA
+# compile), installs it into a fresh virtual environment and runs python/tests/check_wheel.py there with
 # FLASHCOMM_NCCL_LIB and LD_PRELOAD unset (import, library_path() loads and exports the NCCL API,
 # env(), stats(), the launcher on a program that reads its own environment). Ends with
 # "N passed, N failed".
@@ -14,12 +14,15 @@
 # wheel's requirement. --from-pypi installs the wheel with its dependencies from PyPI instead.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-lib="${CARGO_TARGET_DIR:-$root/target}/debug/libnccl.so" pypi=0
+# `cargo test` leaves its library in deps/ (a `cargo build` copies it one folder up).
+debug="${CARGO_TARGET_DIR:-$root/target}/debug"
+lib="$debug/deps/libnccl.so" pypi=0
+[ -f "$lib" ] || lib="$debug/libnccl.so"
 while [ $# -gt 0 ]; do
   case "$1" in
     --lib) lib=${2:?--lib needs a file}; shift 2;;
     --from-pypi) pypi=1; shift;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0;;
+    -h|--help) awk 'NR > 1 && /^set /{exit} NR > 1' "$0"; exit 0;;
     *) echo "wheel-test: unknown argument $1 (see --help)" >&2; exit 2;;
   esac
 done
