@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds everything the GPU tests need into one folder that can be copied to a GPU machine that
-# has no Rust toolchain and no network: the library (as libnccl.so.2), the GPU test executables,
-# the tools, the C and Python test programs, and run.sh, which runs them all there.
+# has no Rust toolchain and no network: the library (as libnccl.so.2) and the Python wheel made
+# from it, the GPU test executables, the tools, the C and Python test programs, and run.sh, which
+# runs them all there.
 #
 #   ci/gpu-bundle.sh <bundle-dir>          # here (needs ci/setup.sh's toolchain)
 #   <bundle-dir>/run.sh <results-dir>      # on the GPU machine; ends with "N passed, N failed"
@@ -22,7 +23,7 @@ export FLASHCOMM_CUDA_ARCHS=${FLASHCOMM_CUDA_ARCHS:-90}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target/bundle}
 cd "$root"
 
-rm -rf "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c" "$out/kernels"
+rm -rf "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c" "$out/kernels" "$out/wheel"
 mkdir -p "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c" "$out/kernels"
 
 # The library and the tools.
@@ -65,6 +66,10 @@ for line in res.stdout.splitlines():
 PY
 for f in "$out"/tests/* "$out"/bin/*; do [ -f "$f" ] && strip "$f" 2>/dev/null || true; done
 strip --strip-debug "$out/lib/libnccl.so.2"
+# The Python wheel, packaged from this library by the same script as the shipped wheel (this one
+# loads its kernels from FLASHCOMM_KERNEL_DIR, like every binary of the bundle); run.sh installs it
+# and runs the torch test through its launcher.
+"$root/ci/build-wheel.sh" --lib "$out/lib/libnccl.so.2" --out "$out/wheel" >/dev/null
 
 # C and Python test programs.
 if [ -d tests/c ]; then

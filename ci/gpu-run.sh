@@ -32,7 +32,44 @@ real=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__p
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' 2>&1
   echo "real NCCL for C/ctypes programs: $real"
 } > "$res/environment.txt"
+
+# The Python wheel of the bundle (ci/build-wheel.sh), installed into a fresh virtual environment
+# that sees this machine's packages (torch, nvidia-nccl-cu13), without network: the torch test runs
+# through its launcher, as users run it. Without venv's pip, the machine's pip installs into the
+# environment (--python) or, failing that, into a folder run through PYTHONPATH.
+launcher=""
+whl=$(ls "$here"/wheel/flashcomm_cu13-*.whl 2>/dev/null | head -n 1)
+if [ -n "$whl" ]; then
+  venv=$(mktemp -d "${TMPDIR:-/tmp}/flashcomm-venv.XXXXXX")
+  {
+    if python3 -m venv --system-site-packages "$venv/env"; then
+      "$venv/env/bin/python" -m pip install --no-deps --no-index "$whl"
+    elif python3 -m venv --without-pip --system-site-packages "$venv/env"; then
+      python3 -m pip --python "$venv/env/bin/python" install --no-deps --no-index "$whl"
+    fi
+  } > "$res/logs/wheel-install.log" 2>&1
+  if [ -x "$venv/env/bin/flashcomm" ]; then
+    launcher="$venv/env/bin/flashcomm"
+  elif python3 -m pip install --no-deps --no-index --target "$venv/site" "$whl" >> "$res/logs/wheel-install.log" 2>&1; then
+    printf '#!/bin/sh\nPYTHONPATH="%s${PYTHONPATH:+:$PYTHONPATH}" exec python3 -m flashcomm "$@"\n' "$venv/site" > "$venv/flashcomm"
+    chmod +x "$venv/flashcomm"
+    launcher="$venv/flashcomm"
+  fi
+fi
+echo "flashcomm wheel: ${whl:-none in the bundle}; launcher: ${launcher:-not installed (logs/wheel-install.log)}" >> "$res/environment.txt"
 cat "$res/environment.txt"
+
+# Runs a command, shows its output, and fails unless it succeeded and printed a line matching the
+# pattern (first argument, an extended regular expression).
+expect_line() {
+  local pat=$1 out rc
+  shift
+  out=$("$@" 2>&1); rc=$?
+  printf '%s\n' "$out"
+  [ $rc -eq 0 ] || return $rc
+  grep -qE -- "$pat" <<<"$out" || { echo "FAIL no line matches: $pat"; return 1; }
+}
+export -f expect_line
 
 # Every test: name, time limit (s), command.
 names=(); limits=(); cmds=()
@@ -55,7 +92,8 @@ done
 [ -x "$here/c/abi_smoke" ] && add "c::abi_smoke_gpu" 120 "FLASHCOMM_NCCL_LIB='$real' '$here/c/abi_smoke' --gpu"
 [ -x "$here/c/overhead" ] && add "c::overhead" 300 "FLASHCOMM_NCCL_LIB='$real' '$here/c/overhead' '$lib'"
 [ -f "$here/python/ctypes_load.py" ] && add "python::ctypes_load_gpu" 300 "FLASHCOMM_NCCL_LIB='$real' python3 '$here/python/ctypes_load.py' --lib '$lib' --gpu"
-[ -f "$here/python/torch_preload.py" ] && add "python::torch_preload_ws1" 600 "LD_PRELOAD='$lib' python3 '$here/python/torch_preload.py' --world-size 1"
+# Through the installed wheel's launcher (no hand-set LD_PRELOAD), with the engagement line shown.
+[ -f "$here/python/torch_preload.py" ] && add "python::torch_preload_ws1" 600 "[ -n '$launcher' ] || { echo 'FAIL the wheel is not installed (logs/wheel-install.log)'; exit 1; }; expect_line 'FLASHCOMM INFO flashcomm .* is on: .* served by flashcomm' '$launcher' run --debug VERSION -- python3 '$here/python/torch_preload.py' --world-size 1"
 [ -f "$here/python/torch_quant.py" ] && add "python::torch_quant_ws1" 600 "python3 '$here/python/torch_quant.py' --lib '$lib' --world-size 1"
 [ -f "$here/python/torch_quant.py" ] && add "python::torch_quant_ws1_twostep_4_8" 600 "python3 '$here/python/torch_quant.py' --lib '$lib' --world-size 1 --algo twoshot --bits 4 --ag-bits 8"
 if [ -x "$here/bin/flashcomm-perf" ]; then

@@ -28,6 +28,7 @@ use std::sync::Arc;
 use flashcomm_config::Config;
 use flashcomm_nccl_sys::{ncclComm_t, ncclResult_t};
 
+use crate::engage;
 use crate::group;
 use crate::logging::{self, Subsys};
 use crate::policy::{self, decide};
@@ -164,6 +165,7 @@ pub(crate) fn run(
         _ => (Route::Nccl, forward(), None),
     };
     stats::add_total(route, call.kind, call.bytes);
+    engage::on_routed(call.kind, route, d.why);
     let first = match state.as_deref() {
         Some(st) => {
             st.counters.add(route, call.kind, call.bytes);

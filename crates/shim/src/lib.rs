@@ -20,8 +20,9 @@
 //! | `exports::ext` | flashcomm's own C API (`include/flashcomm.h`) | `exports::boundary`, `registry`, `stats`, `init`, `error`, `logging`, `types` |
 //! | `exports::collective` | the common path of the collective exports: checks, then dispatch | `exports::boundary`, `dispatch`, `args`, `init`, `error`, `calls::os`, `types` |
 //! | `exports::boundary` | the panic boundary, the export macros, signature checks | `calls::real`, `init`, `error`, `logging`, `last_error`, `calls::os` |
-//! | `dispatch` | the hooks of the exports: run one call (lookup, decision, serve or forward, count), communicator and group events | `serve`, `registry`, `group`, `policy`, `stats`, `logging`, `types` |
-//! | `serve` | flashcomm's communicator behind a served NCCL communicator: set-up, routed calls, teardown | `bootstrap`, `registry`, `policy`, `calls::nccl`, `init`, `error`, `logging`, `calls::cuda`, `types` |
+//! | `dispatch` | the hooks of the exports: run one call (lookup, decision, serve or forward, count), communicator and group events | `serve`, `engage`, `registry`, `group`, `policy`, `stats`, `logging`, `types` |
+//! | `serve` | flashcomm's communicator behind a served NCCL communicator: set-up, routed calls, teardown | `engage`, `bootstrap`, `registry`, `policy`, `calls::nccl`, `init`, `error`, `logging`, `calls::cuda`, `types` |
+//! | `engage` | the "flashcomm is on" line, the forwarded calls flashcomm could have served, the exit summary | `registry`, `policy`, `stats`, `calls::real`, `init`, `logging`, `calls::os`, `types` |
 //! | `bootstrap` | the set-up exchange over the real NCCL's `ncclAllGather` | `calls::nccl`, `calls::cuda`, `types` |
 //! | `registry` | the side table of communicators and what flashcomm knows of each | `policy`, `stats`, `calls::nccl`, `types` |
 //! | `group` | this thread's group depth and the set-ups deferred to the group's end | `types` |
@@ -36,7 +37,7 @@
 //! | `last_error` | `ncclGetLastError`'s messages | — |
 //! | `discovery` | where to look for the real NCCL | — |
 //! | `calls::cuda` | the shim's CUDA needs, through `flashcomm-gpu` (saved context, own stream, current device), and the caller's buffers as device pointers | `types` |
-//! | `calls::os` | thread id, fork detection | — |
+//! | `calls::os` | thread id, fork detection, exit handlers | — |
 //! | `types` | the call types: route, collective kind, one call, communicator handle, origin and end | — |
 #![deny(unsafe_code)]
 
@@ -45,6 +46,7 @@ mod bootstrap;
 mod calls;
 mod discovery;
 mod dispatch;
+mod engage;
 mod error;
 mod exports;
 mod group;

@@ -185,6 +185,34 @@ where
     }
 }
 
+/// The variables that show the engagement line whatever `NCCL_DEBUG` says.
+const QUANT_VARS: [&str; 3] = [
+    "FLASHCOMM_QUANT_BITS",
+    "FLASHCOMM_QUANT_RS_BITS",
+    "FLASHCOMM_QUANT_AG_BITS",
+];
+
+/// The tracing directive of the engagement line and the exit summary.
+const ENGAGE_DIRECTIVE: &str = "flashcomm::engage=info";
+
+/// Whether a quantization width was asked for (set, validly or not).
+fn quant_asked(config: &Config) -> bool {
+    QUANT_VARS
+        .iter()
+        .any(|v| config.set.contains(v) || config.problems.iter().any(|p| p.variable == *v))
+}
+
+/// The directives that `NCCL_DEBUG` asks for (`nccl`), widened to
+/// show the engagement line from `NCCL_DEBUG=VERSION` up (where the version banner is shown)
+/// and whenever a quantization width is set.
+fn engage_directives(nccl: String, config: &Config) -> String {
+    if nccl.contains("flashcomm::version=info") || quant_asked(config) {
+        format!("{nccl},{ENGAGE_DIRECTIVE}")
+    } else {
+        nccl
+    }
+}
+
 /// Installs the subscriber (once per process, by `init`). A `FLASHCOMM_LOG` that does not parse
 /// forces pass-through, like any bad `FLASHCOMM_*` value. Returns messages to log at WARN once
 /// the subscriber is in place.
@@ -194,6 +222,7 @@ pub(crate) fn install(config: &mut Config) -> Vec<String> {
         config.logging.nccl_debug,
         config.logging.nccl_debug_subsys.as_ref(),
     );
+    let nccl = engage_directives(nccl, config);
     let filter = match &config.logging.log {
         Some(text) => match EnvFilter::builder().parse(&text.0) {
             Ok(f) => f,
@@ -249,6 +278,49 @@ pub(crate) fn install(config: &mut Config) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn cfg(vars: &[(&str, &str)]) -> Config {
+        Config::from_vars(vars.iter().copied())
+    }
+
+    #[test]
+    fn the_engagement_line_is_shown_from_version_up_and_when_quantizing() {
+        let plain = cfg(&[]);
+        assert_eq!(engage_directives("warn".into(), &plain), "warn");
+        assert_eq!(engage_directives("off".into(), &plain), "off");
+        let version = "warn,flashcomm::version=info".to_string();
+        assert_eq!(
+            engage_directives(version.clone(), &plain),
+            format!("{version},flashcomm::engage=info")
+        );
+        for var in QUANT_VARS {
+            for value in ["4", "off", "bogus"] {
+                let c = cfg(&[(var, value)]);
+                assert_eq!(
+                    engage_directives("warn".into(), &c),
+                    "warn,flashcomm::engage=info",
+                    "{var}={value}"
+                );
+                // NCCL_DEBUG=NONE too: always when a width is set.
+                assert_eq!(
+                    engage_directives("off".into(), &c),
+                    "off,flashcomm::engage=info"
+                );
+            }
+        }
+        // Other variables do not show it.
+        assert_eq!(
+            engage_directives("warn".into(), &cfg(&[("FLASHCOMM_QUANT_GROUP", "64")])),
+            "warn"
+        );
+        for d in [
+            engage_directives("off".into(), &cfg(&[("FLASHCOMM_QUANT_BITS", "4")])),
+            engage_directives(version, &plain),
+        ] {
+            tracing_subscriber::EnvFilter::builder().parse(&d).unwrap();
+        }
+    }
+
     use flashcomm_config::Value;
 
     fn subsys(s: &str) -> Subsystems {

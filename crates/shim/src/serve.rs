@@ -218,6 +218,7 @@ fn finish(h: CommHandle, state: &CommState, outcome: Result<Communicator, String
             state.set_setup(Setup::NotServed(why));
         }
     }
+    crate::engage::on_set_up(h, state);
 }
 
 /// Sets up newly created communicators (see the module documentation). `init_all`: they are

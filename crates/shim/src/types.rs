@@ -21,8 +21,10 @@ pub(crate) enum Route {
 }
 
 impl Route {
-    /// Number of routes (the first index of `flashcommStats_t`).
-    pub(crate) const COUNT: usize = 3;
+    /// Every route, in index order (the first index of `flashcommStats_t`).
+    pub(crate) const ALL: [Route; 3] = [Route::Nccl, Route::Lossless, Route::Quantized];
+    /// Number of routes.
+    pub(crate) const COUNT: usize = Self::ALL.len();
 
     /// The route's name in logs.
     pub(crate) fn name(self) -> &'static str {
@@ -57,8 +59,19 @@ pub(crate) enum Collective {
 }
 
 impl Collective {
-    /// Number of kinds (the second index of `flashcommStats_t`).
-    pub(crate) const COUNT: usize = 8;
+    /// Every kind, in index order (the second index of `flashcommStats_t`).
+    pub(crate) const ALL: [Collective; 8] = [
+        Collective::AllReduce,
+        Collective::ReduceScatter,
+        Collective::AllGather,
+        Collective::AlltoAll,
+        Collective::Broadcast,
+        Collective::Reduce,
+        Collective::Send,
+        Collective::Recv,
+    ];
+    /// Number of kinds.
+    pub(crate) const COUNT: usize = Self::ALL.len();
 
     /// Whether the operation takes a reduction operator.
     #[cfg(test)]

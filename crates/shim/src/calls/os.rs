@@ -1,6 +1,6 @@
-//! Small operating-system services: the thread id, fork detection.
+//! Small operating-system services: the thread id, fork detection, exit handlers.
 //!
-//! Owns: [`thread_id`], [`forked`], [`watch_fork`].
+//! Owns: [`thread_id`], [`forked`], [`watch_fork`], [`at_exit`].
 //! May import: nothing of this crate.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,4 +33,15 @@ pub(crate) fn watch_fork() -> Result<(), i32> {
     // dlclose ourselves), so the pointer stays valid.
     let rc = unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) };
     if rc == 0 { Ok(()) } else { Err(rc) }
+}
+
+/// Registers `handler` to run at process exit (C `atexit`); false if it could not be.
+///
+/// `handler` must not unwind (wrap its body in `catch_unwind`).
+pub(crate) fn at_exit(handler: extern "C" fn()) -> bool {
+    // SAFETY: `handler` takes no arguments, must not unwind (the caller's contract above) and is
+    // code of this image, which is never unloaded before exit (the real library's handle and the
+    // preloaded image stay open; a `dlclose` of this image would run the handler first, since
+    // glibc ties `atexit` handlers to their object).
+    unsafe { libc::atexit(handler) == 0 }
 }
