@@ -39,6 +39,11 @@ pub fn module_names() -> Vec<&'static str> {
 /// The test modules loaded into one CUDA context (once per context, then shared).
 pub struct TestKernels {
     modules: Vec<Module>,
+    /// Functions already looked up, by name. Looking a name up in a lazily loaded module (the
+    /// codec modules) can make the driver load it, which waits for every kernel running in the
+    /// context: with virtual ranks, kernels that spin waiting for this very rank. So each name is
+    /// looked up once, before collectives run, and served from here afterwards.
+    found: Mutex<HashMap<String, Function>>,
 }
 
 impl TestKernels {
@@ -56,26 +61,39 @@ impl TestKernels {
         if let Some(k) = map.get(&(ctx as usize)) {
             return Ok(k.clone());
         }
+        // The verification module first: it is loaded completely (it runs while collectives of
+        // other ranks spin, and a lazy first load can wait behind them), and its kernels are
+        // found without touching the codec modules, which never run beside collectives and stay
+        // lazy (they are large).
+        let mut images: Vec<_> = image::IMAGES.iter().collect();
+        images.sort_by_key(|(name, _)| name.starts_with("codec"));
         let mut modules = Vec::new();
-        for (name, embedded) in image::IMAGES {
+        for (name, embedded) in images {
             let bytes = flashcomm_kernels::image_bytes(name, embedded)?;
-            // The verification module is loaded completely (it runs while collectives of other
-            // ranks spin, and a lazy first load can wait behind them); the codec modules, which
-            // never run beside collectives, stay lazy (they are large).
             modules.push(Module::load(&bytes, !name.starts_with("codec"))?);
         }
-        let k = Arc::new(TestKernels { modules });
+        let k = Arc::new(TestKernels {
+            modules,
+            found: Mutex::new(HashMap::new()),
+        });
         map.insert(ctx as usize, k.clone());
         Ok(k)
     }
 
-    /// The test kernel called `name`.
+    /// The test kernel called `name` (looked up in the modules once, then remembered).
     pub fn function(&self, name: &str) -> Result<Function, Error> {
+        let mut found = self.found.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = found.get(name) {
+            return Ok(*f);
+        }
         let cname = CString::new(name).map_err(|_| Error::MissingKernel(name.to_string()))?;
-        self.modules
+        let f = self
+            .modules
             .iter()
             .find_map(|m| m.function(&cname))
-            .ok_or_else(|| Error::MissingKernel(name.to_string()))
+            .ok_or_else(|| Error::MissingKernel(name.to_string()))?;
+        found.insert(name.to_string(), f);
+        Ok(f)
     }
 }
 
