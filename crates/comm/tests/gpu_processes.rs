@@ -10,7 +10,8 @@
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use flashcomm_comm::{Bootstrap, Collective, CommConfig, Communicator, DataType, FileBootstrap};
+use flashcomm_comm::{Bootstrap, Collective, CommConfig, Communicator, DataType};
+use flashcomm_testkit::FileBootstrap;
 use flashcomm_testkit::verify::{TestType, Verifier};
 
 const ENV: &str = "FLASHCOMM_TEST_CHILD";

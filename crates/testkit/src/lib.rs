@@ -7,13 +7,17 @@
 //! * [`verify`]: integer-valued inputs and their exact collective results, checked on the device.
 //! * [`codec`]: launchers of the codec kernels over device buffers, for the codec's GPU tests and
 //!   its benchmark.
+//! * [`FileBootstrap`]: rank processes of one machine meeting through a folder.
 //!
 //! A dev-only crate: the product's crates never depend on it (tools and tests do).
 #![deny(unsafe_code)]
 
 pub mod codec;
 mod codec_launch;
+mod file_bootstrap;
 pub mod verify;
+
+pub use file_bootstrap::FileBootstrap;
 
 use std::collections::HashMap;
 use std::ffi::CString;

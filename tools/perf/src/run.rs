@@ -31,8 +31,9 @@ use flashcomm_codec::{DType, Element, Format, bf16, f16};
 use flashcomm_comm::gpu::{Event, IpcMapping};
 use flashcomm_comm::{
     Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem,
-    DevicePtr, FileBootstrap, Plan, Protocol, QuantSpec, Stream, ThreadGroup,
+    DevicePtr, Plan, Protocol, QuantSpec, Stream, ThreadGroup,
 };
+use flashcomm_testkit::FileBootstrap;
 use flashcomm_testkit::verify::{TestType, Verifier};
 use serde::{Deserialize, Serialize};
 
