@@ -15,7 +15,7 @@ pub mod abi;
 pub mod catalog;
 pub mod ffi;
 
-pub use ffi::{Function, Kernel, Kernels, LaunchConfig, launch};
+pub use ffi::{Function, Kernel, Kernels, LaunchConfig};
 
 /// The embedded module images.
 pub mod image {

@@ -1,7 +1,7 @@
-//! CUDA driver calls: module loading, function lookup and kernel launch.
+//! The product's modules in a context: loading them (through `flashcomm-gpu`), resolving the
+//! catalogue into a table, and the launch of a catalogue kernel.
 //!
-//! Every `unsafe` block of the crate is here (this module and its children), each with the reason
-//! it is sound.
+//! The crate's only `unsafe` block is here (the launch), with the reason it is sound.
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -174,12 +174,6 @@ impl Kernels {
         unsafe { flashcomm_gpu::launch(self.get(k), cfg, stream, params) }.map_err(Error::from)
     }
 
-    /// The function called `name`, from whichever module defines it: for kernels outside the
-    /// catalogue (tests, codec benchmarks). It allocates; collectives use [`Kernels::get`].
-    pub fn function(&self, name: &str) -> Result<Function, Error> {
-        find(&self.modules, name)
-    }
-
     /// The name of every kernel in the loaded modules.
     pub fn kernel_names(&self) -> Result<Vec<String>, Error> {
         let mut v = Vec::new();
@@ -202,23 +196,6 @@ fn find(modules: &[(&'static str, Module)], name: &str) -> Result<Function, Erro
         .iter()
         .find_map(|(_, m)| m.function(&cname))
         .ok_or_else(|| Error::MissingKernel(name.to_string()))
-}
-
-/// Launches `f` with one by-value parameter struct on a raw stream handle.
-///
-/// # Safety
-/// As [`flashcomm_gpu::launch`]: `P` is exactly the kernel's parameter layout, every device
-/// pointer in `params` stays valid until the kernel has finished, and `stream` belongs to the
-/// current context.
-pub unsafe fn launch<P>(
-    f: Function,
-    cfg: LaunchConfig,
-    stream: sys::CUstream,
-    params: &P,
-) -> Result<(), Error> {
-    // SAFETY: the caller upholds the contract of flashcomm_gpu::launch (stated above).
-    unsafe { flashcomm_gpu::launch(f, cfg, flashcomm_gpu::Stream(stream), params) }
-        .map_err(Error::from)
 }
 
 #[cfg(test)]
