@@ -250,7 +250,7 @@ fn cache_dir(out: &Path) -> Option<PathBuf> {
 }
 
 /// A hash of everything nvcc's output depends on: the compiler (path and version banner), the
-/// arguments, the source and every header under `include`.
+/// arguments, the source and every header under `include` (by path relative to it).
 fn input_hash(nvcc: &Path, src: &Path, include: &Path, args: &[std::ffi::OsString]) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -261,12 +261,21 @@ fn input_hash(nvcc: &Path, src: &Path, include: &Path, args: &[std::ffi::OsStrin
         .map(|o| o.stdout)
         .unwrap_or_default()
         .hash(&mut h);
-    args.hash(&mut h);
+    // Paths are hashed relative to the include folder, so every checkout of the same sources
+    // (a second clone, a worktree) shares one cache.
+    for a in args {
+        if a.as_os_str() == include.as_os_str() {
+            "<include>".hash(&mut h);
+        } else {
+            a.hash(&mut h);
+        }
+    }
     fs::read(src).unwrap_or_default().hash(&mut h);
+    src.file_name().hash(&mut h);
     let mut headers = walk(include);
     headers.sort();
     for p in headers {
-        p.hash(&mut h);
+        p.strip_prefix(include).unwrap_or(&p).hash(&mut h);
         fs::read(&p).unwrap_or_default().hash(&mut h);
     }
     h.finish()
