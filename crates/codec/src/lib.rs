@@ -7,6 +7,9 @@
 //! * [`Format`] and its layout methods describe a block of 1024 values.
 //! * [`encode`], [`decode`], [`decode_accumulate`] and [`reduce_requantize`] are the codec.
 //! * [`error_bound`] gives the per-element guarantee that the tests check.
+//! * [`DType`] and [`Collective`] are the tree's one element-type and one collective enum, and
+//!   [`rng`] its one seeded generator: they live here, in the lowest crate, so every crate above
+//!   shares them.
 //! * [`reference`](mod@reference) holds the quantized all-reduce algorithms as the GPU computes them.
 //!
 //! Decoders validate lengths and headers and never panic on arbitrary bytes.
@@ -14,16 +17,19 @@
 #![forbid(unsafe_code)]
 
 mod codec;
+mod collective;
 mod element;
 mod error;
 mod format;
 pub mod reference;
+pub mod rng;
 mod tables;
 
 pub use codec::{
     decode, decode_accumulate, decode_f32, encode, encode_to_vec, error_bound, error_bound_f32,
     reduce_requantize,
 };
+pub use collective::Collective;
 pub use element::Element;
 pub use error::CodecError;
 pub use format::{

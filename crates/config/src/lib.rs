@@ -17,8 +17,9 @@ pub mod values;
 use std::ffi::OsStr;
 use std::fmt;
 
+pub use flashcomm_codec::{Collective, DType};
 pub use values::{
-    Algo, Bounded, Bytes, DebugLevel, Dtype, FunctionName, GIB, KIB, LibPath, MIB, OneOf, Op,
+    Algo, Bounded, Bytes, DebugLevel, FunctionName, GIB, KERNEL_OPS, KIB, LibPath, MIB, OneOf,
     Proto, QuantBits, Set, Subsystems, Text, Value,
 };
 
@@ -129,7 +130,7 @@ variables! {
         strict: true,
     }
     /// Which collectives flashcomm's kernels may take; the others always go to NCCL.
-    ops: Set<Op> = Set(vec![Op::AllReduce, Op::ReduceScatter, Op::AllGather]) => {
+    ops: Set<Collective> = Set(KERNEL_OPS.to_vec()) => {
         name: "FLASHCOMM_OPS",
         kind: "list",
         allowed: "comma list of `allreduce`, `reducescatter`, `allgather`; or `none`",
@@ -241,7 +242,7 @@ variables! {
     }
     /// Which collectives may be quantized (when `FLASHCOMM_QUANT_BITS` is not `off`). Only
     /// `allreduce` has quantized kernels; the others stay lossless.
-    quant_ops: Set<Op> = Set(vec![Op::AllReduce]) => {
+    quant_ops: Set<Collective> = Set(vec![Collective::AllReduce]) => {
         name: "FLASHCOMM_QUANT_OPS",
         kind: "list",
         allowed: "comma list of `allreduce`, `reducescatter`, `allgather`; or `none`",
@@ -249,7 +250,7 @@ variables! {
     }
     /// Element types that may be quantized; other types stay lossless. The kernels quantize
     /// `bf16` and `f16`; an `f32` AllReduce that asks for it passes through to NCCL.
-    quant_dtypes: Set<Dtype> = Set(vec![Dtype::Bf16, Dtype::F16]) => {
+    quant_dtypes: Set<DType> = Set(vec![DType::Bf16, DType::F16]) => {
         name: "FLASHCOMM_QUANT_DTYPES",
         kind: "list",
         allowed: "comma list of `bf16`, `f16`, `f32`",
@@ -824,9 +825,9 @@ mod tests {
         assert!(!q.in_window(64 * KIB - 1) && q.in_window(64 * KIB));
         assert_eq!(
             c.settings.quant_ops.0,
-            vec![Op::AllReduce, Op::ReduceScatter]
+            vec![Collective::AllReduce, Collective::ReduceScatter]
         );
-        assert_eq!(c.settings.quant_dtypes.0, vec![Dtype::Bf16, Dtype::F32]);
+        assert_eq!(c.settings.quant_dtypes.0, vec![DType::Bf16, DType::F32]);
     }
 
     #[test]

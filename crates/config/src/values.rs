@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use flashcomm_codec::{ALL_DTYPES, Collective, DType};
+
 /// A value that a variable can hold.
 pub trait Value: Sized {
     /// Parses the text of a variable. `Err` may carry a detail; the caller adds the variable name,
@@ -206,18 +208,6 @@ macro_rules! keyword_enum {
 }
 
 keyword_enum! {
-    /// A collective our kernels may take.
-    Op {
-        /// `ncclAllReduce`.
-        AllReduce = "allreduce",
-        /// `ncclReduceScatter`.
-        ReduceScatter = "reducescatter",
-        /// `ncclAllGather`.
-        AllGather = "allgather",
-    }
-}
-
-keyword_enum! {
     /// The device protocol of our kernels.
     Proto {
         /// Chosen per call by the cost model.
@@ -241,15 +231,35 @@ keyword_enum! {
     }
 }
 
-keyword_enum! {
-    /// An element type the codec may quantize.
-    Dtype {
-        /// bfloat16.
-        Bf16 = "bf16",
-        /// IEEE half.
-        F16 = "f16",
-        /// IEEE single.
-        F32 = "f32",
+/// The collectives flashcomm's kernels implement: the kinds `FLASHCOMM_OPS` and
+/// `FLASHCOMM_QUANT_OPS` may name.
+pub const KERNEL_OPS: [Collective; 3] = [
+    Collective::AllReduce,
+    Collective::ReduceScatter,
+    Collective::AllGather,
+];
+
+/// A collective kind (the tree's one collective enum), as `FLASHCOMM_OPS` spells it: one of
+/// [`KERNEL_OPS`].
+impl Value for Collective {
+    fn parse(raw: &str) -> Result<Self, Option<String>> {
+        let t = raw.trim().to_ascii_lowercase();
+        KERNEL_OPS.into_iter().find(|k| k.name() == t).ok_or(None)
+    }
+    fn show(&self) -> String {
+        self.name().to_string()
+    }
+}
+
+/// An element type (the tree's one datatype enum), as `FLASHCOMM_QUANT_DTYPES` spells it: `bf16`,
+/// `f16` or `f32`.
+impl Value for DType {
+    fn parse(raw: &str) -> Result<Self, Option<String>> {
+        let t = raw.trim().to_ascii_lowercase();
+        ALL_DTYPES.into_iter().find(|d| d.suffix() == t).ok_or(None)
+    }
+    fn show(&self) -> String {
+        self.suffix().to_string()
     }
 }
 
@@ -458,12 +468,12 @@ mod tests {
 
     #[test]
     fn sets_and_keywords() {
-        let s = Set::<Op>::parse("allreduce, AllGather,allreduce").unwrap();
-        assert_eq!(s.0, vec![Op::AllReduce, Op::AllGather]);
+        let s = Set::<Collective>::parse("allreduce, AllGather,allreduce").unwrap();
+        assert_eq!(s.0, vec![Collective::AllReduce, Collective::AllGather]);
         assert_eq!(s.show(), "allreduce,allgather");
-        assert_eq!(Set::<Op>::parse("none").unwrap().0, vec![]);
-        assert!(Set::<Op>::parse("allreduce,alltoall").is_err());
-        assert!(Set::<Op>::parse(",").is_err());
+        assert_eq!(Set::<Collective>::parse("none").unwrap().0, vec![]);
+        assert!(Set::<Collective>::parse("allreduce,alltoall").is_err());
+        assert!(Set::<Collective>::parse(",").is_err());
         assert_eq!(Proto::parse("LL"), Ok(Proto::Ll));
         assert!(Algo::parse("threeshot").is_err());
     }

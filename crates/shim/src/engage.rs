@@ -31,7 +31,7 @@ use std::fmt::Write as _;
 use std::sync::Once;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use flashcomm_config::{Bytes, Config, Op, Value};
+use flashcomm_config::{Bytes, Config, Value};
 use flashcomm_nccl_sys::{HEADER_VERSION, version_string};
 
 use crate::logging::{self, Subsys};
@@ -43,21 +43,6 @@ use crate::types::{Collective, CommHandle, Route};
 /// Writes `msg` at INFO under `flashcomm::engage`.
 fn engage_info(msg: &str) {
     tracing::info!(target: "flashcomm::engage", "{}", msg);
-}
-
-/// The collective kinds' names, in index order (as `flashcommStats_t` and the Python API name
-/// them).
-fn coll_name(kind: Collective) -> &'static str {
-    match kind {
-        Collective::AllReduce => "allreduce",
-        Collective::ReduceScatter => "reducescatter",
-        Collective::AllGather => "allgather",
-        Collective::AlltoAll => "alltoall",
-        Collective::Broadcast => "broadcast",
-        Collective::Reduce => "reduce",
-        Collective::Send => "send",
-        Collective::Recv => "recv",
-    }
 }
 
 /// Why a call that flashcomm could have served went to NCCL: the slots of [`MISSED`].
@@ -101,13 +86,7 @@ fn missed_slot(route: Route, why: Why) -> Option<usize> {
 
 /// Whether `FLASHCOMM_OPS` lets flashcomm's kernels take collectives of `kind`.
 fn ops_allow(config: &Config, kind: Collective) -> bool {
-    let op = match kind {
-        Collective::AllReduce => Op::AllReduce,
-        Collective::ReduceScatter => Op::ReduceScatter,
-        Collective::AllGather => Op::AllGather,
-        _ => return false,
-    };
-    config.settings.ops.contains(&op)
+    config.settings.ops.contains(&kind)
 }
 
 /// Hook of `dispatch::run`: a call of `kind` took `route` (after any refusal by the kernels)
@@ -241,7 +220,7 @@ fn summary_line(totals: &Snapshot, missed: &[u64; MISSED_REASONS.len()]) -> Opti
         let parts: Vec<String> = Collective::ALL
             .iter()
             .filter(|k| row[**k as usize] > 0)
-            .map(|k| format!("{} {}", coll_name(*k), row[*k as usize]))
+            .map(|k| format!("{} {}", Collective::name(*k), row[*k as usize]))
             .collect();
         if !parts.is_empty() {
             let _ = write!(line, " ({})", parts.join(", "));

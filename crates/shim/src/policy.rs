@@ -11,7 +11,7 @@
 //! May import: `types`.
 
 use flashcomm_comm::{DataType, QuantSpec};
-use flashcomm_config::{Config, Dtype, Op, QuantSettings};
+use flashcomm_config::{Config, KERNEL_OPS, QuantSettings};
 use flashcomm_nccl_sys::{ncclDataType_t, ncclRedOp_t};
 
 use crate::types::{CollCall, Collective, Route};
@@ -116,23 +116,6 @@ pub(crate) fn float_type(t: ncclDataType_t) -> Option<DataType> {
     }
 }
 
-fn config_op(kind: Collective) -> Option<Op> {
-    match kind {
-        Collective::AllReduce => Some(Op::AllReduce),
-        Collective::ReduceScatter => Some(Op::ReduceScatter),
-        Collective::AllGather => Some(Op::AllGather),
-        _ => None,
-    }
-}
-
-fn config_dtype(t: DataType) -> Dtype {
-    match t {
-        DataType::F32 => Dtype::F32,
-        DataType::F16 => Dtype::F16,
-        DataType::Bf16 => Dtype::Bf16,
-    }
-}
-
 /// Where `call` goes. A pure function of the call's arguments, the configuration, what was agreed
 /// about the communicator at set-up (`comm`, `None` for a communicator flashcomm never saw) and
 /// this thread's group depth, all identical on every rank of a correct program.
@@ -156,9 +139,10 @@ pub(crate) fn decide(
     if s.disable {
         return Decision::nccl(Why::Disabled);
     }
-    let Some(op) = config_op(call.kind) else {
+    if !KERNEL_OPS.contains(&call.kind) {
         return Decision::nccl(Why::NotOurs);
-    };
+    }
+    let op = call.kind;
     let dtype = float_type(call.datatype);
     if call.kind != Collective::AllGather {
         if call.op != Some(ncclRedOp_t::ncclSum) {
@@ -193,9 +177,7 @@ pub(crate) fn decide(
         (None, _) => NotQuantized::Off,
         (Some(_), _) if !s.quant_ops.contains(&op) => NotQuantized::OpsExclude,
         (Some(_), _) if call.kind != Collective::AllReduce => NotQuantized::NoQuantizedKernels,
-        (Some(_), Some(t)) if !s.quant_dtypes.contains(&config_dtype(t)) => {
-            NotQuantized::DtypeExcluded
-        }
+        (Some(_), Some(t)) if !s.quant_dtypes.contains(&t) => NotQuantized::DtypeExcluded,
         (Some(_), None) => NotQuantized::DtypeExcluded,
         (Some(_), _) if call.bytes < view.quant.min_bytes => NotQuantized::BelowWindow,
         (Some(_), _) if call.bytes > view.quant.max_bytes => NotQuantized::AboveWindow,
@@ -276,7 +258,7 @@ pub(crate) fn explain(
             s.ops
                 .0
                 .iter()
-                .map(|o| o.as_str())
+                .map(|o| o.name())
                 .collect::<Vec<_>>()
                 .join(",")
         ),

@@ -2,7 +2,8 @@
 //! end. Plain data shared by every layer above.
 //!
 //! Owns: [`Route`], [`Collective`], [`CollCall`], [`CommHandle`], [`CommOrigin`], [`CommEnd`].
-//! May import: nothing of this crate (the bottom of the module graph).
+//! May import: nothing of this crate (the bottom of the module graph). [`Collective`] is the
+//! tree's one collective enum, re-exported from the configuration crate.
 
 use std::ffi::c_void;
 
@@ -36,57 +37,8 @@ impl Route {
     }
 }
 
-/// The kind of a collective (`ncclBcast` counts as `Broadcast`, `ncclXConfig` as `X`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(usize)]
-pub(crate) enum Collective {
-    /// `ncclAllReduce`.
-    AllReduce = 0,
-    /// `ncclReduceScatter`.
-    ReduceScatter = 1,
-    /// `ncclAllGather`.
-    AllGather = 2,
-    /// `ncclAlltoAll`.
-    AlltoAll = 3,
-    /// `ncclBroadcast`, `ncclBcast`.
-    Broadcast = 4,
-    /// `ncclReduce`.
-    Reduce = 5,
-    /// `ncclSend`.
-    Send = 6,
-    /// `ncclRecv`.
-    Recv = 7,
-}
-
-impl Collective {
-    /// Every kind, in index order (the second index of `flashcommStats_t`).
-    pub(crate) const ALL: [Collective; 8] = [
-        Collective::AllReduce,
-        Collective::ReduceScatter,
-        Collective::AllGather,
-        Collective::AlltoAll,
-        Collective::Broadcast,
-        Collective::Reduce,
-        Collective::Send,
-        Collective::Recv,
-    ];
-    /// Number of kinds.
-    pub(crate) const COUNT: usize = Self::ALL.len();
-
-    /// Whether the operation takes a reduction operator.
-    #[cfg(test)]
-    pub(crate) fn reduces(self) -> bool {
-        matches!(
-            self,
-            Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce
-        )
-    }
-
-    /// Whether it is a point-to-point operation (logged under `P2P` rather than `COLL`).
-    pub(crate) fn is_p2p(self) -> bool {
-        matches!(self, Collective::Send | Collective::Recv)
-    }
-}
+/// The kind of a collective call: the tree's one collective enum.
+pub(crate) use flashcomm_config::Collective;
 
 /// One collective call, as the export received it (arguments already checked).
 #[derive(Debug, Clone, Copy)]

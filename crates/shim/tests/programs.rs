@@ -124,28 +124,13 @@ fn numpy_available() -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
+use flashcomm_codec::rng::Rng;
 
 /// Values that exercise the codec: spread, outliers, zeros of both signs, exact ties.
 fn test_values(rng: &mut Rng, n: usize, scale: f32) -> Vec<flashcomm_codec::bf16> {
     (0..n)
         .map(|i| {
-            let u = rng.unit();
+            let u = rng.signed_unit() as f32;
             let v = match i % 97 {
                 0 => 0.0,
                 1 => -0.0,
@@ -170,7 +155,7 @@ fn torch_quant_emulation_matches_the_cpu_reference() {
     use flashcomm_codec::{DType, Format, bf16, reference};
     let script = repo().join("tests/python/torch_quant.py");
     let dir = scratch("emulation");
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
     // (ranks, bits of the first step, bits of the all-gather step, group, spikes, values)
     let cases: [(usize, u8, u8, u16, u8, usize); 8] = [
         (1, 4, 4, 128, 2, 3 * 1024 + 333),

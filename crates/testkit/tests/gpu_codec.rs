@@ -24,32 +24,7 @@ use flashcomm_testkit::codec::{Codec, CodecFormat, CodecStatus, CodecValue, FLAG
 
 // ------------------------------------------------------------------------------ randomness ----
 
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn chance(&mut self, p: f64) -> bool {
-        self.unit() < p
-    }
-    fn gauss(&mut self) -> f64 {
-        let u1 = self.unit().max(1e-300);
-        let u2 = self.unit();
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-    }
-}
+use flashcomm_codec::rng::Rng;
 
 fn base_seed() -> u64 {
     std::env::var("FLASHCOMM_TEST_SEED")
@@ -69,14 +44,14 @@ fn base_seed() -> u64 {
 fn gen_values<T: Element>(rng: &mut Rng, n: usize) -> Vec<T> {
     let mut v = vec![0f64; n];
     for chunk in v.chunks_mut(32) {
-        let scale = 10f64.powf(rng.unit() * 8.0 - 4.0);
+        let scale = 10f64.powf(rng.uniform() * 8.0 - 4.0);
         let offset = if rng.chance(0.2) {
-            rng.gauss() * scale * 3.0
+            rng.normal() * scale * 3.0
         } else {
             0.0
         };
         for x in chunk.iter_mut() {
-            *x = rng.gauss() * scale + offset;
+            *x = rng.normal() * scale + offset;
         }
         let flavor = rng.below(100);
         match flavor {
@@ -84,7 +59,7 @@ fn gen_values<T: Element>(rng: &mut Rng, n: usize) -> Vec<T> {
             60..=69 => {
                 for _ in 0..1 + rng.below(3) {
                     let i = rng.below(chunk.len());
-                    chunk[i] = (50.0 + rng.unit() * 1000.0)
+                    chunk[i] = (50.0 + rng.uniform() * 1000.0)
                         * scale
                         * if rng.chance(0.5) { -1.0 } else { 1.0 };
                 }
@@ -97,7 +72,7 @@ fn gen_values<T: Element>(rng: &mut Rng, n: usize) -> Vec<T> {
                 }
             }
             75..=78 => {
-                let c = rng.gauss() * scale;
+                let c = rng.normal() * scale;
                 for x in chunk.iter_mut() {
                     if rng.chance(0.6) {
                         *x = c;
@@ -108,7 +83,7 @@ fn gen_values<T: Element>(rng: &mut Rng, n: usize) -> Vec<T> {
                 let c = if rng.chance(0.3) {
                     0.0
                 } else {
-                    rng.gauss() * scale
+                    rng.normal() * scale
                 };
                 chunk.fill(c);
             }
@@ -156,7 +131,7 @@ fn gen_values<T: Element>(rng: &mut Rng, n: usize) -> Vec<T> {
                 chunk[j] = -1e3 * scale;
             }
             _ => {
-                let c = rng.gauss() * scale;
+                let c = rng.normal() * scale;
                 for x in chunk.iter_mut().step_by(2) {
                     *x = c;
                 }
@@ -363,7 +338,7 @@ fn encode_family<T: Dev>(g: &Gpu, seed: u64) {
     lengths.push(BIG);
     let mut checked = 0usize;
     for (li, &n) in lengths.iter().enumerate() {
-        let mut rng = Rng(seed ^ (li as u64 * 0x1234_5678_9abc));
+        let mut rng = Rng::new(seed ^ (li as u64 * 0x1234_5678_9abc));
         let input: Vec<T> = gen_values(&mut rng, n);
         // > 1 M values: one format per width (group and spikes rotate with the seed).
         let fs: Vec<Format> = if n == BIG {
@@ -423,13 +398,13 @@ fn decode_family<T: Dev>(g: &Gpu, seed: u64) {
     let mut lengths: Vec<usize> = LENGTHS.to_vec();
     lengths.push(BIG);
     for (li, &n) in lengths.iter().enumerate() {
-        let mut rng = Rng(seed ^ 0xdec0de ^ (li as u64 * 0x9e37_79b9));
+        let mut rng = Rng::new(seed ^ 0xdec0de ^ (li as u64 * 0x9e37_79b9));
         let input: Vec<T> = gen_values(&mut rng, n);
         let acc0: Vec<f32> = (0..n)
             .map(|i| match i % 7 {
                 0 => 0.0,
                 1 => -0.0,
-                _ => rng.gauss() as f32 * 10f32.powi(rng.below(7) as i32 - 3),
+                _ => rng.normal() as f32 * 10f32.powi(rng.below(7) as i32 - 3),
             })
             .collect();
         let fs: Vec<Format> = if n == BIG {
@@ -522,7 +497,7 @@ fn reduce_family<T: Dev>(g: &Gpu, seed: u64) {
     let t0 = Instant::now();
     let mut checked = 0usize;
     let lengths = [1usize, 1000, 1025, 4097, 100_003];
-    let mut rng = Rng(seed ^ 0x005e_ed0f_5eed);
+    let mut rng = Rng::new(seed ^ 0x005e_ed0f_5eed);
     for &n in &lengths {
         for nin in [2usize, 4, 8] {
             // Every input width, with a random output width, groups and spikes each time.
@@ -774,7 +749,7 @@ fn mismatching_headers_are_reported() {
     let g = gpu();
     let f = Format::new(DType::Bf16, 4, 128, 2).unwrap();
     let n = 5000;
-    let mut rng = Rng(base_seed());
+    let mut rng = Rng::new(base_seed());
     let input: Vec<bf16> = gen_values(&mut rng, n);
     let mut enc = cpu::encode_to_vec(f, &input).unwrap();
     // Block 2: wrong width; block 4: wrong nvalues. The tag word (bytes 0..4) is not checked.

@@ -10,6 +10,7 @@
 //!   real models carry and that the codec's spike reserving is for.
 
 use flashcomm_codec::Element;
+use flashcomm_codec::rng::mix64 as mix;
 
 /// About one value in this many is a spike.
 pub const SPIKE_PERIOD: u64 = 4096;
@@ -17,12 +18,6 @@ pub const SPIKE_PERIOD: u64 = 4096;
 pub const SPIKE_MIN: f64 = 32.0;
 /// Largest spike magnitude (exclusive).
 pub const SPIKE_MAX: f64 = 128.0;
-
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 fn hash(seed: u64, rank: u32, index: u64, lane: u64) -> u64 {
     let a = mix(seed ^ 0x6A09_E667_F3BC_C909);

@@ -12,15 +12,10 @@
 //! would. Groups are consecutive values of the flattened buffer, the codec's groups; a tail
 //! shorter than a group is left as it is.
 
+use flashcomm_codec::rng::splitmix64;
+
 /// The seed of the sign pattern.
 pub const SEED: u64 = 0x05EE_D0FC_0DEC;
-
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 /// The sign of position `i` inside a group: `+1` or `-1` from the top bit of a hash of the
 /// seed and the position.

@@ -1,0 +1,144 @@
+//! The kinds of collective call: the one collective enum of the tree, kept here, in the lowest
+//! crate, beside [`DType`](crate::DType), so the configuration, the communicator, the shim and the
+//! tools all speak of the same values and need no converters.
+
+use std::fmt;
+
+/// The kind of a collective call (`ncclBcast` counts as `Broadcast`, `ncclXConfig` as `X`).
+///
+/// The discriminants are the kinds' indices (the second index of the shim's statistics table and
+/// of `flashcommStats_t`): never reorder them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Collective {
+    /// Sum (or another reduction) over ranks, result on every rank: `ncclAllReduce`.
+    AllReduce = 0,
+    /// Reduction over ranks, rank r keeps block r: `ncclReduceScatter`.
+    ReduceScatter = 1,
+    /// Concatenation of every rank's buffer: `ncclAllGather`.
+    AllGather = 2,
+    /// Block p of every rank goes to rank p: `ncclAlltoAll`.
+    AlltoAll = 3,
+    /// `ncclBroadcast`, `ncclBcast`.
+    Broadcast = 4,
+    /// `ncclReduce`.
+    Reduce = 5,
+    /// `ncclSend`.
+    Send = 6,
+    /// `ncclRecv`.
+    Recv = 7,
+}
+
+impl Collective {
+    /// Every kind, in index order.
+    pub const ALL: [Collective; 8] = [
+        Collective::AllReduce,
+        Collective::ReduceScatter,
+        Collective::AllGather,
+        Collective::AlltoAll,
+        Collective::Broadcast,
+        Collective::Reduce,
+        Collective::Send,
+        Collective::Recv,
+    ];
+
+    /// Number of kinds.
+    pub const COUNT: usize = Self::ALL.len();
+
+    /// The kind's index (its position in [`Collective::ALL`]).
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The lower-case name used in environment variables, logs, the statistics API, the benchmark's
+    /// command line and its JSON (`allreduce`, `reducescatter`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "allreduce",
+            Collective::ReduceScatter => "reducescatter",
+            Collective::AllGather => "allgather",
+            Collective::AlltoAll => "alltoall",
+            Collective::Broadcast => "broadcast",
+            Collective::Reduce => "reduce",
+            Collective::Send => "send",
+            Collective::Recv => "recv",
+        }
+    }
+
+    /// The kind named `name`: [`Collective::name`] or the same with underscores
+    /// (`all_reduce`), any case.
+    pub fn from_name(name: &str) -> Option<Collective> {
+        let t: String = name
+            .trim()
+            .chars()
+            .filter(|&c| c != '_')
+            .map(|c| c.to_ascii_lowercase())
+            .collect();
+        Self::ALL.into_iter().find(|k| k.name() == t)
+    }
+
+    /// Whether the operation takes a reduction operator.
+    pub const fn reduces(self) -> bool {
+        matches!(
+            self,
+            Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce
+        )
+    }
+
+    /// Whether it is a point-to-point operation.
+    pub const fn is_p2p(self) -> bool {
+        matches!(self, Collective::Send | Collective::Recv)
+    }
+
+    /// Bus-bandwidth factor (nccl-tests' convention): `2(n-1)/n` for AllReduce, `(n-1)/n` for
+    /// ReduceScatter, AllGather and AlltoAll, 1 for the rooted and point-to-point kinds.
+    pub fn busbw_factor(self, nranks: u32) -> f64 {
+        let n = f64::from(nranks.max(1));
+        match self {
+            Collective::AllReduce => 2.0 * (n - 1.0) / n,
+            Collective::ReduceScatter | Collective::AllGather | Collective::AlltoAll => {
+                (n - 1.0) / n
+            }
+            Collective::Broadcast | Collective::Reduce | Collective::Send | Collective::Recv => 1.0,
+        }
+    }
+}
+
+impl fmt::Display for Collective {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn indices_follow_the_table() {
+        for (i, k) in Collective::ALL.into_iter().enumerate() {
+            assert_eq!(k.index(), i);
+        }
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for k in Collective::ALL {
+            assert_eq!(Collective::from_name(k.name()), Some(k));
+        }
+        assert_eq!(
+            Collective::from_name(" All_Reduce "),
+            Some(Collective::AllReduce)
+        );
+        assert_eq!(Collective::from_name("allreduc"), None);
+        assert_eq!(Collective::from_name(""), None);
+    }
+
+    #[test]
+    fn bus_bandwidth_factors() {
+        assert!((Collective::AllReduce.busbw_factor(8) - 1.75).abs() < 1e-12);
+        assert!((Collective::AllGather.busbw_factor(8) - 0.875).abs() < 1e-12);
+        assert!((Collective::AlltoAll.busbw_factor(2) - 0.5).abs() < 1e-12);
+        assert_eq!(Collective::AllReduce.busbw_factor(1), 0.0);
+    }
+}
