@@ -5,7 +5,11 @@
 //! current context saved and restored, a stream of our own).
 //!
 //! Every other crate reaches the driver through this one; it is the only crate whose code calls
-//! `cudarc`'s driver bindings, and each `unsafe` block states why it is sound. Everything here
+//! `cudarc`'s driver bindings, and each `unsafe` block states why it is sound. Calls go through
+//! cudarc's `result` layer (typed results, out-parameters handled there); the few calls that
+//! layer does not wrap (context push and pop, peer access, legacy IPC, host-memory device
+//! pointers, module enumeration, occupancy with a raw function, the kernel launch with a by-value
+//! parameter struct) use `sys` and convert their result the same way ([`check`]). Everything here
 //! works on raw device addresses (`u64`), which callers never dereference on the host.
 //!
 //! It imports nothing of flashcomm (it is the bottom of the dependency graph with the NCCL
@@ -14,6 +18,7 @@
 use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
 
+use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 mod caller;
@@ -50,16 +55,17 @@ impl std::fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
-/// Converts a driver result into this crate's error.
-pub fn check(r: sys::CUresult, during: &'static str) -> Result<(), Error> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Cuda {
-            during,
-            detail: format!("{r:?}"),
-        })
+/// The error of a driver call that failed while doing `during`.
+pub(crate) fn cuda(during: &'static str) -> impl FnOnce(DriverError) -> Error {
+    move |e| Error::Cuda {
+        during,
+        detail: format!("{:?}", e.0),
     }
+}
+
+/// Converts the raw result of a call that cudarc's `result` layer does not wrap.
+pub(crate) fn check(r: sys::CUresult, during: &'static str) -> Result<(), Error> {
+    r.result().map_err(cuda(during))
 }
 
 /// Whether the CUDA driver library can be loaded (cudarc panics on first use otherwise).
@@ -87,28 +93,24 @@ impl Stream {
     /// A new non-blocking stream in the current context (never destroyed: used for tests and
     /// internal work that lives as long as the process).
     pub fn create() -> Result<Stream, Error> {
-        let mut s: sys::CUstream = std::ptr::null_mut();
-        // SAFETY: `s` is a valid out-pointer; flag 1 is CU_STREAM_NON_BLOCKING.
-        let r = unsafe { sys::cuStreamCreate(&mut s, 1) };
-        check(r, "creating a stream")?;
-        Ok(Stream(s))
+        result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map(Stream)
+            .map_err(cuda("creating a stream"))
     }
 
     /// Whether work is being captured into a graph on this stream.
     pub fn is_capturing(&self) -> Result<bool, Error> {
-        let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: the stream handle came from the caller as a valid stream of the current context
-        // (or a special value the driver accepts); `st` is an out-pointer.
-        let r = unsafe { sys::cuStreamIsCapturing(self.0, &mut st) };
-        check(r, "querying stream capture")?;
+        // (or a special value the driver accepts).
+        let st = unsafe { result::stream::is_capturing(self.0) }
+            .map_err(cuda("querying stream capture"))?;
         Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
     /// Blocks until all work queued on the stream has finished.
     pub fn synchronize(&self) -> Result<(), Error> {
         // SAFETY: valid stream handle of the current context.
-        let r = unsafe { sys::cuStreamSynchronize(self.0) };
-        check(r, "synchronizing a stream")
+        unsafe { result::stream::synchronize(self.0) }.map_err(cuda("synchronizing a stream"))
     }
 }
 
@@ -117,19 +119,13 @@ pub fn init() -> Result<(), Error> {
     if !driver_present() {
         return Err(Error::NoDriver);
     }
-    // SAFETY: cuInit has no preconditions; it is idempotent.
-    let r = unsafe { sys::cuInit(0) };
-    check(r, "initializing the CUDA driver")
+    result::init().map_err(cuda("initializing the CUDA driver"))
 }
 
 /// Number of CUDA devices.
 pub fn device_count() -> Result<i32, Error> {
     init()?;
-    let mut n = 0;
-    // SAFETY: `n` is an out-pointer; the driver is initialized.
-    let r = unsafe { sys::cuDeviceGetCount(&mut n) };
-    check(r, "counting devices")?;
-    Ok(n)
+    result::device::get_count().map_err(cuda("counting devices"))
 }
 
 /// A device and its primary context (the one PyTorch and the CUDA runtime use), retained for
@@ -160,29 +156,20 @@ impl Device {
         if let Some(d) = map.get(&ordinal) {
             return Ok(d.clone());
         }
-        let mut dev: sys::CUdevice = 0;
-        // SAFETY: out-pointer; the driver validates the ordinal.
-        let r = unsafe { sys::cuDeviceGet(&mut dev, ordinal) };
-        check(r, "getting a device")?;
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: out-pointer; `dev` is valid. The retain is never released: the primary context
-        // must outlive kernels that may still run when a communicator is dropped.
-        let r = unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) };
-        check(r, "retaining the primary context")?;
-        let mut sms = 0;
-        // SAFETY: out-pointer; valid device and attribute.
-        let r = unsafe {
-            sys::cuDeviceGetAttribute(
-                &mut sms,
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        let dev = result::device::get(ordinal).map_err(cuda("getting a device"))?;
+        // SAFETY: `dev` is valid. The retain is never released: the primary context must outlive
+        // kernels that may still run when a communicator is dropped.
+        let ctx = unsafe { result::primary_ctx::retain(dev) }
+            .map_err(cuda("retaining the primary context"))?;
+        // SAFETY: valid device and attribute.
+        let sms = unsafe {
+            result::device::get_attribute(
                 dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             )
-        };
-        check(r, "querying the SM count")?;
-        let mut uuid = sys::CUuuid_st { bytes: [0; 16] };
-        // SAFETY: out-pointer; valid device.
-        let r = unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) };
-        check(r, "querying the device UUID")?;
+        }
+        .map_err(cuda("querying the SM count"))?;
+        let uuid = result::device::get_uuid(dev).map_err(cuda("querying the device UUID"))?;
         let d = Arc::new(Device {
             ordinal,
             dev,
@@ -217,11 +204,8 @@ impl Device {
     /// Makes this device's primary context current on the calling thread until the guard drops
     /// (restoring whatever was current before; nothing is pushed when it already is current).
     pub fn activate(&self) -> Result<CtxGuard, Error> {
-        let mut cur: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: out-pointer.
-        let r = unsafe { sys::cuCtxGetCurrent(&mut cur) };
-        check(r, "reading the current context")?;
-        if cur == self.ctx {
+        let cur = result::ctx::get_current().map_err(cuda("reading the current context"))?;
+        if cur == Some(self.ctx) {
             return Ok(CtxGuard { pushed: false });
         }
         // SAFETY: `self.ctx` is a retained primary context.
@@ -319,10 +303,9 @@ impl DeviceMem {
     /// Allocates `bytes` on `device`, zero-filled.
     pub fn alloc_zeroed(device: &Arc<Device>, bytes: usize) -> Result<DeviceMem, Error> {
         let _ctx = device.activate()?;
-        let mut p: sys::CUdeviceptr = 0;
-        // SAFETY: out-pointer; a context is current (callers hold a CtxGuard).
-        let r = unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(1)) };
-        check(r, "allocating device memory")?;
+        // SAFETY: this device's context is current (the guard above).
+        let p = unsafe { result::malloc_sync(bytes.max(1)) }
+            .map_err(cuda("allocating device memory"))?;
         let m = DeviceMem {
             ptr: p,
             bytes,
@@ -336,12 +319,13 @@ impl DeviceMem {
         let s = Stream::create()?;
         // SAFETY: `p` points to `bytes` freshly allocated bytes; `s` is a stream of the current
         // context.
-        let r = unsafe { sys::cuMemsetD8Async(p, 0, bytes, s.0) };
-        let waited = check(r, "clearing device memory").and_then(|_| s.synchronize());
+        let waited = unsafe { result::memset_d8_async(p, 0, bytes, s.0) }
+            .map_err(cuda("clearing device memory"))
+            .and_then(|_| s.synchronize());
         // SAFETY: `s` was created above and nothing else refers to it.
-        let d = unsafe { sys::cuStreamDestroy_v2(s.0) };
+        let d = unsafe { result::stream::destroy(s.0) };
         waited?;
-        check(d, "destroying a stream")?;
+        d.map_err(cuda("destroying a stream"))?;
         Ok(m)
     }
 
@@ -389,15 +373,8 @@ impl DeviceMem {
         assert!(offset + src.len() <= self.bytes, "upload out of bounds");
         // SAFETY: the destination range lies inside this allocation (asserted); `src` stays valid
         // until the stream synchronization below.
-        let r = unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                self.ptr + offset as u64,
-                src.as_ptr() as *const c_void,
-                src.len(),
-                stream.0,
-            )
-        };
-        check(r, "copying to the device")?;
+        unsafe { result::memcpy_htod_async(self.ptr + offset as u64, src, stream.0) }
+            .map_err(cuda("copying to the device"))?;
         stream.synchronize()
     }
 
@@ -407,15 +384,8 @@ impl DeviceMem {
         assert!(offset + dst.len() <= self.bytes, "download out of bounds");
         // SAFETY: the source range lies inside this allocation (asserted); `dst` stays valid
         // until the stream synchronization below.
-        let r = unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                dst.as_mut_ptr() as *mut c_void,
-                self.ptr + offset as u64,
-                dst.len(),
-                stream.0,
-            )
-        };
-        check(r, "copying to the host")?;
+        unsafe { result::memcpy_dtoh_async(dst, self.ptr + offset as u64, stream.0) }
+            .map_err(cuda("copying to the host"))?;
         stream.synchronize()
     }
 
@@ -423,8 +393,8 @@ impl DeviceMem {
     pub fn fill(&self, byte: u8, stream: Stream) -> Result<(), Error> {
         let _ctx = self.device.activate()?;
         // SAFETY: the range is exactly this allocation.
-        let r = unsafe { sys::cuMemsetD8Async(self.ptr, byte, self.bytes, stream.0) };
-        check(r, "filling device memory")
+        unsafe { result::memset_d8_async(self.ptr, byte, self.bytes, stream.0) }
+            .map_err(cuda("filling device memory"))
     }
 
     /// The 64-byte legacy IPC handle of this allocation.
@@ -443,7 +413,7 @@ impl Drop for DeviceMem {
         let _ctx = self.device.activate();
         // SAFETY: frees the allocation this value owns; callers make sure no kernel still uses
         // it (communicators wait for their last launch before dropping their arena).
-        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        let _ = unsafe { result::free_sync(self.ptr) };
     }
 }
 
@@ -501,16 +471,14 @@ unsafe impl Sync for HostMapped {}
 impl HostMapped {
     /// Allocates `bytes` zeroed bytes (a context must be current).
     pub fn alloc(bytes: usize) -> Result<HostMapped, Error> {
-        let mut h: *mut c_void = std::ptr::null_mut();
-        // SAFETY: out-pointer; portable + device-mapped pinned memory.
-        let r = unsafe {
-            sys::cuMemHostAlloc(
-                &mut h,
+        // SAFETY: portable + device-mapped pinned memory; a context is current.
+        let h = unsafe {
+            result::malloc_host(
                 bytes,
                 sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
             )
-        };
-        check(r, "allocating host-mapped memory")?;
+        }
+        .map_err(cuda("allocating host-mapped memory"))?;
         // SAFETY: `h` points to `bytes` writable bytes just allocated.
         unsafe { std::ptr::write_bytes(h as *mut u8, 0, bytes) };
         let mut d: sys::CUdeviceptr = 0;
@@ -555,7 +523,7 @@ impl HostMapped {
 impl Drop for HostMapped {
     fn drop(&mut self) {
         // SAFETY: frees the allocation this value owns (kernels that read it have finished).
-        let _ = unsafe { sys::cuMemFreeHost(self.host as *mut c_void) };
+        let _ = unsafe { result::free_host(self.host as *mut c_void) };
     }
 }
 
@@ -575,59 +543,57 @@ impl Event {
         } else {
             sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
         };
-        let mut e: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: out-pointer.
-        let r = unsafe { sys::cuEventCreate(&mut e, flags as u32) };
-        check(r, "creating an event")?;
-        Ok(Event(e))
+        result::event::create(flags)
+            .map(Event)
+            .map_err(cuda("creating an event"))
     }
 
     /// Records the event on `stream`.
     pub fn record(&self, stream: Stream) -> Result<(), Error> {
         // SAFETY: valid event and stream of the current context.
-        let r = unsafe { sys::cuEventRecord(self.0, stream.0) };
-        check(r, "recording an event")
+        unsafe { result::event::record(self.0, stream.0) }.map_err(cuda("recording an event"))
     }
 
     /// Makes `stream` wait for the event.
     pub fn wait_on(&self, stream: Stream) -> Result<(), Error> {
         // SAFETY: valid event and stream.
-        let r = unsafe { sys::cuStreamWaitEvent(stream.0, self.0, 0) };
-        check(r, "waiting on an event")
+        unsafe {
+            result::stream::wait_event(
+                stream.0,
+                self.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(cuda("waiting on an event"))
     }
 
     /// Whether the recorded work has finished.
     pub fn is_done(&self) -> Result<bool, Error> {
         // SAFETY: valid event.
-        let r = unsafe { sys::cuEventQuery(self.0) };
-        if r == sys::CUresult::CUDA_ERROR_NOT_READY {
-            return Ok(false);
+        match unsafe { result::event::query(self.0) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(cuda("querying an event")(e)),
         }
-        check(r, "querying an event")?;
-        Ok(true)
     }
 
     /// Milliseconds between `start` and this event (both recorded with timing).
     pub fn elapsed_ms_since(&self, start: &Event) -> Result<f32, Error> {
-        let mut ms = 0f32;
         // SAFETY: both events are valid and completed (callers synchronize first).
-        let r = unsafe { sys::cuEventElapsedTime_v2(&mut ms, start.0, self.0) };
-        check(r, "reading event time")?;
-        Ok(ms)
+        unsafe { result::event::elapsed(start.0, self.0) }.map_err(cuda("reading event time"))
     }
 
     /// Blocks until the event has completed.
     pub fn synchronize(&self) -> Result<(), Error> {
         // SAFETY: valid event.
-        let r = unsafe { sys::cuEventSynchronize(self.0) };
-        check(r, "waiting for an event")
+        unsafe { result::event::synchronize(self.0) }.map_err(cuda("waiting for an event"))
     }
 }
 
 impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: destroys the event this value owns.
-        let _ = unsafe { sys::cuEventDestroy_v2(self.0) };
+        let _ = unsafe { result::event::destroy(self.0) };
     }
 }
 
@@ -645,33 +611,37 @@ impl Stream {
     /// driver calls meanwhile).
     pub fn begin_capture(&self) -> Result<(), Error> {
         // SAFETY: valid stream of the current context.
-        let r = unsafe {
-            sys::cuStreamBeginCapture_v2(
+        unsafe {
+            result::stream::begin_capture(
                 self.0,
                 sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
             )
-        };
-        check(r, "beginning stream capture")
+        }
+        .map_err(cuda("beginning stream capture"))
     }
 
     /// Ends the capture and instantiates the graph.
     pub fn end_capture(&self) -> Result<Graph, Error> {
-        let mut graph: sys::CUgraph = std::ptr::null_mut();
-        // SAFETY: valid stream that is capturing; out-pointer.
-        let r = unsafe { sys::cuStreamEndCapture(self.0, &mut graph) };
-        check(r, "ending stream capture")?;
-        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-        // SAFETY: `graph` was just captured; out-pointer; no flags.
-        let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
-        check(r, "instantiating a graph")?;
+        // SAFETY: valid stream that is capturing.
+        let graph = unsafe { result::stream::end_capture(self.0) }
+            .map_err(cuda("ending stream capture"))?;
+        // SAFETY: `graph` was just captured; no flags.
+        let exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) };
+        let exec = match exec {
+            Ok(e) => e,
+            Err(e) => {
+                // SAFETY: destroys the graph captured above, which nothing else refers to.
+                let _ = unsafe { result::graph::destroy(graph) };
+                return Err(cuda("instantiating a graph")(e));
+            }
+        };
         let g = Graph { graph, exec };
         // Upload now, not at the first launch: the upload allocates device memory, and with
         // several ranks in one context that waits for the kernels already running, which may be
         // other ranks' replays waiting for this rank (a deadlock until the timeout). Callers meet
         // the other ranks after this returns and before launching.
         // SAFETY: valid instantiated graph and stream of the current context.
-        let r = unsafe { sys::cuGraphUpload(g.exec, self.0) };
-        check(r, "uploading a graph")?;
+        unsafe { result::graph::upload(g.exec, self.0) }.map_err(cuda("uploading a graph"))?;
         self.synchronize()?;
         Ok(g)
     }
@@ -681,8 +651,7 @@ impl Graph {
     /// Launches the whole graph on `stream`.
     pub fn launch(&self, stream: Stream) -> Result<(), Error> {
         // SAFETY: valid instantiated graph and stream.
-        let r = unsafe { sys::cuGraphLaunch(self.exec, stream.0) };
-        check(r, "launching a graph")
+        unsafe { result::graph::launch(self.exec, stream.0) }.map_err(cuda("launching a graph"))
     }
 }
 
@@ -690,8 +659,8 @@ impl Drop for Graph {
     fn drop(&mut self) {
         // SAFETY: destroys the handles this value owns.
         unsafe {
-            let _ = sys::cuGraphExecDestroy(self.exec);
-            let _ = sys::cuGraphDestroy(self.graph);
+            let _ = result::graph::exec_destroy(self.exec);
+            let _ = result::graph::destroy(self.graph);
         }
     }
 }

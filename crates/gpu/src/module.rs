@@ -2,9 +2,9 @@
 
 use std::ffi::{CStr, c_void};
 
-use cudarc::driver::sys;
+use cudarc::driver::{result, sys};
 
-use crate::{Error, Stream, check};
+use crate::{Error, Stream, check, cuda};
 
 /// A module loaded into a context. Modules are never unloaded: kernels may still be in flight
 /// when their users are dropped, and the driver may be gone at process exit.
@@ -23,12 +23,11 @@ impl Module {
     /// (the driver's lazy loading can make a first launch wait for kernels already running in
     /// the context, which deadlocks kernels that wait for each other).
     pub fn load(image: &[u8], eager: bool) -> Result<Module, Error> {
-        let mut module: sys::CUmodule = std::ptr::null_mut();
         // SAFETY: `image` is a complete module image that stays alive during the call, which
-        // copies what it needs; `module` is a valid out-pointer; the caller made a context
-        // current (the driver reports an error otherwise).
-        let r = unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr() as *const c_void) };
-        check(r, "loading a kernel module")?;
+        // copies what it needs; the caller made a context current (the driver reports an error
+        // otherwise).
+        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
+            .map_err(cuda("loading a kernel module"))?;
         if eager {
             load_all_functions(module);
         }
@@ -110,26 +109,23 @@ impl Function {
     /// Allows launches with up to `bytes` of dynamic shared memory (needed above 48 KiB).
     pub fn set_max_dynamic_smem(&self, bytes: u32) -> Result<(), Error> {
         // SAFETY: `self.0` is a valid function handle; the attribute takes a plain integer.
-        check(
-            unsafe {
-                sys::cuFuncSetAttribute(
-                    self.0,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )
-            },
-            "setting the dynamic shared memory limit",
-        )
+        unsafe {
+            result::function::set_function_attribute(
+                self.0,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        }
+        .map_err(cuda("setting the dynamic shared memory limit"))
     }
 
     /// How many blocks of `threads` threads fit on one multiprocessor at once.
     pub fn max_active_blocks_per_sm(&self, threads: u32, smem: usize) -> Result<u32, Error> {
-        let mut n: i32 = 0;
-        // SAFETY: `self.0` is a valid function handle; `n` is a valid out-pointer.
-        let r = unsafe {
-            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, self.0, threads as i32, smem)
-        };
-        check(r, "querying occupancy")?;
+        // SAFETY: `self.0` is a valid function handle.
+        let n = unsafe {
+            result::occupancy::max_active_block_per_multiprocessor(self.0, threads as i32, smem)
+        }
+        .map_err(cuda("querying occupancy"))?;
         Ok(n.max(0) as u32)
     }
 }
@@ -161,20 +157,15 @@ pub unsafe fn launch<P>(
     let mut args = [params as *const P as *mut c_void];
     // SAFETY: the caller guarantees the parameter layout and pointer lifetimes; the driver copies
     // the parameter bytes at launch (and into the graph node when capturing).
-    let r = unsafe {
-        sys::cuLaunchKernel(
+    unsafe {
+        result::launch_kernel(
             f.0,
-            cfg.grid,
-            1,
-            1,
-            cfg.block,
-            1,
-            1,
+            (cfg.grid, 1, 1),
+            (cfg.block, 1, 1),
             cfg.smem,
             stream.0,
-            args.as_mut_ptr(),
-            std::ptr::null_mut(),
+            &mut args,
         )
-    };
-    check(r, "launching a kernel")
+    }
+    .map_err(cuda("launching a kernel"))
 }
