@@ -25,10 +25,11 @@ use flashcomm_kernels::{Kernel, Kernels, LaunchConfig};
 use crate::abi::{self, FcCollParams, FcProbeParams, MAX_RANKS, THREADS};
 use crate::bootstrap::Bootstrap;
 use crate::error::Error;
-use crate::gpu::{self, Device, DeviceMem, DevicePtr, Event, HostMapped, IpcMapping, Stream};
+use crate::gpu::{self, Device, DeviceMem, DevicePtr, Event, HostMapped, Stream};
 use crate::plan::{
     self, Algorithm, Arena, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantSpec,
 };
+use crate::transport::{LocalArena, PeerMapping, Transport};
 
 /// Settings of one communicator (the same on every rank).
 #[derive(Clone, Debug, PartialEq)]
@@ -45,6 +46,9 @@ pub struct CommConfig {
     pub max_blocks: Option<u32>,
     /// Measure the cost model at set-up (otherwise use defaults).
     pub calibrate: bool,
+    /// Where arenas live: automatic (the peer transport where every pair of ranks has peer
+    /// access, the host transport otherwise), or forced.
+    pub transport: Choice<Transport>,
 }
 
 impl Default for CommConfig {
@@ -56,6 +60,7 @@ impl Default for CommConfig {
             proto: Choice::Auto,
             max_blocks: None,
             calibrate: true,
+            transport: Choice::Auto,
         }
     }
 }
@@ -77,6 +82,7 @@ struct PeerInfo {
     arena_bytes: u64,
     ipc: Option<[u8; 64]>,
     max_grid: u32,
+    transport: Transport,
 }
 
 impl PeerInfo {
@@ -91,6 +97,7 @@ impl PeerInfo {
         v.push(self.ipc.is_some() as u8);
         v.extend_from_slice(&self.ipc.unwrap_or([0; 64]));
         v.extend_from_slice(&self.max_grid.to_le_bytes());
+        v.push(self.transport.code());
         v.resize(INFO_BYTES, 0);
         v
     }
@@ -115,6 +122,9 @@ impl PeerInfo {
             arena_bytes: u64_at(40),
             ipc: (b[48] != 0).then_some(ipc),
             max_grid: u32_at(113),
+            transport: Transport::from_code(b[117]).ok_or_else(|| {
+                Error::Bootstrap("a peer's set-up record names no transport".into())
+            })?,
         })
     }
 }
@@ -135,7 +145,7 @@ fn host_id() -> u64 {
 struct LocalSetup {
     dev: Arc<Device>,
     arena: Arena,
-    local: DeviceMem,
+    local: LocalArena,
     host: HostMapped,
     kernels: Arc<Kernels>,
     grid: u32,
@@ -158,9 +168,9 @@ pub struct Communicator {
     nranks: u32,
     device: Arc<Device>,
     arena: Arena,
-    local: DeviceMem,
+    local: LocalArena,
     peers: [u64; MAX_RANKS],
-    mappings: Vec<IpcMapping>,
+    mappings: Vec<PeerMapping>,
     host: HostMapped,
     kernels: Arc<Kernels>,
     max_grid: u32,
@@ -177,7 +187,14 @@ impl Communicator {
         let nranks = boot.size();
         // A failure before the first exchange must still reach the other ranks, or they would
         // wait for us in vain: every rank goes through the same exchanges and reports.
-        let local_setup = Self::local_setup(nranks, device, &cfg);
+        let transport = match Self::choose_transport(boot, device, cfg.transport) {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = boot.all_gather(&[]);
+                return Err(e);
+            }
+        };
+        let local_setup = Self::local_setup(nranks, device, &cfg, transport);
         let LocalSetup {
             dev,
             arena,
@@ -199,8 +216,9 @@ impl Communicator {
             uuid: dev.uuid(),
             arena: local.addr(),
             arena_bytes: arena.total_bytes,
-            ipc: local.ipc_handle().ok(),
+            ipc: local.export(),
             max_grid: my_grid,
+            transport,
         };
         let all = boot.all_gather(&info.encode())?;
         if all.iter().any(|b| b.is_empty()) {
@@ -227,6 +245,14 @@ impl Communicator {
         let mut mappings = Vec::new();
         let mut failure: Option<String> = None;
         for (r, p) in infos.iter().enumerate() {
+            if p.transport != transport {
+                failure = Some(format!(
+                    "rank {r} chose the {} transport, this rank {}",
+                    p.transport.name(),
+                    transport.name()
+                ));
+                break;
+            }
             if p.arena_bytes != arena.total_bytes {
                 failure = Some(format!(
                     "rank {r} has a different arena size (different settings?)"
@@ -240,6 +266,9 @@ impl Communicator {
                     "rank {r} is on another machine (flashcomm kernels serve one node)"
                 ));
                 break;
+            } else if p.pid == info.pid && transport == Transport::Host {
+                // A portable registration: the creator's address is valid in every context.
+                peers[r] = p.arena;
             } else if p.pid == info.pid {
                 match Self::in_process_peer(&dev, &p.uuid) {
                     Ok(()) => peers[r] = p.arena,
@@ -249,7 +278,11 @@ impl Communicator {
                     }
                 }
             } else {
-                match p.ipc.as_ref().map(IpcMapping::open) {
+                match p
+                    .ipc
+                    .as_ref()
+                    .map(|h| PeerMapping::open(transport, h, arena.total_bytes as usize))
+                {
                     Some(Ok(m)) => {
                         peers[r] = m.ptr();
                         mappings.push(m);
@@ -266,6 +299,9 @@ impl Communicator {
             }
         }
         Self::agree(boot, failure)?;
+        // Every peer has mapped this rank's arena: a shared segment's name can go.
+        let mut local = local;
+        local.peers_mapped();
 
         let stream = Stream::create()?;
         // Probe: every rank writes into every arena; each checks what arrived.
@@ -291,7 +327,7 @@ impl Communicator {
         stream.synchronize()?;
         boot.barrier()?;
         let mut words = vec![0u8; 4 * MAX_RANKS];
-        local.download(abi::HDR_PROBE as usize, &mut words, stream)?;
+        local.read(abi::HDR_PROBE as usize, &mut words, stream)?;
         let mut failure = None;
         for r in 0..nranks as usize {
             let got = u32::from_le_bytes(words[4 * r..4 * r + 4].try_into().unwrap());
@@ -342,12 +378,17 @@ impl Communicator {
         Ok(comm)
     }
 
-    fn local_setup(nranks: u32, device: i32, cfg: &CommConfig) -> Result<LocalSetup, Error> {
+    fn local_setup(
+        nranks: u32,
+        device: i32,
+        cfg: &CommConfig,
+        transport: Transport,
+    ) -> Result<LocalSetup, Error> {
         let arena = Arena::new(nranks, cfg.arena_bytes)?;
         let dev = Device::open(device)?;
         let _ctx = dev.activate()?;
         let kernels = Kernels::for_context(dev.context())?;
-        let local = DeviceMem::alloc_zeroed(&dev, arena.total_bytes as usize)?;
+        let local = LocalArena::alloc(transport, &dev, arena.total_bytes as usize)?;
         let host = HostMapped::alloc(HOST_BYTES)?;
         // Largest grid that keeps all co-located ranks resident at once (the kernels wait on one
         // another across ranks): occupancy of the heaviest kernel times SMs, shared among the
@@ -371,6 +412,54 @@ impl Communicator {
             kernels,
             grid,
         })
+    }
+
+    /// The transport of this communicator, the same on every rank. Forced: as asked. Automatic:
+    /// each rank says whether its GPU has peer access to every other rank's GPU of this machine
+    /// (two rounds: who is where, then each rank's answer), and the peer transport is taken only
+    /// when every rank said yes.
+    fn choose_transport(
+        boot: &dyn Bootstrap,
+        device: i32,
+        choice: Choice<Transport>,
+    ) -> Result<Transport, Error> {
+        let dev = Device::open(device)?;
+        let mut me = dev.uuid().to_vec();
+        me.extend_from_slice(&host_id().to_le_bytes());
+        let all = boot.all_gather(&me)?;
+        if let Choice::Force(t) = choice {
+            boot.all_gather(&[1])?;
+            return Ok(t);
+        }
+        let reachable = |b: &Vec<u8>| -> bool {
+            if b.len() != 24 || b[16..24] != host_id().to_le_bytes() {
+                return false;
+            }
+            let uuid: [u8; 16] = b[0..16].try_into().unwrap_or([0; 16]);
+            Self::peer_device_access(&dev, &uuid).unwrap_or(false)
+        };
+        let ok = all.iter().all(reachable);
+        let answers = boot.all_gather(&[u8::from(ok)])?;
+        Ok(if answers.iter().all(|a| a.first() == Some(&1)) {
+            Transport::P2p
+        } else {
+            Transport::Host
+        })
+    }
+
+    /// Whether `me` can map memory of the device with `uuid` (true for itself; false when that
+    /// device is not visible in this process).
+    fn peer_device_access(me: &Arc<Device>, uuid: &[u8; 16]) -> Result<bool, Error> {
+        if *uuid == me.uuid() {
+            return Ok(true);
+        }
+        for ordinal in 0..gpu::device_count()? {
+            let d = Device::open(ordinal)?;
+            if d.uuid() == *uuid {
+                return Ok(me.can_access_peer(&d)?);
+            }
+        }
+        Ok(false)
     }
 
     fn in_process_peer(me: &Arc<Device>, uuid: &[u8; 16]) -> Result<(), Error> {
@@ -476,6 +565,11 @@ impl Communicator {
         self.model = CostModel::agree(&all)?;
         tracing::info!(target: "flashcomm::tuning", rank = self.rank, model = ?self.model, "calibrated cost model");
         Ok(())
+    }
+
+    /// Where the arenas live (the same on every rank).
+    pub fn transport(&self) -> Transport {
+        self.local.transport()
     }
 
     /// This rank.

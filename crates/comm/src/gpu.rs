@@ -6,8 +6,8 @@
 /// The driver layer's error (the communicator's own [`crate::Error`] converts from it).
 pub use flashcomm_gpu::Error;
 pub use flashcomm_gpu::{
-    CtxGuard, Device, DeviceMem, DevicePtr, Event, Function, Graph, HostMapped, IpcMapping,
-    LaunchConfig, Stream, device_count, driver_present, init,
+    CtxGuard, Device, DeviceMem, DevicePtr, Event, Function, Graph, HostArena, HostMapped,
+    IpcMapping, LaunchConfig, Stream, device_count, driver_present, init,
 };
 
 use flashcomm_kernels::abi::KernelParams;

@@ -18,9 +18,11 @@ mod comm;
 pub mod error;
 pub mod gpu;
 pub mod plan;
+mod transport;
 
 pub use bootstrap::{Bootstrap, ThreadBootstrap, ThreadGroup};
 pub use comm::{CommConfig, Communicator};
 pub use error::Error;
 pub use gpu::{DeviceMem, DevicePtr, Stream};
 pub use plan::{Algorithm, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantSpec};
+pub use transport::Transport;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use flashcomm_comm::{
     Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DeviceMem, DevicePtr, Plan,
-    Protocol, ThreadGroup,
+    Protocol, ThreadGroup, Transport,
 };
 use flashcomm_testkit::verify::TestType;
 
@@ -25,18 +25,31 @@ fn max_bytes() -> u64 {
 }
 
 fn sweep(n: u32) {
+    sweep_on(n, test_config(), max_bytes());
+}
+
+/// The sweep on `cfg`'s transport, messages up to `max` bytes.
+fn sweep_on(n: u32, cfg: CommConfig, max: u64) {
     let t0 = Instant::now();
-    run_ranks(n, test_config(), |r| {
+    let want = cfg.transport;
+    run_ranks(n, cfg, |r| {
+        if let Choice::Force(t) = want {
+            assert_eq!(
+                r.comm.transport(),
+                t,
+                "the communicator took another transport"
+            );
+        }
         let n = r.n() as u64;
-        let send = r.alloc(max_bytes() as usize + 64);
-        let recv = r.alloc(max_bytes() as usize * n as usize + 64);
+        let send = r.alloc(max as usize + 64);
+        let recv = r.alloc(max as usize * n as usize + 64);
         r.shared.addrs.lock().unwrap()[r.rank() as usize] = recv.addr();
         r.sync();
         let rank0_recv = r.shared.addrs.lock().unwrap()[0];
         let mut cases = 0;
         let mut salt = 0u32;
         let mut cover = |coll: Collective, ty: TestType, algo: Algorithm, proto: Protocol| {
-            for count in sweep_counts(ty.bytes(), max_bytes()) {
+            for count in sweep_counts(ty.bytes(), max) {
                 // ReduceScatter sweeps the send size: recvcount = count / n.
                 let count = if coll == Collective::ReduceScatter {
                     (count / n).max(1)
@@ -117,7 +130,9 @@ fn sweep(n: u32) {
         }
         if r.rank() == 0 {
             println!(
-                "N={n}: {cases} cases, sizes 4 B..256 MiB, all exact and bitwise identical across ranks ({:.1} s)",
+                "N={n} ({}): {cases} cases, sizes 4 B..{} MiB, all exact and bitwise identical across ranks ({:.1} s)",
+                r.comm.transport().name(),
+                max >> 20,
                 t0.elapsed().as_secs_f64()
             );
         }
@@ -127,6 +142,28 @@ fn sweep(n: u32) {
 #[test]
 fn sweep_2_ranks() {
     sweep(2);
+}
+
+/// The host transport (arenas in pinned host memory: every byte crosses PCIe twice), forced,
+/// whatever `FLASHCOMM_TRANSPORT` says, so every GPU run covers it: the same sweep up to 16 MiB,
+/// exact and bitwise identical across ranks.
+#[test]
+fn host_transport_sweep_2_ranks() {
+    let cfg = CommConfig {
+        transport: Choice::Force(Transport::Host),
+        ..test_config()
+    };
+    sweep_on(2, cfg, 16 << 20);
+}
+
+/// The host transport with four ranks, up to 4 MiB.
+#[test]
+fn host_transport_sweep_4_ranks() {
+    let cfg = CommConfig {
+        transport: Choice::Force(Transport::Host),
+        ..test_config()
+    };
+    sweep_on(4, cfg, 4 << 20);
 }
 
 #[test]
@@ -607,6 +644,7 @@ fn missing_rank_times_out_and_process_goes_on() {
     let cfg = CommConfig {
         timeout,
         calibrate: false,
+        transport: common::test_transport(),
         ..CommConfig::default()
     };
     let group = ThreadGroup::new(4, Duration::from_secs(60));
@@ -698,6 +736,7 @@ fn disagreeing_ranks_get_an_error() {
     let cfg = CommConfig {
         timeout,
         calibrate: false,
+        transport: common::test_transport(),
         ..CommConfig::default()
     };
     let group = ThreadGroup::new(2, Duration::from_secs(60));

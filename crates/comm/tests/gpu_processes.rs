@@ -10,7 +10,9 @@
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use flashcomm_comm::{Bootstrap, Collective, CommConfig, Communicator, DataType};
+use flashcomm_comm::{
+    Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, Transport,
+};
 use flashcomm_testkit::FileBootstrap;
 use flashcomm_testkit::verify::{TestType, Verifier};
 
@@ -118,6 +120,11 @@ fn child_process_entry() {
     let cfg = CommConfig {
         timeout,
         calibrate: false,
+        transport: match std::env::var("FLASHCOMM_TRANSPORT").as_deref() {
+            Ok("host") => Choice::Force(Transport::Host),
+            Ok("p2p") => Choice::Force(Transport::P2p),
+            _ => Choice::Auto,
+        },
         ..CommConfig::default()
     };
     let comm = Communicator::new(&boot, 0, cfg).expect("communicator set-up across processes");

@@ -20,7 +20,7 @@ use std::fmt;
 pub use flashcomm_codec::{Collective, DType};
 pub use values::{
     Algo, Bounded, Bytes, DebugLevel, FunctionName, GIB, KERNEL_OPS, KIB, LibPath, MIB, OneOf,
-    Proto, QuantBits, Set, Subsystems, Text, Value,
+    Proto, QuantBits, Set, Subsystems, Text, Transport, Value,
 };
 
 /// The declaration of one variable, as documented in `docs/env.md`.
@@ -141,6 +141,16 @@ variables! {
         name: "FLASHCOMM_PROTO",
         kind: "keyword",
         allowed: "`auto`, `ll`, `block`",
+        strict: true,
+    }
+    /// Where the communicators' arenas live: device memory reached through peer access or CUDA
+    /// IPC (`p2p`), pinned host memory every GPU maps (`host`, across PCIe, for GPUs without
+    /// peer access), or `auto`: `p2p` where every pair of ranks has peer access, `host`
+    /// otherwise.
+    transport: Transport = Transport::Auto => {
+        name: "FLASHCOMM_TRANSPORT",
+        kind: "keyword",
+        allowed: "`auto`, `p2p`, `host`",
         strict: true,
     }
     /// All-reduce algorithm: chosen per call, or forced.

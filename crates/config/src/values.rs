@@ -208,6 +208,18 @@ macro_rules! keyword_enum {
 }
 
 keyword_enum! {
+    /// Where the communicators' arenas live.
+    Transport {
+        /// `p2p` where every pair of ranks has peer access, `host` otherwise.
+        Auto = "auto",
+        /// Device memory, reached through peer access or CUDA IPC.
+        P2p = "p2p",
+        /// Pinned host memory mapped into every GPU.
+        Host = "host",
+    }
+}
+
+keyword_enum! {
     /// The device protocol of our kernels.
     Proto {
         /// Chosen per call by the cost model.

@@ -22,9 +22,11 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 mod caller;
+mod host_arena;
 mod module;
 
 pub use caller::{OwnStream, SavedContext, current_device, driver_loaded};
+pub use host_arena::HostArena;
 pub use module::{Function, LaunchConfig, Module, launch};
 
 /// What can go wrong in a driver call.

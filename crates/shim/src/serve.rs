@@ -28,8 +28,9 @@ use std::time::Duration;
 
 use flashcomm_comm::{
     Algorithm, Choice, CommConfig, Communicator, Error as CommError, Protocol, Stream, ThreadGroup,
+    Transport,
 };
-use flashcomm_config::{Algo, Config, Proto};
+use flashcomm_config::{Algo, Config, Proto, Transport as ConfigTransport};
 use flashcomm_nccl_sys::ncclResult_t;
 
 use crate::bootstrap::NcclBootstrap;
@@ -57,6 +58,11 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
             Proto::Auto => Choice::Auto,
             Proto::Ll => Choice::Force(Protocol::Ll),
             Proto::Block => Choice::Force(Protocol::Block),
+        },
+        transport: match s.transport {
+            ConfigTransport::Auto => Choice::Auto,
+            ConfigTransport::P2p => Choice::Force(Transport::P2p),
+            ConfigTransport::Host => Choice::Force(Transport::Host),
         },
         calibrate: true,
         ..CommConfig::default()

@@ -230,6 +230,7 @@ pub struct Settings {
     spikes: u8,
     algo: String,
     proto: String,
+    transport: String,
     inplace: bool,
     copy_baseline: bool,
     preset: Option<&'static str>,
@@ -283,6 +284,7 @@ pub fn settings(o: &Options, gpus: &[String], nccl: Option<&Nccl>, argv: &[Strin
         spikes: o.spikes,
         algo: format!("{:?}", o.algo).to_lowercase(),
         proto: format!("{:?}", o.proto).to_lowercase(),
+        transport: format!("{:?}", o.transport).to_lowercase(),
         inplace: o.inplace,
         copy_baseline: o.copy_baseline,
         preset: o.preset.map(|p| match p {

@@ -150,6 +150,17 @@ pub enum ProtoChoice {
     Block,
 }
 
+/// Where flashcomm's arenas live (`FLASHCOMM_TRANSPORT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TransportChoice {
+    /// Peer access where every pair of ranks has it, host memory otherwise.
+    Auto,
+    /// Device memory through peer access or CUDA IPC.
+    P2p,
+    /// Pinned host memory: every byte crosses PCIe twice.
+    Host,
+}
+
 /// One quantized width: bits of the reduce-scatter step (the only step of one-shot) and of the
 /// all-gather step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -240,6 +251,8 @@ pub struct Options {
     pub algo: AlgoChoice,
     /// `--proto`.
     pub proto: ProtoChoice,
+    /// `--transport`.
+    pub transport: TransportChoice,
     /// `--json`.
     pub json: Option<PathBuf>,
     /// `--svg`.
@@ -287,6 +300,7 @@ impl Default for Options {
             spikes: 2,
             algo: AlgoChoice::Auto,
             proto: ProtoChoice::Auto,
+            transport: TransportChoice::Auto,
             json: None,
             svg: None,
             device: 0,
@@ -561,6 +575,9 @@ struct Cli {
     /// Forced device protocol [auto]
     #[arg(long, value_name = "p", help_heading = FLASHCOMM)]
     proto: Option<ProtoChoice>,
+    /// Where flashcomm's arenas live: auto | p2p | host (pinned host memory, across PCIe) [auto]
+    #[arg(long, value_name = "t", help_heading = FLASHCOMM)]
+    transport: Option<TransportChoice>,
     /// How the timed calls are issued [graph when -G > 0, else eager]
     #[arg(long, value_name = "l", help_heading = FLASHCOMM)]
     launch: Option<LaunchArg>,
@@ -702,6 +719,7 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
     set(&mut o.spikes, cli.spikes);
     set(&mut o.algo, cli.algo);
     set(&mut o.proto, cli.proto);
+    set(&mut o.transport, cli.transport);
     set(&mut o.inplace, cli.inplace);
     o.copy_baseline |= cli.copy_baseline;
     set(&mut o.check_values, cli.check_values);
@@ -865,6 +883,7 @@ mod tests {
         assert_eq!(o.impls, vec![Impl::Flashcomm, Impl::Nccl]);
         assert_eq!(o.nccl_lib, Some(PathBuf::from("/x/libnccl.so.2")));
         assert_eq!((o.algo, o.proto), (AlgoChoice::TwoShot, ProtoChoice::Ll));
+        assert_eq!(o.transport, TransportChoice::Auto);
         assert_eq!(o.json, Some(PathBuf::from("out.json")));
         assert_eq!(o.svg, Some(PathBuf::from("out.svg")));
         assert_eq!(o.device, 2);

@@ -31,14 +31,16 @@ use flashcomm_codec::{DType, Element, Format, bf16, f16};
 use flashcomm_comm::gpu::{Event, IpcMapping};
 use flashcomm_comm::{
     Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem,
-    DevicePtr, Plan, Protocol, QuantSpec, Stream, ThreadGroup,
+    DevicePtr, Plan, Protocol, QuantSpec, Stream, ThreadGroup, Transport,
 };
 use flashcomm_testkit::FileBootstrap;
 use flashcomm_testkit::verify::{TestType, Verifier};
 use serde::{Deserialize, Serialize};
 
 use crate::accuracy::{self, AccuracyStats, QuantAlgo};
-use crate::args::{AlgoChoice, Coll, Dtype, Impl, Launch, Mode, Options, ProtoChoice, Width};
+use crate::args::{
+    AlgoChoice, Coll, Dtype, Impl, Launch, Mode, Options, ProtoChoice, TransportChoice, Width,
+};
 use crate::ffi::{self, Nccl, NcclComm, NcclType};
 use crate::inputs;
 use crate::report::{Measure, Outcome, QuantInfo, Row, Variant};
@@ -489,6 +491,11 @@ fn rank_main(
         timeout: Duration::from_secs(o.timeout_s),
         algo: algo_choice(o.algo),
         proto: proto_choice(o.proto),
+        transport: match o.transport {
+            TransportChoice::Auto => Choice::Auto,
+            TransportChoice::P2p => Choice::Force(Transport::P2p),
+            TransportChoice::Host => Choice::Force(Transport::Host),
+        },
         calibrate: o.calibrate,
         ..CommConfig::default()
     };

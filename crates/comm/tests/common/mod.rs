@@ -5,7 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flashcomm_comm::{
-    Bootstrap, CommConfig, Communicator, DeviceMem, Stream, ThreadBootstrap, ThreadGroup,
+    Bootstrap, Choice, CommConfig, Communicator, DeviceMem, Stream, ThreadBootstrap, ThreadGroup,
+    Transport,
 };
 use flashcomm_testkit::verify::{TestType, Verifier};
 
@@ -53,12 +54,24 @@ pub struct Shared {
     pub addrs: Mutex<Vec<u64>>,
 }
 
-/// Default test configuration: short timeouts so a bug fails fast instead of hanging.
+/// Default test configuration: short timeouts so a bug fails fast instead of hanging, on the
+/// transport `FLASHCOMM_TRANSPORT` names (`p2p`, `host`; anything else: automatic), so the whole
+/// GPU suite runs once per transport.
 pub fn test_config() -> CommConfig {
     CommConfig {
         timeout: Duration::from_secs(10),
         calibrate: false,
+        transport: test_transport(),
         ..CommConfig::default()
+    }
+}
+
+/// The transport the tests run on (`FLASHCOMM_TRANSPORT`).
+pub fn test_transport() -> Choice<Transport> {
+    match std::env::var("FLASHCOMM_TRANSPORT").as_deref() {
+        Ok("host") => Choice::Force(Transport::Host),
+        Ok("p2p") => Choice::Force(Transport::P2p),
+        _ => Choice::Auto,
     }
 }
 

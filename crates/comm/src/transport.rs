@@ -1,0 +1,207 @@
+//! Where a rank's arena lives and how its peers reach it: the two transports.
+//!
+//! * **Peer** (`p2p`): the arena is device memory; ranks of one process reach each other's
+//!   arenas through peer access (one GPU, or GPUs with peer access between them), ranks of other
+//!   processes through legacy CUDA IPC handles. Peers' stores cross NVLink (or the GPU's own
+//!   memory, for ranks that share a GPU).
+//! * **Host** (`host`): the arena is pinned host memory mapped into every rank's GPU: a POSIX
+//!   shared-memory segment, registered with the driver in every process that maps it (ranks of
+//!   the creator's own process reach it at the creator's device address, since the registration
+//!   is portable). Every byte a peer pushes crosses the sender's PCIe link into host memory and
+//!   the receiver's PCIe link back, as NCCL's SHM transport moves it, so this path serves GPUs
+//!   without peer access, and it makes the PCIe link measurable on a machine of one GPU.
+//!
+//! The kernels do not know which transport they run on: they see every rank's arena as a device
+//! address (`peer_base`), and readiness travels with the data either way (see docs/protocols.md
+//! for why the orderings they rely on hold over PCIe).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::Error;
+use crate::gpu::{Device, DeviceMem, HostArena, IpcMapping, Stream};
+
+/// The memory a rank's arena lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Transport {
+    /// Device memory, reached through peer access or CUDA IPC.
+    P2p,
+    /// Pinned host memory mapped into every GPU.
+    Host,
+}
+
+impl Transport {
+    /// The name in logs and the benchmark's JSON (`p2p`, `host`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::P2p => "p2p",
+            Transport::Host => "host",
+        }
+    }
+
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            Transport::P2p => 1,
+            Transport::Host => 2,
+        }
+    }
+
+    pub(crate) fn from_code(c: u8) -> Option<Transport> {
+        match c {
+            1 => Some(Transport::P2p),
+            2 => Some(Transport::Host),
+            _ => None,
+        }
+    }
+}
+
+/// Bytes of a shared segment's name in the set-up record (NUL-padded).
+pub(crate) const NAME_BYTES: usize = 40;
+
+/// A rank's own arena.
+pub(crate) enum LocalArena {
+    /// Device memory (the peer transport).
+    Device(DeviceMem),
+    /// Pinned host memory (the host transport), with the name peers of other processes open.
+    Host {
+        mem: HostArena,
+        name: [u8; NAME_BYTES],
+    },
+}
+
+/// A unique segment name for this process's next arena: `/flashcomm-<pid>-<n>-<time>`.
+fn segment_name() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64 & 0xffff_ffff);
+    format!("/flashcomm-{}-{n}-{t:08x}", std::process::id())
+}
+
+impl LocalArena {
+    /// Allocates `bytes` of arena, zero-filled, for `transport` on `dev` (its context current).
+    pub(crate) fn alloc(
+        transport: Transport,
+        dev: &std::sync::Arc<Device>,
+        bytes: usize,
+    ) -> Result<LocalArena, Error> {
+        match transport {
+            Transport::P2p => Ok(LocalArena::Device(DeviceMem::alloc_zeroed(dev, bytes)?)),
+            Transport::Host => {
+                let s = segment_name();
+                let mem = HostArena::create_shared(&s, bytes)?;
+                let mut name = [0u8; NAME_BYTES];
+                name[..s.len()].copy_from_slice(s.as_bytes());
+                Ok(LocalArena::Host { mem, name })
+            }
+        }
+    }
+
+    /// The transport this arena serves.
+    pub(crate) fn transport(&self) -> Transport {
+        match self {
+            LocalArena::Device(_) => Transport::P2p,
+            LocalArena::Host { .. } => Transport::Host,
+        }
+    }
+
+    /// The device address of the arena (valid in every context of this process).
+    pub(crate) fn addr(&self) -> u64 {
+        match self {
+            LocalArena::Device(m) => m.addr(),
+            LocalArena::Host { mem, .. } => mem.dev_ptr(),
+        }
+    }
+
+    /// What a peer of another process needs to map it: the IPC handle of device memory, or the
+    /// shared segment's name.
+    pub(crate) fn export(&self) -> Option<[u8; 64]> {
+        match self {
+            LocalArena::Device(m) => m.ipc_handle().ok(),
+            LocalArena::Host { name, .. } => {
+                let mut h = [0u8; 64];
+                h[..NAME_BYTES].copy_from_slice(name);
+                Some(h)
+            }
+        }
+    }
+
+    /// Reads bytes at `offset` (device memory through `stream`, host memory directly).
+    pub(crate) fn read(&self, offset: usize, dst: &mut [u8], stream: Stream) -> Result<(), Error> {
+        match self {
+            LocalArena::Device(m) => Ok(m.download(offset, dst, stream)?),
+            LocalArena::Host { mem, .. } => {
+                mem.read(offset, dst);
+                Ok(())
+            }
+        }
+    }
+
+    /// Called once every peer has mapped the arena: the shared segment's name is removed, so that
+    /// no name outlives a crashed job (the memory stays until the last process unmaps it).
+    pub(crate) fn peers_mapped(&mut self) {
+        if let LocalArena::Host { mem, .. } = self {
+            mem.unlink();
+        }
+    }
+}
+
+/// A peer's arena mapped into this process.
+pub(crate) enum PeerMapping {
+    /// A peer's device memory opened through its IPC handle.
+    Ipc(IpcMapping),
+    /// A peer's shared host segment, mapped and registered here.
+    Host(HostArena),
+}
+
+impl PeerMapping {
+    /// Maps the arena of a peer in another process from what it exported.
+    pub(crate) fn open(
+        transport: Transport,
+        export: &[u8; 64],
+        bytes: usize,
+    ) -> Result<PeerMapping, Error> {
+        match transport {
+            Transport::P2p => Ok(PeerMapping::Ipc(IpcMapping::open(export)?)),
+            Transport::Host => {
+                let end = export[..NAME_BYTES]
+                    .iter()
+                    .position(|&b| b == 0)
+                    .unwrap_or(NAME_BYTES);
+                let name = std::str::from_utf8(&export[..end]).map_err(|_| {
+                    Error::Bootstrap("a peer's host arena name is not valid text".into())
+                })?;
+                Ok(PeerMapping::Host(HostArena::open_shared(name, bytes)?))
+            }
+        }
+    }
+
+    /// The mapped arena's device address in this process.
+    pub(crate) fn ptr(&self) -> u64 {
+        match self {
+            PeerMapping::Ipc(m) => m.ptr(),
+            PeerMapping::Host(m) => m.dev_ptr(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip() {
+        for t in [Transport::P2p, Transport::Host] {
+            assert_eq!(Transport::from_code(t.code()), Some(t));
+        }
+        assert_eq!(Transport::from_code(0), None);
+    }
+
+    #[test]
+    fn segment_names_fit_and_differ() {
+        let a = segment_name();
+        let b = segment_name();
+        assert_ne!(a, b);
+        assert!(a.len() < NAME_BYTES && a.starts_with('/') && !a[1..].contains('/'));
+    }
+}
