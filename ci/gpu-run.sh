@@ -105,6 +105,8 @@ if [ -x "$here/bin/flashcomm-perf" ]; then
   add "perf::procs_one_gpu_4_ranks" 300 "unset CUDA_DEVICE_MAX_CONNECTIONS; nvidia-cuda-mps-control -d; '$here/bin/flashcomm-perf' --mode procs-one-gpu --ranks 4 -b 4K -e 16M -f 4 -d bfloat16 --quant 8,4,2 --copy-baseline --json '$res/perf-procs.json' --svg '$res/perf-procs.svg'; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc"
   [ -n "$real" ] && add "perf::procs_1_rank_vs_nccl" 300 "'$here/bin/flashcomm-perf' --mode procs --ranks 1 --impl flashcomm,nccl --nccl-lib '$real' -b 4K -e 16M -f 4 -d bfloat16 --json '$res/perf-procs-nccl.json'"
   # A plot of the quantized sweep of 8 virtual ranks (latency and algbw against size per width).
+  # The host transport: every byte crosses the GPU's PCIe link twice, where quantization can pay.
+  add "perf::host_transport_2_ranks" 300 "'$here/bin/flashcomm-perf' --mode virtual --ranks 2 --transport host -b 64K -e 64M -f 4 -d bfloat16 --quant 8,4 -G 5 --json '$res/perf-host.json'"
   add "perf::allreduce_quant_plot_8_virtual_ranks" 300 "'$here/bin/flashcomm-perf' --mode virtual --ranks 8 -b 4K -e 256M -f 4 -d bfloat16 --quant 8,6,4,3,2 -G 5 --copy-baseline --json '$res/perf-quant-graph.json' --svg '$res/perf-quant-graph.svg'"
 fi
 [ -x "$here/bin/codec_bench" ] && add "perf::codec_bench" 300 "'$here/bin/codec_bench' --quick '$res/codec-bench.json'"
