@@ -1,5 +1,6 @@
-//! The all-reduce algorithms as the GPU kernels compute them (`docs/codec.md`, "Reference
-//! algorithms"), so that GPU tests and the accuracy study can compare results bit for bit.
+//! The quantized collectives as the GPU kernels compute them (`docs/codec.md`, "Reference
+//! algorithms"): the all-reduce algorithms, and the one-step quantized AllGather, AllToAll and
+//! ReduceScatter, so that GPU tests and the accuracy study can compare results bit for bit.
 //!
 //! Every function here takes one input slice per rank (all of the same length) and returns the
 //! single result that every rank ends up with. They panic on misuse (no ranks, ranks of different
@@ -167,4 +168,189 @@ pub fn allreduce_twostep_with_bound<T: Element>(
         bound[i] += rounding_bound::<T>(acc[i]) + b_ag[i] + rounding_bound::<T>(v_ag[i]);
     }
     Outcome { values, bound }
+}
+
+/// One block of values through the wire: encoded once with `fmt`, decoded by its receiver, with
+/// the per-element bound of that round trip against the block's own values (the decode bound
+/// plus the rounding of the decoded f32 to `T`).
+fn round_trip<T: Element>(fmt: Format, block: &[T]) -> (Vec<T>, Vec<f64>) {
+    let n = block.len();
+    let enc = encode_to_vec(fmt, block).expect("format must be for T");
+    let mut vals = vec![0f32; n];
+    let mut bound = vec![0f64; n];
+    decode_f32::<T>(fmt, &enc, n, &mut vals).expect("own encoding decodes");
+    error_bound_f32::<T>(fmt, &enc, n, &mut bound).expect("own encoding decodes");
+    let values = vals
+        .iter()
+        .zip(bound.iter_mut())
+        .map(|(&v, b)| {
+            *b += rounding_bound::<T>(v);
+            T::from_f32(v)
+        })
+        .collect();
+    (values, bound)
+}
+
+/// Splits every rank's input into `nranks` equal blocks (the per-peer blocks of AllToAll, the
+/// shards of ReduceScatter); returns the block length.
+fn per_peer_len<T: Element>(inputs: &[&[T]]) -> usize {
+    let n = check_inputs(inputs);
+    let nranks = inputs.len();
+    assert!(
+        n.is_multiple_of(nranks),
+        "{n} values do not split into {nranks} equal blocks"
+    );
+    n / nranks
+}
+
+/// Quantized AllGather: each rank's input is encoded once with `fmt`, and every rank (its owner
+/// too) decodes every rank's bytes, so every rank holds the same values: the concatenation, in
+/// rank order, of each input's round trip through the codec.
+pub fn allgather_quant<T: Element>(fmt: Format, inputs: &[&[T]]) -> Outcome<T> {
+    check_inputs(inputs);
+    let mut out = Outcome {
+        values: Vec::new(),
+        bound: Vec::new(),
+    };
+    for x in inputs {
+        let (v, b) = round_trip(fmt, x);
+        out.values.extend(v);
+        out.bound.extend(b);
+    }
+    out
+}
+
+/// Quantized AllToAll: every rank's input holds `nranks` blocks of equal length; block `p` of
+/// rank `r` is encoded once with `fmt` (as a buffer of its own) and decoded by rank `p` (the same
+/// for `p == r`), which places it at block `r` of its output. Returns every rank's output.
+pub fn alltoall_quant<T: Element>(fmt: Format, inputs: &[&[T]]) -> Vec<Outcome<T>> {
+    let len = per_peer_len(inputs);
+    (0..inputs.len())
+        .map(|p| {
+            let mut out = Outcome {
+                values: Vec::with_capacity(len * inputs.len()),
+                bound: Vec::with_capacity(len * inputs.len()),
+            };
+            for x in inputs {
+                let (v, b) = round_trip(fmt, &x[p * len..(p + 1) * len]);
+                out.values.extend(v);
+                out.bound.extend(b);
+            }
+            out
+        })
+        .collect()
+}
+
+/// Quantized ReduceScatter: every rank's input holds `nranks` shards of equal length; shard `j`
+/// of every rank is encoded once with `fmt` (as a buffer of its own); its owner, rank `j`, decodes
+/// the N encodings of its shard (its own included) and sums them in f32 in rank order
+/// (`acc = v_0; acc = acc + v_i`), then rounds to `T`: full precision out, one quantization step.
+/// Returns every rank's output with its bound against the exact sum.
+pub fn reducescatter_quant<T: Element>(fmt: Format, inputs: &[&[T]]) -> Vec<Outcome<T>> {
+    let len = per_peer_len(inputs);
+    (0..inputs.len())
+        .map(|j| {
+            let shards: Vec<&[T]> = inputs.iter().map(|x| &x[j * len..(j + 1) * len]).collect();
+            allreduce_oneshot_with_bound(fmt, &shards)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod collective_tests {
+    use super::*;
+    use crate::rng::Rng;
+    use half::bf16;
+
+    fn inputs(nranks: usize, n: usize, seed: u64) -> Vec<Vec<bf16>> {
+        let mut rng = Rng::new(seed);
+        (0..nranks)
+            .map(|_| {
+                (0..n)
+                    .map(|i| {
+                        let v = rng.normal() as f32;
+                        bf16::from_f32(if i % 997 == 5 { v * 50.0 } else { v })
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn fmt(bits: u8) -> Format {
+        Format::new(DType::Bf16, bits, 128, 2).unwrap()
+    }
+
+    fn within(values: &[bf16], exact: &[f64], bound: &[f64]) {
+        for i in 0..values.len() {
+            let err = (f64::from(values[i].to_f32()) - exact[i]).abs();
+            assert!(
+                err <= bound[i] * (1.0 + 1e-9) + 1e-30,
+                "element {i}: {err} > {}",
+                bound[i]
+            );
+        }
+    }
+
+    #[test]
+    fn allgather_is_every_block_round_tripped_in_rank_order() {
+        let xs = inputs(4, 3000, 1);
+        let refs: Vec<&[bf16]> = xs.iter().map(|v| v.as_slice()).collect();
+        for bits in [2, 4, 8] {
+            let out = allgather_quant(fmt(bits), &refs);
+            assert_eq!(out.values.len(), 4 * 3000);
+            let exact: Vec<f64> = xs.iter().flatten().map(|v| f64::from(v.to_f32())).collect();
+            within(&out.values, &exact, &out.bound);
+            // One rank's block is exactly its own round trip: independent of the other ranks.
+            let alone = allgather_quant(fmt(bits), &refs[1..2]);
+            assert_eq!(&out.values[3000..6000], &alone.values[..]);
+        }
+    }
+
+    #[test]
+    fn alltoall_moves_block_p_of_rank_r_to_block_r_of_rank_p() {
+        let xs = inputs(3, 3 * 700, 2);
+        let refs: Vec<&[bf16]> = xs.iter().map(|v| v.as_slice()).collect();
+        let outs = alltoall_quant(fmt(4), &refs);
+        assert_eq!(outs.len(), 3);
+        for (p, out) in outs.iter().enumerate() {
+            for r in 0..3 {
+                let sent = &xs[r][p * 700..(p + 1) * 700];
+                let exact: Vec<f64> = sent.iter().map(|v| f64::from(v.to_f32())).collect();
+                within(
+                    &out.values[r * 700..(r + 1) * 700],
+                    &exact,
+                    &out.bound[r * 700..(r + 1) * 700],
+                );
+                let (alone, _) = round_trip(fmt(4), sent);
+                assert_eq!(&out.values[r * 700..(r + 1) * 700], &alone[..]);
+            }
+        }
+    }
+
+    #[test]
+    fn reducescatter_sums_decoded_shards_within_the_bound() {
+        let xs = inputs(4, 4 * 1500, 3);
+        let refs: Vec<&[bf16]> = xs.iter().map(|v| v.as_slice()).collect();
+        for bits in [3, 5, 8] {
+            let outs = reducescatter_quant(fmt(bits), &refs);
+            for (j, out) in outs.iter().enumerate() {
+                let exact: Vec<f64> = (0..1500)
+                    .map(|i| {
+                        xs.iter()
+                            .map(|x| f64::from(x[j * 1500 + i].to_f32()))
+                            .sum::<f64>()
+                    })
+                    .collect();
+                within(&out.values, &exact, &out.bound);
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "do not split")]
+    fn uneven_blocks_are_a_programming_error() {
+        let xs = inputs(3, 100, 4);
+        let refs: Vec<&[bf16]> = xs.iter().map(|v| v.as_slice()).collect();
+        let _ = alltoall_quant(fmt(4), &refs);
+    }
 }
