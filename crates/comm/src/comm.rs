@@ -498,9 +498,10 @@ impl Communicator {
         Ok(())
     }
 
-    /// Times each (algorithm, protocol) at two sizes and agrees on one model with every rank.
+    /// Times each (algorithm, protocol) at every size of [`plan::CALIB_SIZES`] and agrees on one
+    /// model with every rank (the element-wise maximum, so every rank plans alike).
     fn calibrate(&mut self, boot: &dyn Bootstrap, stream: Stream) -> Result<(), Error> {
-        let sizes = [32u64 << 10, 1 << 20];
+        let sizes = plan::CALIB_SIZES;
         let buf_bytes = *sizes.iter().max().unwrap() as usize;
         let send = DeviceMem::alloc_zeroed(&self.device, buf_bytes)?;
         let recv = DeviceMem::alloc_zeroed(&self.device, buf_bytes)?;
@@ -512,7 +513,7 @@ impl Communicator {
         let mut model = CostModel::default_for(self.nranks);
         for algo in Algorithm::ALL {
             for proto in Protocol::ALL {
-                let mut points = [(0u64, 0f64); 2];
+                let mut us = [0f64; plan::CALIB_SIZES.len()];
                 for (i, &bytes) in sizes.iter().enumerate() {
                     let count = bytes / 2;
                     let p = plan::plan(
@@ -525,8 +526,7 @@ impl Communicator {
                         Choice::Force(algo),
                         Choice::Force(proto),
                     );
-                    let reps = 8;
-                    for _ in 0..3 {
+                    let launch = || {
                         self.launch_plan(
                             &p,
                             send.as_ptr(),
@@ -535,29 +535,51 @@ impl Communicator {
                             2,
                             Some(DataType::Bf16),
                             stream,
-                        )?;
+                        )
+                    };
+                    for _ in 0..2 {
+                        launch()?;
                     }
-                    start.record(stream)?;
-                    for _ in 0..reps {
-                        self.launch_plan(
-                            &p,
-                            send.as_ptr(),
-                            recv.as_ptr(),
-                            count,
-                            2,
-                            Some(DataType::Bf16),
-                            stream,
-                        )?;
-                    }
-                    end.record(stream)?;
-                    end.synchronize()?;
+                    stream.synchronize()?;
                     self.check_status()?;
-                    points[i] = (
-                        bytes,
-                        end.elapsed_ms_since(&start)? as f64 * 1000.0 / reps as f64,
-                    );
+                    // Timed as a CUDA graph of `reps` calls, as decode loops run them: eager
+                    // launches would measure the host's launch spread across ranks, not the
+                    // plan. Instantiation and destruction happen only while every rank is idle
+                    // (between barriers): with ranks sharing a GPU they can wait for running
+                    // kernels.
+                    let reps = 16;
+                    boot.barrier()?;
+                    stream.begin_capture()?;
+                    let mut captured = Ok(());
+                    for _ in 0..reps {
+                        captured = launch();
+                        if captured.is_err() {
+                            break;
+                        }
+                    }
+                    let graph = stream.end_capture();
+                    captured?;
+                    let graph = graph?;
+                    boot.barrier()?;
+                    // The fastest of a few replays: calibration should see what the plan costs,
+                    // not the noise of one replay, so that two calibrations agree.
+                    graph.launch(stream)?;
+                    let mut best = f64::INFINITY;
+                    for _ in 0..3 {
+                        start.record(stream)?;
+                        graph.launch(stream)?;
+                        end.record(stream)?;
+                        end.synchronize()?;
+                        self.check_status()?;
+                        best =
+                            best.min(end.elapsed_ms_since(&start)? as f64 * 1000.0 / reps as f64);
+                    }
+                    stream.synchronize()?;
+                    boot.barrier()?;
+                    drop(graph);
+                    us[i] = best;
                 }
-                model.fit(algo, proto, points[0], points[1]);
+                model.set_measured(algo, proto, us);
             }
         }
         stream.synchronize()?;
@@ -779,6 +801,15 @@ impl Communicator {
                 "two-shot plan with an empty shard".into(),
             ));
         }
+        if self.nranks == 1 {
+            // Nothing to exchange: every collective's result is the input (quantization never
+            // applies). In place that is free; out of place it is one device copy.
+            if send.addr() == recv.addr() {
+                return Ok(());
+            }
+            let _ctx = self.device.activate()?;
+            return Ok(recv.copy_from(send, recv_bytes, stream)?);
+        }
         self.launch_plan(p, send, recv, count, elem, dtype, stream)
     }
 
@@ -832,7 +863,7 @@ impl Communicator {
             ..Default::default()
         };
         let mut params = params;
-        let mut threads = THREADS;
+        let threads = p.threads;
         if let (Some(q), Some(d)) = (p.quant, dtype) {
             params.q_bits_rs = q.rs_bits as u32;
             params.q_bits_ag = q.ag_bits as u32;
@@ -840,7 +871,6 @@ impl Communicator {
             params.q_spikes = q.spikes as u32;
             params.q_block_bytes_rs = q.format(d, q.rs_bits)?.block_bytes() as u32;
             params.q_block_bytes_ag = q.format(d, q.ag_bits)?.block_bytes() as u32;
-            threads = plan::QUANT_THREADS;
         }
         let _ctx = self.device.activate()?;
         let capturing = stream.is_capturing()?;

@@ -122,7 +122,33 @@ pub fn shard_elems(count: u64, nranks: u32, elem: u64) -> Option<u64> {
     ((n - 1) * per < count).then_some(per)
 }
 
-/// Blocks for a launch that moves `bytes` per source with `proto`, capped at `max_grid`.
+/// LL launches aim for at least this many blocks: a small message cut over a few blocks of 512
+/// threads keeps a few multiprocessors busy with every store and poll, so it is cut over more,
+/// smaller blocks instead (the same threads in all).
+pub const LL_MIN_GRID: u64 = 16;
+
+/// Blocks and threads per block of a launch that moves `bytes` per source with `proto`. BLOCK
+/// uses blocks of [`THREADS`]; LL the largest of 512, 256 or 128 threads that still gives
+/// [`LL_MIN_GRID`] blocks (128 when none does). `max_grid` is the most blocks of [`THREADS`]
+/// threads that stay resident; blocks of `THREADS / k` threads may be `k` times as many.
+pub fn shape_for(proto: Protocol, bytes: u64, max_grid: u32) -> (u32, u32) {
+    let max_grid = max_grid.max(1) as u64;
+    match proto {
+        Protocol::Block => (grid_for(proto, bytes, max_grid as u32), THREADS),
+        Protocol::Ll => {
+            let mut threads = THREADS;
+            while threads > 128 && bytes.div_ceil(threads as u64 * LL_PAYLOAD) < LL_MIN_GRID {
+                threads /= 2;
+            }
+            let cap = max_grid * (THREADS / threads) as u64;
+            let grid = bytes.div_ceil(threads as u64 * LL_PAYLOAD).clamp(1, cap);
+            (grid as u32, threads)
+        }
+    }
+}
+
+/// Blocks for a launch that moves `bytes` per source with `proto` in blocks of [`THREADS`]
+/// threads, capped at `max_grid`.
 pub fn grid_for(proto: Protocol, bytes: u64, max_grid: u32) -> u32 {
     let per_block = match proto {
         Protocol::Ll => THREADS as u64 * LL_PAYLOAD,
@@ -131,17 +157,46 @@ pub fn grid_for(proto: Protocol, bytes: u64, max_grid: u32) -> u32 {
     bytes.div_ceil(per_block).clamp(1, max_grid.max(1) as u64) as u32
 }
 
-/// A linear latency model per (algorithm, protocol): `t = a + b * bytes` in microseconds, with
-/// `bytes` the message size of one rank.
+/// Message sizes (bytes of one rank) at which calibration times every (algorithm, protocol):
+/// the decode range by factors of 2, then two larger points for the slope beyond it.
+pub const CALIB_SIZES: [u64; 10] = [
+    4 << 10,
+    8 << 10,
+    16 << 10,
+    32 << 10,
+    64 << 10,
+    128 << 10,
+    256 << 10,
+    512 << 10,
+    1 << 20,
+    4 << 20,
+];
+
+/// Candidates whose predicted time is within this factor of the fastest count as ties, and a
+/// tie goes to the first in a fixed order (one-shot before two-shot, LL before BLOCK): noise
+/// between two nearly equal plans then cannot flip the choice from one calibration to the next,
+/// and the plan chosen is never more than this factor slower than the best one predicted.
+pub const TIE_FACTOR: f64 = 1.03;
+
+/// The latency model per (algorithm, protocol), in microseconds for a message of `bytes` bytes
+/// per rank: the times measured at [`CALIB_SIZES`] when calibrated (piecewise linear between
+/// them, the last segment's slope beyond the largest, the smallest's time below it), otherwise
+/// a linear model `t = a + b * bytes`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CostModel {
     /// Fixed cost in microseconds, indexed [algorithm][protocol].
     pub a_us: [[f64; 2]; 2],
     /// Cost per byte in microseconds, indexed [algorithm][protocol].
     pub b_us_per_byte: [[f64; 2]; 2],
+    /// Measured microseconds at [`CALIB_SIZES`], indexed [algorithm][protocol][size]; a row
+    /// with any entry that is not positive is not used (the linear model applies).
+    pub table_us: [[[f64; CALIB_SIZES.len()]; 2]; 2],
     /// Whether the constants were measured on this machine (false: defaults).
     pub calibrated: bool,
 }
+
+/// Bytes of a serialized [`CostModel`].
+const MODEL_BYTES: usize = 8 * (2 * 2 * 2 + 2 * 2 * CALIB_SIZES.len());
 
 impl CostModel {
     /// Defaults for `nranks` ranks, used until calibration runs (or when it is disabled). They
@@ -155,14 +210,45 @@ impl CostModel {
         CostModel {
             a_us: [[3.0, 6.0], [5.0, 10.0]],
             b_us_per_byte: [[2.0 * one, one], [2.0 * two, two]],
+            table_us: [[[0.0; CALIB_SIZES.len()]; 2]; 2],
             calibrated: false,
         }
     }
 
     /// Predicted microseconds.
     pub fn predict(&self, algo: Algorithm, proto: Protocol, bytes: u64) -> f64 {
+        let row = &self.table_us[algo.index()][proto.index()];
+        if row.iter().all(|&t| t > 0.0 && t.is_finite()) {
+            let x = bytes as f64;
+            let last = CALIB_SIZES.len() - 1;
+            if bytes <= CALIB_SIZES[0] {
+                return row[0];
+            }
+            // The segment that holds `bytes` (the last one beyond the largest size).
+            let i = CALIB_SIZES
+                .iter()
+                .position(|&s| bytes <= s)
+                .unwrap_or(last)
+                .max(1);
+            let (x0, x1) = (CALIB_SIZES[i - 1] as f64, CALIB_SIZES[i] as f64);
+            let slope = ((row[i] - row[i - 1]) / (x1 - x0)).max(0.0);
+            return row[i - 1] + slope * (x - x0);
+        }
         self.a_us[algo.index()][proto.index()]
             + self.b_us_per_byte[algo.index()][proto.index()] * bytes as f64
+    }
+
+    /// Records the times measured at [`CALIB_SIZES`] for one combination (and the linear model
+    /// through the smallest and largest, for whoever reads `a` and `b`).
+    pub fn set_measured(&mut self, algo: Algorithm, proto: Protocol, us: [f64; CALIB_SIZES.len()]) {
+        let last = CALIB_SIZES.len() - 1;
+        self.fit(
+            algo,
+            proto,
+            (CALIB_SIZES[0], us[0]),
+            (CALIB_SIZES[last], us[last]),
+        );
+        self.table_us[algo.index()][proto.index()] = us;
     }
 
     /// Fits `a` and `b` of one combination from two measurements (bytes, microseconds).
@@ -175,11 +261,18 @@ impl CostModel {
 
     /// Serializes for the exchange between ranks.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(64);
+        let mut v = Vec::with_capacity(MODEL_BYTES);
         for i in 0..2 {
             for j in 0..2 {
                 v.extend_from_slice(&self.a_us[i][j].to_le_bytes());
                 v.extend_from_slice(&self.b_us_per_byte[i][j].to_le_bytes());
+            }
+        }
+        for i in 0..2 {
+            for j in 0..2 {
+                for t in self.table_us[i][j] {
+                    v.extend_from_slice(&t.to_le_bytes());
+                }
             }
         }
         v
@@ -190,10 +283,11 @@ impl CostModel {
         let mut m = CostModel {
             a_us: [[0.0; 2]; 2],
             b_us_per_byte: [[0.0; 2]; 2],
+            table_us: [[[0.0; CALIB_SIZES.len()]; 2]; 2],
             calibrated: true,
         };
         for bytes in models {
-            if bytes.len() != 64 {
+            if bytes.len() != MODEL_BYTES {
                 return Err(Error::Bootstrap("malformed cost model from a peer".into()));
             }
             let f = |k: usize| f64::from_le_bytes(bytes[k * 8..k * 8 + 8].try_into().unwrap());
@@ -202,6 +296,10 @@ impl CostModel {
                     let k = (i * 2 + j) * 2;
                     m.a_us[i][j] = m.a_us[i][j].max(f(k));
                     m.b_us_per_byte[i][j] = m.b_us_per_byte[i][j].max(f(k + 1));
+                    let base = 8 + (i * 2 + j) * CALIB_SIZES.len();
+                    for (s, t) in m.table_us[i][j].iter_mut().enumerate() {
+                        *t = t.max(f(base + s));
+                    }
                 }
             }
         }
@@ -341,6 +439,7 @@ pub fn plan_quant(
         algo,
         proto: Protocol::Block,
         grid,
+        threads: QUANT_THREADS,
         sub_bytes,
         chunk_bytes,
         shard_elems: 0,
@@ -359,6 +458,8 @@ pub struct Plan {
     pub proto: Protocol,
     /// Blocks.
     pub grid: u32,
+    /// Threads per block.
+    pub threads: u32,
     /// Sub-slot bytes.
     pub sub_bytes: u64,
     /// Payload bytes per chunk.
@@ -415,25 +516,35 @@ pub fn plan(
         Choice::Force(_) => &forced,
         Choice::Auto => &Protocol::ALL,
     };
-    let mut best: Option<(f64, Algorithm, Protocol)> = None;
+    // The fastest prediction, then the first candidate (in the fixed order of the slices) within
+    // TIE_FACTOR of it: see TIE_FACTOR.
+    let mut fastest = f64::INFINITY;
     for &a in algos {
         for &p in protos {
-            let mut t = model.predict(a, p, bytes);
-            if coll == Collective::ReduceScatter {
-                t *= 0.5;
-            }
-            if best.is_none_or(|(bt, _, _)| t < bt) {
-                best = Some((t, a, p));
+            fastest = fastest.min(model.predict(a, p, bytes));
+        }
+    }
+    let mut best: Option<(Algorithm, Protocol)> = None;
+    for &a in algos {
+        for &p in protos {
+            if best.is_none() && model.predict(a, p, bytes) <= fastest * TIE_FACTOR {
+                best = Some((a, p));
             }
         }
     }
-    let (_, algo, proto) = best.expect("at least one candidate");
+    let (algo, proto) = best.unwrap_or((algos[0], protos[0]));
     let per_block_bytes = match (coll, algo) {
         (Collective::AllReduce, Algorithm::TwoShot) => shard.unwrap_or(count) * elem,
         (Collective::ReduceScatter, _) => count * elem,
         _ => bytes,
     };
-    let grid = grid_for(proto, per_block_bytes, max_grid);
+    // LL grids of small blocks may exceed the arena's grid of BLOCK sub-slots; the LL area's
+    // sub-slots must still hold at least one line.
+    let (grid, threads) = shape_for(proto, per_block_bytes, max_grid);
+    let grid = match proto {
+        Protocol::Ll => grid.min((arena.ll_bytes / (2 * LL_LINE)).min(u32::MAX as u64) as u32),
+        Protocol::Block => grid,
+    };
     let (sub_bytes, chunk_bytes) = arena.chunking(proto, grid);
     let coll_algo = if coll == Collective::AllReduce {
         algo
@@ -445,6 +556,7 @@ pub fn plan(
         algo: coll_algo,
         proto,
         grid,
+        threads,
         sub_bytes,
         chunk_bytes,
         shard_elems: if coll_algo == Algorithm::TwoShot {
@@ -486,6 +598,36 @@ mod tests {
             assert_eq!(a.area_offset(Protocol::Block) % FRAME_BYTES % 16, 0);
             assert_eq!(sub % FRAME_BYTES, 0);
             assert_eq!(chunk, sub / FRAME_BYTES * FRAME_PAYLOAD);
+        }
+    }
+
+    #[test]
+    fn ll_grids_cover_small_messages_with_enough_blocks() {
+        // (bytes, max_grid) -> (grid, threads)
+        assert_eq!(shape_for(Protocol::Ll, 8 << 10, 66), (8, 128));
+        assert_eq!(shape_for(Protocol::Ll, 16 << 10, 66), (16, 128));
+        assert_eq!(shape_for(Protocol::Ll, 32 << 10, 66), (16, 256));
+        assert_eq!(shape_for(Protocol::Ll, 64 << 10, 66), (16, 512));
+        assert_eq!(shape_for(Protocol::Ll, 1 << 20, 66), (66, 512));
+        assert_eq!(shape_for(Protocol::Ll, 100, 66), (1, 128));
+        // Smaller blocks may be more, in proportion.
+        assert_eq!(shape_for(Protocol::Ll, 8 << 10, 1), (4, 128));
+        assert_eq!(shape_for(Protocol::Block, 8 << 10, 66), (1, THREADS));
+        let a = Arena::new(8, 64 << 20).unwrap();
+        let m = CostModel::default_for(8);
+        for bytes in [8u64 << 10, 64 << 10, 1 << 20] {
+            let p = plan(
+                &a,
+                &m,
+                Collective::AllReduce,
+                bytes / 2,
+                2,
+                16,
+                Choice::Force(Algorithm::OneShot),
+                Choice::Force(Protocol::Ll),
+            );
+            assert!(p.grid as u64 * p.threads as u64 <= 16 * THREADS as u64);
+            assert!(p.sub_bytes >= LL_LINE);
         }
     }
 
@@ -599,6 +741,72 @@ mod tests {
         assert!(QuantSpec::new(1, 1, 128, 2).is_err());
         assert!(QuantSpec::new(4, 4, 100, 2).is_err());
         assert!(QuantSpec::new(4, 4, 128, 3).is_err());
+    }
+
+    #[test]
+    fn calibrated_table_drives_the_choice_and_ties_are_stable() {
+        let a = Arena::new(8, 64 << 20).unwrap();
+        let mut m = CostModel::default_for(8);
+        let n = CALIB_SIZES.len();
+        // One-shot LL best up to 48 KiB, two-shot BLOCK beyond; the others never.
+        let mut ll = [0.0; CALIB_SIZES.len()];
+        let mut blk2 = [0.0; CALIB_SIZES.len()];
+        for i in 0..n {
+            ll[i] = 4.0 + CALIB_SIZES[i] as f64 / 4000.0;
+            blk2[i] = 15.0 + CALIB_SIZES[i] as f64 / 40000.0;
+        }
+        m.set_measured(Algorithm::OneShot, Protocol::Ll, ll);
+        m.set_measured(Algorithm::TwoShot, Protocol::Block, blk2);
+        m.set_measured(
+            Algorithm::OneShot,
+            Protocol::Block,
+            [1e3; CALIB_SIZES.len()],
+        );
+        m.set_measured(Algorithm::TwoShot, Protocol::Ll, [1e3; CALIB_SIZES.len()]);
+        let pick = |bytes: u64| {
+            let p = plan(
+                &a,
+                &m,
+                Collective::AllReduce,
+                bytes / 2,
+                2,
+                64,
+                Choice::Auto,
+                Choice::Auto,
+            );
+            (p.algo, p.proto)
+        };
+        assert_eq!(pick(8 << 10), (Algorithm::OneShot, Protocol::Ll));
+        assert_eq!(pick(32 << 10), (Algorithm::OneShot, Protocol::Ll));
+        assert_eq!(pick(64 << 10), (Algorithm::TwoShot, Protocol::Block));
+        assert_eq!(pick(256 << 10), (Algorithm::TwoShot, Protocol::Block));
+        assert_eq!(pick(64 << 20), (Algorithm::TwoShot, Protocol::Block));
+        // Interpolation between measured points, the smallest point below the range.
+        let t = m.predict(Algorithm::OneShot, Protocol::Ll, 6 << 10);
+        assert!(t > ll[0] && t < ll[1]);
+        assert_eq!(m.predict(Algorithm::OneShot, Protocol::Ll, 100), ll[0]);
+        // Within TIE_FACTOR the fixed order decides: a slightly faster two-shot loses.
+        let mut tie = m;
+        tie.set_measured(Algorithm::TwoShot, Protocol::Ll, ll.map(|t| t / 1.02));
+        assert_eq!(
+            {
+                let p = plan(
+                    &a,
+                    &tie,
+                    Collective::AllReduce,
+                    4096,
+                    2,
+                    64,
+                    Choice::Auto,
+                    Choice::Auto,
+                );
+                (p.algo, p.proto)
+            },
+            (Algorithm::OneShot, Protocol::Ll)
+        );
+        // The table survives the exchange.
+        let back = CostModel::agree(&[m.to_bytes()]).unwrap();
+        assert_eq!(back.table_us, m.table_us);
     }
 
     #[test]

@@ -139,6 +139,60 @@ fn sweep_on(n: u32, cfg: CommConfig, max: u64) {
     });
 }
 
+/// One rank: every collective is a copy of the input (done by the one-rank path, no kernel).
+#[test]
+fn sweep_1_rank() {
+    sweep(1);
+}
+
+/// One rank: in place nothing happens, and a quantized AllReduce is exact (quantization never
+/// applies when there is nothing to exchange).
+#[test]
+fn one_rank_in_place_and_quantized_are_exact() {
+    run_ranks(1, test_config(), |r| {
+        let count = 1u64 << 20;
+        let ty = TestType::Bf16;
+        let bytes = (count * ty.bytes()) as usize;
+        let send = r.alloc(bytes);
+        let recv = r.alloc(bytes);
+        let q = flashcomm_comm::QuantSpec::new(4, 4, 128, 2).unwrap();
+        for (salt, quant) in [(1u32, false), (2, true)] {
+            for inplace in [false, true] {
+                r.v.fill(send.as_ptr(), count, ty, 0, salt, r.stream)
+                    .unwrap();
+                let out = if inplace { &send } else { &recv };
+                if !inplace {
+                    recv.fill(0xA5, r.stream).unwrap();
+                }
+                let dt = ty.dtype().unwrap();
+                if quant {
+                    r.comm
+                        .all_reduce_quant(send.as_ptr(), out.as_ptr(), count, dt, q, r.stream)
+                        .unwrap();
+                } else {
+                    r.comm
+                        .all_reduce(send.as_ptr(), out.as_ptr(), count, dt, r.stream)
+                        .unwrap();
+                }
+                r.v.check(
+                    out.as_ptr(),
+                    count,
+                    count,
+                    Collective::AllReduce,
+                    ty,
+                    1,
+                    0,
+                    salt,
+                    r.stream,
+                )
+                .unwrap();
+                r.sync();
+                r.assert_clean(&format!("one rank, quantized {quant}, in place {inplace}"));
+            }
+        }
+    });
+}
+
 #[test]
 fn sweep_2_ranks() {
     sweep(2);

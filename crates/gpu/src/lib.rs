@@ -291,6 +291,20 @@ impl DevicePtr {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// Copies the first `bytes` bytes of `src` into this range on `stream`
+    /// (`cuMemcpyDtoDAsync`: asynchronous, a single copy node under graph capture). The context
+    /// of the memory's device must be current.
+    pub fn copy_from(&self, src: DevicePtr, bytes: u64, stream: Stream) -> Result<(), Error> {
+        assert!(
+            bytes <= self.len && bytes <= src.len,
+            "device copy out of bounds"
+        );
+        // SAFETY: both ranges hold at least `bytes` bytes (asserted) of device memory that their
+        // creators promised valid until the work on `stream` has finished (DevicePtr's contract).
+        unsafe { result::memcpy_dtod_async(self.addr, src.addr, bytes as usize, stream.0) }
+            .map_err(cuda("copying device memory"))
+    }
 }
 
 /// Device memory owned by this process (`cuMemAlloc`, so it can be exported with legacy IPC).

@@ -4,6 +4,7 @@
 //!   buffer-to-buffer kernels), compiled by the top-level `build.rs` for this crate and loaded
 //!   into a context beside the product's modules by [`TestKernels`]. The shipped `libnccl.so`
 //!   links `flashcomm-kernels` only, so it embeds none of them.
+//! * [`reference`]: the plain reference AllReduce that decode-size latency is measured against.
 //! * [`verify`]: integer-valued inputs and their exact collective results, checked on the device.
 //! * [`codec`]: launchers of the codec kernels over device buffers, for the codec's GPU tests and
 //!   its benchmark.
@@ -15,6 +16,7 @@
 pub mod codec;
 mod codec_launch;
 mod file_bootstrap;
+pub mod reference;
 pub mod verify;
 
 pub use file_bootstrap::FileBootstrap;

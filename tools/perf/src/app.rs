@@ -277,6 +277,7 @@ pub fn settings(o: &Options, gpus: &[String], nccl: Option<&Nccl>, argv: &[Strin
             .map(|i| match i {
                 Impl::Flashcomm => "flashcomm",
                 Impl::Nccl => "nccl",
+                Impl::Reference => "reference",
             })
             .collect(),
         quant: o.quant.iter().map(|w| w.to_string()).collect(),
@@ -328,6 +329,7 @@ pub fn header_lines(o: &Options, gpus: &[String], nccl: Option<&Nccl>) -> Vec<St
                 .map(|i| match i {
                     Impl::Flashcomm => "flashcomm",
                     Impl::Nccl => "nccl",
+                    Impl::Reference => "reference",
                 })
                 .collect::<Vec<_>>()
                 .join(",")
@@ -410,6 +412,7 @@ fn layout(o: &Options) -> Layout {
         quant: !o.quant.is_empty(),
         vs_nccl: o.impls.contains(&Impl::Nccl) && o.impls.contains(&Impl::Flashcomm),
         vs_copy: o.copy_baseline,
+        vs_ref: o.impls.contains(&Impl::Reference),
     }
 }
 

@@ -90,6 +90,8 @@ pub enum Impl {
     Flashcomm,
     /// The real NCCL, loaded by path.
     Nccl,
+    /// The plain reference AllReduce (an LL one-shot kernel, the yardstick of decode latency).
+    Reference,
 }
 
 /// Element types (nccl-tests' names).
@@ -445,7 +447,8 @@ fn parse_impls(v: &str) -> Result<Vec<Impl>, ArgError> {
         let i = match part.trim().to_ascii_lowercase().as_str() {
             "flashcomm" | "fc" => Impl::Flashcomm,
             "nccl" => Impl::Nccl,
-            other => return err(format!("--impl: '{other}' (flashcomm, nccl)")),
+            "reference" | "ref" => Impl::Reference,
+            other => return err(format!("--impl: '{other}' (flashcomm, nccl, reference)")),
         };
         if !out.contains(&i) {
             out.push(i);
@@ -553,7 +556,8 @@ struct Cli {
     /// The GPU of virtual ranks, first GPU of --mode gpus/procs [0]
     #[arg(long, value_name = "d", allow_negative_numbers = true, help_heading = FLASHCOMM)]
     device: Option<i32>,
-    /// flashcomm, nccl or flashcomm,nccl (side by side) [flashcomm]
+    /// flashcomm, nccl, reference (the plain LL one-shot AllReduce that decode latency is
+    /// measured against; --mode virtual or gpus), or a comma list side by side [flashcomm]
     #[arg(long = "impl", value_name = "list", value_parser = impls_value, help_heading = FLASHCOMM)]
     impls: Option<List<Impl>>,
     /// The real libnccl.so.2 for --impl nccl [$FLASHCOMM_NCCL_LIB]
@@ -800,6 +804,16 @@ fn validate(o: &Options) -> Result<(), ArgError> {
              (virtual ranks and procs-one-gpu are flashcomm's)",
         );
     }
+    if o.impls.contains(&Impl::Reference) {
+        if o.coll != Coll::AllReduce {
+            return err("--impl reference: the reference kernel is an AllReduce");
+        }
+        if !matches!(o.mode, Mode::Virtual | Mode::Gpus) {
+            return err(
+                "--impl reference needs --mode virtual or gpus (its ranks are threads of one process)",
+            );
+        }
+    }
     if o.inplace && o.coll == Coll::ReduceScatter {
         return err("--inplace: in-place ReduceScatter is not measured (AllReduce, AllGather)");
     }
@@ -968,6 +982,12 @@ mod tests {
         assert!(fails("--impl nccl --ranks 4").contains("--mode gpus"));
         assert!(fails("--quant 4 --impl nccl --mode gpus").contains("--impl flashcomm"));
         assert!(fails("--quant 4 --coll allgather").contains("only AllReduce"));
+        assert!(fails("--impl reference --coll allgather").contains("an AllReduce"));
+        assert!(fails("--impl reference --mode procs").contains("--mode virtual or gpus"));
+        assert_eq!(
+            run("--impl reference,flashcomm --ranks 8").impls,
+            vec![Impl::Reference, Impl::Flashcomm]
+        );
         assert!(fails("--group 100").contains("--group"));
         assert!(fails("--spikes 3").contains("--spikes"));
         assert!(fails("--inplace 1 --coll reducescatter").contains("in-place"));

@@ -3,7 +3,8 @@
 //! A row's first columns are exactly nccl-tests' (`size(B) count(elements) type redop root`, then
 //! `time(us) algbw(GB/s) busbw(GB/s) #wrong` for out-of-place and, with `--inplace 1`, again for
 //! in-place), so scripts written for nccl-tests read them. flashcomm's columns follow: the error
-//! columns of quantized rows (`relL2 maxerr effbits`), time ratios (`vs_nccl`, `vs_copy`), and
+//! columns of quantized rows (`relL2 maxerr effbits`), time ratios (`vs_nccl`, `vs_copy`,
+//! `vs_ref`: over the plain reference AllReduce of the same run), and
 //! three labels (`impl launch plan`). Columns that do not apply print `N/A`, as nccl-tests does.
 
 use std::collections::BTreeMap;
@@ -25,6 +26,8 @@ pub enum Variant {
     Lossless,
     /// flashcomm, quantized AllReduce.
     Quant(Width),
+    /// The plain reference AllReduce (`--impl reference`).
+    Reference,
 }
 
 impl Variant {
@@ -35,6 +38,7 @@ impl Variant {
             Variant::Nccl => "nccl".into(),
             Variant::Lossless => "flashcomm".into(),
             Variant::Quant(w) => format!("flashcomm-q{w}"),
+            Variant::Reference => "reference".into(),
         }
     }
 }
@@ -125,6 +129,8 @@ pub struct Row {
     pub vs_nccl: Option<f64>,
     /// Out-of-place time over the copy baseline's at the same size, type and launch mode.
     pub vs_copy: Option<f64>,
+    /// Out-of-place time over the reference AllReduce's at the same size, type and launch mode.
+    pub vs_ref: Option<f64>,
 }
 
 impl Row {
@@ -158,6 +164,8 @@ pub struct Layout {
     pub vs_nccl: bool,
     /// vs_copy.
     pub vs_copy: bool,
+    /// vs_ref.
+    pub vs_ref: bool,
 }
 
 /// nccl-tests-like time: two decimals below 1 ms, one below 100 ms, none above.
@@ -275,6 +283,10 @@ pub fn header(layout: &Layout) -> Vec<String> {
         names.push_str(&format!(" {:>W_RATIO$}", "vs_copy"));
         units.push_str(&format!(" {:>W_RATIO$}", "(time)"));
     }
+    if layout.vs_ref {
+        names.push_str(&format!(" {:>W_RATIO$}", "vs_ref"));
+        units.push_str(&format!(" {:>W_RATIO$}", "(time)"));
+    }
     names.push_str("  impl               launch  plan");
     vec![top, names, units]
 }
@@ -308,6 +320,9 @@ pub fn format_row(layout: &Layout, row: &Row) -> String {
     }
     if layout.vs_copy {
         s.push_str(&format!(" {:>W_RATIO$}", ratio(row.vs_copy)));
+    }
+    if layout.vs_ref {
+        s.push_str(&format!(" {:>W_RATIO$}", ratio(row.vs_ref)));
     }
     s.push_str(&format!(
         "  {:<17}  {:<6}  {}",
@@ -349,6 +364,9 @@ impl Table {
         }
         if row.variant != Variant::Copy {
             row.vs_copy = t.zip(base(Variant::Copy)).map(|(a, b)| a / b);
+        }
+        if !matches!(row.variant, Variant::Copy | Variant::Reference) {
+            row.vs_ref = t.zip(base(Variant::Reference)).map(|(a, b)| a / b);
         }
         let lines = match &row.out {
             Outcome::Done(_) => vec![format_row(layout, &row)],
@@ -566,6 +584,7 @@ pub struct RowJson<'a> {
     in_place: Option<OutcomeJson<'a>>,
     vs_nccl: Option<f64>,
     vs_copy: Option<f64>,
+    vs_ref: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     quant: Option<QuantJson>,
 }
@@ -598,6 +617,7 @@ pub fn row_json(row: &Row) -> RowJson<'_> {
         in_place: row.inplace.as_ref().map(|o| OutcomeJson::of(row, o)),
         vs_nccl: row.vs_nccl,
         vs_copy: row.vs_copy,
+        vs_ref: row.vs_ref,
         quant: row.quant.map(|q| QuantJson {
             rs_bits: q.width.rs,
             ag_bits: q.width.ag,
@@ -700,6 +720,7 @@ pub(crate) mod tests {
             inplace: None,
             vs_nccl: None,
             vs_copy: None,
+            vs_ref: None,
         }
     }
 
@@ -708,6 +729,7 @@ pub(crate) mod tests {
         quant: false,
         vs_nccl: false,
         vs_copy: false,
+        vs_ref: false,
     };
 
     #[test]
@@ -761,6 +783,7 @@ pub(crate) mod tests {
             quant: true,
             vs_nccl: true,
             vs_copy: true,
+            vs_ref: false,
         };
         let h = header(&layout);
         assert!(h[0].contains("out-of-place") && h[0].contains("in-place"));
@@ -879,6 +902,27 @@ pub(crate) mod tests {
         c.add(&PLAIN, row(Variant::Copy, Launch::Eager, 1 << 20, 10.0));
         assert_eq!(c.footer().len(), 1);
         assert!(format_row(&PLAIN, &c.rows[0]).split_whitespace().nth(7) == Some("N/A"));
+    }
+
+    #[test]
+    fn rows_carry_their_ratio_to_the_reference() {
+        let layout = Layout {
+            vs_ref: true,
+            ..PLAIN
+        };
+        assert!(header(&layout)[1].contains("vs_ref"));
+        let mut t = Table::default();
+        t.add(&layout, row(Variant::Reference, Launch::Graph, 8192, 4.0));
+        t.add(&layout, row(Variant::Lossless, Launch::Graph, 8192, 3.0));
+        t.add(&layout, row(Variant::Lossless, Launch::Graph, 16384, 3.0));
+        assert_eq!(
+            t.rows[0].vs_ref, None,
+            "the reference has no ratio to itself"
+        );
+        assert_eq!(t.rows[1].vs_ref, Some(0.75));
+        assert_eq!(t.rows[2].vs_ref, None, "no reference row of that size");
+        assert!(format_row(&layout, &t.rows[1]).contains("0.750"));
+        assert_eq!(row_json(&t.rows[1]).vs_ref, Some(0.75));
     }
 
     #[test]

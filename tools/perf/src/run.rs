@@ -34,6 +34,7 @@ use flashcomm_comm::{
     DevicePtr, Plan, Protocol, QuantSpec, Stream, ThreadGroup, Transport,
 };
 use flashcomm_testkit::FileBootstrap;
+use flashcomm_testkit::reference::Reference;
 use flashcomm_testkit::verify::{TestType, Verifier};
 use serde::{Deserialize, Serialize};
 
@@ -71,6 +72,9 @@ pub fn jobs(o: &Options) -> Vec<Job> {
                 let mut variants = Vec::new();
                 if o.copy_baseline {
                     variants.push(Variant::Copy);
+                }
+                if o.impls.contains(&Impl::Reference) {
+                    variants.push(Variant::Reference);
                 }
                 if o.impls.contains(&Impl::Nccl) {
                     variants.push(Variant::Nccl);
@@ -169,9 +173,17 @@ fn proto_choice(p: ProtoChoice) -> Choice<Protocol> {
 
 /// The `plan` column: `oneshot/ll/g16` for AllReduce, `ll/g16` for the others.
 pub fn plan_label(p: &Plan) -> String {
+    // Blocks of other than the usual 512 threads (small LL messages) show their size.
+    let threads = if p.threads == 512 {
+        String::new()
+    } else {
+        format!("x{}", p.threads)
+    };
     match p.coll {
-        Collective::AllReduce => format!("{}/{}/g{}", p.algo.name(), p.proto.name(), p.grid),
-        _ => format!("{}/g{}", p.proto.name(), p.grid),
+        Collective::AllReduce => {
+            format!("{}/{}/g{}{threads}", p.algo.name(), p.proto.name(), p.grid)
+        }
+        _ => format!("{}/g{}{threads}", p.proto.name(), p.grid),
     }
 }
 
@@ -215,6 +227,8 @@ struct Team {
     cv: Condvar,
     slots: Mutex<Vec<Option<RankOut>>>,
     recv0: Mutex<Option<DevicePtr>>,
+    /// Every rank's inbox of the reference AllReduce (threads of one process only).
+    inboxes: Mutex<Vec<u64>>,
     link: Option<FileBootstrap>,
 }
 
@@ -237,6 +251,7 @@ impl Team {
             cv: Condvar::new(),
             slots: Mutex::new(vec![None; n]),
             recv0: Mutex::new(None),
+            inboxes: Mutex::new(vec![0; n]),
             link: None,
         }
     }
@@ -324,6 +339,7 @@ struct Rank<'a> {
     nranks: u32,
     comm: Option<Communicator>,
     nccl: Option<(&'a Nccl, NcclComm)>,
+    reference: Option<Reference>,
     v: Verifier,
     stream: Stream,
     send: DeviceMem,
@@ -526,6 +542,29 @@ fn rank_main(
             Some((lib, comm))
         }
     };
+    // The reference AllReduce: set up (it allocates) before any collective runs; ranks publish
+    // their inboxes through the team (threads of one process: the arguments check the mode).
+    let reference = if o.impls.contains(&Impl::Reference) {
+        let max = jobs
+            .iter()
+            .filter(|j| j.variant == Variant::Reference)
+            .map(|j| j.shape.bytes)
+            .max()
+            .unwrap_or(0);
+        let mut rf = Reference::new(&devices(o), rank, max, Duration::from_secs(o.timeout_s))
+            .map_err(e2s(&format!("rank {rank}: reference set-up")))?;
+        team.inboxes.lock().unwrap_or_else(|e| e.into_inner())[rank as usize] = rf.inbox_addr();
+        team.wait()?;
+        let all = team
+            .inboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        rf.set_peers(&all).map_err(|e| e.to_string())?;
+        Some(rf)
+    } else {
+        None
+    };
     let stream = v.stream().map_err(e2s("stream"))?;
     let (sb, rb, qb) = buffer_bytes(o, jobs);
     let alloc = |b: u64| {
@@ -578,6 +617,7 @@ fn rank_main(
         nranks: boot.size(),
         comm,
         nccl,
+        reference,
         v,
         stream,
         send,
@@ -621,6 +661,14 @@ impl Rank<'_> {
         self.stream.synchronize().map_err(e2s("stream"))?;
         if let Some(c) = &self.comm {
             c.check_status().map_err(|e| e.to_string())?;
+        }
+        if let Some(r) = &self.reference
+            && r.failed(self.stream).map_err(e2s("reference status"))?
+        {
+            return Err(format!(
+                "rank {}: the reference AllReduce timed out waiting for a peer",
+                self.rank
+            ));
         }
         Ok(())
     }
@@ -670,7 +718,7 @@ impl Rank<'_> {
     fn job(&mut self, job: &Job, salt: u32) -> Result<RankOut, String> {
         match job.variant {
             Variant::Copy => self.copy_job(job),
-            Variant::Nccl | Variant::Lossless => self.lossless_job(job, salt),
+            Variant::Nccl | Variant::Lossless | Variant::Reference => self.lossless_job(job, salt),
             Variant::Quant(w) => self.quant_job(job, w),
         }
     }
@@ -799,6 +847,12 @@ impl Rank<'_> {
                     s,
                 )
                 .map_err(|e| e.to_string()),
+            (Variant::Reference, _, _, _) => match &self.reference {
+                Some(r) => r
+                    .all_reduce(send, recv, sh.call_count, data_type(job.dtype), s)
+                    .map_err(|e| e.to_string()),
+                None => Err("the reference is not set up on this rank".into()),
+            },
             (Variant::Nccl, _, _, Some((lib, nc))) => {
                 let t = nccl_type(job.dtype);
                 match self.o.coll {
@@ -1194,6 +1248,7 @@ fn merge(o: &Options, job: &Job, outs: &[RankOut]) -> Row {
         inplace,
         vs_nccl: None,
         vs_copy: None,
+        vs_ref: None,
     }
 }
 

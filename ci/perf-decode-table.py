@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""The decode-latency table of docs/perf.md from the JSON files of ci/perf-decode.sh.
+
+    ci/perf-decode-table.py <results-dir>
+
+For every rank count and size: the reference's time, the selector's plan and time, the best
+forced plan and its time (one-shot/two-shot x LL/BLOCK, each measured in its own run), the ratios
+to the reference and to the best forced plan, and #wrong summed over the rows; then the one-rank
+communicator against a device copy.
+"""
+import glob
+import json
+import os
+import sys
+
+
+def rows(path):
+    with open(path) as f:
+        return json.load(f)["rows"]
+
+
+def graph(rs, impl):
+    return {
+        r["size_bytes"]: r
+        for r in rs
+        if r["impl"] == impl and r["launch"] == "graph" and r["out_of_place"] is not None
+    }
+
+
+def t(r):
+    return r["out_of_place"].get("time_us") if r else None
+
+
+def wrong(r):
+    return (r["out_of_place"].get("wrong") or 0) if r else 0
+
+
+def fmt(x, d=2):
+    return "-" if x is None else f"{x:.{d}f}"
+
+
+def main():
+    res = sys.argv[1]
+    print("| ranks | size | reference (us) | selector's plan | selector (us) | vs ref | best forced plan | best forced (us) | selector / best | #wrong |")
+    print("|---:|---:|---:|---|---:|---:|---|---:|---:|---:|")
+    for path in sorted(glob.glob(os.path.join(res, "ref-n*.json")), key=lambda p: int(p.split("-n")[1].split(".")[0])):
+        n = int(path.split("-n")[1].split(".")[0])
+        rs = rows(path)
+        ref, sel = graph(rs, "reference"), graph(rs, "flashcomm")
+        forced = [graph(rows(p), "flashcomm") for p in glob.glob(os.path.join(res, f"forced-n{n}-*.json"))]
+        for size in sorted(sel):
+            s, r = sel[size], ref.get(size)
+            cands = [f[size] for f in forced if size in f and t(f[size]) is not None]
+            best = min(cands, key=t) if cands else None
+            w = wrong(s) + wrong(r) + sum(wrong(c) for c in cands)
+            ratio = t(s) / t(r) if r and t(r) else None
+            vs_best = t(s) / t(best) if best and t(best) else None
+            print(f"| {n} | {size // 1024} KiB | {fmt(t(r))} | {s['plan']} | {fmt(t(s))} | {fmt(ratio, 3)} | "
+                  f"{best['plan'] if best else '-'} | {fmt(t(best))} | {fmt(vs_best, 3)} | {w} |")
+    one = os.path.join(res, "one-rank.json")
+    if os.path.exists(one):
+        rs = rows(one)
+        copy, fc = graph(rs, "copy"), graph(rs, "flashcomm")
+        print()
+        print("| size | device copy (us) | one rank, out of place (us) | ratio | one rank, in place (us) | #wrong |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for size in sorted(fc):
+            c, f = copy.get(size), fc[size]
+            ip = f.get("in_place") or {}
+            print(f"| {size // 1024} KiB | {fmt(t(c))} | {fmt(t(f))} | {fmt(t(f) / t(c) if c and t(c) else None, 3)} | "
+                  f"{fmt(ip.get('time_us'))} | {wrong(f) + (ip.get('wrong') or 0)} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+//! The plain reference AllReduce of the benchmark (`cuda/testing/reference.cu`, flashcomm-perf
+//! `--impl reference`): an LL one-shot kernel of 16 blocks of 256 threads per rank, launched per
+//! rank on the rank's stream. It is the yardstick of decode-size latency, kept exactly as plain as
+//! its source describes; it is not part of the product.
+//!
+//! Ranks are threads of one process whose devices can read and write each other's memory (virtual
+//! ranks on one GPU, or GPUs with peer access enabled): every rank allocates an inbox, publishes
+//! its address, and takes every peer's with [`Reference::set_peers`] before the first call.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use flashcomm_comm::gpu::{Device, DeviceMem, DevicePtr, LaunchConfig, Stream};
+use flashcomm_comm::{DataType, Error};
+use flashcomm_gpu::Function;
+
+use crate::TestKernels as Kernels;
+
+/// Blocks per rank.
+pub const BLOCKS: u32 = 16;
+/// Threads per block.
+pub const THREADS: u32 = 256;
+/// Ranks the kernel supports.
+pub const MAX_RANKS: usize = 8;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct FcRefParams {
+    send: u64,
+    recv: u64,
+    bytes: u64,
+    inbox: [u64; MAX_RANKS],
+    half_bytes: u64,
+    epochs: u64,
+    fail: u64,
+    timeout_ns: u64,
+    rank: u32,
+    nranks: u32,
+    dtype: u32,
+    pad: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<FcRefParams>() == 136);
+
+impl crate::codec_launch::TestParams for FcRefParams {}
+
+/// One rank's reference AllReduce.
+pub struct Reference {
+    device: Arc<Device>,
+    function: Function,
+    inbox: DeviceMem,
+    /// Per-block epochs (u32 each), then the failure flag.
+    state: DeviceMem,
+    half_bytes: u64,
+    max_bytes: u64,
+    peers: [u64; MAX_RANKS],
+    rank: u32,
+    nranks: u32,
+    timeout: Duration,
+}
+
+impl Reference {
+    /// Sets up rank `rank` of `devices.len()` ranks on `devices[rank]` for messages up to
+    /// `max_bytes`, with access to every other rank's device enabled. Allocates (so it must run
+    /// before any rank's collectives spin) and finds the kernel.
+    pub fn new(
+        devices: &[i32],
+        rank: u32,
+        max_bytes: u64,
+        timeout: Duration,
+    ) -> Result<Reference, Error> {
+        let nranks = devices.len() as u32;
+        if nranks == 0 || nranks as usize > MAX_RANKS || rank >= nranks {
+            return Err(Error::InvalidArgument(format!(
+                "reference: rank {rank} of {nranks} (1..={MAX_RANKS} ranks)"
+            )));
+        }
+        let device = Device::open(devices[rank as usize])?;
+        for &d in devices {
+            let other = Device::open(d)?;
+            if !device.can_access_peer(&other)? {
+                return Err(Error::Unsupported(format!(
+                    "reference: device {} cannot access device {d}",
+                    device.ordinal()
+                )));
+            }
+            device.enable_peer_access(&other)?;
+        }
+        let _ctx = device.activate()?;
+        let kernels = Kernels::for_context(device.context())?;
+        let function = kernels.function("fc_test_reference_allreduce")?;
+        let lines = max_bytes.div_ceil(8).max(1);
+        let half_bytes = nranks as u64 * lines * 16;
+        let inbox = DeviceMem::alloc_zeroed(&device, (2 * half_bytes) as usize)?;
+        let state = DeviceMem::alloc_zeroed(&device, (BLOCKS as usize + 1) * 4)?;
+        Ok(Reference {
+            device,
+            function,
+            inbox,
+            state,
+            half_bytes,
+            max_bytes,
+            peers: [0; MAX_RANKS],
+            rank,
+            nranks,
+            timeout,
+        })
+    }
+
+    /// This rank's inbox address, for every peer's [`Reference::set_peers`].
+    pub fn inbox_addr(&self) -> u64 {
+        self.inbox.addr()
+    }
+
+    /// Every rank's inbox address, in rank order.
+    pub fn set_peers(&mut self, inboxes: &[u64]) -> Result<(), Error> {
+        if inboxes.len() != self.nranks as usize {
+            return Err(Error::InvalidArgument(format!(
+                "reference: {} inboxes for {} ranks",
+                inboxes.len(),
+                self.nranks
+            )));
+        }
+        self.peers[..inboxes.len()].copy_from_slice(inboxes);
+        Ok(())
+    }
+
+    /// One AllReduce of `count` elements of `dtype` from `send` into `recv` on `stream`.
+    pub fn all_reduce(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        dtype: DataType,
+        stream: Stream,
+    ) -> Result<(), Error> {
+        let bytes = count * dtype.bytes();
+        if bytes > self.max_bytes || send.len() < bytes || recv.len() < bytes {
+            return Err(Error::InvalidArgument(format!(
+                "reference: {bytes} bytes (set up for {}, buffers {} and {})",
+                self.max_bytes,
+                send.len(),
+                recv.len()
+            )));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        let p = FcRefParams {
+            send: send.addr(),
+            recv: recv.addr(),
+            bytes,
+            inbox: self.peers,
+            half_bytes: self.half_bytes,
+            epochs: self.state.addr(),
+            fail: self.state.addr() + BLOCKS as u64 * 4,
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            rank: self.rank,
+            nranks: self.nranks,
+            dtype: match dtype {
+                DataType::F32 => 0,
+                DataType::F16 => 1,
+                DataType::Bf16 => 2,
+            },
+            pad: 0,
+        };
+        let _ctx = self.device.activate()?;
+        crate::codec_launch::launch_test(
+            self.function,
+            LaunchConfig {
+                grid: BLOCKS,
+                block: THREADS,
+                smem: 0,
+            },
+            stream,
+            &p,
+        )
+    }
+
+    /// Whether a wait gave up (timeout): reads the flag after synchronizing `stream`.
+    pub fn failed(&self, stream: Stream) -> Result<bool, Error> {
+        let _ctx = self.device.activate()?;
+        let mut b = [0u8; 4];
+        self.state.download(BLOCKS as usize * 4, &mut b, stream)?;
+        Ok(u32::from_le_bytes(b) != 0)
+    }
+}
