@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::args::{self, Command, Impl, Launch, Mode, Options, Preset};
+use crate::args::{self, Command, Impl, Launch, Mode, Options, Preset, TransportChoice};
 use crate::ffi::Nccl;
 use crate::report::{self, Layout, Table};
 use crate::run;
@@ -413,6 +413,7 @@ fn layout(o: &Options) -> Layout {
         vs_nccl: o.impls.contains(&Impl::Nccl) && o.impls.contains(&Impl::Flashcomm),
         vs_copy: o.copy_baseline,
         vs_ref: o.impls.contains(&Impl::Reference),
+        vs_link: o.transport == TransportChoice::Host,
     }
 }
 

@@ -18,7 +18,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 
 use cudarc::driver::sys as cu;
-use flashcomm_comm::gpu::IpcMapping;
+use flashcomm_comm::gpu::{HostArena, IpcMapping};
 use flashcomm_comm::{DevicePtr, Stream};
 use flashcomm_nccl_sys as nccl;
 
@@ -54,6 +54,14 @@ pub fn peer_range(m: &IpcMapping, len: u64) -> DevicePtr {
     // the current context with peer access enabled; the caller keeps `m` alive, and rank 0 keeps
     // the allocation, until the last comparison has finished (a barrier follows each one).
     unsafe { DevicePtr::from_raw(m.ptr(), len) }
+}
+
+/// A pinned, device-mapped host buffer as a range the copy engine can copy to and from.
+pub fn host_range(h: &HostArena) -> DevicePtr {
+    // SAFETY: the device address of a device-mapped host allocation of `h.len()` bytes, valid in
+    // every context of the process (portable); the caller keeps `h` alive until the copies that
+    // use it have finished (rank 0 synchronizes after each job).
+    unsafe { DevicePtr::from_raw(h.dev_ptr(), h.len() as u64) }
 }
 
 type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> nccl::ncclResult_t;

@@ -4,7 +4,8 @@
 //! `time(us) algbw(GB/s) busbw(GB/s) #wrong` for out-of-place and, with `--inplace 1`, again for
 //! in-place), so scripts written for nccl-tests read them. flashcomm's columns follow: the error
 //! columns of quantized rows (`relL2 maxerr effbits`), time ratios (`vs_nccl`, `vs_copy`,
-//! `vs_ref`: over the plain reference AllReduce of the same run), and
+//! `vs_ref`: over the plain reference AllReduce of the same run, `vs_link`: over the PCIe link's
+//! time for the same bytes, with `--transport host`), and
 //! three labels (`impl launch plan`). Columns that do not apply print `N/A`, as nccl-tests does.
 
 use std::collections::BTreeMap;
@@ -28,6 +29,10 @@ pub enum Variant {
     Quant(Width),
     /// The plain reference AllReduce (`--impl reference`).
     Reference,
+    /// The host link's ceiling for the same bytes on one rank's GPU: a copy-engine copy into
+    /// pinned host memory and back (`--transport host`), the two PCIe crossings every byte of
+    /// the host transport makes.
+    Link,
 }
 
 impl Variant {
@@ -39,6 +44,7 @@ impl Variant {
             Variant::Lossless => "flashcomm".into(),
             Variant::Quant(w) => format!("flashcomm-q{w}"),
             Variant::Reference => "reference".into(),
+            Variant::Link => "link".into(),
         }
     }
 }
@@ -131,12 +137,14 @@ pub struct Row {
     pub vs_copy: Option<f64>,
     /// Out-of-place time over the reference AllReduce's at the same size, type and launch mode.
     pub vs_ref: Option<f64>,
+    /// Out-of-place time over the host link's for the same bytes, type and launch mode.
+    pub vs_link: Option<f64>,
 }
 
 impl Row {
     fn redop(&self) -> &'static str {
         match (self.variant, self.coll) {
-            (Variant::Copy, _) | (_, Coll::AllGather) => "none",
+            (Variant::Copy | Variant::Link, _) | (_, Coll::AllGather) => "none",
             _ => "sum",
         }
     }
@@ -146,9 +154,10 @@ impl Row {
         algbw(self.bytes, m.time.median_us)
     }
 
-    /// busbw of a measurement of this row (N/A for the copy baseline: it is not a collective).
+    /// busbw of a measurement of this row (N/A for the copy and link baselines: they are not
+    /// collectives).
     pub fn busbw(&self, m: &Measure) -> Option<f64> {
-        (self.variant != Variant::Copy)
+        (!matches!(self.variant, Variant::Copy | Variant::Link))
             .then(|| busbw(self.coll, self.nranks, self.bytes, m.time.median_us))
     }
 }
@@ -166,6 +175,8 @@ pub struct Layout {
     pub vs_copy: bool,
     /// vs_ref.
     pub vs_ref: bool,
+    /// vs_link.
+    pub vs_link: bool,
 }
 
 /// nccl-tests-like time: two decimals below 1 ms, one below 100 ms, none above.
@@ -287,6 +298,10 @@ pub fn header(layout: &Layout) -> Vec<String> {
         names.push_str(&format!(" {:>W_RATIO$}", "vs_ref"));
         units.push_str(&format!(" {:>W_RATIO$}", "(time)"));
     }
+    if layout.vs_link {
+        names.push_str(&format!(" {:>W_RATIO$}", "vs_link"));
+        units.push_str(&format!(" {:>W_RATIO$}", "(time)"));
+    }
     names.push_str("  impl               launch  plan");
     vec![top, names, units]
 }
@@ -323,6 +338,9 @@ pub fn format_row(layout: &Layout, row: &Row) -> String {
     }
     if layout.vs_ref {
         s.push_str(&format!(" {:>W_RATIO$}", ratio(row.vs_ref)));
+    }
+    if layout.vs_link {
+        s.push_str(&format!(" {:>W_RATIO$}", ratio(row.vs_link)));
     }
     s.push_str(&format!(
         "  {:<17}  {:<6}  {}",
@@ -367,6 +385,9 @@ impl Table {
         }
         if !matches!(row.variant, Variant::Copy | Variant::Reference) {
             row.vs_ref = t.zip(base(Variant::Reference)).map(|(a, b)| a / b);
+        }
+        if !matches!(row.variant, Variant::Copy | Variant::Link) {
+            row.vs_link = t.zip(base(Variant::Link)).map(|(a, b)| a / b);
         }
         let lines = match &row.out {
             Outcome::Done(_) => vec![format_row(layout, &row)],
@@ -585,6 +606,7 @@ pub struct RowJson<'a> {
     vs_nccl: Option<f64>,
     vs_copy: Option<f64>,
     vs_ref: Option<f64>,
+    vs_link: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     quant: Option<QuantJson>,
 }
@@ -618,6 +640,7 @@ pub fn row_json(row: &Row) -> RowJson<'_> {
         vs_nccl: row.vs_nccl,
         vs_copy: row.vs_copy,
         vs_ref: row.vs_ref,
+        vs_link: row.vs_link,
         quant: row.quant.map(|q| QuantJson {
             rs_bits: q.width.rs,
             ag_bits: q.width.ag,
@@ -721,6 +744,7 @@ pub(crate) mod tests {
             vs_nccl: None,
             vs_copy: None,
             vs_ref: None,
+            vs_link: None,
         }
     }
 
@@ -730,6 +754,7 @@ pub(crate) mod tests {
         vs_nccl: false,
         vs_copy: false,
         vs_ref: false,
+        vs_link: false,
     };
 
     #[test]
@@ -784,6 +809,7 @@ pub(crate) mod tests {
             vs_nccl: true,
             vs_copy: true,
             vs_ref: false,
+            vs_link: false,
         };
         let h = header(&layout);
         assert!(h[0].contains("out-of-place") && h[0].contains("in-place"));
@@ -902,6 +928,25 @@ pub(crate) mod tests {
         c.add(&PLAIN, row(Variant::Copy, Launch::Eager, 1 << 20, 10.0));
         assert_eq!(c.footer().len(), 1);
         assert!(format_row(&PLAIN, &c.rows[0]).split_whitespace().nth(7) == Some("N/A"));
+    }
+
+    #[test]
+    fn rows_carry_their_ratio_to_the_host_link() {
+        let layout = Layout {
+            vs_link: true,
+            ..PLAIN
+        };
+        assert!(header(&layout)[1].contains("vs_link"));
+        let mut t = Table::default();
+        t.add(&layout, row(Variant::Link, Launch::Graph, 1 << 20, 40.0));
+        t.add(
+            &layout,
+            row(Variant::Lossless, Launch::Graph, 1 << 20, 50.0),
+        );
+        assert_eq!(t.rows[0].vs_link, None, "the link has no ratio to itself");
+        assert_eq!(t.rows[1].vs_link, Some(1.25));
+        assert_eq!(t.rows[0].busbw(t.rows[0].out.measure().unwrap()), None);
+        assert_eq!(row_json(&t.rows[1]).vs_link, Some(1.25));
     }
 
     #[test]

@@ -28,7 +28,7 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use flashcomm_codec::{DType, Element, Format, bf16, f16};
-use flashcomm_comm::gpu::{Event, IpcMapping};
+use flashcomm_comm::gpu::{Event, HostArena, IpcMapping};
 use flashcomm_comm::{
     Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem,
     DevicePtr, Plan, Protocol, QuantSpec, Stream, ThreadGroup, Transport,
@@ -72,6 +72,9 @@ pub fn jobs(o: &Options) -> Vec<Job> {
                 let mut variants = Vec::new();
                 if o.copy_baseline {
                     variants.push(Variant::Copy);
+                }
+                if o.transport == TransportChoice::Host {
+                    variants.push(Variant::Link);
                 }
                 if o.impls.contains(&Impl::Reference) {
                     variants.push(Variant::Reference);
@@ -340,6 +343,8 @@ struct Rank<'a> {
     comm: Option<Communicator>,
     nccl: Option<(&'a Nccl, NcclComm)>,
     reference: Option<Reference>,
+    /// Rank 0's pinned host buffer of the link baseline (`--transport host`).
+    link: Option<HostArena>,
     v: Verifier,
     stream: Stream,
     send: DeviceMem,
@@ -362,7 +367,7 @@ fn buffer_bytes(o: &Options, jobs: &[Job]) -> (u64, u64, u64) {
     for j in jobs {
         s = s.max(j.shape.send_bytes);
         r = r.max(j.shape.recv_bytes);
-        if j.variant == Variant::Copy {
+        if matches!(j.variant, Variant::Copy | Variant::Link) {
             s = s.max(j.shape.bytes);
             r = r.max(j.shape.bytes);
         }
@@ -544,6 +549,21 @@ fn rank_main(
     };
     // The reference AllReduce: set up (it allocates) before any collective runs; ranks publish
     // their inboxes through the team (threads of one process: the arguments check the mode).
+    // The link baseline's pinned host buffer: rank 0 alone times it.
+    let link = if o.transport == TransportChoice::Host && rank == 0 {
+        let bytes = jobs
+            .iter()
+            .filter(|j| j.variant == Variant::Link)
+            .map(|j| j.shape.bytes)
+            .max()
+            .unwrap_or(0);
+        Some(
+            HostArena::alloc(bytes as usize)
+                .map_err(e2s("allocating the link baseline's host buffer"))?,
+        )
+    } else {
+        None
+    };
     let reference = if o.impls.contains(&Impl::Reference) {
         let max = jobs
             .iter()
@@ -618,6 +638,7 @@ fn rank_main(
         comm,
         nccl,
         reference,
+        link,
         v,
         stream,
         send,
@@ -718,6 +739,7 @@ impl Rank<'_> {
     fn job(&mut self, job: &Job, salt: u32) -> Result<RankOut, String> {
         match job.variant {
             Variant::Copy => self.copy_job(job),
+            Variant::Link => self.link_job(job),
             Variant::Nccl | Variant::Lossless | Variant::Reference => self.lossless_job(job, salt),
             Variant::Quant(w) => self.quant_job(job, w),
         }
@@ -802,6 +824,34 @@ impl Rank<'_> {
                 times
             }
         }
+    }
+
+    /// The host link's time for the job's bytes: rank 0 copies them into pinned host memory and
+    /// back with the copy engine (one direction, then the other: the two PCIe crossings of every
+    /// byte the host transport moves).
+    fn link_job(&self, job: &Job) -> Result<RankOut, String> {
+        let Some(host) = &self.link else {
+            return Ok(RankOut::default());
+        };
+        let b = job.shape.bytes;
+        let (src, dst, via) = (
+            self.send.slice(0, b as usize),
+            self.recv.slice(0, b as usize),
+            ffi::host_range(host),
+        );
+        let call = |s: Stream| {
+            via.copy_from(src, b, s)
+                .and_then(|()| dst.copy_from(via, b, s))
+                .map_err(e2s("copying through host memory"))
+        };
+        let times = self.time_calls(job.launch, false, &call)?;
+        Ok(RankOut {
+            out: Some(RankMeasure {
+                times,
+                ..RankMeasure::default()
+            }),
+            ..RankOut::default()
+        })
     }
 
     fn copy_job(&self, job: &Job) -> Result<RankOut, String> {
@@ -1195,7 +1245,7 @@ struct WireMeasure {
 fn merge(o: &Options, job: &Job, outs: &[RankOut]) -> Row {
     let first = outs.first().cloned().unwrap_or_default();
     let combine = |pick: &dyn Fn(&RankOut) -> Option<RankMeasure>| -> Option<Measure> {
-        let ms: Vec<RankMeasure> = if job.variant == Variant::Copy {
+        let ms: Vec<RankMeasure> = if matches!(job.variant, Variant::Copy | Variant::Link) {
             pick(&first).into_iter().collect()
         } else {
             outs.iter().filter_map(pick).collect()
@@ -1249,6 +1299,7 @@ fn merge(o: &Options, job: &Job, outs: &[RankOut]) -> Row {
         vs_nccl: None,
         vs_copy: None,
         vs_ref: None,
+        vs_link: None,
     }
 }
 
