@@ -89,7 +89,7 @@ impl LocalArena {
             Transport::P2p => Ok(LocalArena::Device(DeviceMem::alloc_zeroed(dev, bytes)?)),
             Transport::Host => {
                 let s = segment_name();
-                let mem = HostArena::create_shared(&s, bytes)?;
+                let mem = HostArena::create_shared(&s, bytes, dev.numa_node())?;
                 let mut name = [0u8; NAME_BYTES];
                 name[..s.len()].copy_from_slice(s.as_bytes());
                 Ok(LocalArena::Host { mem, name })

@@ -138,6 +138,7 @@ pub struct Device {
     ctx: sys::CUcontext,
     sms: u32,
     uuid: [u8; 16],
+    numa: Option<u32>,
 }
 
 // SAFETY: CUdevice is an integer and CUcontext an opaque handle that the driver accepts from any
@@ -172,12 +173,14 @@ impl Device {
         }
         .map_err(cuda("querying the SM count"))?;
         let uuid = result::device::get_uuid(dev).map_err(cuda("querying the device UUID"))?;
+        let numa = numa_node_of(dev);
         let d = Arc::new(Device {
             ordinal,
             dev,
             ctx,
             sms: sms.max(1) as u32,
             uuid: uuid.bytes.map(|b| b as u8),
+            numa,
         });
         map.insert(ordinal, d.clone());
         Ok(d)
@@ -196,6 +199,12 @@ impl Device {
     /// The device UUID.
     pub fn uuid(&self) -> [u8; 16] {
         self.uuid
+    }
+
+    /// The NUMA node of the host memory nearest to the device (from the PCI device's
+    /// `numa_node` in sysfs), `None` where the machine does not say.
+    pub fn numa_node(&self) -> Option<u32> {
+        self.numa
     }
 
     /// The primary context handle.
@@ -241,6 +250,28 @@ impl Device {
         }
         check(r, "enabling peer access")
     }
+}
+
+/// The NUMA node sysfs gives for the PCI device of `dev` (`None`: unknown, or a machine of one
+/// node, where sysfs says -1).
+fn numa_node_of(dev: sys::CUdevice) -> Option<u32> {
+    use sys::CUdevice_attribute as A;
+    let attr = |a| {
+        // SAFETY: valid device and attribute.
+        unsafe { result::device::get_attribute(dev, a) }.ok()
+    };
+    let (domain, bus, device) = (
+        attr(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+        attr(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+        attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?,
+    );
+    let path = format!("/sys/bus/pci/devices/{domain:04x}:{bus:02x}:{device:02x}.0/numa_node");
+    std::fs::read_to_string(path)
+        .ok()?
+        .trim()
+        .parse::<i64>()
+        .ok()
+        .and_then(|n| u32::try_from(n).ok())
 }
 
 /// Restores the previously current context on drop.
