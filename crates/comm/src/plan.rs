@@ -122,29 +122,13 @@ pub fn shard_elems(count: u64, nranks: u32, elem: u64) -> Option<u64> {
     ((n - 1) * per < count).then_some(per)
 }
 
-/// LL launches aim for at least this many blocks: a small message cut over a few blocks of 512
-/// threads keeps a few multiprocessors busy with every store and poll, so it is cut over more,
-/// smaller blocks instead (the same threads in all).
-pub const LL_MIN_GRID: u64 = 16;
-
-/// Blocks and threads per block of a launch that moves `bytes` per source with `proto`. BLOCK
-/// uses blocks of [`THREADS`]; LL the largest of 512, 256 or 128 threads that still gives
-/// [`LL_MIN_GRID`] blocks (128 when none does). `max_grid` is the most blocks of [`THREADS`]
-/// threads that stay resident; blocks of `THREADS / k` threads may be `k` times as many.
+/// Blocks and threads per block of a launch that moves `bytes` per source with `proto`: blocks
+/// of [`THREADS`] threads, enough for one 8-byte LL unit (or one warp per BLOCK frame) per thread,
+/// capped at `max_grid`. (Cutting small LL messages over more, smaller blocks was measured on the
+/// H200 and is slower: 16 blocks of 128 threads took 19.8 us at 16 KiB on 2 virtual ranks where
+/// 16 blocks of 512 threads took 14.7 us at 64 KiB; docs/perf.md, "Decode-size latency".)
 pub fn shape_for(proto: Protocol, bytes: u64, max_grid: u32) -> (u32, u32) {
-    let max_grid = max_grid.max(1) as u64;
-    match proto {
-        Protocol::Block => (grid_for(proto, bytes, max_grid as u32), THREADS),
-        Protocol::Ll => {
-            let mut threads = THREADS;
-            while threads > 128 && bytes.div_ceil(threads as u64 * LL_PAYLOAD) < LL_MIN_GRID {
-                threads /= 2;
-            }
-            let cap = max_grid * (THREADS / threads) as u64;
-            let grid = bytes.div_ceil(threads as u64 * LL_PAYLOAD).clamp(1, cap);
-            (grid as u32, threads)
-        }
-    }
+    (grid_for(proto, bytes, max_grid), THREADS)
 }
 
 /// Blocks for a launch that moves `bytes` per source with `proto` in blocks of [`THREADS`]
@@ -538,13 +522,7 @@ pub fn plan(
         (Collective::ReduceScatter, _) => count * elem,
         _ => bytes,
     };
-    // LL grids of small blocks may exceed the arena's grid of BLOCK sub-slots; the LL area's
-    // sub-slots must still hold at least one line.
     let (grid, threads) = shape_for(proto, per_block_bytes, max_grid);
-    let grid = match proto {
-        Protocol::Ll => grid.min((arena.ll_bytes / (2 * LL_LINE)).min(u32::MAX as u64) as u32),
-        Protocol::Block => grid,
-    };
     let (sub_bytes, chunk_bytes) = arena.chunking(proto, grid);
     let coll_algo = if coll == Collective::AllReduce {
         algo
@@ -602,16 +580,12 @@ mod tests {
     }
 
     #[test]
-    fn ll_grids_cover_small_messages_with_enough_blocks() {
+    fn launch_shapes_use_whole_blocks() {
         // (bytes, max_grid) -> (grid, threads)
-        assert_eq!(shape_for(Protocol::Ll, 8 << 10, 66), (8, 128));
-        assert_eq!(shape_for(Protocol::Ll, 16 << 10, 66), (16, 128));
-        assert_eq!(shape_for(Protocol::Ll, 32 << 10, 66), (16, 256));
-        assert_eq!(shape_for(Protocol::Ll, 64 << 10, 66), (16, 512));
-        assert_eq!(shape_for(Protocol::Ll, 1 << 20, 66), (66, 512));
-        assert_eq!(shape_for(Protocol::Ll, 100, 66), (1, 128));
-        // Smaller blocks may be more, in proportion.
-        assert_eq!(shape_for(Protocol::Ll, 8 << 10, 1), (4, 128));
+        assert_eq!(shape_for(Protocol::Ll, 8 << 10, 66), (2, THREADS));
+        assert_eq!(shape_for(Protocol::Ll, 64 << 10, 66), (16, THREADS));
+        assert_eq!(shape_for(Protocol::Ll, 1 << 20, 66), (66, THREADS));
+        assert_eq!(shape_for(Protocol::Ll, 100, 66), (1, THREADS));
         assert_eq!(shape_for(Protocol::Block, 8 << 10, 66), (1, THREADS));
         let a = Arena::new(8, 64 << 20).unwrap();
         let m = CostModel::default_for(8);
@@ -626,7 +600,7 @@ mod tests {
                 Choice::Force(Algorithm::OneShot),
                 Choice::Force(Protocol::Ll),
             );
-            assert!(p.grid as u64 * p.threads as u64 <= 16 * THREADS as u64);
+            assert!(p.grid <= 16 && p.threads == THREADS);
             assert!(p.sub_bytes >= LL_LINE);
         }
     }
@@ -757,12 +731,9 @@ mod tests {
         }
         m.set_measured(Algorithm::OneShot, Protocol::Ll, ll);
         m.set_measured(Algorithm::TwoShot, Protocol::Block, blk2);
-        m.set_measured(
-            Algorithm::OneShot,
-            Protocol::Block,
-            [1e3; CALIB_SIZES.len()],
-        );
-        m.set_measured(Algorithm::TwoShot, Protocol::Ll, [1e3; CALIB_SIZES.len()]);
+        let slow = CALIB_SIZES.map(|s| 1e3 + s as f64 / 100.0);
+        m.set_measured(Algorithm::OneShot, Protocol::Block, slow);
+        m.set_measured(Algorithm::TwoShot, Protocol::Ll, slow);
         let pick = |bytes: u64| {
             let p = plan(
                 &a,
