@@ -1,5 +1,5 @@
 // Lossless collectives on the self-synchronizing transport: AllReduce (one-shot and two-shot),
-// ReduceScatter and AllGather, each with the LL and the BLOCK protocol.
+// ReduceScatter, AllGather and AllToAll, each with the LL and the BLOCK protocol.
 //
 // Work decomposition (identical on every rank, so every rank's block b talks to every peer's
 // block b): a message is cut into chunks of `chunk_bytes`; chunk k is handled by block
@@ -10,7 +10,8 @@
 //     chunk k of its own shard in rank order, writes it to the output and pushes the result to
 //     every peer (region B); then copies every peer's reduced chunk from region B to the output;
 //   ReduceScatter: the first half of two-shot, the reduced chunk going to the output only;
-//   AllGather: pushes its chunk to every peer (region A) and copies every peer's chunk out.
+//   AllGather: pushes its chunk to every peer (region A) and copies every peer's chunk out;
+//   AllToAll: the same, with chunk k of send block q pushed to peer q only.
 // A rank never waits for anything but data, and the data carries its own readiness: there is no
 // barrier before or after a collective.
 //
@@ -402,6 +403,34 @@ __device__ void allgather(const FcCollParams& p) {
   finish(p, c);
 }
 
+// AllToAll: block q of the send buffer (`count` elements of `elem_bytes`) goes to rank q, which
+// places it at block `rank` of its receive buffer. The structure of AllGather with a source per
+// destination: per round, a block pushes chunk k of send block q to rank q (region A, slot = own
+// rank), copies its own block's chunk locally, and copies every peer's chunk k out. Every rank's
+// blocks are the same size, so each source's chunk k arrives in the same (block, round).
+template <int PROTO>
+__device__ void alltoall(const FcCollParams& p) {
+  Ctx c = begin(p);
+  const uint64_t bytes = p.count * p.elem_bytes;  // per peer
+  const uint64_t nchunks = (bytes + p.chunk_bytes - 1) / p.chunk_bytes;
+  const char* in = reinterpret_cast<const char*>(p.send);
+  char* out = reinterpret_cast<char*>(p.recv);
+  uint64_t round = 0;
+  for (uint64_t k = blockIdx.x; k < nchunks; k += gridDim.x, ++round) {
+    if (round > 0) between_rounds<PROTO>();
+    const uint64_t off = k * p.chunk_bytes;
+    const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
+    for (uint32_t q = 0; q < p.nranks; ++q) {
+      if (q != p.rank) send<PROTO>(p, c, in + (uint64_t)q * bytes + off, len, round, 0, 1u << q);
+    }
+    copy_local(in + (uint64_t)p.rank * bytes + off, out + (uint64_t)p.rank * bytes + off, len);
+    for (uint32_t s = 0; s < p.nranks; ++s) {
+      if (s != p.rank) copy_from<PROTO>(p, c, s, out + (uint64_t)s * bytes + off, len, round, 0);
+    }
+  }
+  finish(p, c);
+}
+
 }  // namespace fc
 
 // The instantiations: exactly the host's kernel catalogue (flashcomm/instances.h is generated
@@ -420,6 +449,12 @@ __device__ void allgather(const FcCollParams& p) {
   extern "C" __global__ void __launch_bounds__(fc::kThreads)                                            \
       fc_allgather_##PROTO(const __grid_constant__ FcCollParams p) {                                    \
     fc::allgather<PROTO_ID>(p);                                                                         \
+  }
+
+#define FC_A2A(PROTO, PROTO_ID)                                                                          \
+  extern "C" __global__ void __launch_bounds__(fc::kThreads)                                            \
+      fc_alltoall_##PROTO(const __grid_constant__ FcCollParams p) {                                     \
+    fc::alltoall<PROTO_ID>(p);                                                                          \
   }
 
 #include "flashcomm/instances.h"

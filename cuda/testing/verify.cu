@@ -16,6 +16,7 @@
 #define FC_TEST_ALLREDUCE 0
 #define FC_TEST_ALLGATHER 1
 #define FC_TEST_REDUCESCATTER 2
+#define FC_TEST_ALLTOALL 3
 
 __device__ __forceinline__ int fc_test_value(uint32_t r, uint64_t i, uint32_t k) {
   return (int)((r * 7u + (uint32_t)(i & 63u) * 13u + k * 31u) & 63u) - 32;
@@ -50,7 +51,7 @@ extern "C" __global__ void fc_test_fill(const __grid_constant__ FcTestFill p) {
 struct FcTestCheck {
   uint64_t out;
   uint64_t n;       // elements of `out` to check
-  uint64_t chunk;   // AllGather: sendcount; ReduceScatter: recvcount
+  uint64_t chunk;   // AllGather: sendcount; ReduceScatter: recvcount; AllToAll: count per peer
   uint64_t errors;  // u64[2] in device memory: error count, first bad index (atomicMin)
   uint32_t kind;
   uint32_t dtype;
@@ -65,15 +66,19 @@ extern "C" __global__ void fc_test_check(const __grid_constant__ FcTestCheck p) 
   unsigned long long* err = reinterpret_cast<unsigned long long*>(p.errors);
   for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < p.n; i += (uint64_t)gridDim.x * blockDim.x) {
     bool ok;
+    // AllGather: element i comes from rank i / chunk, its index i % chunk. AllToAll: from rank
+    // i / chunk too, but from that rank's block addressed to this rank.
+    const uint32_t src = (uint32_t)(i / p.chunk);
+    const uint64_t at = (p.kind == FC_TEST_ALLTOALL ? (uint64_t)p.rank * p.chunk : 0) + i % p.chunk;
     if (p.dtype == FC_TEST_U8) {
-      // Only AllGather moves bytes.
-      ok = reinterpret_cast<const uint8_t*>(p.out)[i] == fc_test_byte((uint32_t)(i / p.chunk), i % p.chunk, p.salt);
+      // Only AllGather and AllToAll move bytes.
+      ok = reinterpret_cast<const uint8_t*>(p.out)[i] == fc_test_byte(src, at, p.salt);
     } else {
       int expect = 0;
       if (p.kind == FC_TEST_ALLREDUCE) {
         for (uint32_t r = 0; r < p.nranks; ++r) expect += fc_test_value(r, i, p.salt);
-      } else if (p.kind == FC_TEST_ALLGATHER) {
-        expect = fc_test_value((uint32_t)(i / p.chunk), i % p.chunk, p.salt);
+      } else if (p.kind == FC_TEST_ALLGATHER || p.kind == FC_TEST_ALLTOALL) {
+        expect = fc_test_value(src, at, p.salt);
       } else {
         for (uint32_t r = 0; r < p.nranks; ++r) expect += fc_test_value(r, (uint64_t)p.rank * p.chunk + i, p.salt);
       }

@@ -746,6 +746,27 @@ impl Communicator {
         Ok(p)
     }
 
+    /// AllToAll of `count` elements of `elem` bytes per peer (any datatype): block q of `send`
+    /// goes to rank q, block r of `recv` comes from rank r. Out of place only (in place, the
+    /// blocks a rank still has to send would be overwritten by what arrives).
+    pub fn all_to_all(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        elem: u64,
+        stream: Stream,
+    ) -> Result<Plan, Error> {
+        if send.addr() == recv.addr() && count > 0 && self.nranks > 1 {
+            return Err(Error::InvalidArgument(
+                "in-place AllToAll is not supported by flashcomm's kernels".into(),
+            ));
+        }
+        let p = self.plan(Collective::AlltoAll, count, elem);
+        self.run(&p, send, recv, count, elem, None, stream)?;
+        Ok(p)
+    }
+
     /// Runs a plan (from [`Communicator::plan`], possibly with the algorithm or protocol changed
     /// for testing; every rank must run the same plan).
     pub fn run(
@@ -767,6 +788,12 @@ impl Communicator {
             Collective::AllReduce => (count * elem, count * elem),
             Collective::ReduceScatter => (count * elem * n, count * elem),
             Collective::AllGather => (count * elem, count * elem * n),
+            Collective::AlltoAll => (count * elem * n, count * elem * n),
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "{other}: not a collective of flashcomm's kernels"
+                )));
+            }
         };
         if send.len() < send_bytes || recv.len() < recv_bytes {
             return Err(Error::InvalidArgument(format!(
@@ -775,7 +802,7 @@ impl Communicator {
                 recv.len()
             )));
         }
-        if p.coll != Collective::AllGather && dtype.is_none() {
+        if p.coll.reduces() && dtype.is_none() {
             return Err(Error::InvalidArgument(
                 "a reducing collective needs a datatype".into(),
             ));
@@ -818,6 +845,7 @@ impl Communicator {
         let (proto, algo) = (p.proto, p.algo);
         let k = match (p.coll, dtype) {
             (Collective::AllGather, _) => Some(Kernel::allgather(proto)),
+            (Collective::AlltoAll, _) => Some(Kernel::alltoall(proto)),
             (Collective::AllReduce, Some(t)) => match p.quant {
                 Some(q) if algo == Algorithm::OneShot => Kernel::quant_oneshot(t, q.rs_bits),
                 Some(q) => Kernel::quant_twostep(t, q.rs_bits, q.ag_bits),

@@ -24,5 +24,8 @@ pub use bootstrap::{Bootstrap, ThreadBootstrap, ThreadGroup};
 pub use comm::{CommConfig, Communicator};
 pub use error::Error;
 pub use gpu::{DeviceMem, DevicePtr, Stream};
-pub use plan::{Algorithm, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantSpec};
+pub use plan::{
+    Algorithm, Choice, Collective, CostModel, DataType, KERNEL_COLLECTIVES, Plan, Protocol,
+    QuantSpec,
+};
 pub use transport::Transport;

@@ -7,16 +7,18 @@ use crate::abi::{
 };
 use crate::error::Error;
 
-/// A collective flashcomm's kernels implement.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Collective {
-    /// Sum over ranks, result on every rank.
-    AllReduce,
-    /// Sum over ranks, rank r keeps block r.
-    ReduceScatter,
-    /// Concatenation of every rank's buffer.
-    AllGather,
-}
+/// The kind of a collective: the tree's one collective enum. flashcomm's kernels implement
+/// AllReduce, ReduceScatter, AllGather and AllToAll ([`KERNEL_COLLECTIVES`]); the communicator
+/// refuses the other kinds.
+pub use flashcomm_codec::Collective;
+
+/// The collectives flashcomm's kernels implement.
+pub const KERNEL_COLLECTIVES: [Collective; 4] = [
+    Collective::AllReduce,
+    Collective::ReduceScatter,
+    Collective::AllGather,
+    Collective::AlltoAll,
+];
 
 /// Element types of the reducing collectives: the codec's, the one datatype enum of the tree.
 pub use flashcomm_codec::DType as DataType;
@@ -469,7 +471,7 @@ pub fn plan(
     let n = arena.nranks;
     let max_grid = max_grid.min(arena.max_grid()).max(1);
     let bytes = match coll {
-        Collective::ReduceScatter => count * elem * n as u64,
+        Collective::ReduceScatter | Collective::AlltoAll => count * elem * n as u64,
         _ => count * elem,
     };
     let shard = if coll == Collective::AllReduce {
@@ -487,10 +489,11 @@ pub fn plan(
             Choice::Auto if shard.is_some() && n > 1 => &Algorithm::ALL,
             Choice::Auto => ONE_SHOT,
         },
-        // ReduceScatter has the cost structure of the first half of two-shot, AllGather of
-        // one-shot's push; both use the corresponding model row.
+        // ReduceScatter has the cost structure of the first half of two-shot, AllGather and
+        // AllToAll of one-shot's push; each uses the corresponding model row. (The other kinds
+        // never reach a kernel: `Communicator::run` refuses them.)
         Collective::ReduceScatter => TWO_SHOT,
-        Collective::AllGather => ONE_SHOT,
+        _ => ONE_SHOT,
     };
     let forced = [match proto_choice {
         Choice::Force(p) => p,
@@ -519,7 +522,7 @@ pub fn plan(
     let (algo, proto) = best.unwrap_or((algos[0], protos[0]));
     let per_block_bytes = match (coll, algo) {
         (Collective::AllReduce, Algorithm::TwoShot) => shard.unwrap_or(count) * elem,
-        (Collective::ReduceScatter, _) => count * elem,
+        (Collective::ReduceScatter | Collective::AlltoAll, _) => count * elem,
         _ => bytes,
     };
     let (grid, threads) = shape_for(proto, per_block_bytes, max_grid);

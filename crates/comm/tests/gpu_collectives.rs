@@ -62,6 +62,8 @@ fn sweep_on(n: u32, cfg: CommConfig, max: u64) {
                     Collective::AllReduce => (count, count),
                     Collective::ReduceScatter => (count * n, count),
                     Collective::AllGather => (count, count * n),
+                    Collective::AlltoAll => (count * n, count * n),
+                    other => unreachable!("{other} is not swept"),
                 };
                 r.v.fill(send.as_ptr(), send_elems, ty, r.rank(), salt, r.stream)
                     .unwrap();
@@ -98,7 +100,11 @@ fn sweep_on(n: u32, cfg: CommConfig, max: u64) {
                 .unwrap();
                 r.sync();
                 r.assert_clean(&format!("{coll:?} {ty:?} {p:?} count={count}"));
-                if coll != Collective::ReduceScatter && r.rank() != 0 {
+                // Every rank holds the same result, except ReduceScatter's shards and AllToAll's
+                // blocks (each rank receives its own).
+                let same_everywhere =
+                    !matches!(coll, Collective::ReduceScatter | Collective::AlltoAll);
+                if same_everywhere && r.rank() != 0 {
                     // SAFETY: rank 0's receive buffer lives until the group finishes (the barrier
                     // below keeps rank 0 from reusing it before every rank has compared).
                     let theirs = unsafe { DevicePtr::from_raw(rank0_recv, recv_elems * elem) };
@@ -126,6 +132,11 @@ fn sweep_on(n: u32, cfg: CommConfig, max: u64) {
         for ty in [TestType::U8, TestType::Bf16] {
             for proto in Protocol::ALL {
                 cover(Collective::AllGather, ty, Algorithm::OneShot, proto);
+            }
+        }
+        for ty in [TestType::U8, TestType::F32] {
+            for proto in Protocol::ALL {
+                cover(Collective::AlltoAll, ty, Algorithm::OneShot, proto);
             }
         }
         if r.rank() == 0 {
@@ -462,6 +473,13 @@ fn graph_capture_and_replay() {
                 Choice::Auto,
             ),
             (
+                Collective::AlltoAll,
+                TestType::Bf16,
+                20_001,
+                Choice::Auto,
+                Choice::Auto,
+            ),
+            (
                 Collective::ReduceScatter,
                 TestType::Bf16,
                 50_001,
@@ -470,7 +488,7 @@ fn graph_capture_and_replay() {
             ),
         ];
         for (i, (coll, ty, count, _, _)) in cases.iter().enumerate() {
-            let elems = if *coll == Collective::ReduceScatter {
+            let elems = if matches!(coll, Collective::ReduceScatter | Collective::AlltoAll) {
                 count * n
             } else {
                 *count
@@ -493,6 +511,8 @@ fn graph_capture_and_replay() {
                 Collective::AllReduce => (*count, *count),
                 Collective::ReduceScatter => (count * n, *count),
                 Collective::AllGather => (*count, count * n),
+                Collective::AlltoAll => (count * n, count * n),
+                other => unreachable!("{other} is not replayed"),
             };
             let out = if i % 2 == 0 { &recv } else { &recv2 };
             let p = r.comm.plan_forced(*coll, *count, elem, *algo, *proto);
@@ -555,6 +575,8 @@ fn fill_run_check(
         Collective::AllReduce => (count, count),
         Collective::ReduceScatter => (count * n, count),
         Collective::AllGather => (count, count * n),
+        Collective::AlltoAll => (count * n, count * n),
+        other => unreachable!("{other} is not tested"),
     };
     let elem = ty.bytes();
     r.v.fill(send.as_ptr(), se, ty, r.rank(), salt, r.stream)
@@ -595,16 +617,19 @@ fn stress_words() -> impl Iterator<Item = u64> {
     })
 }
 
-/// One call of the stress sequence from a random word: the collective, the type and the count
-/// (mostly up to 64 KiB, one in 64 up to 2 MiB).
+/// One call of the stress sequence from a random word: the collective (AllReduce twice as often
+/// as each of AllGather, ReduceScatter and AllToAll), the type and the count (mostly up to 64 KiB,
+/// one in 64 up to 2 MiB).
 fn stress_call(x: u64, n: u64) -> (Collective, TestType, u64) {
     let coll = [
         Collective::AllReduce,
         Collective::AllReduce,
         Collective::AllGather,
         Collective::ReduceScatter,
-    ][(x % 4) as usize];
-    let ty = if coll == Collective::AllGather && (x >> 8).is_multiple_of(2) {
+        Collective::AlltoAll,
+    ][(x % 5) as usize];
+    let moves_bytes = matches!(coll, Collective::AllGather | Collective::AlltoAll);
+    let ty = if moves_bytes && (x >> 8).is_multiple_of(2) {
         TestType::U8
     } else {
         TYPES[((x >> 4) % 3) as usize]

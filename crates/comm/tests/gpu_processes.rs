@@ -141,6 +141,7 @@ fn child_process_entry() {
                 (Collective::AllReduce, TestType::F32, 1_000_003),
                 (Collective::AllGather, TestType::U8, 70_001),
                 (Collective::ReduceScatter, TestType::F16, 50_001),
+                (Collective::AlltoAll, TestType::Bf16, 30_001),
             ]
             .into_iter()
             .enumerate()
@@ -150,6 +151,8 @@ fn child_process_entry() {
                     Collective::AllReduce => (count, count),
                     Collective::AllGather => (count, count * n as u64),
                     Collective::ReduceScatter => (count * n as u64, count),
+                    Collective::AlltoAll => (count * n as u64, count * n as u64),
+                    other => unreachable!("{other} is not tested"),
                 };
                 let elem = ty.bytes();
                 v.fill(send.as_ptr(), se, ty, rank, salt, s).unwrap();

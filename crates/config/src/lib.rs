@@ -133,7 +133,7 @@ variables! {
     ops: Set<Collective> = Set(KERNEL_OPS.to_vec()) => {
         name: "FLASHCOMM_OPS",
         kind: "list",
-        allowed: "comma list of `allreduce`, `reducescatter`, `allgather`; or `none`",
+        allowed: "comma list of `allreduce`, `reducescatter`, `allgather`, `alltoall`; or `none`",
         strict: true,
     }
     /// Device protocol of the kernels: chosen per call, or forced.
@@ -255,7 +255,7 @@ variables! {
     quant_ops: Set<Collective> = Set(vec![Collective::AllReduce]) => {
         name: "FLASHCOMM_QUANT_OPS",
         kind: "list",
-        allowed: "comma list of `allreduce`, `reducescatter`, `allgather`; or `none`",
+        allowed: "comma list of `allreduce`, `reducescatter`, `allgather`, `alltoall`; or `none`",
         strict: true,
     }
     /// Element types that may be quantized; other types stay lossless. The kernels quantize
@@ -686,7 +686,10 @@ mod tests {
         assert_eq!(c.settings.quant_group.0, 128);
         assert_eq!(c.settings.quant_spikes.0, 2);
         assert_eq!(c.quant_rs_bits(), QuantBits::Off);
-        assert_eq!(c.settings.ops.show(), "allreduce,reducescatter,allgather");
+        assert_eq!(
+            c.settings.ops.show(),
+            "allreduce,reducescatter,allgather,alltoall"
+        );
         assert_eq!(c.settings.quant_dtypes.show(), "bf16,f16");
         assert_eq!(c.logging.nccl_debug, None);
     }
@@ -887,7 +890,7 @@ mod tests {
             ("FLASHCOMM_QUANT_GROUP", "100"),
             ("FLASHCOMM_QUANT_SPIKES", "3"),
             ("FLASHCOMM_QUANT_MIN_BYTES", "-1"),
-            ("FLASHCOMM_QUANT_OPS", "alltoall"),
+            ("FLASHCOMM_QUANT_OPS", "broadcast"),
             ("FLASHCOMM_QUANT_DTYPES", "fp8"),
         ] {
             let c = cfg(&[(name, value)]);

@@ -245,10 +245,11 @@ keyword_enum! {
 
 /// The collectives flashcomm's kernels implement: the kinds `FLASHCOMM_OPS` and
 /// `FLASHCOMM_QUANT_OPS` may name.
-pub const KERNEL_OPS: [Collective; 3] = [
+pub const KERNEL_OPS: [Collective; 4] = [
     Collective::AllReduce,
     Collective::ReduceScatter,
     Collective::AllGather,
+    Collective::AlltoAll,
 ];
 
 /// A collective kind (the tree's one collective enum), as `FLASHCOMM_OPS` spells it: one of
@@ -484,7 +485,11 @@ mod tests {
         assert_eq!(s.0, vec![Collective::AllReduce, Collective::AllGather]);
         assert_eq!(s.show(), "allreduce,allgather");
         assert_eq!(Set::<Collective>::parse("none").unwrap().0, vec![]);
-        assert!(Set::<Collective>::parse("allreduce,alltoall").is_err());
+        assert!(Set::<Collective>::parse("allreduce,broadcast").is_err());
+        assert_eq!(
+            Set::<Collective>::parse("alltoall").unwrap().0,
+            vec![Collective::AlltoAll]
+        );
         assert!(Set::<Collective>::parse(",").is_err());
         assert_eq!(Proto::parse("LL"), Ok(Proto::Ll));
         assert!(Algo::parse("threeshot").is_err());

@@ -115,8 +115,10 @@ const PROBE: usize = AG + 2;
 const Q1: usize = PROBE + 1;
 /// Index of the two-step quantized kernels (type x width pair).
 const Q2: usize = Q1 + QUANT_DTYPES.len() * QUANT_ONESHOT_BITS.len();
+/// Index of the lossless AllToAll kernels (protocol).
+const A2A: usize = Q2 + QUANT_DTYPES.len() * QUANT_TWOSTEP_BITS.len();
 /// Number of kernels in the table.
-pub const COUNT: usize = Q2 + QUANT_DTYPES.len() * QUANT_TWOSTEP_BITS.len();
+pub const COUNT: usize = A2A + 2;
 
 /// Table index of the lossless AllReduce kernel.
 pub const fn allreduce(algo: Algorithm, proto: Protocol, t: DType) -> usize {
@@ -131,6 +133,11 @@ pub const fn reducescatter(proto: Protocol, t: DType) -> usize {
 /// Table index of the AllGather kernel (any type: it moves bytes).
 pub const fn allgather(proto: Protocol) -> usize {
     AG + proto.index()
+}
+
+/// Table index of the AllToAll kernel (any type: it moves bytes).
+pub const fn alltoall(proto: Protocol) -> usize {
+    A2A + proto.index()
 }
 
 /// Table index of the set-up probe (`fc_probe_write`).
@@ -207,12 +214,13 @@ pub fn name(index: usize, out: &mut String) {
             let b = QUANT_ONESHOT_BITS[r % QUANT_ONESHOT_BITS.len()];
             write!(out, "fc_allreduce_q1_block_{}_b{b}", t.suffix())
         }
-        i if i < COUNT => {
+        i if i < A2A => {
             let r = i - Q2;
             let t = QUANT_DTYPES[r / QUANT_TWOSTEP_BITS.len()];
             let (rs, ag) = QUANT_TWOSTEP_BITS[r % QUANT_TWOSTEP_BITS.len()];
             write!(out, "fc_allreduce_q2_block_{}_r{rs}_a{ag}", t.suffix())
         }
+        i if i < COUNT => write!(out, "fc_alltoall_{}", Protocol::ALL[i - A2A].name()),
         _ => write!(out, "fc_invalid_{index}"),
     };
 }
@@ -259,6 +267,7 @@ mod tests {
                 seen[reducescatter(p, t)] += 1;
             }
             seen[allgather(p)] += 1;
+            seen[alltoall(p)] += 1;
         }
         seen[probe()] += 1;
         for t in DTYPES {
@@ -288,6 +297,8 @@ mod tests {
         assert_eq!(s, "fc_reducescatter_block_f16");
         name(allgather(Protocol::Ll), &mut s);
         assert_eq!(s, "fc_allgather_ll");
+        name(alltoall(Protocol::Block), &mut s);
+        assert_eq!(s, "fc_alltoall_block");
         name(quant_oneshot(DType::Bf16, 3).unwrap(), &mut s);
         assert_eq!(s, "fc_allreduce_q1_block_bf16_b3");
         name(quant_twostep(DType::F16, 4, 8).unwrap(), &mut s);

@@ -69,7 +69,12 @@ fn missed_slot(route: Route, why: Why) -> Option<usize> {
         return None;
     }
     match why {
-        Why::NotOurs | Why::NotSum | Why::NotFloat | Why::Disabled | Why::OpsExclude => None,
+        Why::NotOurs
+        | Why::NotSum
+        | Why::NotFloat
+        | Why::InPlace
+        | Why::Disabled
+        | Why::OpsExclude => None,
         Why::PassthroughForced => Some(0),
         Why::UnknownComm => Some(1),
         Why::NotServed => Some(2),
@@ -362,8 +367,8 @@ mod tests {
     fn what_is_served_in_words() {
         assert_eq!(
             serves(&cfg(&[])),
-            "takes allreduce,reducescatter,allgather of [0, 1G] bytes per rank; quantization \
-             off (lossless)"
+            "takes allreduce,reducescatter,allgather,alltoall of [0, 1G] bytes per rank; \
+             quantization off (lossless)"
         );
         let q = serves(&cfg(&[("FLASHCOMM_QUANT_BITS", "4")]));
         assert!(

@@ -60,6 +60,8 @@ pub(crate) enum Why {
     NotSum,
     /// A reducing collective of an element type other than f32, f16, bf16.
     NotFloat,
+    /// An in-place AllToAll (flashcomm's AllToAll needs distinct buffers).
+    InPlace,
     /// The communicator was not created through flashcomm.
     UnknownComm,
     /// flashcomm does not serve the communicator (see its set-up reason).
@@ -144,7 +146,10 @@ pub(crate) fn decide(
     }
     let op = call.kind;
     let dtype = float_type(call.datatype);
-    if call.kind != Collective::AllGather {
+    if call.kind == Collective::AlltoAll && call.sendbuff == call.recvbuff.cast_const() {
+        return Decision::nccl(Why::InPlace);
+    }
+    if call.kind.reduces() {
         if call.op != Some(ncclRedOp_t::ncclSum) {
             return Decision::nccl(Why::NotSum);
         }
@@ -237,8 +242,10 @@ pub(crate) fn explain(
         }
         Why::Disabled => "FLASHCOMM_DISABLE is set".into(),
         Why::NotOurs => {
-            "flashcomm's kernels implement only AllReduce, ReduceScatter and AllGather".into()
+            "flashcomm's kernels implement only AllReduce, ReduceScatter, AllGather and AllToAll"
+                .into()
         }
+        Why::InPlace => "an in-place AllToAll (flashcomm's AllToAll needs distinct buffers)".into(),
         Why::NotSum => format!(
             "reduction operator {} is not ncclSum",
             call.op.map_or(-1, |o| o.0 as i64)
@@ -390,9 +397,35 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn alltoall_is_served_out_of_place_of_any_type_and_forwarded_in_place() {
+        use Collective::AlltoAll;
+        let a2a = |dt| CollCall {
+            sendbuff: 0x1000 as *const std::ffi::c_void,
+            recvbuff: 0x9000 as *mut std::ffi::c_void,
+            ..coll(AlltoAll, dt, 4096)
+        };
+        for dt in [
+            F32,
+            BF16,
+            ncclDataType_t::ncclInt8,
+            ncclDataType_t::ncclUint64,
+        ] {
+            let d = route_of(&[], &a2a(dt));
+            assert_eq!(d.route, Route::Lossless, "{dt:?}");
+        }
+        let mut c = a2a(BF16);
+        c.recvbuff = c.sendbuff.cast_mut();
+        assert_eq!(route_of(&[], &c), Decision::nccl(Why::InPlace));
+        assert_eq!(
+            route_of(&[("FLASHCOMM_OPS", "allreduce")], &a2a(BF16)),
+            Decision::nccl(Why::OpsExclude)
+        );
+    }
+
+    #[test]
     fn other_kinds_operators_and_types_go_to_nccl() {
         use Collective::*;
-        for kind in [AlltoAll, Broadcast, Reduce, Send, Recv] {
+        for kind in [Broadcast, Reduce, Send, Recv] {
             let d = route_of(&[], &coll(kind, F32, 4096));
             assert_eq!(d, Decision::nccl(Why::NotOurs), "{kind:?}");
         }

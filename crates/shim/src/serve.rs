@@ -343,6 +343,10 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
             let elem = call.bytes / count.max(1);
             c.all_gather(send, recv, count, elem, stream)
         }
+        (Collective::AlltoAll, _, _) => {
+            let elem = call.bytes / count.max(1);
+            c.all_to_all(send, recv, count, elem, stream)
+        }
         _ => return Executed::Refused(Cow::Borrowed("not a call flashcomm's kernels take")),
     };
     match r {

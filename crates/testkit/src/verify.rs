@@ -173,8 +173,8 @@ impl Verifier {
         self.launch("fc_test_fill", stream, &p)
     }
 
-    /// Checks the `n` output elements at `out` of collective `coll` (for AllGather and
-    /// ReduceScatter `chunk` is the per-rank count) against the exact result.
+    /// Checks the `n` output elements at `out` of collective `coll` (for AllGather,
+    /// ReduceScatter and AllToAll `chunk` is the per-rank count) against the exact result.
     #[allow(clippy::too_many_arguments)]
     pub fn check(
         &self,
@@ -193,6 +193,12 @@ impl Verifier {
             Collective::AllReduce => 0,
             Collective::AllGather => 1,
             Collective::ReduceScatter => 2,
+            Collective::AlltoAll => 3,
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "the verifier has no expectation for {other}"
+                )));
+            }
         };
         let p = FcTestCheck {
             out: out.addr(),

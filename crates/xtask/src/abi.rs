@@ -12,6 +12,8 @@ const INTERCEPTED: &[&str] = &[
     "ncclReduceScatterConfig",
     "ncclAllGather",
     "ncclAllGatherConfig",
+    "ncclAlltoAll",
+    "ncclAlltoAllConfig",
 ];
 
 /// What each hand-written export does.
@@ -24,15 +26,13 @@ fn handling(name: &str) -> Option<&'static str> {
         "ncclAllReduceConfig" => {
             "inspected; forwarded unless `config` is NULL, then as `ncclAllReduce`"
         }
-        "ncclReduceScatterConfig" | "ncclAllGatherConfig" => {
+        "ncclReduceScatterConfig" | "ncclAllGatherConfig" | "ncclAlltoAllConfig" => {
             "inspected; forwarded unless `config` is NULL, then as the plain function"
         }
         n if INTERCEPTED.contains(&n) => {
             "inspected; **intercepted**: flashcomm's lossless kernels when eligible, else forwarded"
         }
-        "ncclAlltoAll"
-        | "ncclAlltoAllConfig"
-        | "ncclBroadcast"
+        "ncclBroadcast"
         | "ncclBroadcastConfig"
         | "ncclBcast"
         | "ncclReduce"
@@ -76,14 +76,7 @@ fn when_missing(name: &str, ret: &str) -> String {
     if name.ends_with("Config")
         && INTERCEPTED
             .iter()
-            .chain(
-                [
-                    "ncclAlltoAllConfig",
-                    "ncclBroadcastConfig",
-                    "ncclReduceConfig",
-                ]
-                .iter(),
-            )
+            .chain(["ncclBroadcastConfig", "ncclReduceConfig"].iter())
             .any(|n| *n == name)
     {
         return "the plain function if `config` is NULL, else `ncclInvalidUsage`".into();

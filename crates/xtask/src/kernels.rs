@@ -299,10 +299,10 @@ pub fn instances_header() -> String {
         "{BANNER} from crates/kernels/src/catalog.rs: do not edit.\n\
          //\n\
          // The kernels the modules instantiate: exactly the host's catalogue. Each module defines the\n\
-         // instantiating macros it uses (FC_AR, FC_RS, FC_AG; FC_Q1, FC_Q2) and expands a list.\n\
+         // instantiating macros it uses (FC_AR, FC_RS, FC_AG, FC_A2A; FC_Q1, FC_Q2) and expands a list.\n\
          #pragma once\n"
     );
-    out.push_str("// Lossless collectives: FC_AR(algorithm, proto, PROTO, T, suffix), FC_RS(proto, PROTO, T, suffix),\n// FC_AG(proto, PROTO).\n#define FC_LOSSLESS_INSTANCES");
+    out.push_str("// Lossless collectives: FC_AR(algorithm, proto, PROTO, T, suffix), FC_RS(proto, PROTO, T, suffix),\n// FC_AG(proto, PROTO), FC_A2A(proto, PROTO).\n#define FC_LOSSLESS_INSTANCES");
     for a in Algorithm::ALL {
         for p in Protocol::ALL {
             for t in DTYPES {
@@ -334,6 +334,14 @@ pub fn instances_header() -> String {
         let _ = write!(
             out,
             " \\\n  FC_AG({}, FC_PROTO_{})",
+            p.name(),
+            p.name().to_uppercase()
+        );
+    }
+    for p in Protocol::ALL {
+        let _ = write!(
+            out,
+            " \\\n  FC_A2A({}, FC_PROTO_{})",
             p.name(),
             p.name().to_uppercase()
         );

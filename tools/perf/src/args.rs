@@ -12,40 +12,11 @@ use std::path::PathBuf;
 use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{CommandFactory, Parser, ValueEnum};
 
-/// The collective under test.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum)]
-pub enum Coll {
-    /// Sum AllReduce.
-    #[value(name = "allreduce", alias = "all_reduce")]
-    AllReduce,
-    /// Sum ReduceScatter.
-    #[value(name = "reducescatter", alias = "reduce_scatter")]
-    ReduceScatter,
-    /// AllGather.
-    #[value(name = "allgather", alias = "all_gather")]
-    AllGather,
-}
+/// The collective under test: the tree's one collective enum.
+pub use flashcomm_comm::Collective;
 
-impl Coll {
-    /// The name on the command line and in the JSON file.
-    pub fn name(self) -> &'static str {
-        match self {
-            Coll::AllReduce => "allreduce",
-            Coll::ReduceScatter => "reducescatter",
-            Coll::AllGather => "allgather",
-        }
-    }
-
-    /// Bus-bandwidth factor (nccl-tests' convention): `2(n-1)/n` for AllReduce, `(n-1)/n` for
-    /// ReduceScatter and AllGather.
-    pub fn busbw_factor(self, nranks: u32) -> f64 {
-        let n = f64::from(nranks.max(1));
-        match self {
-            Coll::AllReduce => 2.0 * (n - 1.0) / n,
-            Coll::ReduceScatter | Coll::AllGather => (n - 1.0) / n,
-        }
-    }
-}
+/// The collectives flashcomm-perf measures (flashcomm's kernels implement them).
+pub const COLLECTIVES: [Collective; 4] = flashcomm_comm::KERNEL_COLLECTIVES;
 
 /// Where the ranks live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -234,7 +205,7 @@ pub struct Options {
     /// `--launch`: eager, graph or both (derived from `-G` when not given).
     pub launches: Vec<Launch>,
     /// `--coll`.
-    pub coll: Coll,
+    pub coll: Collective,
     /// `--ranks`.
     pub ranks: u32,
     /// `--mode`.
@@ -292,7 +263,7 @@ impl Default for Options {
             dtypes: vec![Dtype::Bf16],
             graph_replays: 0,
             launches: vec![Launch::Eager],
-            coll: Coll::AllReduce,
+            coll: Collective::AllReduce,
             ranks: 8,
             mode: Mode::Virtual,
             impls: vec![Impl::Flashcomm],
@@ -462,6 +433,14 @@ fn parse_impls(v: &str) -> Result<Vec<Impl>, ArgError> {
 #[derive(Clone, Debug)]
 struct List<T>(Vec<T>);
 
+fn coll_value(v: &str) -> Result<Collective, String> {
+    Collective::from_name(v)
+        .filter(|c| COLLECTIVES.contains(c))
+        .ok_or_else(|| {
+            format!("'{v}' is not a collective flashcomm-perf measures (allreduce, reducescatter, allgather, alltoall)")
+        })
+}
+
 fn size_value(v: &str) -> Result<u64, String> {
     parse_size(v).map_err(|e| e.0)
 }
@@ -542,9 +521,9 @@ struct Cli {
     #[arg(short = 'G', long = "cudagraph", value_name = "n", help_heading = NCCL_TESTS)]
     graph_replays: Option<u32>,
 
-    /// The collective [allreduce]
-    #[arg(long, value_name = "c", ignore_case = true, help_heading = FLASHCOMM)]
-    coll: Option<Coll>,
+    /// allreduce | reducescatter | allgather | alltoall [allreduce]
+    #[arg(long, value_name = "c", value_parser = coll_value, help_heading = FLASHCOMM)]
+    coll: Option<Collective>,
     /// Ranks, 1..8 [8]
     #[arg(long, value_name = "n", help_heading = FLASHCOMM)]
     ranks: Option<u32>,
@@ -682,7 +661,7 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
         o.min_bytes = 8 << 10;
         o.max_bytes = 1 << 20;
         o.step_factor = 2;
-        o.coll = Coll::AllReduce;
+        o.coll = Collective::AllReduce;
         o.impls = vec![Impl::Flashcomm];
         o.algo = AlgoChoice::OneShot;
         o.copy_baseline = true;
@@ -794,7 +773,7 @@ fn validate(o: &Options) -> Result<(), ArgError> {
         if !o.impls.contains(&Impl::Flashcomm) {
             return err("--quant needs --impl flashcomm (quantization is flashcomm's)");
         }
-        if o.coll != Coll::AllReduce {
+        if o.coll != Collective::AllReduce {
             return err("--quant: only AllReduce is quantized");
         }
     }
@@ -805,7 +784,7 @@ fn validate(o: &Options) -> Result<(), ArgError> {
         );
     }
     if o.impls.contains(&Impl::Reference) {
-        if o.coll != Coll::AllReduce {
+        if o.coll != Collective::AllReduce {
             return err("--impl reference: the reference kernel is an AllReduce");
         }
         if !matches!(o.mode, Mode::Virtual | Mode::Gpus) {
@@ -814,8 +793,10 @@ fn validate(o: &Options) -> Result<(), ArgError> {
             );
         }
     }
-    if o.inplace && o.coll == Coll::ReduceScatter {
-        return err("--inplace: in-place ReduceScatter is not measured (AllReduce, AllGather)");
+    if o.inplace && matches!(o.coll, Collective::ReduceScatter | Collective::AlltoAll) {
+        return err(
+            "--inplace: in-place ReduceScatter and AllToAll are not measured (AllReduce, AllGather)",
+        );
     }
     if o.timeout_s == 0 {
         return err("--timeout: at least 1 second");
@@ -892,7 +873,7 @@ mod tests {
              --algo twoshot --proto ll --json out.json --svg out.svg --device 2 --copy-baseline \
              --commit abc --timeout 30 --calibrate 0 --seed 7",
         );
-        assert_eq!(o.coll, Coll::ReduceScatter);
+        assert_eq!(o.coll, Collective::ReduceScatter);
         assert_eq!((o.ranks, o.mode), (4, Mode::Gpus));
         assert_eq!(o.impls, vec![Impl::Flashcomm, Impl::Nccl]);
         assert_eq!(o.nccl_lib, Some(PathBuf::from("/x/libnccl.so.2")));
@@ -991,6 +972,9 @@ mod tests {
         assert!(fails("--group 100").contains("--group"));
         assert!(fails("--spikes 3").contains("--spikes"));
         assert!(fails("--inplace 1 --coll reducescatter").contains("in-place"));
+        assert!(fails("--inplace 1 --coll alltoall").contains("in-place"));
+        assert_eq!(run("--coll all_to_all").coll, Collective::AlltoAll);
+        assert!(fails("--coll broadcast").contains("not a collective flashcomm-perf measures"));
         assert!(fails("--inplace 2").contains("0 or 1"));
         assert!(fails("-n 0").contains("-n"));
         assert!(fails("stray").contains("unexpected"));
@@ -1009,10 +993,10 @@ mod tests {
 
     #[test]
     fn busbw_factors() {
-        assert_eq!(Coll::AllReduce.busbw_factor(8), 1.75);
-        assert_eq!(Coll::AllReduce.busbw_factor(2), 1.0);
-        assert_eq!(Coll::ReduceScatter.busbw_factor(8), 0.875);
-        assert_eq!(Coll::AllGather.busbw_factor(4), 0.75);
-        assert_eq!(Coll::AllReduce.busbw_factor(1), 0.0);
+        assert_eq!(Collective::AllReduce.busbw_factor(8), 1.75);
+        assert_eq!(Collective::AllReduce.busbw_factor(2), 1.0);
+        assert_eq!(Collective::ReduceScatter.busbw_factor(8), 0.875);
+        assert_eq!(Collective::AllGather.busbw_factor(4), 0.75);
+        assert_eq!(Collective::AllReduce.busbw_factor(1), 0.0);
     }
 }

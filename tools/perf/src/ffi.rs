@@ -105,6 +105,8 @@ const _: CommInitRankFn = nccl::decls::ncclCommInitRank;
 const _: ReduceFn = nccl::decls::ncclAllReduce;
 const _: ReduceFn = nccl::decls::ncclReduceScatter;
 const _: GatherFn = nccl::decls::ncclAllGather;
+// ncclAlltoAll has AllGather's signature (count per peer instead of per rank).
+const _: GatherFn = nccl::decls::ncclAlltoAll;
 
 /// Element types as NCCL numbers them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,6 +148,7 @@ pub struct Nccl {
     all_reduce: ReduceFn,
     reduce_scatter: ReduceFn,
     all_gather: GatherFn,
+    all_to_all: GatherFn,
     // Keeps the library mapped for as long as the function pointers above may be called.
     _lib: libloading::Library,
 }
@@ -190,6 +193,7 @@ impl Nccl {
             all_reduce: symbol(&lib, "ncclAllReduce")?,
             reduce_scatter: symbol(&lib, "ncclReduceScatter")?,
             all_gather: symbol(&lib, "ncclAllGather")?,
+            all_to_all: symbol(&lib, "ncclAlltoAll")?,
             _lib: lib,
         };
         n.check(r, "ncclGetVersion")?;
@@ -357,6 +361,35 @@ impl Nccl {
             )
         };
         self.check(r, "ncclAllGather")
+    }
+
+    /// AllToAll: `count` elements to and from every rank.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_to_all(
+        &self,
+        comm: &NcclComm,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        nranks: u32,
+        ty: NcclType,
+        stream: Stream,
+    ) -> Result<(), String> {
+        let all = count * u64::from(nranks) * ty.bytes();
+        fits(send, all)?;
+        fits(recv, all)?;
+        // SAFETY: as in `all_reduce`, with both buffers checked for every rank's block.
+        let r = unsafe {
+            (self.all_to_all)(
+                send.addr() as *const c_void,
+                recv.addr() as *mut c_void,
+                count as usize,
+                ty.raw(),
+                comm.0,
+                stream.0 as nccl::cudaStream_t,
+            )
+        };
+        self.check(r, "ncclAlltoAll")
     }
 }
 

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::accuracy::AccuracyStats;
-use crate::args::{Coll, Dtype, Launch, Width};
+use crate::args::{Collective, Dtype, Launch, Width};
 use crate::sweep::{TimeStats, algbw, busbw};
 
 /// What a row measures.
@@ -116,7 +116,7 @@ pub struct Row {
     /// Element type.
     pub dtype: Dtype,
     /// Collective.
-    pub coll: Coll,
+    pub coll: Collective,
     /// Ranks.
     pub nranks: u32,
     /// `size(B)`.
@@ -144,7 +144,8 @@ pub struct Row {
 impl Row {
     fn redop(&self) -> &'static str {
         match (self.variant, self.coll) {
-            (Variant::Copy | Variant::Link, _) | (_, Coll::AllGather) => "none",
+            (Variant::Copy | Variant::Link, _)
+            | (_, Collective::AllGather | Collective::AlltoAll) => "none",
             _ => "sum",
         }
     }
@@ -733,7 +734,7 @@ pub(crate) mod tests {
             variant,
             launch,
             dtype: Dtype::Bf16,
-            coll: Coll::AllReduce,
+            coll: Collective::AllReduce,
             nranks: 8,
             bytes,
             count: bytes / 2,

@@ -40,7 +40,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::accuracy::{self, AccuracyStats, QuantAlgo};
 use crate::args::{
-    AlgoChoice, Coll, Dtype, Impl, Launch, Mode, Options, ProtoChoice, TransportChoice, Width,
+    AlgoChoice, Dtype, Impl, Launch, Mode, Options, ProtoChoice, TransportChoice, Width,
 };
 use crate::ffi::{self, Nccl, NcclComm, NcclType};
 use crate::inputs;
@@ -147,14 +147,6 @@ fn codec_type(d: Dtype) -> DType {
         Dtype::Bf16 => DType::Bf16,
         Dtype::F16 => DType::F16,
         Dtype::F32 => DType::F32,
-    }
-}
-
-fn collective(c: Coll) -> Collective {
-    match c {
-        Coll::AllReduce => Collective::AllReduce,
-        Coll::ReduceScatter => Collective::ReduceScatter,
-        Coll::AllGather => Collective::AllGather,
     }
 }
 
@@ -906,13 +898,17 @@ impl Rank<'_> {
             (Variant::Nccl, _, _, Some((lib, nc))) => {
                 let t = nccl_type(job.dtype);
                 match self.o.coll {
-                    Coll::AllReduce => lib.all_reduce(nc, send, recv, sh.call_count, t, s),
-                    Coll::ReduceScatter => {
+                    Collective::AllReduce => lib.all_reduce(nc, send, recv, sh.call_count, t, s),
+                    Collective::ReduceScatter => {
                         lib.reduce_scatter(nc, send, recv, sh.call_count, self.nranks, t, s)
                     }
-                    Coll::AllGather => {
+                    Collective::AllGather => {
                         lib.all_gather(nc, send, recv, sh.call_count, self.nranks, t, s)
                     }
+                    Collective::AlltoAll => {
+                        lib.all_to_all(nc, send, recv, sh.call_count, self.nranks, t, s)
+                    }
+                    other => Err(format!("{other} is not measured")),
                 }
             }
             _ => Err(format!(
@@ -925,7 +921,7 @@ impl Rank<'_> {
     fn lossless_job(&self, job: &Job, salt: u32) -> Result<RankOut, String> {
         let plan = match (job.variant, &self.comm) {
             (Variant::Lossless, Some(c)) => Some(c.plan_forced(
-                collective(self.o.coll),
+                self.o.coll,
                 job.shape.call_count,
                 job.dtype.bytes(),
                 algo_choice(self.o.algo),
@@ -957,7 +953,7 @@ impl Rank<'_> {
             return (send, send, recv, sh.recv_bytes / elem);
         }
         match self.o.coll {
-            Coll::AllGather => {
+            Collective::AllGather => {
                 let mine = self.recv.slice(
                     (u64::from(self.rank) * sh.send_bytes) as usize,
                     sh.send_bytes as usize,
@@ -1004,7 +1000,7 @@ impl Rank<'_> {
                 recv,
                 out_elems,
                 sh.call_count,
-                collective(self.o.coll),
+                self.o.coll,
                 ty,
                 self.nranks,
                 self.rank,
@@ -1032,7 +1028,7 @@ impl Rank<'_> {
     /// are the same on every rank). Collective: every rank calls it after its output is final.
     fn compare_with_rank0(&self, out: DevicePtr) -> Result<Option<u64>, String> {
         self.barrier()?;
-        let same_everywhere = self.o.coll != Coll::ReduceScatter;
+        let same_everywhere = matches!(self.o.coll, Collective::AllReduce | Collective::AllGather);
         let res = if same_everywhere && self.can_compare {
             if self.rank != 0 {
                 let theirs = self

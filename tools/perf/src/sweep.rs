@@ -8,7 +8,7 @@
 //!   their sizes are rounded down to one (at least one element per rank).
 //! * algbw = size / time; busbw = algbw x 2(n-1)/n for AllReduce, x (n-1)/n for the others.
 
-use crate::args::Coll;
+use crate::args::Collective;
 
 /// The sizes nccl-tests would visit for `-b min -e max -f factor -i step`.
 pub fn sizes(min: u64, max: u64, factor: u64, step: u64) -> Vec<u64> {
@@ -47,18 +47,18 @@ pub struct Shape {
 
 /// The call for a requested size (rounded down to whole elements, and to a multiple of the
 /// ranks for ReduceScatter and AllGather; never below one element per rank).
-pub fn shape(coll: Coll, size: u64, elem: u64, nranks: u32) -> Shape {
+pub fn shape(coll: Collective, size: u64, elem: u64, nranks: u32) -> Shape {
     let n = u64::from(nranks.max(1));
     let elems = (size / elem).max(1);
     match coll {
-        Coll::AllReduce => Shape {
+        Collective::AllReduce => Shape {
             bytes: elems * elem,
             count: elems,
             call_count: elems,
             send_bytes: elems * elem,
             recv_bytes: elems * elem,
         },
-        Coll::ReduceScatter => {
+        Collective::ReduceScatter => {
             let per = (elems / n).max(1);
             Shape {
                 bytes: per * n * elem,
@@ -68,7 +68,7 @@ pub fn shape(coll: Coll, size: u64, elem: u64, nranks: u32) -> Shape {
                 recv_bytes: per * elem,
             }
         }
-        Coll::AllGather => {
+        Collective::AllGather => {
             let per = (elems / n).max(1);
             Shape {
                 bytes: per * n * elem,
@@ -78,11 +78,30 @@ pub fn shape(coll: Coll, size: u64, elem: u64, nranks: u32) -> Shape {
                 recv_bytes: per * n * elem,
             }
         }
+        // nccl-tests' alltoall_perf: the size is every rank's whole buffer, `size / n` to each peer.
+        Collective::AlltoAll => {
+            let per = (elems / n).max(1);
+            Shape {
+                bytes: per * n * elem,
+                count: per * n,
+                call_count: per,
+                send_bytes: per * n * elem,
+                recv_bytes: per * n * elem,
+            }
+        }
+        // Never measured (`--coll` refuses them): the plain message.
+        _ => Shape {
+            bytes: elems * elem,
+            count: elems,
+            call_count: elems,
+            send_bytes: elems * elem,
+            recv_bytes: elems * elem,
+        },
     }
 }
 
 /// The shapes of a sweep, with sizes that round to the same call dropped.
-pub fn shapes(coll: Coll, sizes: &[u64], elem: u64, nranks: u32) -> Vec<Shape> {
+pub fn shapes(coll: Collective, sizes: &[u64], elem: u64, nranks: u32) -> Vec<Shape> {
     let mut out: Vec<Shape> = Vec::new();
     for &s in sizes {
         let sh = shape(coll, s, elem, nranks);
@@ -103,7 +122,7 @@ pub fn algbw(bytes: u64, time_us: f64) -> f64 {
 }
 
 /// Bus bandwidth in GB/s: algbw times the collective's factor.
-pub fn busbw(coll: Coll, nranks: u32, bytes: u64, time_us: f64) -> f64 {
+pub fn busbw(coll: Collective, nranks: u32, bytes: u64, time_us: f64) -> f64 {
     algbw(bytes, time_us) * coll.busbw_factor(nranks)
 }
 
@@ -201,29 +220,34 @@ mod tests {
 
     #[test]
     fn shapes_per_collective() {
-        let ar = shape(Coll::AllReduce, 1 << 20, 2, 8);
+        let ar = shape(Collective::AllReduce, 1 << 20, 2, 8);
         assert_eq!(
             (ar.bytes, ar.count, ar.call_count),
             (1 << 20, 1 << 19, 1 << 19)
         );
         assert_eq!((ar.send_bytes, ar.recv_bytes), (1 << 20, 1 << 20));
-        let rs = shape(Coll::ReduceScatter, 1 << 20, 4, 8);
+        let rs = shape(Collective::ReduceScatter, 1 << 20, 4, 8);
         assert_eq!(
             (rs.bytes, rs.count, rs.call_count),
             (1 << 20, 1 << 18, 1 << 15)
         );
         assert_eq!((rs.send_bytes, rs.recv_bytes), (1 << 20, 1 << 17));
-        let ag = shape(Coll::AllGather, 1 << 20, 2, 8);
+        let ag = shape(Collective::AllGather, 1 << 20, 2, 8);
         assert_eq!((ag.send_bytes, ag.recv_bytes), (1 << 17, 1 << 20));
         // Rounded down to a multiple of the ranks, at least one element each.
-        let odd = shape(Coll::AllGather, 100, 2, 8);
+        let a2a = shape(Collective::AlltoAll, 1 << 20, 2, 8);
+        assert_eq!(
+            (a2a.call_count, a2a.send_bytes, a2a.recv_bytes),
+            (1 << 16, 1 << 20, 1 << 20)
+        );
+        let odd = shape(Collective::AllGather, 100, 2, 8);
         assert_eq!((odd.count, odd.bytes, odd.call_count), (48, 96, 6));
-        let tiny = shape(Coll::ReduceScatter, 8, 4, 8);
+        let tiny = shape(Collective::ReduceScatter, 8, 4, 8);
         assert_eq!((tiny.count, tiny.bytes, tiny.call_count), (8, 32, 1));
-        let sub = shape(Coll::AllReduce, 1, 4, 8);
+        let sub = shape(Collective::AllReduce, 1, 4, 8);
         assert_eq!(sub.count, 1);
         // Sizes that collapse onto the same call appear once.
-        let sw = shapes(Coll::AllGather, &sizes(8, 128, 2, 0), 4, 8);
+        let sw = shapes(Collective::AllGather, &sizes(8, 128, 2, 0), 4, 8);
         assert_eq!(
             sw.iter().map(|s| s.bytes).collect::<Vec<_>>(),
             vec![32, 64, 128]
@@ -235,10 +259,10 @@ mod tests {
         // 1 MiB in 10 us: 104.8576 GB/s.
         let a = algbw(1 << 20, 10.0);
         assert!((a - 104.8576).abs() < 1e-9);
-        assert!((busbw(Coll::AllReduce, 8, 1 << 20, 10.0) - a * 1.75).abs() < 1e-9);
-        assert!((busbw(Coll::AllGather, 8, 1 << 20, 10.0) - a * 0.875).abs() < 1e-9);
-        assert!((busbw(Coll::ReduceScatter, 2, 1 << 20, 10.0) - a * 0.5).abs() < 1e-9);
-        assert_eq!(busbw(Coll::AllReduce, 1, 1 << 20, 10.0), 0.0);
+        assert!((busbw(Collective::AllReduce, 8, 1 << 20, 10.0) - a * 1.75).abs() < 1e-9);
+        assert!((busbw(Collective::AllGather, 8, 1 << 20, 10.0) - a * 0.875).abs() < 1e-9);
+        assert!((busbw(Collective::ReduceScatter, 2, 1 << 20, 10.0) - a * 0.5).abs() < 1e-9);
+        assert_eq!(busbw(Collective::AllReduce, 1, 1 << 20, 10.0), 0.0);
         assert_eq!(algbw(100, 0.0), 0.0);
     }
 

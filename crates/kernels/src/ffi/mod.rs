@@ -56,6 +56,11 @@ impl Kernel<FcCollParams> {
         Kernel::at(catalog::allgather(proto))
     }
 
+    /// The AllToAll kernel.
+    pub const fn alltoall(proto: Protocol) -> Self {
+        Kernel::at(catalog::alltoall(proto))
+    }
+
     /// The one-shot quantized AllReduce kernel at `bits`, if it exists.
     pub const fn quant_oneshot(t: DType, bits: u8) -> Option<Self> {
         match catalog::quant_oneshot(t, bits) {

@@ -19,13 +19,15 @@ use crate::types::{CollCall, Collective};
 /// The caller's send and receive buffers of a routed collective, with the sizes NCCL's contract
 /// gives them: `bytes` is the per-rank message of `call` (count x element size), so an
 /// AllReduce uses `bytes` of each, a ReduceScatter reads `nranks x bytes` and writes `bytes`,
-/// an AllGather reads `bytes` and writes `nranks x bytes`. `None` when a size overflows.
+/// an AllGather reads `bytes` and writes `nranks x bytes`, an AllToAll (`bytes` per peer) reads
+/// and writes `nranks x bytes`. `None` when a size overflows.
 pub(crate) fn user_buffers(call: &CollCall, nranks: u64) -> Option<(DevicePtr, DevicePtr)> {
     let b = call.bytes;
     let all = b.checked_mul(nranks)?;
     let (send, recv) = match call.kind {
         Collective::ReduceScatter => (all, b),
         Collective::AllGather => (b, all),
+        Collective::AlltoAll => (all, all),
         _ => (b, b),
     };
     // SAFETY: these are the buffers of an NCCL collective call, for which the caller promises
