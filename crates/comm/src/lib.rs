@@ -19,7 +19,7 @@ pub mod error;
 pub mod gpu;
 pub mod plan;
 
-pub use bootstrap::{Bootstrap, ThreadBootstrap, ThreadGroup};
+pub use bootstrap::{Agreement, Bootstrap, ThreadBootstrap, ThreadGroup};
 pub use comm::{CommConfig, Communicator};
 pub use error::Error;
 pub use gpu::{DeviceMem, DevicePtr, Stream};
