@@ -619,7 +619,12 @@ impl Config {
             if name == "FLASHCOMM_NCCL_LIB" || name == "FLASHCOMM_DISABLE" {
                 continue;
             }
-            for b in name.bytes().chain([b'=']).chain(value.bytes()).chain([b'\n']) {
+            for b in name
+                .bytes()
+                .chain([b'='])
+                .chain(value.bytes())
+                .chain([b'\n'])
+            {
                 h ^= u64::from(b);
                 h = h.wrapping_mul(0x0100_0000_01b3);
             }
@@ -738,7 +743,10 @@ mod tests {
 
     #[test]
     fn the_agreement_digest_covers_routing_and_wire_settings_only() {
-        let base = cfg(&[("FLASHCOMM_QUANT_BITS", "4"), ("FLASHCOMM_MAX_BYTES", "16M")]);
+        let base = cfg(&[
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_MAX_BYTES", "16M"),
+        ]);
         // Order of the environment, the real library's path, FLASHCOMM_DISABLE and logging do
         // not count.
         let same = cfg(&[
@@ -763,7 +771,10 @@ mod tests {
             ("FLASHCOMM_ARENA_BYTES", "32M"),
             ("FLASHCOMM_OPS", "allreduce"),
         ] {
-            let mut vars = vec![("FLASHCOMM_QUANT_BITS", "4"), ("FLASHCOMM_MAX_BYTES", "16M")];
+            let mut vars = vec![
+                ("FLASHCOMM_QUANT_BITS", "4"),
+                ("FLASHCOMM_MAX_BYTES", "16M"),
+            ];
             vars.retain(|(n, _)| *n != name);
             vars.push((name, value));
             assert_ne!(
