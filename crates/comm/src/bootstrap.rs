@@ -23,6 +23,97 @@ pub trait Bootstrap: Send + Sync {
     }
 }
 
+/// Rounds of a set-up that every rank finishes alike: each round carries this rank's verdict
+/// (ok with a payload, or failed with a reason) beside its payload, and after each round every
+/// rank computes the same outcome from the gathered verdicts. A rank that failed between two
+/// rounds still takes part in the next one, saying so, so no rank waits for it in vain; and
+/// since every rank stops at the first round in which any rank failed, every rank runs the same
+/// number of rounds and gets the same verdict, wherever the failure happened.
+pub struct Agreement<'a> {
+    boot: &'a dyn Bootstrap,
+    rounds: u32,
+}
+
+const VERDICT_OK: u8 = 0;
+const VERDICT_FAILED: u8 = 1;
+
+impl<'a> Agreement<'a> {
+    /// Rounds over `boot`.
+    pub fn new(boot: &'a dyn Bootstrap) -> Agreement<'a> {
+        Agreement { boot, rounds: 0 }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.boot.rank()
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> u32 {
+        self.boot.size()
+    }
+
+    /// Rounds run so far.
+    pub fn rounds(&self) -> u32 {
+        self.rounds
+    }
+
+    /// One round. `mine`: this rank's payload, or why this rank failed. Returns every rank's
+    /// payload (rank order) when every rank succeeded; otherwise, on every rank, the same
+    /// [`Error::Unsupported`] naming the lowest failing rank and its reason. A failure of the
+    /// exchange itself comes back as [`Error::Bootstrap`].
+    pub fn round(&mut self, mine: Result<Vec<u8>, String>) -> Result<Vec<Vec<u8>>, Error> {
+        let mut frame = Vec::new();
+        match &mine {
+            Ok(p) => {
+                frame.push(VERDICT_OK);
+                frame.extend_from_slice(p);
+            }
+            Err(why) => {
+                frame.push(VERDICT_FAILED);
+                // Keep the reason short: it travels in a small set-up frame.
+                let mut end = why.len().min(512);
+                while !why.is_char_boundary(end) {
+                    end -= 1;
+                }
+                frame.extend_from_slice(&why.as_bytes()[..end]);
+            }
+        }
+        self.rounds += 1;
+        let all = self.boot.all_gather(&frame)?;
+        if all.len() != self.boot.size() as usize {
+            return Err(Error::Bootstrap(format!(
+                "the exchange returned {} records for {} ranks",
+                all.len(),
+                self.boot.size()
+            )));
+        }
+        let mut out = Vec::with_capacity(all.len());
+        for (r, f) in all.into_iter().enumerate() {
+            match f.first() {
+                Some(&VERDICT_OK) => out.push(f[1..].to_vec()),
+                Some(&VERDICT_FAILED) => {
+                    return Err(Error::Unsupported(format!(
+                        "rank {r}: {}",
+                        String::from_utf8_lossy(&f[1..])
+                    )));
+                }
+                _ => {
+                    return Err(Error::Unsupported(format!(
+                        "rank {r} sent no verdict (a different flashcomm version?)"
+                    )));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// A round with no payload: every rank learns whether any rank failed.
+    pub fn check(&mut self, mine: Result<(), String>) -> Result<(), Error> {
+        self.round(mine.map(|()| Vec::new())).map(|_| ())
+    }
+}
+
 struct GroupState {
     generation: u64,
     arrived: u32,
@@ -40,7 +131,7 @@ pub struct ThreadGroup {
 }
 
 impl ThreadGroup {
-    /// A group of `size` ranks whose all-gathers give up after `timeout`.
+    /// A group of `size` ranks whose all-gathers give up after `timeout` (zero: never).
     pub fn new(size: u32, timeout: Duration) -> Arc<ThreadGroup> {
         Arc::new(ThreadGroup {
             size,
@@ -95,8 +186,12 @@ impl Bootstrap for ThreadBootstrap {
             g.cv.notify_all();
             return Ok((*st.published).clone());
         }
-        let deadline = Instant::now() + g.timeout;
+        let deadline = (!g.timeout.is_zero()).then(|| Instant::now() + g.timeout);
         while st.generation == generation {
+            let Some(deadline) = deadline else {
+                st = g.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                continue;
+            };
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::Bootstrap(format!(
@@ -134,6 +229,147 @@ mod tests {
                 });
             }
         });
+    }
+
+    /// A bootstrap that counts the rounds it ran.
+    struct Counting<'a> {
+        inner: &'a ThreadBootstrap,
+        rounds: std::sync::atomic::AtomicU32,
+    }
+
+    impl Bootstrap for Counting<'_> {
+        fn rank(&self) -> u32 {
+            self.inner.rank()
+        }
+        fn size(&self) -> u32 {
+            self.inner.size()
+        }
+        fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, Error> {
+            self.rounds
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.inner.all_gather(mine)
+        }
+    }
+
+    /// A set-up of `steps` local steps, each followed by a round, the way
+    /// `Communicator::new` runs: a failure at a step skips every later local step but still
+    /// takes part in the next round.
+    fn staged_setup(
+        ag: &mut Agreement<'_>,
+        steps: u32,
+        fail: Option<(u32, u32)>,
+    ) -> Result<u32, Error> {
+        let mut sum = 0u32;
+        for step in 0..steps {
+            let local = if fail == Some((ag.rank(), step)) {
+                Err(format!("injected failure at step {step}"))
+            } else {
+                Ok(vec![ag.rank() as u8, step as u8])
+            };
+            let all = ag.round(local)?;
+            for (r, p) in all.iter().enumerate() {
+                assert_eq!(p, &vec![r as u8, step as u8]);
+                sum += u32::from(p[0]);
+            }
+        }
+        Ok(sum)
+    }
+
+    #[test]
+    fn agreement_every_rank_runs_the_same_rounds_and_gets_the_same_verdict() {
+        const N: u32 = 4;
+        const STEPS: u32 = 6;
+        let mut cases = vec![None];
+        for rank in 0..N {
+            for step in 0..STEPS {
+                cases.push(Some((rank, step)));
+            }
+        }
+        for fail in cases {
+            let g = ThreadGroup::new(N, Duration::from_secs(10));
+            let members = g.members();
+            let results: Vec<(u32, Result<u32, Error>)> = std::thread::scope(|s| {
+                let hs: Vec<_> = members
+                    .iter()
+                    .map(|m| {
+                        s.spawn(move || {
+                            let c = Counting {
+                                inner: m,
+                                rounds: Default::default(),
+                            };
+                            let mut ag = Agreement::new(&c);
+                            let r = staged_setup(&mut ag, STEPS, fail);
+                            assert_eq!(
+                                ag.rounds(),
+                                c.rounds.load(std::sync::atomic::Ordering::Relaxed)
+                            );
+                            (ag.rounds(), r)
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let (rounds0, verdict0) = &results[0];
+            for (rounds, verdict) in &results {
+                assert_eq!(
+                    rounds, rounds0,
+                    "{fail:?}: same number of rounds on every rank"
+                );
+                assert_eq!(verdict, verdict0, "{fail:?}: same verdict on every rank");
+            }
+            match fail {
+                None => {
+                    assert_eq!(*rounds0, STEPS);
+                    // Every step sums the ranks 0 + 1 + 2 + 3.
+                    assert_eq!(verdict0, &Ok(STEPS * 6));
+                }
+                Some((rank, step)) => {
+                    assert_eq!(
+                        *rounds0,
+                        step + 1,
+                        "{fail:?}: everyone stops at the failed round"
+                    );
+                    assert_eq!(
+                        verdict0,
+                        &Err(Error::Unsupported(format!(
+                            "rank {rank}: injected failure at step {step}"
+                        )))
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn agreement_names_the_lowest_failing_rank_and_bounds_the_reason() {
+        let g = ThreadGroup::new(3, Duration::from_secs(10));
+        let members = g.members();
+        let long = "é".repeat(400);
+        let results: Vec<Result<Vec<Vec<u8>>, Error>> = std::thread::scope(|s| {
+            let hs: Vec<_> = members
+                .iter()
+                .map(|m| {
+                    let long = long.clone();
+                    s.spawn(move || {
+                        let mine = match m.rank() {
+                            0 => Ok(b"fine".to_vec()),
+                            1 => Err(long),
+                            _ => Err("out of memory".to_string()),
+                        };
+                        Agreement::new(m).round(mine)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in &results {
+            let Err(Error::Unsupported(msg)) = r else {
+                panic!("{r:?}")
+            };
+            assert!(msg.starts_with("rank 1: é"), "{msg}");
+            assert!(msg.len() <= 512 + "rank 1: ".len(), "{}", msg.len());
+        }
+        assert!(results.windows(2).all(|w| w[0] == w[1]));
     }
 
     #[test]

@@ -23,9 +23,9 @@ use std::time::Duration;
 use flashcomm_kernels::{Kernel, Kernels, LaunchConfig};
 
 use crate::abi::{self, FcCollParams, FcProbeParams, MAX_RANKS, THREADS};
-use crate::bootstrap::Bootstrap;
+use crate::bootstrap::{Agreement, Bootstrap};
 use crate::error::Error;
-use crate::gpu::{self, Device, DeviceMem, DevicePtr, Event, HostMapped, Stream};
+use crate::gpu::{self, Device, DeviceMem, DevicePtr, Event, HostMapped, OwnStream, Stream};
 use crate::plan::{
     self, Algorithm, Arena, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantSpec,
 };
@@ -34,7 +34,8 @@ use crate::transport::{LocalArena, PeerMapping, Transport};
 /// Settings of one communicator (the same on every rank).
 #[derive(Clone, Debug, PartialEq)]
 pub struct CommConfig {
-    /// Bound on every device-side wait.
+    /// Bound on every device-side wait; zero (the default): no time limit, as in NCCL (a wait
+    /// lasts until the peer arrives or [`Communicator::abort`] is called).
     pub timeout: Duration,
     /// Cap on the arena each rank allocates.
     pub arena_bytes: u64,
@@ -49,18 +50,23 @@ pub struct CommConfig {
     /// Where arenas live: automatic (the peer transport where every pair of ranks has peer
     /// access, the host transport otherwise), or forced.
     pub transport: Choice<Transport>,
+    /// Tests only: this rank fails set-up step `n` (0..=7, see [`Communicator::new_agreed`]), as
+    /// an allocation, a driver call or a kernel launch failing there would.
+    #[doc(hidden)]
+    pub fail_at: Option<u32>,
 }
 
 impl Default for CommConfig {
     fn default() -> Self {
         CommConfig {
-            timeout: Duration::from_secs(300),
+            timeout: Duration::ZERO,
             arena_bytes: 64 << 20,
             algo: Choice::Auto,
             proto: Choice::Auto,
             max_blocks: None,
             calibrate: true,
             transport: Choice::Auto,
+            fail_at: None,
         }
     }
 }
@@ -71,6 +77,87 @@ const PROBE_MAGIC: u32 = 0x5052_0000;
 const HOST_ABORT: usize = 0;
 const HOST_STATUS: usize = 64;
 const HOST_BYTES: usize = 128;
+
+/// How long a set-up kernel (the calibration's timed collectives) waits for its peers when no
+/// timeout is configured: every rank starts them right after the same exchange round, so only a
+/// rank that failed to launch keeps its peers waiting, and they must not wait for ever.
+pub const SETUP_WAIT: Duration = Duration::from_secs(60);
+
+/// A local step's outcome as the verdict of the next round.
+fn verdict<T, E: std::fmt::Display>(r: Result<T, E>) -> Result<T, String> {
+    r.map_err(|e| e.to_string())
+}
+
+/// The checks of a call's buffers that the kernels need, with NCCL's answer
+/// (`InvalidArgument`, and a message) where a kernel would otherwise race or fault:
+/// * send and receive ranges overlap only in NCCL's in-place layout: the same buffer for
+///   AllReduce; for ReduceScatter the receive buffer at `in_place` bytes (rank x recvcount
+///   elements) into the send buffer; for AllGather the send buffer at `in_place` bytes into the
+///   receive buffer; any other overlap would let one rank's writes race with another's reads;
+/// * both buffers are aligned to `align` (the element size for the quantized kernels, which store
+///   whole elements; the lossless kernels take any alignment).
+pub(crate) fn check_buffers(
+    coll: Collective,
+    send: (u64, u64),
+    recv: (u64, u64),
+    in_place: u64,
+    align: u64,
+) -> Result<(), Error> {
+    let (s, sn) = send;
+    let (r, rn) = recv;
+    let overlap = s < r.saturating_add(rn) && r < s.saturating_add(sn);
+    let layout_ok = match coll {
+        Collective::AllReduce => s == r,
+        Collective::ReduceScatter => s.checked_add(in_place) == Some(r),
+        Collective::AllGather => r.checked_add(in_place) == Some(s),
+        // AllToAll has no in-place layout that the kernels take (the shim sends it to NCCL).
+        _ => false,
+    };
+    if overlap && !layout_ok {
+        let want = match coll {
+            Collective::AllReduce => "the same buffer".to_string(),
+            Collective::ReduceScatter => {
+                format!("recvbuff = sendbuff + {in_place} bytes (rank x recvcount elements)")
+            }
+            Collective::AllGather => {
+                format!("sendbuff = recvbuff + {in_place} bytes (rank x sendcount elements)")
+            }
+            _ => "nothing: this collective has no in-place form here".to_string(),
+        };
+        return Err(Error::InvalidArgument(format!(
+            "{coll:?}: send buffer {s:#x} ({sn} bytes) and receive buffer {r:#x} ({rn} bytes) \
+             overlap, but not in place (in place means {want})"
+        )));
+    }
+    if align > 1 && (s % align != 0 || r % align != 0) {
+        return Err(Error::InvalidArgument(format!(
+            "{coll:?}: buffers {s:#x} and {r:#x} must be aligned to the {align}-byte datatype for \
+             the quantized kernels"
+        )));
+    }
+    Ok(())
+}
+
+/// The signature of a call that its tags carry (see `FLAG_SIG_SHIFT`): the collective, whether
+/// it is quantized, and the datatype of a reducing collective (an AllGather moves bytes, so its
+/// datatype does not matter). Never more than 8 bits.
+fn call_signature(p: &Plan, dtype: Option<DataType>) -> u32 {
+    let coll = match p.coll {
+        Collective::AllReduce => 1,
+        Collective::ReduceScatter => 2,
+        Collective::AllGather => 3,
+        Collective::AlltoAll => 4,
+        // Never launched (`run` refuses them); distinct from every launched kind all the same.
+        other => 5 + other.index() as u32 % 11,
+    };
+    let ty = match (p.coll, dtype) {
+        (Collective::AllGather | Collective::AlltoAll, _) | (_, None) => 0,
+        (_, Some(DataType::F32)) => 1,
+        (_, Some(DataType::F16)) => 2,
+        (_, Some(DataType::Bf16)) => 3,
+    };
+    (coll << 4) | (u32::from(p.quant.is_some()) << 3) | ty
+}
 
 /// What one rank tells the others at set-up.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -182,170 +269,154 @@ pub struct Communicator {
 impl Communicator {
     /// Builds rank `boot.rank()` of a communicator on CUDA device `device`. Collective: every rank
     /// must call it at the same point, with the same `cfg`.
+    ///
+    /// All or nothing, on every rank alike: every exchange round carries each rank's verdict
+    /// ([`Agreement`]), a rank whose local step failed still takes part in the next round and
+    /// says so, and every rank stops at the first round in which any rank failed, with the same
+    /// [`Error::Unsupported`]. Only a failure of the exchange itself ([`Error::Bootstrap`]) is
+    /// not symmetric.
     pub fn new(boot: &dyn Bootstrap, device: i32, cfg: CommConfig) -> Result<Communicator, Error> {
-        let rank = boot.rank();
-        let nranks = boot.size();
-        // A failure before the first exchange must still reach the other ranks, or they would
-        // wait for us in vain: every rank goes through the same exchanges and reports.
-        let transport = match Self::choose_transport(boot, device, cfg.transport) {
-            Ok(t) => t,
-            Err(e) => {
-                let _ = boot.all_gather(&[]);
-                return Err(e);
-            }
-        };
-        let local_setup = Self::local_setup(nranks, device, &cfg, transport);
-        let LocalSetup {
-            dev,
-            arena,
-            local,
-            host,
-            kernels,
-            grid: my_grid,
-        } = match local_setup {
-            Ok(v) => v,
-            Err(e) => {
-                let _ = boot.all_gather(&[]);
-                return Err(e);
-            }
-        };
-        let _ctx = dev.activate()?;
-        let info = PeerInfo {
-            pid: std::process::id(),
-            host: host_id(),
-            uuid: dev.uuid(),
-            arena: local.addr(),
-            arena_bytes: arena.total_bytes,
-            ipc: local.export(),
-            max_grid: my_grid,
-            transport,
-        };
-        let all = boot.all_gather(&info.encode())?;
-        if all.iter().any(|b| b.is_empty()) {
-            return Err(Error::Unsupported(
-                "another rank could not set up flashcomm".into(),
-            ));
-        }
-        let infos = all
-            .iter()
-            .map(|b| PeerInfo::decode(b))
-            .collect::<Result<Vec<_>, _>>()?;
+        Self::new_agreed(&mut Agreement::new(boot), device, cfg)
+    }
 
-        // Ranks that share this GPU share its multiprocessors: each may keep only its share of
-        // blocks resident, or ranks would wait on blocks that cannot be scheduled.
-        let colocated = infos
-            .iter()
-            .filter(|p| p.host == info.host && p.uuid == info.uuid)
-            .count()
-            .max(1) as u32;
-        let my_grid = (my_grid / colocated).max(1);
+    /// [`Communicator::new`] continuing the rounds of `ag` (a caller that agreed on something
+    /// first, such as the shim's configuration digest).
+    pub fn new_agreed(
+        ag: &mut Agreement<'_>,
+        device: i32,
+        cfg: CommConfig,
+    ) -> Result<Communicator, Error> {
+        let fail_at = cfg.fail_at;
+        let injected = |step: u32| -> Result<(), Error> {
+            if fail_at == Some(step) {
+                return Err(Error::Internal(format!(
+                    "failure injected at set-up step {step}"
+                )));
+            }
+            Ok(())
+        };
+        let rank = ag.rank();
+        let nranks = ag.size();
 
-        // Map every peer.
-        let mut peers = [0u64; MAX_RANKS];
-        let mut mappings = Vec::new();
-        let mut failure: Option<String> = None;
-        for (r, p) in infos.iter().enumerate() {
-            if p.transport != transport {
-                failure = Some(format!(
-                    "rank {r} chose the {} transport, this rank {}",
-                    p.transport.name(),
-                    transport.name()
-                ));
-                break;
-            }
-            if p.arena_bytes != arena.total_bytes {
-                failure = Some(format!(
-                    "rank {r} has a different arena size (different settings?)"
-                ));
-                break;
-            }
-            if r as u32 == rank {
-                peers[r] = local.addr();
-            } else if p.host != info.host {
-                failure = Some(format!(
-                    "rank {r} is on another machine (flashcomm kernels serve one node)"
-                ));
-                break;
-            } else if p.pid == info.pid && transport == Transport::Host {
-                // A portable registration: the creator's address is valid in every context.
-                peers[r] = p.arena;
-            } else if p.pid == info.pid {
-                match Self::in_process_peer(&dev, &p.uuid) {
-                    Ok(()) => peers[r] = p.arena,
-                    Err(e) => {
-                        failure = Some(format!("rank {r} (same process): {e}"));
-                        break;
+        // The transport (two more rounds first when it is automatic; `cfg` is the same on every
+        // rank, so every rank runs them).
+        let transport = Self::choose_transport(ag, device, cfg.transport)?;
+
+        // Step 0 (round 1): local resources and this rank's record.
+        let local = injected(0)
+            .and_then(|()| Self::local_setup(nranks, device, &cfg, transport))
+            .and_then(|ls| {
+                let info = {
+                    let _ctx = ls.dev.activate()?;
+                    PeerInfo {
+                        pid: std::process::id(),
+                        host: host_id(),
+                        uuid: ls.dev.uuid(),
+                        arena: ls.local.addr(),
+                        arena_bytes: ls.arena.total_bytes,
+                        ipc: ls.local.export(),
+                        max_grid: ls.grid,
+                        transport,
                     }
-                }
-            } else {
-                match p
-                    .ipc
-                    .as_ref()
-                    .map(|h| PeerMapping::open(transport, h, arena.total_bytes as usize))
-                {
-                    Some(Ok(m)) => {
-                        peers[r] = m.ptr();
-                        mappings.push(m);
-                    }
-                    Some(Err(e)) => {
-                        failure = Some(format!("rank {r}: {e}"));
-                        break;
-                    }
-                    None => {
-                        failure = Some(format!("rank {r} could not export its arena"));
-                        break;
-                    }
-                }
-            }
-        }
-        Self::agree(boot, failure)?;
+                };
+                Ok((ls, info))
+            });
+        let all = ag.round(verdict(local.as_ref().map(|(_, i)| i.encode())))?;
+        let (
+            LocalSetup {
+                dev,
+                arena,
+                local,
+                host,
+                kernels,
+                grid: my_grid,
+            },
+            info,
+        ) = local.map_err(|e| Error::Internal(format!("failed set-up step passed: {e}")))?;
+
+        // Step 1 (round 2): map every peer.
+        let ctx = dev.activate();
+        let mapped = injected(1).and_then(|()| {
+            ctx.as_ref().map_err(|e| Error::from(e.clone()))?;
+            let infos = all
+                .iter()
+                .map(|b| PeerInfo::decode(b))
+                .collect::<Result<Vec<_>, _>>()?;
+            Self::map_peers(rank, &dev, &arena, &local, &info, &infos)
+        });
+        ag.check(verdict(mapped.as_ref().map(|_| ())))?;
         // Every peer has mapped this rank's arena: a shared segment's name can go.
         let mut local = local;
         local.peers_mapped();
-
-        let stream = Stream::create()?;
-        // Probe: every rank writes into every arena; each checks what arrived.
-        let probe_value = PROBE_MAGIC | rank;
-        let params = FcProbeParams {
-            peer_base: peers,
-            rank,
-            nranks,
-            value: probe_value,
-            pad: 0,
+        let (peers, mappings, my_grid) = match mapped {
+            Ok((peers, mappings, colocated)) => (peers, mappings, (my_grid / colocated).max(1)),
+            Err(e) => return Err(Error::Internal(format!("failed set-up step passed: {e}"))),
         };
-        gpu::launch(
-            &kernels,
-            Kernel::probe(),
-            LaunchConfig {
-                grid: 1,
-                block: 32,
-                smem: 0,
-            },
-            stream,
-            &params,
-        )?;
-        stream.synchronize()?;
-        boot.barrier()?;
-        let mut words = vec![0u8; 4 * MAX_RANKS];
-        local.read(abi::HDR_PROBE as usize, &mut words, stream)?;
-        let mut failure = None;
-        for r in 0..nranks as usize {
-            let got = u32::from_le_bytes(words[4 * r..4 * r + 4].try_into().unwrap());
-            if got != PROBE_MAGIC | r as u32 {
-                failure = Some(format!(
-                    "rank {r}'s probe write did not arrive (peer access is not working)"
-                ));
-            }
-        }
-        Self::agree(boot, failure)?;
 
-        // One grid limit for all.
-        let grids = boot.all_gather(&my_grid.to_le_bytes())?;
+        // Step 2 (round 3): probe: every rank writes into every arena. The stream is this
+        // set-up's own and is destroyed when set-up ends.
+        let probe_value = PROBE_MAGIC | rank;
+        let probed = injected(2).and_then(|()| {
+            let stream = OwnStream::create()?;
+            let params = FcProbeParams {
+                peer_base: peers,
+                rank,
+                nranks,
+                value: probe_value,
+                pad: 0,
+            };
+            gpu::launch(
+                &kernels,
+                Kernel::probe(),
+                LaunchConfig {
+                    grid: 1,
+                    block: 32,
+                    smem: 0,
+                },
+                stream.stream(),
+                &params,
+            )?;
+            stream.stream().synchronize()?;
+            Ok(stream)
+        });
+        ag.check(verdict(probed.as_ref().map(|_| ())))?;
+        let stream =
+            probed.map_err(|e| Error::Internal(format!("failed set-up step passed: {e}")))?;
+
+        // Step 3 (round 4): each rank checks what arrived (peer access the driver reports is not
+        // always real).
+        let arrived = injected(3).and_then(|()| {
+            let mut words = vec![0u8; 4 * MAX_RANKS];
+            local.read(abi::HDR_PROBE as usize, &mut words, stream.stream())?;
+            for r in 0..nranks as usize {
+                let got = u32::from_le_bytes([
+                    words[4 * r],
+                    words[4 * r + 1],
+                    words[4 * r + 2],
+                    words[4 * r + 3],
+                ]);
+                if got != PROBE_MAGIC | r as u32 {
+                    return Err(Error::Unsupported(format!(
+                        "rank {r}'s probe write did not arrive (peer access is not working)"
+                    )));
+                }
+            }
+            Ok(())
+        });
+        ag.check(verdict(arrived))?;
+
+        // Step 4 (round 5): the communicator, and one grid limit for all.
+        let event = injected(4).and_then(|()| Ok(Event::new(false)?));
+        let grids = ag.round(verdict(
+            event.as_ref().map(|_| my_grid.to_le_bytes().to_vec()),
+        ))?;
+        let event =
+            event.map_err(|e| Error::Internal(format!("failed set-up step passed: {e}")))?;
         let max_grid = grids
             .iter()
             .map(|b| {
                 b.get(0..4)
-                    .map(|x| u32::from_le_bytes(x.try_into().unwrap()))
+                    .map(|x| u32::from_le_bytes([x[0], x[1], x[2], x[3]]))
                     .unwrap_or(1)
             })
             .min()
@@ -368,14 +439,83 @@ impl Communicator {
             last: LastLaunch {
                 stream: AtomicUsize::new(0),
                 launched: AtomicBool::new(false),
-                event: Event::new(false)?,
+                event,
             },
         };
+        // Steps 5 and 6 (rounds 6 and 7), the same on every rank since `cfg` is.
         if cfg.calibrate && nranks > 1 {
-            comm.calibrate(boot, stream)?;
+            comm.calibrate(ag, stream.stream(), &injected)?;
         }
-        boot.barrier()?;
+        // Step 7 (round 8): every rank is done before any returns.
+        ag.check(verdict(injected(7)))?;
+        drop(ctx);
         Ok(comm)
+    }
+
+    /// Maps every peer's arena: the same address within one process (enabling peer access across
+    /// devices), a legacy IPC mapping across processes of one host; other hosts are refused.
+    /// Returns the peers' addresses, the mappings, and how many ranks share this GPU.
+    fn map_peers(
+        rank: u32,
+        dev: &Arc<Device>,
+        arena: &Arena,
+        local: &LocalArena,
+        info: &PeerInfo,
+        infos: &[PeerInfo],
+    ) -> Result<([u64; MAX_RANKS], Vec<PeerMapping>, u32), Error> {
+        // Ranks that share this GPU share its multiprocessors: each may keep only its share of
+        // blocks resident, or ranks would wait on blocks that cannot be scheduled.
+        let colocated = infos
+            .iter()
+            .filter(|p| p.host == info.host && p.uuid == info.uuid)
+            .count()
+            .max(1) as u32;
+        let mut peers = [0u64; MAX_RANKS];
+        let mut mappings = Vec::new();
+        for (r, p) in infos.iter().enumerate() {
+            let fail = |m: String| Err(Error::Unsupported(m));
+            if p.transport != info.transport {
+                return fail(format!(
+                    "rank {r} chose the {} transport, this rank {}",
+                    p.transport.name(),
+                    info.transport.name()
+                ));
+            }
+            if p.arena_bytes != arena.total_bytes {
+                return fail(format!(
+                    "rank {r} has a different arena size (different settings?)"
+                ));
+            }
+            if r as u32 == rank {
+                peers[r] = local.addr();
+            } else if p.host != info.host {
+                return fail(format!(
+                    "rank {r} is on another machine (flashcomm kernels serve one node)"
+                ));
+            } else if p.pid == info.pid && info.transport == Transport::Host {
+                // A portable registration: the creator's address is valid in every context.
+                peers[r] = p.arena;
+            } else if p.pid == info.pid {
+                match Self::in_process_peer(dev, &p.uuid) {
+                    Ok(()) => peers[r] = p.arena,
+                    Err(e) => return fail(format!("rank {r} (same process): {e}")),
+                }
+            } else {
+                match p
+                    .ipc
+                    .as_ref()
+                    .map(|h| PeerMapping::open(info.transport, h, arena.total_bytes as usize))
+                {
+                    Some(Ok(m)) => {
+                        peers[r] = m.ptr();
+                        mappings.push(m);
+                    }
+                    Some(Err(e)) => return fail(format!("rank {r}: {e}")),
+                    None => return fail(format!("rank {r} could not export its arena")),
+                }
+            }
+        }
+        Ok((peers, mappings, colocated))
     }
 
     fn local_setup(
@@ -414,23 +554,27 @@ impl Communicator {
         })
     }
 
-    /// The transport of this communicator, the same on every rank. Forced: as asked. Automatic:
-    /// each rank says whether its GPU has peer access to every other rank's GPU of this machine
-    /// (two rounds: who is where, then each rank's answer), and the peer transport is taken only
-    /// when every rank said yes.
+    /// The transport of this communicator, the same on every rank. Forced: as asked, with no
+    /// round. Automatic: two rounds: where each rank is, then each rank's answer to "does my GPU
+    /// have peer access to every other rank's GPU of this machine?"; the peer transport is taken
+    /// only when every rank says yes. A rank whose device cannot be opened says so in the first
+    /// round, and every rank fails there.
     fn choose_transport(
-        boot: &dyn Bootstrap,
+        ag: &mut Agreement<'_>,
         device: i32,
         choice: Choice<Transport>,
     ) -> Result<Transport, Error> {
-        let dev = Device::open(device)?;
-        let mut me = dev.uuid().to_vec();
-        me.extend_from_slice(&host_id().to_le_bytes());
-        let all = boot.all_gather(&me)?;
         if let Choice::Force(t) = choice {
-            boot.all_gather(&[1])?;
             return Ok(t);
         }
+        let dev = Device::open(device);
+        let me = dev.as_ref().map(|d| {
+            let mut v = d.uuid().to_vec();
+            v.extend_from_slice(&host_id().to_le_bytes());
+            v
+        });
+        let all = ag.round(verdict(me))?;
+        let dev = dev.map_err(|e| Error::Internal(format!("failed set-up step passed: {e}")))?;
         let reachable = |b: &Vec<u8>| -> bool {
             if b.len() != 24 || b[16..24] != host_id().to_le_bytes() {
                 return false;
@@ -439,7 +583,7 @@ impl Communicator {
             Self::peer_device_access(&dev, &uuid).unwrap_or(false)
         };
         let ok = all.iter().all(reachable);
-        let answers = boot.all_gather(&[u8::from(ok)])?;
+        let answers = ag.round(Ok(vec![u8::from(ok)]))?;
         Ok(if answers.iter().all(|a| a.first() == Some(&1)) {
             Transport::P2p
         } else {
@@ -483,38 +627,67 @@ impl Communicator {
         ))
     }
 
-    /// Every rank learns whether any rank failed; all return the same verdict.
-    fn agree(boot: &dyn Bootstrap, failure: Option<String>) -> Result<(), Error> {
-        let mine = failure.clone().unwrap_or_default();
-        let all = boot.all_gather(mine.as_bytes())?;
-        for (r, msg) in all.iter().enumerate() {
-            if !msg.is_empty() {
-                return Err(Error::Unsupported(format!(
-                    "rank {r}: {}",
-                    String::from_utf8_lossy(msg)
-                )));
-            }
-        }
-        Ok(())
-    }
-
     /// Times each (algorithm, protocol) at every size of [`plan::CALIB_SIZES`] and agrees on one
-    /// model with every rank (the element-wise maximum, so every rank plans alike).
-    fn calibrate(&mut self, boot: &dyn Bootstrap, stream: Stream) -> Result<(), Error> {
-        let sizes = plan::CALIB_SIZES;
-        let buf_bytes = *sizes.iter().max().unwrap() as usize;
-        let send = DeviceMem::alloc_zeroed(&self.device, buf_bytes)?;
-        let recv = DeviceMem::alloc_zeroed(&self.device, buf_bytes)?;
-        let (start, end) = (Event::new(true)?, Event::new(true)?);
+    /// model with every rank (the element-wise maximum, so every rank plans alike): the rounds
+    /// after set-up step 4. The timed kernels wait at most [`SETUP_WAIT`] (or the configured
+    /// timeout, if shorter) for their peers: a rank whose launch failed here cannot leave its
+    /// peers' kernels waiting for ever.
+    fn calibrate(
+        &mut self,
+        ag: &mut Agreement<'_>,
+        stream: Stream,
+        injected: &dyn Fn(u32) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        let buf_bytes = *plan::CALIB_SIZES.iter().max().unwrap_or(&(1 << 20)) as usize;
+        let buffers = injected(5).and_then(|()| {
+            let send = DeviceMem::alloc_zeroed(&self.device, buf_bytes)?;
+            let recv = DeviceMem::alloc_zeroed(&self.device, buf_bytes)?;
+            let events = (Event::new(true)?, Event::new(true)?);
+            Ok((send, recv, events))
+        });
         // Allocation (and its zeroing) must be over on every rank before any rank launches: a
         // rank still clearing its buffers while a peer's kernel already waits for it could be
         // queued behind that kernel when ranks share a GPU.
-        boot.barrier()?;
+        ag.check(verdict(buffers.as_ref().map(|_| ())))?;
+        let (send, recv, (start, end)) =
+            buffers.map_err(|e| Error::Internal(format!("failed set-up step passed: {e}")))?;
+        let configured = self.cfg.timeout;
+        self.cfg.timeout = if configured.is_zero() {
+            SETUP_WAIT
+        } else {
+            configured.min(SETUP_WAIT)
+        };
+        let measured = self.time_plans(ag, &send, &recv, &start, &end, stream, injected);
+        self.cfg.timeout = configured;
+        let all = ag.round(verdict(measured.map(|m| m.to_bytes())))?;
+        self.model = CostModel::agree(&all)?;
+        tracing::info!(target: "flashcomm::tuning", rank = self.rank, model = ?self.model, "calibrated cost model");
+        Ok(())
+    }
+
+    /// The timed runs of [`Communicator::calibrate`]: this rank's measured table. Each point is
+    /// timed as a CUDA graph of `reps` calls, as decode loops run them (eager launches would
+    /// measure the host's launch spread across ranks, not the plan), between three checked rounds:
+    /// instantiation and destruction happen only while every rank is idle (with ranks sharing a
+    /// GPU they can wait for running kernels), and a rank whose step failed says so in the next
+    /// round, where every rank stops.
+    #[allow(clippy::too_many_arguments)]
+    fn time_plans(
+        &self,
+        ag: &mut Agreement<'_>,
+        send: &DeviceMem,
+        recv: &DeviceMem,
+        start: &Event,
+        end: &Event,
+        stream: Stream,
+        injected: &dyn Fn(u32) -> Result<(), Error>,
+    ) -> Result<CostModel, Error> {
         let mut model = CostModel::default_for(self.nranks);
+        let mut first = true;
         for algo in Algorithm::ALL {
             for proto in Protocol::ALL {
                 let mut us = [0f64; plan::CALIB_SIZES.len()];
-                for (i, &bytes) in sizes.iter().enumerate() {
+                for (i, &bytes) in plan::CALIB_SIZES.iter().enumerate() {
                     let count = bytes / 2;
                     let p = plan::plan(
                         &self.arena,
@@ -537,56 +710,60 @@ impl Communicator {
                             stream,
                         )
                     };
-                    for _ in 0..2 {
-                        launch()?;
-                    }
-                    stream.synchronize()?;
-                    self.check_status()?;
-                    // Timed as a CUDA graph of `reps` calls, as decode loops run them: eager
-                    // launches would measure the host's launch spread across ranks, not the
-                    // plan. Instantiation and destruction happen only while every rank is idle
-                    // (between barriers): with ranks sharing a GPU they can wait for running
-                    // kernels.
-                    let reps = 16;
-                    boot.barrier()?;
-                    stream.begin_capture()?;
-                    let mut captured = Ok(());
-                    for _ in 0..reps {
-                        captured = launch();
-                        if captured.is_err() {
-                            break;
+                    // Warm-up, then every rank is idle.
+                    let warm = (|| {
+                        if std::mem::take(&mut first) {
+                            injected(6)?;
                         }
-                    }
-                    let graph = stream.end_capture();
-                    captured?;
-                    let graph = graph?;
-                    boot.barrier()?;
+                        launch()?;
+                        launch()?;
+                        stream.synchronize()?;
+                        self.check_status()
+                    })();
+                    ag.check(verdict(warm))?;
+                    let reps = 16;
+                    let graph = (|| {
+                        stream.begin_capture()?;
+                        let mut captured = Ok(());
+                        for _ in 0..reps {
+                            captured = launch();
+                            if captured.is_err() {
+                                break;
+                            }
+                        }
+                        let graph = stream.end_capture();
+                        captured?;
+                        Ok::<_, Error>(graph?)
+                    })();
+                    ag.check(verdict(graph.as_ref().map(|_| ())))?;
+                    let graph =
+                        graph.map_err(|e| Error::Internal(format!("failed step passed: {e}")))?;
                     // The fastest of a few replays: calibration should see what the plan costs,
                     // not the noise of one replay, so that two calibrations agree.
-                    graph.launch(stream)?;
-                    let mut best = f64::INFINITY;
-                    for _ in 0..3 {
-                        start.record(stream)?;
+                    let timed = (|| {
                         graph.launch(stream)?;
-                        end.record(stream)?;
-                        end.synchronize()?;
-                        self.check_status()?;
-                        best =
-                            best.min(end.elapsed_ms_since(&start)? as f64 * 1000.0 / reps as f64);
-                    }
-                    stream.synchronize()?;
-                    boot.barrier()?;
+                        let mut best = f64::INFINITY;
+                        for _ in 0..3 {
+                            start.record(stream)?;
+                            graph.launch(stream)?;
+                            end.record(stream)?;
+                            end.synchronize()?;
+                            self.check_status()?;
+                            best = best
+                                .min(end.elapsed_ms_since(start)? as f64 * 1000.0 / reps as f64);
+                        }
+                        stream.synchronize()?;
+                        Ok::<_, Error>(best)
+                    })();
+                    ag.check(verdict(timed.as_ref().map(|_| ())))?;
                     drop(graph);
-                    us[i] = best;
+                    us[i] =
+                        timed.map_err(|e| Error::Internal(format!("failed step passed: {e}")))?;
                 }
                 model.set_measured(algo, proto, us);
             }
         }
-        stream.synchronize()?;
-        let all = boot.all_gather(&model.to_bytes())?;
-        self.model = CostModel::agree(&all)?;
-        tracing::info!(target: "flashcomm::tuning", rank = self.rank, model = ?self.model, "calibrated cost model");
-        Ok(())
+        Ok(model)
     }
 
     /// Where the arenas live (the same on every rank).
@@ -802,6 +979,13 @@ impl Communicator {
                 recv.len()
             )));
         }
+        check_buffers(
+            p.coll,
+            (send.addr(), send_bytes),
+            (recv.addr(), recv_bytes),
+            u64::from(self.rank) * count * elem,
+            if p.quant.is_some() { elem } else { 1 },
+        )?;
         if p.coll.reduces() && dtype.is_none() {
             return Err(Error::InvalidArgument(
                 "a reducing collective needs a datatype".into(),
@@ -888,6 +1072,7 @@ impl Communicator {
             nranks: self.nranks,
             elem_bytes: elem as u32,
             area_offset: self.arena.area_offset(p.proto),
+            flags: call_signature(p, dtype) << abi::FLAG_SIG_SHIFT,
             ..Default::default()
         };
         let mut params = params;
@@ -931,6 +1116,37 @@ impl Communicator {
         Ok(())
     }
 
+    /// Before another library's operation on this communicator (a collective forwarded to NCCL)
+    /// is enqueued on `stream`: orders it after this communicator's last operation if that went
+    /// to another stream, as NCCL orders all work of a communicator. Returns whether the
+    /// operation is to be recorded with [`Communicator::after_foreign`] (not while `stream` is
+    /// being captured, where the graph's own order applies).
+    pub fn before_foreign(&self, stream: Stream) -> Result<bool, Error> {
+        let _ctx = self.device.activate()?;
+        if stream.is_capturing()? {
+            return Ok(false);
+        }
+        let last = &self.last;
+        if last.launched.load(Ordering::Acquire)
+            && last.stream.load(Ordering::Relaxed) != stream.0 as usize
+        {
+            last.event.wait_on(stream)?;
+        }
+        Ok(true)
+    }
+
+    /// After another library's operation on this communicator was enqueued on `stream`: it is the
+    /// communicator's last operation, which the next launch of either library on another stream
+    /// is ordered after.
+    pub fn after_foreign(&self, stream: Stream) -> Result<(), Error> {
+        let _ctx = self.device.activate()?;
+        let last = &self.last;
+        last.event.record(stream)?;
+        last.stream.store(stream.0 as usize, Ordering::Relaxed);
+        last.launched.store(true, Ordering::Release);
+        Ok(())
+    }
+
     /// The device-reported error, if a kernel of this communicator gave up.
     pub fn check_status(&self) -> Result<(), Error> {
         let mut code = self.host.read_u32(HOST_STATUS);
@@ -947,11 +1163,14 @@ impl Communicator {
         }
         let peer = self.host.read_u32(HOST_STATUS + 4);
         let seq = self.host.read_u64(HOST_STATUS + 16);
-        let what = match code {
-            abi::status::TIMEOUT => format!(
-                "rank {} timed out after {:?} waiting for rank {peer} in collective #{seq}",
+        if code == abi::status::TIMEOUT {
+            return Err(Error::Timeout(format!(
+                "rank {} waited longer than {:?} (FLASHCOMM_TIMEOUT_MS) for rank {peer} in \
+                 collective #{seq}",
                 self.rank, self.cfg.timeout
-            ),
+            )));
+        }
+        let what = match code {
             abi::status::ABORTED => format!(
                 "rank {}: communicator aborted during collective #{seq}",
                 self.rank
@@ -976,13 +1195,42 @@ impl Communicator {
         self.host.write_u32(HOST_ABORT, 1);
     }
 
-    /// Waits (bounded by the device timeout) until this communicator's last launch has finished.
+    /// Whether [`Communicator::abort`] was called.
+    pub fn is_aborted(&self) -> bool {
+        self.host.read_u32(HOST_ABORT) != 0
+    }
+
+    /// Waits until this communicator's last eager launch has finished (without a time limit,
+    /// like NCCL's own destroy; see [`Communicator::wait_idle_for`]).
     pub fn wait_idle(&self) -> Result<(), Error> {
         if self.last.launched.load(Ordering::Acquire) {
             let _ctx = self.device.activate()?;
             self.last.event.synchronize()?;
         }
         Ok(())
+    }
+
+    /// Waits at most `limit` until this communicator's last eager launch has finished.
+    /// `Ok(false)`: it had not (it may sit behind other work of its stream that does not finish,
+    /// such as an NCCL operation waiting for a dead peer); the caller must then not free what the
+    /// launch uses.
+    pub fn wait_idle_for(&self, limit: Duration) -> Result<bool, Error> {
+        if !self.last.launched.load(Ordering::Acquire) {
+            return Ok(true);
+        }
+        let _ctx = self.device.activate()?;
+        let start = std::time::Instant::now();
+        let mut pause = Duration::from_micros(20);
+        loop {
+            if self.last.event.is_done()? {
+                return Ok(true);
+            }
+            if start.elapsed() >= limit {
+                return Ok(false);
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(2));
+        }
     }
 }
 
@@ -995,5 +1243,151 @@ impl Drop for Communicator {
         if let Ok(_ctx) = self.device.activate() {
             self.mappings.clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlapping_buffers_are_refused_unless_in_place() {
+        const MB: u64 = 1 << 20;
+        let base = 0x7f00_0000_0000u64;
+        // Disjoint buffers, and NCCL's in-place layouts, pass.
+        for (coll, send, recv, in_place) in [
+            (Collective::AllReduce, (base, MB), (base + MB, MB), 0),
+            (Collective::AllReduce, (base, MB), (base, MB), 0),
+            // ReduceScatter of 4 ranks, rank 2: recv is the third quarter of send.
+            (
+                Collective::ReduceScatter,
+                (base, 4 * MB),
+                (base + 2 * MB, MB),
+                2 * MB,
+            ),
+            // AllGather of 4 ranks, rank 3: send is the last quarter of recv.
+            (
+                Collective::AllGather,
+                (base + 3 * MB, MB),
+                (base, 4 * MB),
+                3 * MB,
+            ),
+            (
+                Collective::AllGather,
+                (base + 4 * MB, MB),
+                (base, 4 * MB),
+                MB,
+            ),
+        ] {
+            assert_eq!(
+                check_buffers(coll, send, recv, in_place, 1),
+                Ok(()),
+                "{coll:?} {send:?} {recv:?}"
+            );
+        }
+        // Overlaps at any other offset race: refused with a message.
+        for (coll, send, recv, in_place) in [
+            (Collective::AllReduce, (base, MB), (base + 2, MB), 0),
+            (Collective::AllReduce, (base + MB - 1, MB), (base, MB), 0),
+            (
+                Collective::ReduceScatter,
+                (base, 4 * MB),
+                (base + MB, MB),
+                2 * MB,
+            ),
+            (
+                Collective::ReduceScatter,
+                (base, 4 * MB),
+                (base, MB),
+                2 * MB,
+            ),
+            (Collective::AllGather, (base, MB), (base, 4 * MB), 3 * MB),
+            (
+                Collective::AllGather,
+                (base + 3 * MB + 8, MB),
+                (base, 4 * MB),
+                3 * MB,
+            ),
+        ] {
+            let e = check_buffers(coll, send, recv, in_place, 1).unwrap_err();
+            let Error::InvalidArgument(m) = e else {
+                panic!("{e:?}")
+            };
+            assert!(m.contains("overlap") && m.contains("in place"), "{m}");
+        }
+    }
+
+    #[test]
+    fn quantized_calls_need_element_aligned_buffers() {
+        let base = 0x7f00_0000_0000u64;
+        assert_eq!(
+            check_buffers(Collective::AllReduce, (base, 64), (base + 4096, 64), 0, 2),
+            Ok(())
+        );
+        for (s, r) in [(base + 1, base + 4096), (base, base + 4097)] {
+            let e = check_buffers(Collective::AllReduce, (s, 64), (r, 64), 0, 2).unwrap_err();
+            assert!(
+                matches!(&e, Error::InvalidArgument(m) if m.contains("aligned")),
+                "{e:?}"
+            );
+        }
+        // The lossless kernels take any alignment.
+        assert_eq!(
+            check_buffers(
+                Collective::AllReduce,
+                (base + 1, 64),
+                (base + 4097, 64),
+                0,
+                1
+            ),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn call_signatures_differ_by_collective_datatype_and_quantization_and_fit_8_bits() {
+        use std::collections::HashSet;
+        let arena = Arena::new(2, 64 << 20).unwrap();
+        let model = CostModel::default_for(2);
+        let mut seen = HashSet::new();
+        for coll in [Collective::AllReduce, Collective::ReduceScatter] {
+            for t in [DataType::F32, DataType::F16, DataType::Bf16] {
+                let p = plan::plan(
+                    &arena,
+                    &model,
+                    coll,
+                    4096,
+                    t.bytes(),
+                    16,
+                    Choice::Auto,
+                    Choice::Auto,
+                );
+                let sig = call_signature(&p, Some(t));
+                assert!(sig > 0 && sig < 256);
+                assert!(seen.insert(sig), "{coll:?} {t:?}");
+                let mut q = p;
+                q.quant = Some(QuantSpec::new(4, 4, 128, 2).unwrap());
+                assert!(
+                    seen.insert(call_signature(&q, Some(t))),
+                    "quantized {coll:?} {t:?}"
+                );
+            }
+        }
+        let p = plan::plan(
+            &arena,
+            &model,
+            Collective::AllGather,
+            4096,
+            2,
+            16,
+            Choice::Auto,
+            Choice::Auto,
+        );
+        // An AllGather moves bytes: its datatype does not count.
+        assert_eq!(
+            call_signature(&p, None),
+            call_signature(&p, Some(DataType::F16))
+        );
+        assert!(seen.insert(call_signature(&p, None)));
     }
 }

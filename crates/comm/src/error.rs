@@ -19,8 +19,11 @@ pub enum Error {
     },
     /// The exchange with the other ranks failed.
     Bootstrap(String),
-    /// A peer did not arrive, gave up, or ran a different collective (reported by the device).
+    /// A peer gave up, was aborted, or ran a different collective (reported by the device).
     Remote(String),
+    /// A wait of this rank outlasted the configured timeout (`FLASHCOMM_TIMEOUT_MS`; there is
+    /// none by default).
+    Timeout(String),
     /// A broken invariant.
     Internal(String),
 }
@@ -34,6 +37,7 @@ impl std::fmt::Display for Error {
             Error::Cuda { during, detail } => write!(f, "CUDA error while {during}: {detail}"),
             Error::Bootstrap(m) => write!(f, "exchange between ranks failed: {m}"),
             Error::Remote(m) => write!(f, "remote error: {m}"),
+            Error::Timeout(m) => write!(f, "timeout: {m}"),
             Error::Internal(m) => write!(f, "internal error: {m}"),
         }
     }

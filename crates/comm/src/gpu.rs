@@ -7,7 +7,7 @@
 pub use flashcomm_gpu::Error;
 pub use flashcomm_gpu::{
     CtxGuard, Device, DeviceMem, DevicePtr, Event, Function, Graph, HostArena, HostMapped,
-    IpcMapping, LaunchConfig, Stream, device_count, driver_present, init,
+    IpcMapping, LaunchConfig, OwnStream, Stream, device_count, driver_present, init, mem_info,
 };
 
 use flashcomm_kernels::abi::KernelParams;

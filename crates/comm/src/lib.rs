@@ -20,7 +20,7 @@ pub mod gpu;
 pub mod plan;
 mod transport;
 
-pub use bootstrap::{Bootstrap, ThreadBootstrap, ThreadGroup};
+pub use bootstrap::{Agreement, Bootstrap, ThreadBootstrap, ThreadGroup};
 pub use comm::{CommConfig, Communicator};
 pub use error::Error;
 pub use gpu::{DeviceMem, DevicePtr, Stream};

@@ -23,6 +23,10 @@ pub use values::{
     Proto, QuantBits, Set, Subsystems, Text, Transport, Value,
 };
 
+/// The largest `FLASHCOMM_TIMEOUT_MS`: its nanoseconds still fit in the 64-bit timeout the
+/// kernels receive.
+pub const MAX_TIMEOUT_MS: u64 = u64::MAX / 1_000_000;
+
 /// The declaration of one variable, as documented in `docs/env.md`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VarSpec {
@@ -174,12 +178,13 @@ variables! {
         allowed: "bytes, with optional suffix `K`, `M`, `G` (powers of 1024)",
         strict: true,
     }
-    /// Bound on every wait of a kernel for its peers, in milliseconds; when it expires the
-    /// communicator reports an error instead of hanging.
-    timeout_ms: Bounded<1, { u64::MAX }> = Bounded(300_000) => {
+    /// Optional bound on every wait of a kernel for its peers, in milliseconds; when it expires
+    /// the communicator reports `ncclTimeout` instead of waiting on. Unset: no time limit, as in
+    /// NCCL (a wait lasts until the peer arrives or the application calls `ncclCommAbort`).
+    timeout_ms: Option<Bounded<1, MAX_TIMEOUT_MS>> = None => {
         name: "FLASHCOMM_TIMEOUT_MS",
         kind: "integer",
-        allowed: "an integer >= 1",
+        allowed: "unset (no time limit), or an integer in 1..=18446744073709 (the largest number of milliseconds whose nanoseconds fit in 64 bits, about 584 years)",
         strict: true,
     }
     /// Peer-visible memory flashcomm may allocate per communicator and rank.
@@ -613,6 +618,31 @@ impl Config {
         self.passthrough_forced.is_some() || self.settings.disable
     }
 
+    /// A digest of every setting that decides routing or what goes on the wire: every
+    /// `FLASHCOMM_*` setting except `FLASHCOMM_NCCL_LIB` (where the real library lies may differ
+    /// between ranks) and `FLASHCOMM_DISABLE` (sent separately, as the rank's verdict). Ranks
+    /// compare digests when a communicator is set up; different digests keep the communicator
+    /// with NCCL on every rank. FNV-1a over `name=value` lines, so it is the same on every
+    /// machine and build.
+    pub fn agreement_digest(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for (name, value) in self.settings.shown() {
+            if name == "FLASHCOMM_NCCL_LIB" || name == "FLASHCOMM_DISABLE" {
+                continue;
+            }
+            for b in name
+                .bytes()
+                .chain([b'='])
+                .chain(value.bytes())
+                .chain([b'\n'])
+            {
+                h ^= u64::from(b);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        h
+    }
+
     /// Bits of the reduce-scatter step (`FLASHCOMM_QUANT_RS_BITS`, else `FLASHCOMM_QUANT_BITS`).
     pub fn quant_rs_bits(&self) -> QuantBits {
         self.settings
@@ -681,7 +711,8 @@ mod tests {
         assert!(!c.passthrough());
         assert_eq!(c.settings.max_bytes, Bytes(GIB));
         assert_eq!(c.settings.arena_bytes, Bytes(64 * MIB));
-        assert_eq!(c.settings.timeout_ms.0, 300_000);
+        // No time limit unless asked for, as in NCCL.
+        assert_eq!(c.settings.timeout_ms, None);
         assert_eq!(c.settings.max_ranks.0, 8);
         assert_eq!(c.settings.quant_group.0, 128);
         assert_eq!(c.settings.quant_spikes.0, 2);
@@ -692,6 +723,80 @@ mod tests {
         );
         assert_eq!(c.settings.quant_dtypes.show(), "bf16,f16");
         assert_eq!(c.logging.nccl_debug, None);
+    }
+
+    #[test]
+    fn timeout_is_unset_by_default_and_checked_against_overflow() {
+        assert_eq!(cfg(&[]).settings.timeout_ms, None);
+        let c = cfg(&[("FLASHCOMM_TIMEOUT_MS", "30000")]);
+        assert_eq!(c.settings.timeout_ms, Some(Bounded(30_000)));
+        let max = MAX_TIMEOUT_MS.to_string();
+        let c = cfg(&[("FLASHCOMM_TIMEOUT_MS", max.as_str())]);
+        assert_eq!(c.passthrough_forced, None, "{:?}", c.problems);
+        // Its nanoseconds fit in the kernels' 64-bit timeout; one more would not.
+        assert!(
+            MAX_TIMEOUT_MS
+                .checked_mul(1_000_000)
+                .is_some_and(|ns| ns > 0)
+        );
+        assert!((MAX_TIMEOUT_MS + 1).checked_mul(1_000_000).is_none());
+        for bad in [
+            (MAX_TIMEOUT_MS + 1).to_string(),
+            u64::MAX.to_string(),
+            "0".to_string(),
+            "-1".to_string(),
+            "5s".to_string(),
+        ] {
+            let c = cfg(&[("FLASHCOMM_TIMEOUT_MS", bad.as_str())]);
+            let why = c.passthrough_forced.as_deref().unwrap_or_default();
+            assert!(why.contains("FLASHCOMM_TIMEOUT_MS"), "{bad}: {why}");
+            assert!(why.contains(bad.as_str()), "{bad}: {why}");
+            assert!(why.contains("18446744073709"), "{bad}: {why}");
+        }
+    }
+
+    #[test]
+    fn the_agreement_digest_covers_routing_and_wire_settings_only() {
+        let base = cfg(&[
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_MAX_BYTES", "16M"),
+        ]);
+        // Order of the environment, the real library's path, FLASHCOMM_DISABLE and logging do
+        // not count.
+        let same = cfg(&[
+            ("FLASHCOMM_MAX_BYTES", "16M"),
+            ("FLASHCOMM_NCCL_LIB", "/elsewhere/libnccl.so.2"),
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_DISABLE", "1"),
+            ("NCCL_DEBUG", "INFO"),
+        ]);
+        assert_eq!(base.agreement_digest(), same.agreement_digest());
+        // Writing a default explicitly is the same setting.
+        let explicit = cfg(&[
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_MAX_BYTES", "16M"),
+            ("FLASHCOMM_PROTO", "auto"),
+        ]);
+        assert_eq!(base.agreement_digest(), explicit.agreement_digest());
+        for (name, value) in [
+            ("FLASHCOMM_QUANT_BITS", "8"),
+            ("FLASHCOMM_PROTO", "ll"),
+            ("FLASHCOMM_TIMEOUT_MS", "1000"),
+            ("FLASHCOMM_ARENA_BYTES", "32M"),
+            ("FLASHCOMM_OPS", "allreduce"),
+        ] {
+            let mut vars = vec![
+                ("FLASHCOMM_QUANT_BITS", "4"),
+                ("FLASHCOMM_MAX_BYTES", "16M"),
+            ];
+            vars.retain(|(n, _)| *n != name);
+            vars.push((name, value));
+            assert_ne!(
+                base.agreement_digest(),
+                cfg(&vars).agreement_digest(),
+                "{name}={value}"
+            );
+        }
     }
 
     #[test]

@@ -130,6 +130,15 @@ pub fn device_count() -> Result<i32, Error> {
     result::device::get_count().map_err(cuda("counting devices"))
 }
 
+/// Free and total bytes of device memory of the current context's device (`cuMemGetInfo`).
+pub fn mem_info() -> Result<(u64, u64), Error> {
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: two valid out-pointers; the caller made a context current.
+    let r = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+    check(r, "querying device memory")?;
+    Ok((free as u64, total as u64))
+}
+
 /// A device and its primary context (the one PyTorch and the CUDA runtime use), retained for
 /// the life of the process.
 pub struct Device {

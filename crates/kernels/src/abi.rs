@@ -35,6 +35,11 @@ pub const PROTO_BLOCK: u32 = 1;
 pub const FLAG_SEND_ALIGNED: u32 = 1;
 /// FcCollParams.flags: the receive buffer is 16-byte aligned.
 pub const FLAG_RECV_ALIGNED: u32 = 2;
+/// FcCollParams.flags: bits `FLAG_SIG_SHIFT..FLAG_SIG_SHIFT + 8` carry the call's signature
+/// (collective and datatype), which every tag of the call carries too: ranks that run the same
+/// sequence number with different collectives or datatypes see a foreign tag and report a
+/// mismatch instead of summing bytes of different types.
+pub const FLAG_SIG_SHIFT: u32 = 8;
 
 /// Status codes in host-mapped memory, written by a kernel that gives up waiting.
 pub mod status {

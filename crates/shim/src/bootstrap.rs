@@ -4,7 +4,8 @@
 //!
 //! Each round copies this rank's bytes, framed to a fixed length ([`encode_frame`]), into a small
 //! device buffer, runs the real `ncclAllGather` (`ncclUint8`) on a stream of our own, waits for it
-//! (bounded by `FLASHCOMM_TIMEOUT_MS`, watching the communicator's asynchronous error), copies the
+//! (until it completed or the communicator reports an asynchronous error: no time limit, like
+//! NCCL's own init, so no round ever returns with its all-gather still queued), copies the
 //! frames back and unpacks them ([`decode_frames`]). Every rank runs the same rounds at the same
 //! point (right after the real init returned), so the exchange is collective. A rank whose round
 //! fails locally still takes part in the all-gather, with a frame that says so, so that every rank
@@ -14,7 +15,7 @@
 //! May import: `types`, `calls::cuda`, `calls::nccl`.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use flashcomm_comm::{Bootstrap, DeviceMem, Error};
 use flashcomm_gpu::Device;
@@ -122,7 +123,6 @@ pub(crate) struct NcclBootstrap {
     send: DeviceMem,
     recv: DeviceMem,
     stream: OwnStream,
-    timeout: Duration,
     rounds: Mutex<Rounds>,
 }
 
@@ -134,7 +134,6 @@ impl NcclBootstrap {
         rank: u32,
         nranks: u32,
         device: i32,
-        timeout: Duration,
     ) -> Result<NcclBootstrap, Error> {
         let dev = Device::open(device)?;
         let _ctx = dev.activate()?;
@@ -149,7 +148,6 @@ impl NcclBootstrap {
             send,
             recv,
             stream,
-            timeout,
             rounds: Mutex::new(Rounds { next: 0 }),
         })
     }
@@ -159,9 +157,9 @@ impl NcclBootstrap {
     }
 
     /// Waits until the all-gather on our stream has finished, watching the communicator's
-    /// asynchronous error, at most `timeout`.
+    /// asynchronous error. No time limit: returning while the all-gather is still queued would
+    /// leave it to pair with the caller's next NCCL call on a peer that is merely late.
     fn wait(&self) -> Result<(), String> {
-        let start = Instant::now();
         let mut pause = Duration::from_micros(20);
         loop {
             if self.stream.is_idle().map_err(|e| e.to_string())? {
@@ -175,12 +173,6 @@ impl NcclBootstrap {
                         other.0
                     ));
                 }
-            }
-            if start.elapsed() > self.timeout {
-                return Err(format!(
-                    "the set-up exchange did not finish within {:?}",
-                    self.timeout
-                ));
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(1));

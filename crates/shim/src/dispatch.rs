@@ -106,8 +106,39 @@ pub(crate) fn on_comm_destroying(comm: ncclComm_t, end: CommEnd) {
     }
 }
 
+/// Hook of `ncclCommAbort`, before the real abort: the communicator leaves the registry and
+/// flashcomm's kernels of it are told to leave their waits (the host abort flag they poll).
+/// Nothing waits here: our last launch may sit behind a forwarded NCCL operation that only the
+/// real abort ends. Pass the result to [`on_comm_aborted`] after the real abort returned.
+pub(crate) fn on_comm_aborting(comm: ncclComm_t) -> Option<(CommHandle, Arc<CommState>)> {
+    if comm.is_null() {
+        return None;
+    }
+    logging::info(
+        Subsys::Init,
+        &format!("communicator {comm:p}: {:?}", CommEnd::Abort),
+    );
+    let h = CommHandle::of(comm);
+    let state = registry::remove(h)?;
+    state.close();
+    if let Some(c) = state.served() {
+        c.abort();
+    }
+    Some((h, state))
+}
+
+/// Hook: the real `ncclCommAbort` returned; flashcomm's side is released (bounded wait for the
+/// last launch, see [`serve::release_aborted`]).
+pub(crate) fn on_comm_aborted(pending: Option<(CommHandle, Arc<CommState>)>) {
+    if let Some((h, state)) = pending {
+        serve::release_aborted(h, state);
+    }
+}
+
 /// The device error of `comm`'s kernels, if flashcomm serves it and a kernel gave up, as
-/// `ncclCommGetAsyncError` merges it: `(ncclRemoteError, message, first time)`. Cheap when there
+/// `ncclCommGetAsyncError` merges it: `(code, message, first time)`, the code `ncclTimeout` for
+/// a wait that outlasted `FLASHCOMM_TIMEOUT_MS`, `ncclRemoteError` for a peer that gave up, was
+/// aborted or ran another collective. Cheap when there
 /// is none (a registry lookup and a read of host memory) and takes no lock the real library
 /// could wait on.
 pub(crate) fn async_error(comm: ncclComm_t) -> Option<(ncclResult_t, String, bool)> {
@@ -116,8 +147,12 @@ pub(crate) fn async_error(comm: ncclComm_t) -> Option<(ncclResult_t, String, boo
         return None;
     }
     let e = state.served()?.check_status().err()?;
+    let code = match e {
+        flashcomm_comm::Error::Timeout(_) => ncclResult_t::ncclTimeout,
+        _ => ncclResult_t::ncclRemoteError,
+    };
     Some((
-        ncclResult_t::ncclRemoteError,
+        code,
         format!("flashcomm's kernels of communicator {comm:p} stopped: {e}"),
         state.first_async_error(),
     ))
@@ -142,27 +177,34 @@ pub(crate) fn group_ended(depth: u32, result: ncclResult_t) {
     serve::set_up(&states, false, result == ncclResult_t::ncclSuccess);
 }
 
+/// Hook: the real `ncclGroupSimulateEnd` returned, leaving depth `depth`. The group is over
+/// (NCCL ended it without running it); communicators created inside it stay with NCCL.
+pub(crate) fn group_simulated(depth: u32) {
+    group_ended(depth, ncclResult_t::ncclInvalidUsage);
+}
+
 /// (kind, route) pairs already logged for communicators flashcomm never saw.
 static UNKNOWN_ANNOUNCED: Announced = Announced::new();
 
 /// Decides, runs and counts one checked collective (`count > 0`). `forward` calls the real
 /// library with the caller's arguments unchanged. A call flashcomm's kernels refuse as
 /// unsupported (a pure function of the arguments, so every rank refuses it) goes to NCCL instead.
-pub(crate) fn run(
+pub(crate) fn run<F: FnOnce() -> ncclResult_t>(
     call: &CollCall,
     config: &Config,
-    forward: impl FnOnce() -> ncclResult_t,
+    forward_real: F,
 ) -> ncclResult_t {
     let state = registry::get(call.comm);
     let view = state.as_deref().map(|s| s.view(config));
     let depth = group::depth();
     let d = decide(call, config, view.as_ref(), depth);
+    let forward = |f: F| serve::forward_in_order(state.as_deref(), call, depth > 0, f);
     let (route, result, refused) = match (d.route, state.as_deref()) {
         (Route::Lossless | Route::Quantized, Some(st)) => match serve::execute(st, call, &d) {
             Executed::Done(r) => (d.route, r, None),
-            Executed::Refused(why) => (Route::Nccl, forward(), Some(why)),
+            Executed::Refused(why) => (Route::Nccl, forward(forward_real), Some(why)),
         },
-        _ => (Route::Nccl, forward(), None),
+        _ => (Route::Nccl, forward(forward_real), None),
     };
     stats::add_total(route, call.kind, call.bytes);
     engage::on_routed(call.kind, route, d.why);

@@ -24,8 +24,10 @@ pub(crate) enum Kind {
     System,
     /// A CUDA call of flashcomm failed.
     Cuda,
-    /// A peer did not arrive, gave up, or ran a different collective (reported by the device).
+    /// A peer gave up, was aborted, or ran a different collective (reported by the device).
     Remote,
+    /// A wait outlasted `FLASHCOMM_TIMEOUT_MS` (reported by the device; no limit by default).
+    Timeout,
     /// A broken invariant or a caught panic.
     Internal,
 }
@@ -75,6 +77,11 @@ impl Error {
         Error::new(Kind::Remote, subsys, message)
     }
 
+    /// `ncclTimeout`.
+    pub(crate) fn timeout(subsys: Subsys, message: impl Into<String>) -> Self {
+        Error::new(Kind::Timeout, subsys, message)
+    }
+
     /// `ncclInternalError`.
     pub(crate) fn internal(subsys: Subsys, message: impl Into<String>) -> Self {
         Error::new(Kind::Internal, subsys, message)
@@ -113,6 +120,7 @@ impl Error {
             Kind::Internal => ncclResult_t::ncclInternalError,
             Kind::Cuda => ncclResult_t::ncclUnhandledCudaError,
             Kind::Remote => ncclResult_t::ncclRemoteError,
+            Kind::Timeout => ncclResult_t::ncclTimeout,
         }
     }
 
@@ -173,6 +181,10 @@ mod tests {
         assert_eq!(
             Error::remote(Subsys::Coll, "x").code(),
             ncclResult_t::ncclRemoteError
+        );
+        assert_eq!(
+            Error::timeout(Subsys::Coll, "x").code(),
+            ncclResult_t::ncclTimeout
         );
         assert_eq!(
             Error::cuda(Subsys::Coll, "x").code(),

@@ -27,8 +27,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flashcomm_comm::{
-    Algorithm, Choice, CommConfig, Communicator, Error as CommError, Protocol, Stream, ThreadGroup,
-    Transport,
+    Agreement, Algorithm, Bootstrap, Choice, CommConfig, Communicator, Error as CommError,
+    Protocol, Stream, ThreadGroup, Transport,
 };
 use flashcomm_config::{Algo, Config, Proto, Transport as ConfigTransport};
 use flashcomm_nccl_sys::ncclResult_t;
@@ -47,7 +47,11 @@ use crate::types::{CollCall, Collective, CommHandle};
 pub(crate) fn comm_config(config: &Config) -> CommConfig {
     let s = &config.settings;
     CommConfig {
-        timeout: Duration::from_millis(s.timeout_ms.0),
+        // Unset: zero, no time limit (the configuration caps the value so that its nanoseconds
+        // fit in the kernels' 64-bit timeout).
+        timeout: s
+            .timeout_ms
+            .map_or(Duration::ZERO, |ms| Duration::from_millis(ms.0)),
         arena_bytes: s.arena_bytes.0,
         algo: match s.algo {
             Algo::Auto => Choice::Auto,
@@ -69,14 +73,11 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
     }
 }
 
-/// What every rank decides alike before talking to the others; `Ok`: the real library's
-/// identity of the communicator, and set-up may go on.
-fn precheck(
-    h: CommHandle,
-    state: &CommState,
-    ready: bool,
-    config: &Config,
-) -> Result<Identity, String> {
+/// Whether this rank can take part in the set-up exchange at all; `Ok`: the real library's
+/// identity of the communicator. A communicator that cannot is one the exchange cannot run on:
+/// not ready (non-blocking and still initializing, or its group failed), non-blocking, or one
+/// whose rank, size and device the real NCCL does not tell.
+fn reachable(h: CommHandle, state: &CommState, ready: bool) -> Result<Identity, String> {
     if !ready {
         return Err(
             "it is non-blocking and still initializing (ncclInProgress), or the group that \
@@ -87,12 +88,6 @@ fn precheck(
     let id = nccl::identity(h.raw());
     if let Ok(id) = id {
         state.set_identity(id);
-    }
-    if let Some(why) = &config.passthrough_forced {
-        return Err(format!("pass-through is forced: {why}"));
-    }
-    if config.settings.disable {
-        return Err("FLASHCOMM_DISABLE is set".into());
     }
     if !state.blocking {
         return Err(
@@ -108,21 +103,105 @@ fn precheck(
             id.rank, id.nranks, id.device
         ));
     }
-    let max = config.settings.max_ranks.0;
-    if id.nranks as u64 > max {
-        return Err(format!(
-            "it has {} ranks, more than FLASHCOMM_MAX_RANKS={max}",
-            id.nranks
-        ));
-    }
     Ok(id)
 }
 
-/// Builds flashcomm's communicator of one rank, exchanging over the real NCCL.
-fn build_over_nccl(h: CommHandle, id: Identity, cfg: &CommConfig) -> Result<Communicator, String> {
-    let boot = NcclBootstrap::new(h, id.rank as u32, id.nranks as u32, id.device, cfg.timeout)
+/// This rank's verdict for the first round of the exchange: whether its own configuration lets
+/// flashcomm serve the communicator. A rank that says no still takes part in that round (its
+/// peers would otherwise wait for it), and every rank then keeps the communicator with NCCL.
+pub(crate) fn entry_verdict(config: &Config, nranks: u32) -> Result<(), String> {
+    if let Some(why) = &config.passthrough_forced {
+        return Err(format!("pass-through is forced: {why}"));
+    }
+    if config.settings.disable {
+        return Err("FLASHCOMM_DISABLE is set".into());
+    }
+    let max = config.settings.max_ranks.0;
+    if u64::from(nranks) > max {
+        return Err(format!(
+            "it has {nranks} ranks, more than FLASHCOMM_MAX_RANKS={max}"
+        ));
+    }
+    Ok(())
+}
+
+/// What a rank brings to the set-up: its verdict ([`entry_verdict`]) and the digest of its
+/// configuration ([`Config::agreement_digest`]).
+#[derive(Clone, Debug)]
+pub(crate) struct Entry {
+    pub(crate) verdict: Result<(), String>,
+    pub(crate) digest: u64,
+}
+
+impl Entry {
+    pub(crate) fn of(config: &Config, nranks: u32) -> Entry {
+        Entry {
+            verdict: entry_verdict(config, nranks),
+            digest: config.agreement_digest(),
+        }
+    }
+}
+
+/// The first round of every set-up: every rank's verdict and configuration digest. Every rank
+/// gets the same answer: `Ok` only when every rank may serve and every digest is equal (ranks
+/// that run with different `FLASHCOMM_*` settings would route or encode differently).
+pub(crate) fn agree_on_entry(ag: &mut Agreement<'_>, entry: &Entry) -> Result<(), String> {
+    let all = ag
+        .round(
+            entry
+                .verdict
+                .clone()
+                .map(|()| entry.digest.to_le_bytes().to_vec()),
+        )
+        .map_err(|e| match e {
+            CommError::Unsupported(m) => m,
+            other => other.to_string(),
+        })?;
+    let digest = |b: &Vec<u8>| b.get(..8).and_then(|d| <[u8; 8]>::try_from(d).ok());
+    let first = all.first().and_then(digest);
+    for (r, b) in all.iter().enumerate() {
+        if digest(b).is_none() || digest(b) != first {
+            return Err(format!(
+                "rank {r} runs with different FLASHCOMM_* settings than rank 0 (every rank must \
+                 use the same configuration)"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Builds one rank over `boot`: the entry round, then [`Communicator::new_agreed`].
+fn build(
+    boot: &dyn Bootstrap,
+    device: i32,
+    entry: &Entry,
+    cfg: &CommConfig,
+) -> Result<Communicator, String> {
+    let mut ag = Agreement::new(boot);
+    agree_on_entry(&mut ag, entry)?;
+    Communicator::new_agreed(&mut ag, device, cfg.clone()).map_err(|e| match e {
+        CommError::Unsupported(m) => m,
+        other => other.to_string(),
+    })
+}
+
+/// Builds flashcomm's communicator of one rank, exchanging over the real NCCL. The exchange's
+/// all-gathers are complete when this returns (each round waits for its own).
+fn build_over_nccl(
+    h: CommHandle,
+    id: Identity,
+    entry: &Entry,
+    cfg: &CommConfig,
+) -> Result<Communicator, String> {
+    // A communicator of one rank has nobody to wait for it: its own verdict is the outcome.
+    if id.nranks == 1
+        && let Err(why) = &entry.verdict
+    {
+        return Err(why.clone());
+    }
+    let boot = NcclBootstrap::new(h, id.rank as u32, id.nranks as u32, id.device)
         .map_err(|e| format!("cannot prepare the set-up exchange: {e}"))?;
-    Communicator::new(&boot, id.device, cfg.clone()).map_err(|e| e.to_string())
+    build(&boot, id.device, entry, cfg)
 }
 
 fn joined(r: std::thread::Result<Result<Communicator, String>>) -> Result<Communicator, String> {
@@ -133,6 +212,7 @@ fn joined(r: std::thread::Result<Result<Communicator, String>>) -> Result<Commun
 /// device, exchanging through a [`ThreadGroup`].
 fn build_in_process(
     todo: &[(CommHandle, Arc<CommState>, Identity)],
+    entry: &Entry,
     cfg: &CommConfig,
 ) -> Vec<Result<Communicator, String>> {
     let n = todo.len();
@@ -154,9 +234,7 @@ fn build_in_process(
                 let device = id.device;
                 std::thread::Builder::new()
                     .name("flashcomm-setup".into())
-                    .spawn_scoped(s, move || {
-                        Communicator::new(member, device, cfg.clone()).map_err(|e| e.to_string())
-                    })
+                    .spawn_scoped(s, move || build(member, device, entry, cfg))
             })
             .collect();
         handles
@@ -173,6 +251,7 @@ fn build_in_process(
 /// ranks of one communicator, whose exchanges must progress together).
 fn build_concurrently(
     todo: &[(CommHandle, Arc<CommState>, Identity)],
+    config: &Config,
     cfg: &CommConfig,
 ) -> Vec<Result<Communicator, String>> {
     std::thread::scope(|s| {
@@ -181,7 +260,11 @@ fn build_concurrently(
             .map(|&(h, _, id)| {
                 std::thread::Builder::new()
                     .name("flashcomm-setup".into())
-                    .spawn_scoped(s, move || build_over_nccl(h, id, cfg))
+                    .spawn_scoped(s, move || {
+                        // Communicators of one group may differ in size: each has its own verdict.
+                        let entry = Entry::of(config, id.nranks as u32);
+                        build_over_nccl(h, id, &entry, cfg)
+                    })
             })
             .collect();
         handles
@@ -236,7 +319,7 @@ pub(crate) fn set_up(comms: &[(CommHandle, Arc<CommState>)], init_all: bool, rea
     let mut todo = Vec::with_capacity(comms.len());
     let mut refused = None;
     for (h, st) in comms {
-        match precheck(*h, st, ready, config) {
+        match reachable(*h, st, ready) {
             Ok(id) => todo.push((*h, st.clone(), id)),
             Err(why) => {
                 refused.get_or_insert_with(|| why.clone());
@@ -259,12 +342,16 @@ pub(crate) fn set_up(comms: &[(CommHandle, Arc<CommState>)], init_all: bool, rea
         return;
     }
     let cfg = comm_config(config);
+    // Every reachable rank takes part in the exchange, whatever its own verdict: a rank with
+    // FLASHCOMM_DISABLE, a bad configuration or too many ranks says so in the first round.
     let results = if init_all {
-        build_in_process(&todo, &cfg)
+        let entry = Entry::of(config, todo.len() as u32);
+        build_in_process(&todo, &entry, &cfg)
     } else if let [(h, _, id)] = todo.as_slice() {
-        vec![build_over_nccl(*h, *id, &cfg)]
+        let entry = Entry::of(config, id.nranks as u32);
+        vec![build_over_nccl(*h, *id, &entry, &cfg)]
     } else {
-        build_concurrently(&todo, &cfg)
+        build_concurrently(&todo, config, &cfg)
     };
     for ((h, st, _), r) in todo.iter().zip(results) {
         finish(*h, st, r);
@@ -295,6 +382,68 @@ pub(crate) fn tear_down(h: CommHandle, state: Arc<CommState>, abort: bool) {
     drop(state);
 }
 
+/// How long `ncclCommAbort` waits, after the real abort returned, for flashcomm's last launch
+/// of the communicator to finish (it left its waits when the abort flag was set; it only stays
+/// when it is queued behind work the abort does not end).
+pub(crate) const ABORT_WAIT: Duration = Duration::from_secs(2);
+
+/// Releases flashcomm's side of an aborted communicator, after the real abort returned: waits at
+/// most [`ABORT_WAIT`] for the last launch; if it has not finished, the communicator's memory is
+/// left allocated for good (freeing it under a kernel that may still run would be worse than the
+/// leak) and abort returns anyway.
+pub(crate) fn release_aborted(h: CommHandle, state: Arc<CommState>) {
+    let _saved = SavedContext::save();
+    if let Some(c) = state.served() {
+        match c.wait_idle_for(ABORT_WAIT) {
+            Ok(true) => {}
+            Ok(false) => {
+                logging::warn(
+                    Subsys::Init,
+                    &format!(
+                        "communicator {h:?}: flashcomm's last kernel is still queued {ABORT_WAIT:?} \
+                         after ncclCommAbort (behind work that does not finish); its memory is \
+                         left allocated"
+                    ),
+                );
+                std::mem::forget(state);
+                return;
+            }
+            Err(e) => logging::info(
+                Subsys::Init,
+                &format!("communicator {h:?}: waiting for flashcomm's last kernel failed: {e}"),
+            ),
+        }
+        logging::info(
+            Subsys::Init,
+            &format!("communicator {h:?}: flashcomm's communicator released after abort"),
+        );
+    }
+    drop(state);
+}
+
+/// Forwards a call on a communicator flashcomm serves to NCCL in the communicator's order: after
+/// flashcomm's last launch if that went to another stream, and recorded as the communicator's
+/// last operation, so that flashcomm's next launch on another stream comes after it (NCCL
+/// orders all work of a communicator; flashcomm's kernels and NCCL's share it). Calls inside a
+/// group are enqueued by NCCL only at the group's end and are not ordered here.
+pub(crate) fn forward_in_order(
+    state: Option<&CommState>,
+    call: &CollCall,
+    grouped: bool,
+    forward: impl FnOnce() -> ncclResult_t,
+) -> ncclResult_t {
+    let Some(c) = state.and_then(CommState::served).filter(|_| !grouped) else {
+        return forward();
+    };
+    let stream = Stream(call.stream.cast());
+    let record = c.before_foreign(stream).unwrap_or(false);
+    let r = forward();
+    if record && (r == ncclResult_t::ncclSuccess || r == ncclResult_t::ncclInProgress) {
+        let _ = c.after_foreign(stream);
+    }
+    r
+}
+
 /// The outcome of a routed call.
 pub(crate) enum Executed {
     /// flashcomm ran it (or refused it with an error): this is the result.
@@ -312,6 +461,7 @@ fn report(call: &CollCall, e: CommError) -> ncclResult_t {
         CommError::InvalidUsage(_) => Error::invalid_usage(sub, msg),
         CommError::Cuda { .. } => Error::cuda(sub, msg),
         CommError::Remote(_) => Error::remote(sub, msg),
+        CommError::Timeout(_) => Error::timeout(sub, msg),
         CommError::Bootstrap(_) => Error::system(sub, msg),
         CommError::Unsupported(_) | CommError::Internal(_) => Error::internal(sub, msg),
     }
@@ -353,5 +503,139 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
         Ok(_) => Executed::Done(ncclResult_t::ncclSuccess),
         Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
         Err(e) => Executed::Done(report(call, e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::time::Duration;
+
+    use flashcomm_comm::ThreadBootstrap;
+
+    /// Counts the rounds a rank ran.
+    struct Counting<'a>(&'a ThreadBootstrap, AtomicU32);
+
+    impl Bootstrap for Counting<'_> {
+        fn rank(&self) -> u32 {
+            self.0.rank()
+        }
+        fn size(&self) -> u32 {
+            self.0.size()
+        }
+        fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            self.0.all_gather(mine)
+        }
+    }
+
+    /// Runs the entry round on one thread per rank, rank `r` with environment `envs[r]`;
+    /// returns every rank's (rounds run, outcome).
+    fn entry_round(envs: &[Vec<(&str, &str)>]) -> Vec<(u32, Result<(), String>)> {
+        let n = envs.len() as u32;
+        let group = ThreadGroup::new(n, Duration::ZERO);
+        let members = group.members();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = members
+                .iter()
+                .zip(envs)
+                .map(|(m, env)| {
+                    s.spawn(move || {
+                        let config = Config::from_vars(env.iter().copied());
+                        let entry = Entry::of(&config, n);
+                        let c = Counting(m, AtomicU32::new(0));
+                        let mut ag = Agreement::new(&c);
+                        let r = agree_on_entry(&mut ag, &entry);
+                        (c.1.load(Ordering::Relaxed), r)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn all_alike(results: &[(u32, Result<(), String>)]) -> Result<(), String> {
+        for r in results {
+            assert_eq!(
+                r, &results[0],
+                "every rank runs the same rounds and gets the same verdict"
+            );
+        }
+        assert_eq!(results[0].0, 1, "one round");
+        results[0].1.clone()
+    }
+
+    #[test]
+    fn ranks_with_the_same_configuration_go_on() {
+        let env = vec![
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_NCCL_LIB", "/a/libnccl.so.2"),
+        ];
+        let mut envs = vec![env.clone(); 4];
+        // Where the real library lies and logging may differ.
+        envs[2] = vec![
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_NCCL_LIB", "/b/libnccl.so.2"),
+            ("NCCL_DEBUG", "INFO"),
+        ];
+        assert_eq!(all_alike(&entry_round(&envs)), Ok(()));
+    }
+
+    #[test]
+    fn flashcomm_disable_on_some_ranks_keeps_every_rank_with_nccl() {
+        for disabled in 0..4 {
+            let mut envs = vec![vec![]; 4];
+            envs[disabled] = vec![("FLASHCOMM_DISABLE", "1")];
+            let why = all_alike(&entry_round(&envs)).unwrap_err();
+            assert_eq!(why, format!("rank {disabled}: FLASHCOMM_DISABLE is set"));
+        }
+        // On every rank: the lowest one is named.
+        let envs = vec![vec![("FLASHCOMM_DISABLE", "1")]; 3];
+        assert_eq!(
+            all_alike(&entry_round(&envs)),
+            Err("rank 0: FLASHCOMM_DISABLE is set".into())
+        );
+    }
+
+    #[test]
+    fn different_settings_or_a_bad_value_on_one_rank_keep_every_rank_with_nccl() {
+        let mut envs = vec![vec![("FLASHCOMM_QUANT_BITS", "4")]; 3];
+        envs[1] = vec![("FLASHCOMM_QUANT_BITS", "8")];
+        let why = all_alike(&entry_round(&envs)).unwrap_err();
+        assert!(
+            why.contains("rank 1 runs with different FLASHCOMM_* settings"),
+            "{why}"
+        );
+
+        let mut envs = vec![vec![]; 3];
+        envs[2] = vec![("FLASHCOMM_TIMEOUT_MS", "30000")];
+        let why = all_alike(&entry_round(&envs)).unwrap_err();
+        assert!(why.contains("rank 2 runs with different"), "{why}");
+
+        let mut envs = vec![vec![]; 2];
+        envs[1] = vec![("FLASHCOMM_PROTO", "fast")];
+        let why = all_alike(&entry_round(&envs)).unwrap_err();
+        assert!(why.starts_with("rank 1: pass-through is forced"), "{why}");
+        assert!(why.contains("FLASHCOMM_PROTO"), "{why}");
+
+        // Too many ranks for FLASHCOMM_MAX_RANKS: every rank says so.
+        let envs = vec![vec![("FLASHCOMM_MAX_RANKS", "2")]; 3];
+        let why = all_alike(&entry_round(&envs)).unwrap_err();
+        assert!(why.contains("more than FLASHCOMM_MAX_RANKS=2"), "{why}");
+    }
+
+    #[test]
+    fn the_timeout_is_unset_by_default_and_zero_means_no_limit() {
+        assert_eq!(comm_config(&Config::default()).timeout, Duration::ZERO);
+        let c = Config::from_vars([("FLASHCOMM_TIMEOUT_MS", "1500")]);
+        assert_eq!(comm_config(&c).timeout, Duration::from_millis(1500));
+        let max = flashcomm_config::MAX_TIMEOUT_MS.to_string();
+        let c = Config::from_vars([("FLASHCOMM_TIMEOUT_MS", max.as_str())]);
+        let ns = comm_config(&c).timeout.as_nanos();
+        assert!(
+            ns <= u128::from(u64::MAX),
+            "fits the kernels' 64-bit timeout: {ns}"
+        );
     }
 }

@@ -513,3 +513,32 @@ fn quantization_settings_per_communicator() {
     }
     child(name, &[("FLASHCOMM_QUANT_BITS", "4")]);
 }
+
+#[test]
+fn a_simulated_group_end_ends_the_group() {
+    let name = "a_simulated_group_end_ends_the_group";
+    if is_child(name) {
+        let Both { ours, fake } = both();
+        let group: unsafe extern "C" fn() -> c_int = ours.lib.get("ncclGroupStart");
+        let simulate: unsafe extern "C" fn(usize) -> c_int = ours.lib.get("ncclGroupSimulateEnd");
+        for _ in 0..2 {
+            // SAFETY: plain calls; the fake ignores the (NULL) simulation info.
+            assert_eq!(unsafe { group() }, SUCCESS);
+            // SAFETY: as above.
+            assert_eq!(unsafe { simulate(0) }, SUCCESS);
+        }
+        assert_eq!(fake.int("fake_simulate_calls"), 2);
+        // The thread is outside any group again: a new communicator is set up at once (not
+        // "set-up pending" until a group end that never comes), and its calls are decided
+        // outside a group.
+        let comm = init_rank(&ours);
+        let (rc, info) = comm_info(&ours, comm);
+        assert_eq!(rc, SUCCESS);
+        assert_eq!(reason(&info), "FLASHCOMM_DISABLE is set");
+        let calls = fake.int("fake_allreduce_calls");
+        assert_eq!(ours.all_reduce(0x1000, 0x2000, 4, BF16, 0, comm), SUCCESS);
+        assert_eq!(fake.int("fake_allreduce_calls"), calls + 1);
+        return;
+    }
+    child(name, &[("FLASHCOMM_DISABLE", "1")]);
+}

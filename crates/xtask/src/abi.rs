@@ -59,6 +59,9 @@ fn handling(name: &str) -> Option<&'static str> {
             "forwarded; **intercepted**: a device error of flashcomm's kernels is merged in"
         }
         "ncclGroupStart" => "forwarded; group depth tracked",
+        "ncclGroupSimulateEnd" => {
+            "forwarded; group depth tracked (the group ends; communicators created in it stay with NCCL)"
+        }
         "ncclGroupEnd" => {
             "forwarded; group depth tracked; communicators created in the group are set up after it"
         }

@@ -36,6 +36,11 @@
 #define FC_FLAG_SEND_ALIGNED 1u
 // FcCollParams.flags: the receive buffer is 16-byte aligned.
 #define FC_FLAG_RECV_ALIGNED 2u
+// FcCollParams.flags: bits `FLAG_SIG_SHIFT..FLAG_SIG_SHIFT + 8` carry the call's signature
+// (collective and datatype), which every tag of the call carries too: ranks that run the same
+// sequence number with different collectives or datatypes see a foreign tag and report a mismatch
+// instead of summing bytes of different types.
+#define FC_FLAG_SIG_SHIFT 8u
 
 // Status codes in host-mapped memory, written by a kernel that gives up waiting.
 // No error.

@@ -7,9 +7,11 @@
 //   region into one slot per source rank. A slot has two disjoint areas, one per protocol (so an
 //   LL line is never read where a frame's payload was left, and frame tags always sit on the same
 //   4112-byte grid), and an area is divided into one sub-slot per (block, round parity).
-// * The tag of collective `seq` is `seq % (2^32 - 1) + 1`: never 0. Receivers clear every tag they
-//   consume back to 0, so a non-zero tag that differs from the expected one can only come from a
-//   peer that is running a different collective: that is reported as a mismatch.
+// * The tag of collective `seq` is `(seq % (2^24 - 1) + 1) << 8 | sig`, where `sig` is the call's
+//   signature (collective and datatype): never 0. Receivers clear every tag they consume back to
+//   0, so a non-zero tag that differs from the expected one can only come from a peer that is
+//   running a different collective, or the same one with another datatype: that is reported as a
+//   mismatch.
 // * LL protocol: a 16-byte line carries 8 payload bytes as {d0, tag, d1, tag}; the line is written
 //   with one 16-byte store and read with one 16-byte load, and each 8-byte half has its own tag, so
 //   a torn read is never mistaken for a complete one. No fence on the way out.
@@ -20,7 +22,9 @@
 // * Epochs live on the device (FcCtl::seq), advanced by the last block of each kernel, so a CUDA
 //   graph replays correctly any number of times.
 // * Every wait polls with a budget: it checks this rank's abort word (set by peers that gave up),
-//   the host abort flag (ncclCommAbort) and a deadline (globaltimer). A thread that gives up
+//   the host abort flag (ncclCommAbort) and, when a timeout is set (timeout_ns != 0), a deadline
+//   (globaltimer). With no timeout a wait lasts until the data arrives or an abort word is set,
+//   as NCCL's own waits do. A thread that gives up
 //   records why in the host-mapped status (first error wins), asks every peer to stop, and from
 //   then on skips all waits, so the kernel always finishes.
 #pragma once
@@ -41,15 +45,22 @@ struct Ctx {
   bool dead;  // this thread gave up (or saw that another one did): skip every wait from now on
 };
 
-__device__ __forceinline__ uint32_t tag_of(uint64_t seq) { return (uint32_t)(seq % 4294967295ull) + 1u; }
+// The tag of call `seq` with signature `sig` (collective and datatype, FLAG_SIG_SHIFT of the
+// flags): never 0, and different for two calls of one sequence number but different signature.
+__device__ __forceinline__ uint32_t tag_of(uint64_t seq, uint32_t sig) {
+  return (((uint32_t)(seq % 16777215ull) + 1u) << 8) | (sig & 0xffu);
+}
 
 __device__ __forceinline__ Ctx begin(const FcCollParams& p) {
   Ctx c;
   const FcCtl* ctl = reinterpret_cast<const FcCtl*>(p.ctl);
   c.seq = ld_volatile_u64(&ctl->seq);
-  c.tag = tag_of(c.seq);
+  c.tag = tag_of(c.seq, p.flags >> FC_FLAG_SIG_SHIFT);
   c.half = (uint32_t)(c.seq & 1);
-  c.deadline = globaltimer_ns() + p.timeout_ns;
+  // timeout_ns == 0: no time limit (NCCL's behaviour: wait until the work completes or the
+  // application aborts). Otherwise the deadline saturates instead of wrapping.
+  const uint64_t now = globaltimer_ns();
+  c.deadline = (p.timeout_ns == 0 || p.timeout_ns > ~0ull - now) ? ~0ull : now + p.timeout_ns;
   c.dead = false;
   return c;
 }
@@ -121,7 +132,7 @@ struct Waiter {
       give_up(p, c, FC_STATUS_ABORTED, peer, 0);
       return true;
     }
-    if (globaltimer_ns() > c.deadline) {
+    if (c.deadline != ~0ull && globaltimer_ns() > c.deadline) {
       give_up(p, c, FC_STATUS_TIMEOUT, peer, 0);
       return true;
     }

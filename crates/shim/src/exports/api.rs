@@ -11,7 +11,7 @@ use std::ffi::{CString, c_char, c_int, c_void};
 
 use flashcomm_nccl_sys::{
     cudaStream_t, ncclCollConfig_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t,
-    ncclResult_t, ncclUniqueId,
+    ncclResult_t, ncclSimInfo_t, ncclUniqueId,
 };
 
 use crate::args::Args;
@@ -57,6 +57,7 @@ static ABORT: Slot = Slot::new(c"ncclCommAbort");
 static GET_ASYNC_ERROR: Slot = Slot::new(c"ncclCommGetAsyncError");
 static GROUP_START: Slot = Slot::new(c"ncclGroupStart");
 static GROUP_END: Slot = Slot::new(c"ncclGroupEnd");
+static GROUP_SIMULATE_END: Slot = Slot::new(c"ncclGroupSimulateEnd");
 
 /// Unwraps a forwarded result, or reports why the call could not be forwarded.
 macro_rules! forwarded {
@@ -442,9 +443,14 @@ nccl_api! {
         forwarded!(call_real!(DESTROY, (comm) -> ncclResult_t))
     }
 
+    /// Always returns: flashcomm's kernels are told to leave their waits first, then the real
+    /// abort runs (ending any NCCL operation ours may be queued behind), and only then is our
+    /// last launch waited for, bounded, before flashcomm's memory is freed.
     fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
-        ending(comm, CommEnd::Abort);
-        forwarded!(call_real!(ABORT, (comm) -> ncclResult_t))
+        let pending = if forked() { None } else { dispatch::on_comm_aborting(comm) };
+        let real = call_real!(ABORT, (comm) -> ncclResult_t);
+        dispatch::on_comm_aborted(pending);
+        forwarded!(real)
     }
 
     fn ncclGroupStart() -> ncclResult_t {
@@ -461,6 +467,19 @@ nccl_api! {
         let r = forwarded!(call_real!(GROUP_END, () -> ncclResult_t));
         if let Some(depth) = depth {
             dispatch::group_ended(depth, r);
+        }
+        r
+    }
+
+    /// Ends the group inside NCCL like `ncclGroupEnd` (without running its operations), so the
+    /// thread's group depth goes down with it; communicators created inside a simulated group
+    /// stay with NCCL (on every rank alike, since every rank makes the same call).
+    fn ncclGroupSimulateEnd(sim_info: *mut ncclSimInfo_t) -> ncclResult_t {
+        // Only once the real library ran it (a real library without the function ended no
+        // group).
+        let r = forwarded!(call_real!(GROUP_SIMULATE_END, (sim_info) -> ncclResult_t));
+        if !forked() {
+            dispatch::group_simulated(group::ending());
         }
         r
     }

@@ -144,7 +144,6 @@ forward! {
         outHandle: *mut ncclGinBarrierHandle_t,
         outReq: *mut ncclDevResourceRequirements_t,
     ) -> ncclResult_t;
-    pub fn ncclGroupSimulateEnd(simInfo: *mut ncclSimInfo_t) -> ncclResult_t;
     pub fn ncclLLA2ACalcSlots(
         maxElts: ::std::os::raw::c_int,
         maxEltSize: ::std::os::raw::c_int,

@@ -1,0 +1,337 @@
+//! Failing like NCCL on the GPU, with virtual ranks: set-up that fails at any step on one rank
+//! fails alike on every rank after the same rounds; no time limit by default (a late peer
+//! completes); `abort` from a watchdog thread ends a wait for a peer that never comes, also when
+//! our launch is queued behind a stuck operation on the same stream; many set-ups leak nothing.
+//!
+//! Run with `cargo test -p flashcomm-comm --features gpu --test gpu_failures` on a machine with
+//! a CUDA device. `FLASHCOMM_TEST_LATE_S` sets how late the late peer is (default 30 s).
+#![cfg(feature = "gpu")]
+
+mod common;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{TYPES, run_ranks};
+use flashcomm_comm::{
+    Bootstrap, CommConfig, Communicator, DataType, Error, ThreadBootstrap, ThreadGroup,
+};
+use flashcomm_testkit::verify::Verifier;
+
+/// Counts the rounds a rank ran.
+struct Counting<'a>(&'a ThreadBootstrap, AtomicU32);
+
+impl Bootstrap for Counting<'_> {
+    fn rank(&self) -> u32 {
+        self.0.rank()
+    }
+    fn size(&self) -> u32 {
+        self.0.size()
+    }
+    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, Error> {
+        self.1.fetch_add(1, Ordering::Relaxed);
+        self.0.all_gather(mine)
+    }
+}
+
+/// Builds a communicator of `n` virtual ranks with `cfgs[r]` on rank `r`; returns each rank's
+/// rounds and outcome (the communicators are dropped).
+fn set_up(cfgs: &[CommConfig]) -> Vec<(u32, Result<(), Error>)> {
+    let group = ThreadGroup::new(cfgs.len() as u32, Duration::from_secs(120));
+    let members = group.members();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = members
+            .iter()
+            .zip(cfgs)
+            .map(|(m, cfg)| {
+                s.spawn(move || {
+                    let c = Counting(m, AtomicU32::new(0));
+                    let r = Communicator::new(&c, 0, cfg.clone()).map(drop);
+                    (c.1.load(Ordering::Relaxed), r)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_set_up_failure_at_any_step_on_one_rank_fails_alike_on_every_rank() {
+    let base = CommConfig {
+        // Bounds the calibration kernels of the ranks whose peer failed before launching.
+        timeout: Duration::from_secs(2),
+        calibrate: true,
+        arena_bytes: 8 << 20,
+        ..CommConfig::default()
+    };
+    let ok = set_up(&[base.clone(), base.clone()]);
+    assert!(ok.iter().all(|(_, r)| r.is_ok()), "{ok:?}");
+    let full = ok[0].0;
+    assert!(ok.iter().all(|(n, _)| *n == full));
+    println!("a successful set-up runs {full} rounds");
+    for step in 0..=7u32 {
+        for failing in 0..2usize {
+            let mut cfgs = vec![base.clone(), base.clone()];
+            cfgs[failing].fail_at = Some(step);
+            let got = set_up(&cfgs);
+            let (rounds, verdict) = &got[0];
+            for (n, r) in &got {
+                assert_eq!(n, rounds, "step {step}: every rank runs the same rounds");
+                assert_eq!(r, verdict, "step {step}: every rank gets the same verdict");
+            }
+            let Err(Error::Unsupported(why)) = verdict else {
+                panic!("step {step}: {verdict:?}")
+            };
+            assert!(
+                why.starts_with(&format!("rank {failing}: "))
+                    && why.contains(&format!("failure injected at set-up step {step}")),
+                "{why}"
+            );
+            assert!(*rounds <= full, "step {step}: {rounds} rounds");
+            println!(
+                "failure at step {step} on rank {failing}: {rounds} rounds on every rank: {why}"
+            );
+        }
+    }
+    // The device is fine afterwards.
+    let ok = set_up(&[base.clone(), base]);
+    assert!(ok.iter().all(|(_, r)| r.is_ok()), "{ok:?}");
+}
+
+/// A lossless AllReduce on two ranks where rank 1 arrives `late` after rank 0, with no timeout
+/// configured: both complete with the right result.
+#[test]
+fn a_late_peer_completes_without_a_timeout() {
+    let late = Duration::from_secs(
+        std::env::var("FLASHCOMM_TEST_LATE_S")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(30),
+    );
+    let cfg = CommConfig {
+        calibrate: false,
+        ..CommConfig::default()
+    };
+    assert_eq!(cfg.timeout, Duration::ZERO, "no time limit by default");
+    let count = 1000u64;
+    run_ranks(2, cfg, |r| {
+        let t = TYPES[2];
+        let buf = r.alloc((count * t.bytes()) as usize);
+        r.v.fill(buf.as_ptr(), count, t, r.rank(), 1, r.stream)
+            .unwrap();
+        r.sync();
+        if r.rank() == 1 {
+            std::thread::sleep(late);
+        }
+        let t0 = Instant::now();
+        r.comm
+            .all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::Bf16, r.stream)
+            .unwrap();
+        r.stream.synchronize().unwrap();
+        r.comm.check_status().expect("no error for a late peer");
+        r.v.check(
+            buf.as_ptr(),
+            count,
+            count,
+            flashcomm_comm::Collective::AllReduce,
+            t,
+            r.n(),
+            r.rank(),
+            1,
+            r.stream,
+        )
+        .unwrap();
+        r.stream.synchronize().unwrap();
+        r.assert_clean("late peer");
+        println!("rank {} completed after {:?}", r.rank(), t0.elapsed());
+    });
+}
+
+/// Rank 0 waits for rank 1, which never calls; a watchdog thread aborts rank 0's communicator
+/// after a second: rank 0's kernel leaves within 5 s and reports the abort.
+#[test]
+fn abort_from_a_watchdog_thread_ends_a_wait_for_a_peer_that_never_comes() {
+    let cfg = CommConfig {
+        calibrate: false,
+        ..CommConfig::default()
+    };
+    let group = ThreadGroup::new(2, Duration::from_secs(60));
+    let members = group.members();
+    std::thread::scope(|s| {
+        for m in &members {
+            let cfg = cfg.clone();
+            s.spawn(move || {
+                let comm = Communicator::new(m, 0, cfg).unwrap();
+                let v = Verifier::new(0).unwrap();
+                let _ctx = v.activate().unwrap();
+                let stream = v.stream().unwrap();
+                let buf = v.alloc(1 << 20).unwrap();
+                m.barrier().unwrap();
+                if m.rank() == 0 {
+                    comm.all_reduce(buf.as_ptr(), buf.as_ptr(), 1000, DataType::Bf16, stream)
+                        .unwrap();
+                    let aborted_at = std::thread::scope(|w| {
+                        let comm = &comm;
+                        w.spawn(move || {
+                            std::thread::sleep(Duration::from_secs(1));
+                            comm.abort();
+                            Instant::now()
+                        })
+                        .join()
+                        .unwrap()
+                    });
+                    assert_eq!(comm.wait_idle_for(Duration::from_secs(5)), Ok(true));
+                    let took = aborted_at.elapsed();
+                    assert!(took < Duration::from_secs(5), "{took:?}");
+                    let e = comm.check_status().expect_err("the abort is reported");
+                    assert!(
+                        matches!(&e, Error::Remote(m) if m.contains("aborted")),
+                        "{e:?}"
+                    );
+                    println!("rank 0 left {took:?} after the abort: {e}");
+                }
+                m.barrier().unwrap();
+            });
+        }
+    });
+}
+
+/// Our launch is queued behind an operation that does not finish by itself (a kernel of another
+/// communicator waiting for a peer that never comes stands in for an NCCL operation stuck on a
+/// dead peer). Abort of our communicator sets our flag, the "real abort" ends the stuck
+/// operation, and then our last launch finishes within the bound; when nothing ends the stuck
+/// operation, the bounded wait says so instead of hanging.
+#[test]
+fn abort_returns_when_our_launch_is_queued_behind_a_stuck_operation() {
+    let cfg = CommConfig {
+        calibrate: false,
+        arena_bytes: 8 << 20,
+        ..CommConfig::default()
+    };
+    for real_abort_ends_it in [true, false] {
+        // Everything is created before anything spins (virtual-rank rule).
+        let stuck_group = ThreadGroup::new(2, Duration::from_secs(60));
+        let stuck_members = stuck_group.members();
+        let ours_group = ThreadGroup::new(1, Duration::from_secs(60));
+        let ours_member = ours_group.members();
+        let (stuck, _other) = std::thread::scope(|s| {
+            let a = s.spawn(|| Communicator::new(&stuck_members[0], 0, cfg.clone()).unwrap());
+            let b = s.spawn(|| Communicator::new(&stuck_members[1], 0, cfg.clone()).unwrap());
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        let ours = Communicator::new(&ours_member[0], 0, cfg.clone()).unwrap();
+        let v = Verifier::new(0).unwrap();
+        let _ctx = v.activate().unwrap();
+        let stream = v.stream().unwrap();
+        let a = v.alloc(1 << 16).unwrap();
+        let b = v.alloc(1 << 16).unwrap();
+        stuck
+            .all_reduce(a.as_ptr(), a.as_ptr(), 1000, DataType::F32, stream)
+            .unwrap();
+        ours.all_reduce(b.as_ptr(), b.as_ptr(), 1000, DataType::F32, stream)
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(
+            ours.wait_idle_for(Duration::from_millis(10)),
+            Ok(false),
+            "queued behind the stuck operation"
+        );
+        let t0 = Instant::now();
+        let idle = std::thread::scope(|w| {
+            w.spawn(|| {
+                ours.abort();
+                if real_abort_ends_it {
+                    stuck.abort();
+                }
+                ours.wait_idle_for(Duration::from_secs(2))
+            })
+            .join()
+            .unwrap()
+        });
+        let took = t0.elapsed();
+        assert!(took < Duration::from_secs(5), "abort took {took:?}");
+        assert_eq!(idle, Ok(real_abort_ends_it), "{took:?}");
+        println!("real abort ends the stuck operation: {real_abort_ends_it}; abort took {took:?}");
+        // Clean up: end the stuck operation, then everything may be freed.
+        stuck.abort();
+        stream.synchronize().unwrap();
+        assert!(ours.is_aborted());
+    }
+}
+
+fn device_free_bytes() -> u64 {
+    flashcomm_comm::gpu::mem_info().expect("cuMemGetInfo").0
+}
+
+fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+/// 1,000 communicators of 2 virtual ranks are built, used once and destroyed: device memory and
+/// resident host memory end where they were after the first 50 (a leak of one arena, stream or
+/// pinned page per set-up would show as megabytes over 950 set-ups).
+#[test]
+fn a_thousand_set_ups_leak_nothing() {
+    let cfg = CommConfig {
+        calibrate: false,
+        arena_bytes: 4 << 20,
+        ..CommConfig::default()
+    };
+    let (warm, cycles) = (50u32, 1000u32);
+    let group = ThreadGroup::new(2, Duration::from_secs(60));
+    let members = group.members();
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for m in &members {
+            let cfg = cfg.clone();
+            s.spawn(move || {
+                let v = Verifier::new(0).unwrap();
+                let _ctx = v.activate().unwrap();
+                let stream = v.stream().unwrap();
+                let buf = v.alloc(1 << 16).unwrap();
+                let mut start = (0, 0);
+                for i in 0..cycles {
+                    let comm = Communicator::new(m, 0, cfg.clone()).unwrap();
+                    comm.all_reduce(buf.as_ptr(), buf.as_ptr(), 256, DataType::F32, stream)
+                        .unwrap();
+                    stream.synchronize().unwrap();
+                    comm.check_status().unwrap();
+                    drop(comm);
+                    // Both ranks are done with this communicator before either measures or
+                    // builds the next (nothing allocates while a peer's kernel could spin).
+                    m.barrier().unwrap();
+                    if m.rank() == 0 && i + 1 == warm {
+                        start = (device_free_bytes(), rss_bytes());
+                    }
+                    m.barrier().unwrap();
+                }
+                if m.rank() == 0 {
+                    let end = (device_free_bytes(), rss_bytes());
+                    println!(
+                        "{cycles} set-ups in {:.1} s; from set-up {warm} to the end: device free \
+                         {} -> {} MiB, resident host memory {} -> {} MiB",
+                        t0.elapsed().as_secs_f64(),
+                        start.0 >> 20,
+                        end.0 >> 20,
+                        start.1 >> 20,
+                        end.1 >> 20
+                    );
+                    assert!(
+                        end.0 + (4 << 20) >= start.0,
+                        "device memory leaked: {} -> {} bytes free",
+                        start.0,
+                        end.0
+                    );
+                    assert!(
+                        end.1 <= start.1 + (16 << 20),
+                        "host memory grew: {} -> {} bytes resident",
+                        start.1,
+                        end.1
+                    );
+                }
+            });
+        }
+    });
+}
