@@ -320,7 +320,7 @@ mod tests {
             match fail {
                 None => {
                     assert_eq!(*rounds0, STEPS);
-                    assert_eq!(verdict0, &Ok(STEPS * (0 + 1 + 2 + 3)));
+                    assert_eq!(verdict0, &Ok(STEPS * (0..N).sum::<u32>()));
                 }
                 Some((rank, step)) => {
                     assert_eq!(
