@@ -249,12 +249,12 @@ fn cache_dir(out: &Path) -> Option<PathBuf> {
     }
 }
 
-/// A hash of everything nvcc's output depends on: the compiler (path and version banner), the
+/// A hash of everything nvcc's output depends on: the compiler (its version banner), the
 /// arguments, the source and every header under `include` (by path relative to it).
 fn input_hash(nvcc: &Path, src: &Path, include: &Path, args: &[std::ffi::OsString]) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    nvcc.hash(&mut h);
+    // The compiler by its version banner, not its path: two installs of one nvcc share entries.
     Command::new(nvcc)
         .arg("--version")
         .output()
