@@ -5,7 +5,9 @@ which route they took (flashcommGetStats):
 
 * all_reduce (sum; bf16, f16, f32), all_gather_into_tensor and reduce_scatter_tensor take
   flashcomm's lossless kernels (up to 8 GPUs of one machine; the communicators of
-  init_process_group and of new_group are both served), all_to_all and broadcast go to NCCL;
+  init_process_group and of new_group are both served), and so does all_to_all_single when
+  PyTorch issues it as one ncclAlltoAll (a group of ncclSend/ncclRecv goes to NCCL); broadcast goes
+  to NCCL;
 * an all_reduce captured into a CUDA graph and replayed several times gives exact results.
 
     python3 torch_preload.py [--lib PATH/libnccl.so] --world-size N [--real PATH/libnccl.so.2]
@@ -159,7 +161,11 @@ def worker(rank, world, port, lib_path, expect):
     rs_least = 1 if world > 1 else 0
     check(calls("reducescatter") >= rs_least, "reduce-scatters went through flashcomm", moved)
     check(calls("broadcast", "nccl") >= 1, "broadcasts went to NCCL", moved)
-    check(calls("alltoall", "nccl") + calls("send", "nccl") >= 1, "all-to-all went to NCCL", moved)
+    check(calls("alltoall") + calls("send", "nccl") >= 1,
+          "all-to-all went through flashcomm (ncclAlltoAll, or a Send/Recv group to NCCL)", moved)
+    if calls("alltoall"):
+        check(calls("alltoall", expect) == calls("alltoall") and calls("alltoall", "quantized") == 0,
+              f"alltoall: {calls('alltoall', expect)} call(s) on the {expect} route", moved)
     # The eligible collectives: on flashcomm's lossless kernels, or all on NCCL when expected.
     # (The warm-up and the capture of the graph are calls; its replays are not.)
     for coll, least in (("allreduce", 7), ("allgather", 1), ("reducescatter", rs_least)):

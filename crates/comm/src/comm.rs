@@ -682,8 +682,10 @@ impl Communicator {
         stream: Stream,
         injected: &dyn Fn(u32) -> Result<(), Error>,
     ) -> Result<CostModel, Error> {
+        // A rank that cannot start says so before anything is launched: a launch its peers made
+        // would wait for it (and end in their timeout, a different verdict).
+        ag.check(verdict(injected(6)))?;
         let mut model = CostModel::default_for(self.nranks);
-        let mut first = true;
         for algo in Algorithm::ALL {
             for proto in Protocol::ALL {
                 let mut us = [0f64; plan::CALIB_SIZES.len()];
@@ -712,9 +714,6 @@ impl Communicator {
                     };
                     // Warm-up, then every rank is idle.
                     let warm = (|| {
-                        if std::mem::take(&mut first) {
-                            injected(6)?;
-                        }
                         launch()?;
                         launch()?;
                         stream.synchronize()?;

@@ -50,8 +50,9 @@ fn sweep_on(n: u32, cfg: CommConfig, max: u64) {
         let mut salt = 0u32;
         let mut cover = |coll: Collective, ty: TestType, algo: Algorithm, proto: Protocol| {
             for count in sweep_counts(ty.bytes(), max) {
-                // ReduceScatter sweeps the send size: recvcount = count / n.
-                let count = if coll == Collective::ReduceScatter {
+                // ReduceScatter and AllToAll sweep the send size: recvcount (count per peer)
+                // = count / n.
+                let count = if matches!(coll, Collective::ReduceScatter | Collective::AlltoAll) {
                     (count / n).max(1)
                 } else {
                     count

@@ -200,7 +200,9 @@ fn abort_from_a_watchdog_thread_ends_a_wait_for_a_peer_that_never_comes() {
 /// communicator waiting for a peer that never comes stands in for an NCCL operation stuck on a
 /// dead peer). Abort of our communicator sets our flag, the "real abort" ends the stuck
 /// operation, and then our last launch finishes within the bound; when nothing ends the stuck
-/// operation, the bounded wait says so instead of hanging.
+/// operation, the bounded wait says so instead of hanging. Ours is a two-rank communicator (a
+/// one-rank one launches no kernel): rank A's launch is queued behind the stuck operation, rank
+/// B's runs on a stream of its own and waits for A.
 #[test]
 fn abort_returns_when_our_launch_is_queued_behind_a_stuck_operation() {
     let cfg = CommConfig {
@@ -212,23 +214,34 @@ fn abort_returns_when_our_launch_is_queued_behind_a_stuck_operation() {
         // Everything is created before anything spins (virtual-rank rule).
         let stuck_group = ThreadGroup::new(2, Duration::from_secs(60));
         let stuck_members = stuck_group.members();
-        let ours_group = ThreadGroup::new(1, Duration::from_secs(60));
-        let ours_member = ours_group.members();
-        let (stuck, _other) = std::thread::scope(|s| {
+        let ours_group = ThreadGroup::new(2, Duration::from_secs(60));
+        let ours_members = ours_group.members();
+        let (stuck, _other, ours, ours_b) = std::thread::scope(|s| {
             let a = s.spawn(|| Communicator::new(&stuck_members[0], 0, cfg.clone()).unwrap());
             let b = s.spawn(|| Communicator::new(&stuck_members[1], 0, cfg.clone()).unwrap());
-            (a.join().unwrap(), b.join().unwrap())
+            let c = s.spawn(|| Communicator::new(&ours_members[0], 0, cfg.clone()).unwrap());
+            let d = s.spawn(|| Communicator::new(&ours_members[1], 0, cfg.clone()).unwrap());
+            (
+                a.join().unwrap(),
+                b.join().unwrap(),
+                c.join().unwrap(),
+                d.join().unwrap(),
+            )
         });
-        let ours = Communicator::new(&ours_member[0], 0, cfg.clone()).unwrap();
         let v = Verifier::new(0).unwrap();
         let _ctx = v.activate().unwrap();
         let stream = v.stream().unwrap();
+        let stream_b = v.stream().unwrap();
         let a = v.alloc(1 << 16).unwrap();
         let b = v.alloc(1 << 16).unwrap();
+        let c = v.alloc(1 << 16).unwrap();
         stuck
             .all_reduce(a.as_ptr(), a.as_ptr(), 1000, DataType::F32, stream)
             .unwrap();
         ours.all_reduce(b.as_ptr(), b.as_ptr(), 1000, DataType::F32, stream)
+            .unwrap();
+        ours_b
+            .all_reduce(c.as_ptr(), c.as_ptr(), 1000, DataType::F32, stream_b)
             .unwrap();
         std::thread::sleep(Duration::from_millis(300));
         assert_eq!(
@@ -240,6 +253,7 @@ fn abort_returns_when_our_launch_is_queued_behind_a_stuck_operation() {
         let idle = std::thread::scope(|w| {
             w.spawn(|| {
                 ours.abort();
+                ours_b.abort();
                 if real_abort_ends_it {
                     stuck.abort();
                 }
@@ -255,7 +269,9 @@ fn abort_returns_when_our_launch_is_queued_behind_a_stuck_operation() {
         // Clean up: end the stuck operation, then everything may be freed.
         stuck.abort();
         stream.synchronize().unwrap();
+        stream_b.synchronize().unwrap();
         assert!(ours.is_aborted());
+        assert_eq!(ours_b.wait_idle_for(Duration::from_secs(2)), Ok(true));
     }
 }
 
