@@ -45,6 +45,15 @@ impl DType {
         self.size() as u64
     }
 
+    /// The name nccl-tests prints in its `type` column (`float`, `half`, `bfloat16`).
+    pub const fn long_name(self) -> &'static str {
+        match self {
+            DType::F32 => "float",
+            DType::F16 => "half",
+            DType::Bf16 => "bfloat16",
+        }
+    }
+
     /// The short name kernels and tools use (`f32`, `f16`, `bf16`).
     pub const fn suffix(self) -> &'static str {
         match self {

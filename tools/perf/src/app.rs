@@ -261,7 +261,7 @@ pub fn settings(o: &Options, gpus: &[String], nccl: Option<&Nccl>, argv: &[Strin
         ranks: o.ranks,
         mode: o.mode.name(),
         collective: o.coll.name(),
-        datatypes: o.dtypes.iter().map(|d| d.name()).collect(),
+        datatypes: o.dtypes.iter().map(|d| d.long_name()).collect(),
         min_bytes: o.min_bytes,
         max_bytes: o.max_bytes,
         step_factor: o.step_factor,
@@ -321,7 +321,7 @@ pub fn header_lines(o: &Options, gpus: &[String], nccl: Option<&Nccl>) -> Vec<St
             o.mode.name(),
             o.dtypes
                 .iter()
-                .map(|d| d.name())
+                .map(|d| d.long_name())
                 .collect::<Vec<_>>()
                 .join(","),
             o.impls
@@ -512,7 +512,7 @@ fn run_program(
                 },
                 o.ranks,
                 o.mode.name(),
-                o.dtypes.first().map_or("", |d| d.name())
+                o.dtypes.first().map_or("", |d| d.long_name())
             ),
             l,
         ));
@@ -537,7 +537,7 @@ fn run_program(
             o.mode.name(),
             o.dtypes
                 .iter()
-                .map(|d| d.name())
+                .map(|d| d.long_name())
                 .collect::<Vec<_>>()
                 .join(",")
         );

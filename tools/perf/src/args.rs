@@ -65,38 +65,11 @@ pub enum Impl {
     Reference,
 }
 
-/// Element types (nccl-tests' names).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Dtype {
-    /// bfloat16
-    Bf16,
-    /// IEEE binary16 (`half`)
-    F16,
-    /// IEEE binary32 (`float`)
-    F32,
-}
+/// Element types: the tree's one datatype enum (printed with nccl-tests' names, `long_name`).
+pub use flashcomm_codec::DType as Dtype;
 
-impl Dtype {
-    /// nccl-tests' name, printed in the `type` column.
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::Bf16 => "bfloat16",
-            Dtype::F16 => "half",
-            Dtype::F32 => "float",
-        }
-    }
-
-    /// Bytes per element.
-    pub fn bytes(self) -> u64 {
-        match self {
-            Dtype::Bf16 | Dtype::F16 => 2,
-            Dtype::F32 => 4,
-        }
-    }
-
-    /// Every type, in the order `-d all` runs them.
-    pub const ALL: [Dtype; 3] = [Dtype::Bf16, Dtype::F16, Dtype::F32];
-}
+/// Every type, in the order `-d all` runs them.
+pub const DTYPES: [Dtype; 3] = [Dtype::Bf16, Dtype::F16, Dtype::F32];
 
 /// Forced AllReduce algorithm.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -348,7 +321,7 @@ pub fn parse_dtypes(v: &str) -> Result<Vec<Dtype>, ArgError> {
     for part in v.split(',') {
         let t = match part.trim().to_ascii_lowercase().as_str() {
             "all" => {
-                out.extend(Dtype::ALL);
+                out.extend(DTYPES);
                 continue;
             }
             "bfloat16" | "bf16" => Dtype::Bf16,
@@ -863,7 +836,7 @@ mod tests {
         assert_eq!(p.dtypes, vec![Dtype::F32]);
         let q = run("--minbytes=4K --maxbytes 8K --stepfactor=4 --datatype all");
         assert_eq!((q.min_bytes, q.max_bytes, q.step_factor), (4096, 8192, 4));
-        assert_eq!(q.dtypes, Dtype::ALL.to_vec());
+        assert_eq!(q.dtypes, DTYPES.to_vec());
     }
 
     #[test]

@@ -18,6 +18,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 
 use cudarc::driver::sys as cu;
+use flashcomm_codec::DType;
 use flashcomm_comm::gpu::{HostArena, IpcMapping};
 use flashcomm_comm::{DevicePtr, Stream};
 use flashcomm_nccl_sys as nccl;
@@ -108,31 +109,12 @@ const _: GatherFn = nccl::decls::ncclAllGather;
 // ncclAlltoAll has AllGather's signature (count per peer instead of per rank).
 const _: GatherFn = nccl::decls::ncclAlltoAll;
 
-/// Element types as NCCL numbers them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NcclType {
-    /// `ncclBfloat16`
-    Bf16,
-    /// `ncclFloat16`
-    F16,
-    /// `ncclFloat32`
-    F32,
-}
-
-impl NcclType {
-    fn raw(self) -> nccl::ncclDataType_t {
-        match self {
-            NcclType::Bf16 => nccl::ncclDataType_t::ncclBfloat16,
-            NcclType::F16 => nccl::ncclDataType_t::ncclFloat16,
-            NcclType::F32 => nccl::ncclDataType_t::ncclFloat32,
-        }
-    }
-
-    fn bytes(self) -> u64 {
-        match self {
-            NcclType::Bf16 | NcclType::F16 => 2,
-            NcclType::F32 => 4,
-        }
+/// The NCCL number of an element type.
+fn nccl_raw(t: DType) -> nccl::ncclDataType_t {
+    match t {
+        DType::Bf16 => nccl::ncclDataType_t::ncclBfloat16,
+        DType::F16 => nccl::ncclDataType_t::ncclFloat16,
+        DType::F32 => nccl::ncclDataType_t::ncclFloat32,
     }
 }
 
@@ -285,7 +267,7 @@ impl Nccl {
         send: DevicePtr,
         recv: DevicePtr,
         count: u64,
-        ty: NcclType,
+        ty: DType,
         stream: Stream,
     ) -> Result<(), String> {
         let bytes = count * ty.bytes();
@@ -299,7 +281,7 @@ impl Nccl {
                 send.addr() as *const c_void,
                 recv.addr() as *mut c_void,
                 count as usize,
-                ty.raw(),
+                nccl_raw(ty),
                 nccl::ncclRedOp_t::ncclSum,
                 comm.0,
                 stream.0 as nccl::cudaStream_t,
@@ -316,7 +298,7 @@ impl Nccl {
         recv: DevicePtr,
         recvcount: u64,
         nranks: u32,
-        ty: NcclType,
+        ty: DType,
         stream: Stream,
     ) -> Result<(), String> {
         fits(send, recvcount * u64::from(nranks) * ty.bytes())?;
@@ -327,7 +309,7 @@ impl Nccl {
                 send.addr() as *const c_void,
                 recv.addr() as *mut c_void,
                 recvcount as usize,
-                ty.raw(),
+                nccl_raw(ty),
                 nccl::ncclRedOp_t::ncclSum,
                 comm.0,
                 stream.0 as nccl::cudaStream_t,
@@ -344,7 +326,7 @@ impl Nccl {
         recv: DevicePtr,
         sendcount: u64,
         nranks: u32,
-        ty: NcclType,
+        ty: DType,
         stream: Stream,
     ) -> Result<(), String> {
         fits(send, sendcount * ty.bytes())?;
@@ -355,7 +337,7 @@ impl Nccl {
                 send.addr() as *const c_void,
                 recv.addr() as *mut c_void,
                 sendcount as usize,
-                ty.raw(),
+                nccl_raw(ty),
                 comm.0,
                 stream.0 as nccl::cudaStream_t,
             )
@@ -372,7 +354,7 @@ impl Nccl {
         recv: DevicePtr,
         count: u64,
         nranks: u32,
-        ty: NcclType,
+        ty: DType,
         stream: Stream,
     ) -> Result<(), String> {
         let all = count * u64::from(nranks) * ty.bytes();
@@ -384,7 +366,7 @@ impl Nccl {
                 send.addr() as *const c_void,
                 recv.addr() as *mut c_void,
                 count as usize,
-                ty.raw(),
+                nccl_raw(ty),
                 comm.0,
                 stream.0 as nccl::cudaStream_t,
             )
@@ -457,8 +439,8 @@ mod tests {
 
     #[test]
     fn type_codes_are_nccls() {
-        assert_eq!(NcclType::Bf16.raw().0, 9);
-        assert_eq!(NcclType::F16.raw().0, 6);
-        assert_eq!(NcclType::F32.raw().0, 7);
+        assert_eq!(nccl_raw(DType::Bf16).0, 9);
+        assert_eq!(nccl_raw(DType::F16).0, 6);
+        assert_eq!(nccl_raw(DType::F32).0, 7);
     }
 }

@@ -313,7 +313,7 @@ pub fn format_row(layout: &Layout, row: &Row) -> String {
         "{:>W_SIZE$}  {:>W_COUNT$}  {:>W_TYPE$}  {:>W_OP$}  {:>W_ROOT$}",
         row.bytes,
         row.count,
-        row.dtype.name(),
+        row.dtype.long_name(),
         row.redop(),
         -1
     );
@@ -396,7 +396,7 @@ impl Table {
                 let note = format!(
                     "# {} {}: skipped: {why}",
                     row.variant.label(),
-                    row.dtype.name()
+                    row.dtype.long_name()
                 );
                 if self.skip_notes.contains(&note) {
                     Vec::new()
@@ -629,7 +629,7 @@ pub fn row_json(row: &Row) -> RowJson<'_> {
         implementation: row.variant.label(),
         launch: row.launch.name(),
         collective: row.coll.name(),
-        dtype: row.dtype.name(),
+        dtype: row.dtype.long_name(),
         redop: row.redop(),
         root: -1,
         nranks: row.nranks,

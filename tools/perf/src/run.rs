@@ -27,11 +27,11 @@ use std::sync::mpsc::Sender;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use flashcomm_codec::{DType, Element, Format, bf16, f16};
+use flashcomm_codec::{Element, Format, bf16, f16};
 use flashcomm_comm::gpu::{Event, HostArena, IpcMapping};
 use flashcomm_comm::{
-    Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem,
-    DevicePtr, Plan, Protocol, QuantSpec, Stream, ThreadGroup, Transport,
+    Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DeviceMem, DevicePtr, Plan,
+    Protocol, QuantSpec, Stream, ThreadGroup, Transport,
 };
 use flashcomm_testkit::FileBootstrap;
 use flashcomm_testkit::reference::Reference;
@@ -42,7 +42,7 @@ use crate::accuracy::{self, AccuracyStats, QuantAlgo};
 use crate::args::{
     AlgoChoice, Dtype, Impl, Launch, Mode, Options, ProtoChoice, TransportChoice, Width,
 };
-use crate::ffi::{self, Nccl, NcclComm, NcclType};
+use crate::ffi::{self, Nccl, NcclComm};
 use crate::inputs;
 use crate::report::{Measure, Outcome, QuantInfo, Row, Variant};
 use crate::sweep::{self, Shape, TimeStats};
@@ -118,35 +118,11 @@ pub fn quant_seed(seed: u64, dtype: Dtype, count: u64) -> u64 {
     seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ count.rotate_left(17) ^ (t << 58)
 }
 
-fn data_type(d: Dtype) -> DataType {
-    match d {
-        Dtype::Bf16 => DataType::Bf16,
-        Dtype::F16 => DataType::F16,
-        Dtype::F32 => DataType::F32,
-    }
-}
-
 fn test_type(d: Dtype) -> TestType {
     match d {
         Dtype::Bf16 => TestType::Bf16,
         Dtype::F16 => TestType::F16,
         Dtype::F32 => TestType::F32,
-    }
-}
-
-fn nccl_type(d: Dtype) -> NcclType {
-    match d {
-        Dtype::Bf16 => NcclType::Bf16,
-        Dtype::F16 => NcclType::F16,
-        Dtype::F32 => NcclType::F32,
-    }
-}
-
-fn codec_type(d: Dtype) -> DType {
-    match d {
-        Dtype::Bf16 => DType::Bf16,
-        Dtype::F16 => DType::F16,
-        Dtype::F32 => DType::F32,
     }
 }
 
@@ -184,7 +160,7 @@ pub fn plan_label(p: &Plan) -> String {
 
 /// The codec settings of a quantized row.
 pub fn quant_info(dtype: Dtype, w: Width, group: u16, spikes: u8) -> Option<QuantInfo> {
-    let f = |b| Format::new(codec_type(dtype), b, group, spikes).ok();
+    let f = |b| Format::new(dtype, b, group, spikes).ok();
     Some(QuantInfo {
         width: w,
         group,
@@ -879,24 +855,16 @@ impl Rank<'_> {
         let elem = job.dtype.bytes();
         match (job.variant, plan, &self.comm, &self.nccl) {
             (Variant::Lossless, Some(p), Some(c), _) => c
-                .run(
-                    p,
-                    send,
-                    recv,
-                    sh.call_count,
-                    elem,
-                    Some(data_type(job.dtype)),
-                    s,
-                )
+                .run(p, send, recv, sh.call_count, elem, Some(job.dtype), s)
                 .map_err(|e| e.to_string()),
             (Variant::Reference, _, _, _) => match &self.reference {
                 Some(r) => r
-                    .all_reduce(send, recv, sh.call_count, data_type(job.dtype), s)
+                    .all_reduce(send, recv, sh.call_count, job.dtype, s)
                     .map_err(|e| e.to_string()),
                 None => Err("the reference is not set up on this rank".into()),
             },
             (Variant::Nccl, _, _, Some((lib, nc))) => {
-                let t = nccl_type(job.dtype);
+                let t = job.dtype;
                 match self.o.coll {
                     Collective::AllReduce => lib.all_reduce(nc, send, recv, sh.call_count, t, s),
                     Collective::ReduceScatter => {
@@ -1067,7 +1035,7 @@ impl Rank<'_> {
             Ok(q) => q,
             Err(e) => return skipped(e.to_string()),
         };
-        let dt = data_type(job.dtype);
+        let dt = job.dtype;
         let count = job.shape.call_count;
         // The same verdict on every rank: planning is pure.
         let plan = match self
@@ -1164,8 +1132,7 @@ impl Rank<'_> {
                 .map_err(e2s("downloading the output"))?;
             values.extend(buf.chunks_exact(elem).map(T::read_le));
         }
-        let fmt =
-            |b: u8| Format::new(codec_type(dtype), b, q.group, q.spikes).map_err(|e| e.to_string());
+        let fmt = |b: u8| Format::new(dtype, b, q.group, q.spikes).map_err(|e| e.to_string());
         Ok(accuracy::evaluate(
             algo,
             fmt(q.rs_bits)?,

@@ -34,7 +34,7 @@ pub fn series_from_rows(rows: &[Row]) -> Vec<Series> {
             label = format!("{label} ({})", r.launch.name());
         }
         if many_types {
-            label = format!("{label} {}", r.dtype.name());
+            label = format!("{label} {}", r.dtype.long_name());
         }
         let p = (r.bytes as f64, m.time.median_us, r.algbw(m));
         match out.iter_mut().find(|s| s.label == label) {
