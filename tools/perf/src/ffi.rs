@@ -17,7 +17,6 @@
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 
-use cudarc::driver::sys as cu;
 use flashcomm_codec::DType;
 use flashcomm_comm::gpu::{HostArena, IpcMapping};
 use flashcomm_comm::{DevicePtr, Stream};
@@ -391,22 +390,6 @@ pub struct NcclComm(nccl::ncclComm_t);
 // SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
 // concurrent; flashcomm-perf hands each one to exactly one rank thread, which makes every call.
 unsafe impl Send for NcclComm {}
-
-/// Copies `bytes` bytes from `src` to `dst` on `stream` (`cuMemcpyDtoDAsync`; asynchronous,
-/// capturable into CUDA graphs). The context of the buffers' device must be current.
-pub fn copy_dtod(dst: DevicePtr, src: DevicePtr, bytes: u64, stream: Stream) -> Result<(), String> {
-    fits(dst, bytes)?;
-    fits(src, bytes)?;
-    // SAFETY: both ranges are valid device memory of at least `bytes` bytes (DevicePtr's
-    // contract, checked above); the stream belongs to the current context (the caller's rank
-    // thread activated its device). The driver was initialized when the buffers were allocated.
-    let r = unsafe { cu::cuMemcpyDtoDAsync_v2(dst.addr(), src.addr(), bytes as usize, stream.0) };
-    if r == cu::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(format!("cuMemcpyDtoDAsync failed: {r:?}"))
-    }
-}
 
 #[cfg(test)]
 mod tests {

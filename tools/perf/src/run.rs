@@ -801,28 +801,26 @@ impl Rank<'_> {
         let Some(host) = &self.link else {
             return Ok(RankOut::default());
         };
-        let b = job.shape.bytes;
-        let (src, dst, via) = (
-            self.send.slice(0, b as usize),
-            self.recv.slice(0, b as usize),
-            ffi::host_range(host),
-        );
-        let call = |s: Stream| {
-            via.copy_from(src, b, s)
-                .and_then(|()| dst.copy_from(via, b, s))
-                .map_err(e2s("copying through host memory"))
-        };
-        let times = self.time_calls(job.launch, false, &call)?;
-        Ok(RankOut {
-            out: Some(RankMeasure {
-                times,
-                ..RankMeasure::default()
-            }),
-            ..RankOut::default()
+        let via = ffi::host_range(host);
+        self.baseline_job(job, &|src, dst, b, s| {
+            via.copy_from(src, b, s)?;
+            dst.copy_from(via, b, s)
         })
     }
 
+    /// The copy baseline: rank 0 copies the job's bytes on its GPU.
     fn copy_job(&self, job: &Job) -> Result<RankOut, String> {
+        self.baseline_job(job, &|src, dst, b, s| dst.copy_from(src, b, s))
+    }
+
+    /// A baseline that rank 0 alone times: `copy(src, dst, bytes, stream)` over the job's bytes
+    /// of its send and receive buffers.
+    #[allow(clippy::type_complexity)]
+    fn baseline_job(
+        &self,
+        job: &Job,
+        copy: &dyn Fn(DevicePtr, DevicePtr, u64, Stream) -> Result<(), flashcomm_comm::gpu::Error>,
+    ) -> Result<RankOut, String> {
         if self.rank != 0 {
             return Ok(RankOut::default());
         }
@@ -831,7 +829,7 @@ impl Rank<'_> {
             self.send.slice(0, b as usize),
             self.recv.slice(0, b as usize),
         );
-        let call = |s: Stream| ffi::copy_dtod(dst, src, b, s);
+        let call = |s: Stream| copy(src, dst, b, s).map_err(e2s("baseline copy"));
         let times = self.time_calls(job.launch, false, &call)?;
         Ok(RankOut {
             out: Some(RankMeasure {

@@ -68,24 +68,20 @@ pub fn shape(coll: Collective, size: u64, elem: u64, nranks: u32) -> Shape {
                 recv_bytes: per * elem,
             }
         }
-        Collective::AllGather => {
+        // AllGather sends one block; nccl-tests' alltoall_perf sends every rank's whole buffer,
+        // `size / n` to each peer.
+        Collective::AllGather | Collective::AlltoAll => {
             let per = (elems / n).max(1);
+            let sent = if coll == Collective::AlltoAll {
+                per * n
+            } else {
+                per
+            };
             Shape {
                 bytes: per * n * elem,
                 count: per * n,
                 call_count: per,
-                send_bytes: per * elem,
-                recv_bytes: per * n * elem,
-            }
-        }
-        // nccl-tests' alltoall_perf: the size is every rank's whole buffer, `size / n` to each peer.
-        Collective::AlltoAll => {
-            let per = (elems / n).max(1);
-            Shape {
-                bytes: per * n * elem,
-                count: per * n,
-                call_count: per,
-                send_bytes: per * n * elem,
+                send_bytes: sent * elem,
                 recv_bytes: per * n * elem,
             }
         }
