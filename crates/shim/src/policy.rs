@@ -45,6 +45,8 @@ pub(crate) enum NotQuantized {
     BelowWindow,
     /// Above the quantization window.
     AboveWindow,
+    /// A communicator of one rank: nothing crosses a link, so the result is the input, exactly.
+    OneRank,
 }
 
 /// Why a call goes where it goes.
@@ -180,6 +182,7 @@ pub(crate) fn decide(
     }
     let not_quantized = match (view.quant.widths(), dtype) {
         (None, _) => NotQuantized::Off,
+        (Some(_), _) if view.nranks == 1 => NotQuantized::OneRank,
         (Some(_), _) if !s.quant_ops.contains(&op) => NotQuantized::OpsExclude,
         (Some(_), _) if call.kind != Collective::AllReduce => NotQuantized::NoQuantizedKernels,
         (Some(_), Some(t)) if !s.quant_dtypes.contains(&t) => NotQuantized::DtypeExcluded,
@@ -293,6 +296,9 @@ pub(crate) fn explain(
                 NotQuantized::BelowWindow | NotQuantized::AboveWindow => {
                     format!("outside the quantization window of {quant}")
                 }
+                NotQuantized::OneRank => {
+                    "a one-rank communicator has nothing to send, so the result is exact".to_string()
+                }
             };
             format!(
                 "{bytes} bytes within [FLASHCOMM_MIN_BYTES={}, FLASHCOMM_MAX_BYTES={}]; not \
@@ -394,6 +400,19 @@ pub(crate) mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_one_rank_communicator_is_never_quantized() {
+        let config = cfg(&[("FLASHCOMM_QUANT_BITS", "4")]);
+        let mut view = served(&config);
+        let call = coll(AR, BF16, 1 << 20);
+        assert_eq!(decide(&call, &config, Some(&view), 0).route, Route::Quantized);
+        view.nranks = 1;
+        assert_eq!(
+            decide(&call, &config, Some(&view), 0),
+            lossless(NotQuantized::OneRank)
+        );
     }
 
     #[test]
