@@ -133,6 +133,87 @@ __device__ __forceinline__ void ll_copy(const FcCollParams& p, Ctx& c, uint32_t 
   }
 }
 
+// One-shot AllReduce with LL, fused per thread: a thread takes 16 payload bytes (two 8-byte
+// units, lines 2v and 2v + 1 of the sub-slot: the layout of ll_send), pushes them to every peer,
+// then polls exactly those lines of every peer, reduces in rank order, writes the result and
+// clears the lines. A thread never waits for anything another thread of its rank sends, so one
+// chunk costs one round trip of polls instead of a send phase and a reduce phase; and the loads
+// of every source's lines are issued before any is checked.
+template <typename T>
+__device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, const char* in, char* out, uint32_t len,
+                                                 uint64_t round) {
+  const uint32_t vecs = (len + 15) / 16;
+  const uint32_t others = ((1u << p.nranks) - 1u) & ~(1u << p.rank);
+  for (uint32_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+    const uint32_t n = min(16u, len - v * 16);
+    const bool two = n > 8;  // the second unit exists
+    const uint4 mine = load_bytes16(in + (uint64_t)v * 16, n);
+    const uint64_t at = (uint64_t)v * 2 * FC_LL_LINE;
+#pragma unroll
+    for (uint32_t q = 0; q < FC_MAX_RANKS; ++q) {
+      if (q < p.nranks && q != p.rank) {
+        char* line = sub_slot(p, c, q, 0, p.rank, round) + at;
+        ll_store(line, make_uint2(mine.x, mine.y), c.tag);
+        if (two) ll_store(line + FC_LL_LINE, make_uint2(mine.z, mine.w), c.tag);
+      }
+    }
+    uint4 lo[FC_MAX_RANKS], hi[FC_MAX_RANKS];
+    uint32_t need = others;
+    uint32_t foreign = 0;
+    Waiter w;
+    while (need != 0 && !c.dead) {
+#pragma unroll
+      for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
+        if ((need >> s) & 1u) {
+          const char* line = sub_slot(p, c, p.rank, 0, s, round) + at;
+          lo[s] = ld_volatile_v4(line);
+          hi[s] = two ? ld_volatile_v4(line + FC_LL_LINE) : make_uint4(0, c.tag, 0, c.tag);
+        }
+      }
+#pragma unroll
+      for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
+        if ((need >> s) & 1u) {
+          if (lo[s].y == c.tag && lo[s].w == c.tag && hi[s].y == c.tag && hi[s].w == c.tag) {
+            need &= ~(1u << s);
+          } else {
+            const uint32_t t[4] = {lo[s].y, lo[s].w, hi[s].y, hi[s].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              if (t[i] != 0 && t[i] != c.tag) foreign = t[i];
+          }
+        }
+      }
+      if (foreign != 0) {
+        give_up(p, c, FC_STATUS_MISMATCH, __ffs(need) - 1, foreign);
+        break;
+      }
+      if (need != 0 && w.stop(p, c, __ffs(need) - 1)) break;
+    }
+    Acc<T, 4> acc;
+#pragma unroll
+    for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
+      if (s < p.nranks) {
+        const uint4 x = s == p.rank ? mine : make_uint4(lo[s].x, lo[s].z, hi[s].x, hi[s].z);
+        if (s == 0)
+          acc.init(reinterpret_cast<const uint32_t*>(&x));
+        else
+          acc.add(reinterpret_cast<const uint32_t*>(&x));
+      }
+    }
+    uint4 r;
+    acc.out(reinterpret_cast<uint32_t*>(&r));
+    store_bytes16(out + (uint64_t)v * 16, r, n);
+#pragma unroll
+    for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
+      if ((others >> s) & 1u) {
+        char* line = sub_slot(p, c, p.rank, 0, s, round) + at;
+        ll_clear(line);
+        if (two) ll_clear(line + FC_LL_LINE);
+      }
+    }
+  }
+}
+
 // ================================================================================== BLOCK ====
 
 __device__ __forceinline__ char* frame_at(char* sub, uint32_t f) { return sub + (uint64_t)f * FC_FRAME_BYTES; }
@@ -316,8 +397,12 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
     if (round > 0) between_rounds<PROTO>();
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
-    send<PROTO>(p, c, in + off, len, round, 0, all);
-    reduce<PROTO, T>(p, c, in + off, out + off, len, round, 0, 0, 0);
+    if (PROTO == FC_PROTO_LL) {
+      ll_oneshot_fused<T>(p, c, in + off, out + off, len, round);
+    } else {
+      send<PROTO>(p, c, in + off, len, round, 0, all);
+      reduce<PROTO, T>(p, c, in + off, out + off, len, round, 0, 0, 0);
+    }
   }
   finish(p, c);
 }

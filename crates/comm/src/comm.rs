@@ -542,7 +542,9 @@ impl Communicator {
         ] {
             per_sm = per_sm.min(kernels.get(k).max_active_blocks_per_sm(THREADS, 0)?);
         }
-        let grid = (per_sm.max(1) * dev.sm_count()).min(arena.max_grid());
+        let grid = (per_sm.max(1) * dev.sm_count())
+            .min(arena.max_grid())
+            .min(abi::MAX_BLOCKS);
         let grid = cfg.max_blocks.map_or(grid, |m| grid.min(m.max(1)));
         Ok(LocalSetup {
             dev,
@@ -1059,7 +1061,7 @@ impl Communicator {
             recv: recv.addr(),
             count,
             peer_base: self.peers,
-            ctl: self.local.addr() + abi::HDR_CTL,
+            epochs: self.local.addr() + abi::HDR_EPOCHS,
             abort_flag: self.host.dev_ptr() + HOST_ABORT as u64,
             status: self.host.dev_ptr() + HOST_STATUS as u64,
             timeout_ns: self.cfg.timeout.as_nanos().min(u64::MAX as u128) as u64,

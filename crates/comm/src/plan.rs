@@ -124,23 +124,48 @@ pub fn shard_elems(count: u64, nranks: u32, elem: u64) -> Option<u64> {
     ((n - 1) * per < count).then_some(per)
 }
 
-/// Blocks and threads per block of a launch that moves `bytes` per source with `proto`: blocks
-/// of [`THREADS`] threads, enough for one 8-byte LL unit (or one warp per BLOCK frame) per thread,
-/// capped at `max_grid`. (Cutting small LL messages over more, smaller blocks was measured on the
-/// H200 and is slower: 16 blocks of 128 threads took 19.8 us at 16 KiB on 2 virtual ranks where
-/// 16 blocks of 512 threads took 14.7 us at 64 KiB; docs/perf.md, "Decode-size latency".)
+/// Payload bytes an LL thread takes per step: 16 (two 8-byte units; the fused one-shot
+/// AllReduce moves them as a pair, the other LL kernels unit by unit).
+pub const LL_THREAD_BYTES: u64 = 16;
+
+/// Threads an LL block aims for: small blocks spread a small message over many SMs, whose
+/// memory pipelines then work in parallel (measured on the H200: 8 KiB over 8 blocks of 64
+/// threads beat 2 blocks of 512 by about 1.4x; docs/perf.md, "Decode-size latency").
+pub const LL_BLOCK_THREADS: u32 = 64;
+
+/// Blocks and threads per block of a launch that moves `bytes` per source with `proto`.
+/// LL: one 16-byte step per thread in blocks of [`LL_BLOCK_THREADS`] threads, as many blocks as
+/// that takes up to `max_grid`; a capped grid gets larger blocks (up to [`THREADS`]) before its
+/// threads loop. BLOCK: blocks of [`THREADS`] threads, one warp per frame.
 pub fn shape_for(proto: Protocol, bytes: u64, max_grid: u32) -> (u32, u32) {
-    (grid_for(proto, bytes, max_grid), THREADS)
+    let grid = grid_for(proto, bytes, max_grid);
+    let threads = match proto {
+        Protocol::Ll => {
+            let per_block = bytes.div_ceil(grid as u64).div_ceil(LL_THREAD_BYTES);
+            (per_block.next_multiple_of(32) as u32).clamp(LL_BLOCK_THREADS, THREADS)
+        }
+        Protocol::Block => THREADS,
+    };
+    (grid, threads)
 }
 
-/// Blocks for a launch that moves `bytes` per source with `proto` in blocks of [`THREADS`]
-/// threads, capped at `max_grid`.
+/// Blocks for a launch that moves `bytes` per source with `proto`, capped at `max_grid`.
 pub fn grid_for(proto: Protocol, bytes: u64, max_grid: u32) -> u32 {
     let per_block = match proto {
-        Protocol::Ll => THREADS as u64 * LL_PAYLOAD,
+        Protocol::Ll => LL_BLOCK_THREADS as u64 * LL_THREAD_BYTES,
         Protocol::Block => (THREADS as u64 / 32) * FRAME_PAYLOAD,
     };
     bytes.div_ceil(per_block).clamp(1, max_grid.max(1) as u64) as u32
+}
+
+/// Payload bytes per chunk for a message of `bytes` per source over `grid` blocks: the message
+/// cut evenly over the blocks (a multiple of 16 bytes), so that every block has work, at most
+/// `capacity` (what one sub-slot carries).
+pub fn chunk_for(bytes: u64, grid: u32, capacity: u64) -> u64 {
+    bytes
+        .div_ceil(grid.max(1) as u64)
+        .next_multiple_of(16)
+        .clamp(16, capacity.max(16))
 }
 
 /// Message sizes (bytes of one rank) at which calibration times every (algorithm, protocol):
@@ -526,7 +551,8 @@ pub fn plan(
         _ => bytes,
     };
     let (grid, threads) = shape_for(proto, per_block_bytes, max_grid);
-    let (sub_bytes, chunk_bytes) = arena.chunking(proto, grid);
+    let (sub_bytes, capacity) = arena.chunking(proto, grid);
+    let chunk_bytes = chunk_for(per_block_bytes, grid, capacity);
     let coll_algo = if coll == Collective::AllReduce {
         algo
     } else {
@@ -585,10 +611,11 @@ mod tests {
     #[test]
     fn launch_shapes_use_whole_blocks() {
         // (bytes, max_grid) -> (grid, threads)
-        assert_eq!(shape_for(Protocol::Ll, 8 << 10, 66), (2, THREADS));
-        assert_eq!(shape_for(Protocol::Ll, 64 << 10, 66), (16, THREADS));
-        assert_eq!(shape_for(Protocol::Ll, 1 << 20, 66), (66, THREADS));
-        assert_eq!(shape_for(Protocol::Ll, 100, 66), (1, THREADS));
+        assert_eq!(shape_for(Protocol::Ll, 8 << 10, 66), (8, 64));
+        assert_eq!(shape_for(Protocol::Ll, 64 << 10, 66), (64, 64));
+        assert_eq!(shape_for(Protocol::Ll, 128 << 10, 66), (66, 128));
+        assert_eq!(shape_for(Protocol::Ll, 1 << 20, 66), (66, 512));
+        assert_eq!(shape_for(Protocol::Ll, 100, 66), (1, 64));
         assert_eq!(shape_for(Protocol::Block, 8 << 10, 66), (1, THREADS));
         let a = Arena::new(8, 64 << 20).unwrap();
         let m = CostModel::default_for(8);
@@ -603,9 +630,22 @@ mod tests {
                 Choice::Force(Algorithm::OneShot),
                 Choice::Force(Protocol::Ll),
             );
-            assert!(p.grid <= 16 && p.threads == THREADS);
+            assert!(p.grid <= 16 && p.threads <= THREADS && p.threads % 32 == 0);
             assert!(p.sub_bytes >= LL_LINE);
+            // Every block has work, and one round covers the message unless a chunk is as
+            // large as a sub-slot carries.
+            assert!(p.chunk_bytes * (p.grid as u64 - 1) < bytes);
+            let capacity = a.chunking(Protocol::Ll, p.grid).1;
+            assert!(p.chunk_bytes * p.grid as u64 >= bytes || p.chunk_bytes == capacity);
         }
+    }
+
+    #[test]
+    fn chunks_spread_the_message_over_the_grid() {
+        assert_eq!(chunk_for(8 << 10, 8, 1 << 20), 1024);
+        assert_eq!(chunk_for(100, 1, 1 << 20), 112);
+        assert_eq!(chunk_for(1 << 30, 4, 1 << 20), 1 << 20);
+        assert_eq!(chunk_for(0, 4, 1 << 20), 16);
     }
 
     #[test]

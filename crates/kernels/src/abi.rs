@@ -8,13 +8,19 @@
 /// Ranks a flashcomm communicator supports.
 pub const MAX_RANKS: usize = 8;
 /// Bytes at the start of every rank's arena, before the data halves.
-pub const ARENA_HEADER_BYTES: u64 = 4096;
+pub const ARENA_HEADER_BYTES: u64 = 8192;
 /// Arena header, u32: a peer (or this rank) asks every block of this rank to stop.
 pub const HDR_ABORT_REQ: u64 = 0;
 /// Arena header, u32[MAX_RANKS]: peer-write probe words written at set-up.
 pub const HDR_PROBE: u64 = 64;
-/// Arena header, FcCtl: this rank's device-side epoch state.
-pub const HDR_CTL: u64 = 1024;
+/// Arena header, u32[MAX_BLOCKS]: this rank's epochs, one word per block index. Word `b` is the
+/// epoch (sequence number) of the next collective as block `b` sees it; only this rank's kernels
+/// touch them. Every kernel of `G` blocks advances all words (block `b` writes the words
+/// `b, b + G, b + 2G, ...`), so each block of the next kernel, whatever its grid, reads its own
+/// word without an atomic or a grid-wide count.
+pub const HDR_EPOCHS: u64 = 4096;
+/// Blocks a collective kernel may have (the epoch words of the arena header).
+pub const MAX_BLOCKS: u32 = 1024;
 /// Frame header bytes of the BLOCK protocol.
 pub const FRAME_HEADER: u64 = 16;
 /// Frame payload bytes of the BLOCK protocol.
@@ -57,18 +63,6 @@ pub mod status {
     pub const CLAIMED: u32 = 0xffff_ffff;
 }
 
-/// Device-side state of one rank of one communicator. Only this rank's kernels touch it.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct FcCtl {
-    /// Epoch of the next collective; its low 32 bits (never 0) tag the data.
-    pub seq: u64,
-    /// Blocks of the running kernel that have finished (the last one advances seq).
-    pub done: u32,
-    /// Padding.
-    pub pad: u32,
-}
-
 /// What a kernel that gave up records (host-mapped; the first error wins).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -99,8 +93,8 @@ pub struct FcCollParams {
     pub count: u64,
     /// Every rank's arena, as mapped in this process.
     pub peer_base: [u64; MAX_RANKS],
-    /// This rank's FcCtl.
-    pub ctl: u64,
+    /// This rank's epoch words (u32[MAX_BLOCKS] at HDR_EPOCHS of its arena).
+    pub epochs: u64,
     /// Host-mapped u32 set by ncclCommAbort.
     pub abort_flag: u64,
     /// Host-mapped FcStatus.
@@ -161,11 +155,10 @@ pub struct FcProbeParams {
 
 const _: () = {
     use std::mem::{offset_of, size_of};
-    assert!(size_of::<FcCtl>() == 16);
     assert!(size_of::<FcStatus>() == 32);
     assert!(size_of::<FcCollParams>() == 216);
     assert!(offset_of!(FcCollParams, peer_base) == 24);
-    assert!(offset_of!(FcCollParams, ctl) == 88);
+    assert!(offset_of!(FcCollParams, epochs) == 88);
     assert!(offset_of!(FcCollParams, shard_elems) == 160);
     assert!(offset_of!(FcCollParams, rank) == 168);
     assert!(offset_of!(FcCollParams, q_bits_rs) == 184);
@@ -201,13 +194,14 @@ mod tests {
             ("FC_ARENA_HEADER_BYTES", super::ARENA_HEADER_BYTES),
             ("FC_HDR_ABORT_REQ", super::HDR_ABORT_REQ),
             ("FC_HDR_PROBE", super::HDR_PROBE),
-            ("FC_HDR_CTL", super::HDR_CTL),
+            ("FC_HDR_EPOCHS", super::HDR_EPOCHS),
+            ("FC_MAX_BLOCKS", super::MAX_BLOCKS as u64),
         ] {
             let line = h
                 .lines()
                 .find(|l| l.starts_with(&format!("#define {name} ")))
                 .unwrap_or_else(|| panic!("{name} missing"));
-            let val: u64 = line.split_whitespace().nth(2).unwrap().parse().unwrap();
+            let val: u64 = line.split_whitespace().nth(2).unwrap().trim_end_matches('u').parse().unwrap();
             assert_eq!(val, v, "{name}");
         }
         assert!(h.contains("sizeof(FcCollParams) == 216"));

@@ -9,13 +9,19 @@
 // Ranks a flashcomm communicator supports.
 #define FC_MAX_RANKS 8
 // Bytes at the start of every rank's arena, before the data halves.
-#define FC_ARENA_HEADER_BYTES 4096
+#define FC_ARENA_HEADER_BYTES 8192
 // Arena header, u32: a peer (or this rank) asks every block of this rank to stop.
 #define FC_HDR_ABORT_REQ 0
 // Arena header, u32[MAX_RANKS]: peer-write probe words written at set-up.
 #define FC_HDR_PROBE 64
-// Arena header, FcCtl: this rank's device-side epoch state.
-#define FC_HDR_CTL 1024
+// Arena header, u32[MAX_BLOCKS]: this rank's epochs, one word per block index. Word `b` is the
+// epoch (sequence number) of the next collective as block `b` sees it; only this rank's kernels
+// touch them. Every kernel of `G` blocks advances all words (block `b` writes the words `b, b + G,
+// b + 2G, ...`), so each block of the next kernel, whatever its grid, reads its own word without an
+// atomic or a grid-wide count.
+#define FC_HDR_EPOCHS 4096
+// Blocks a collective kernel may have (the epoch words of the arena header).
+#define FC_MAX_BLOCKS 1024u
 // Frame header bytes of the BLOCK protocol.
 #define FC_FRAME_HEADER 16
 // Frame payload bytes of the BLOCK protocol.
@@ -56,13 +62,6 @@
 // A kernel is writing the record (an error, details follow).
 #define FC_STATUS_CLAIMED 0xffffffffu
 
-// Device-side state of one rank of one communicator. Only this rank's kernels touch it.
-struct FcCtl {
-  uint64_t seq;                      // Epoch of the next collective; its low 32 bits (never 0) tag the data.
-  uint32_t done;                     // Blocks of the running kernel that have finished (the last one advances seq).
-  uint32_t pad;                      // Padding.
-};
-
 // What a kernel that gave up records (host-mapped; the first error wins).
 struct FcStatus {
   uint32_t code;                     // status::*.
@@ -79,7 +78,7 @@ struct FcCollParams {
   uint64_t recv;                     // User receive buffer.
   uint64_t count;                    // Elements: AllReduce count, ReduceScatter recvcount, AllGather sendcount.
   uint64_t peer_base[FC_MAX_RANKS];  // Every rank's arena, as mapped in this process.
-  uint64_t ctl;                      // This rank's FcCtl.
+  uint64_t epochs;                   // This rank's epoch words (u32[MAX_BLOCKS] at HDR_EPOCHS of its arena).
   uint64_t abort_flag;               // Host-mapped u32 set by ncclCommAbort.
   uint64_t status;                   // Host-mapped FcStatus.
   uint64_t timeout_ns;               // Bound on every wait, in nanoseconds.
@@ -112,10 +111,6 @@ struct FcProbeParams {
 };
 
 #ifdef __cplusplus
-static_assert(offsetof(FcCtl, seq) == 0, "FcCtl.seq");
-static_assert(offsetof(FcCtl, done) == 8, "FcCtl.done");
-static_assert(offsetof(FcCtl, pad) == 12, "FcCtl.pad");
-static_assert(sizeof(FcCtl) == 16, "FcCtl layout");
 static_assert(offsetof(FcStatus, code) == 0, "FcStatus.code");
 static_assert(offsetof(FcStatus, peer) == 4, "FcStatus.peer");
 static_assert(offsetof(FcStatus, block) == 8, "FcStatus.block");
@@ -127,7 +122,7 @@ static_assert(offsetof(FcCollParams, send) == 0, "FcCollParams.send");
 static_assert(offsetof(FcCollParams, recv) == 8, "FcCollParams.recv");
 static_assert(offsetof(FcCollParams, count) == 16, "FcCollParams.count");
 static_assert(offsetof(FcCollParams, peer_base) == 24, "FcCollParams.peer_base");
-static_assert(offsetof(FcCollParams, ctl) == 88, "FcCollParams.ctl");
+static_assert(offsetof(FcCollParams, epochs) == 88, "FcCollParams.epochs");
 static_assert(offsetof(FcCollParams, abort_flag) == 96, "FcCollParams.abort_flag");
 static_assert(offsetof(FcCollParams, status) == 104, "FcCollParams.status");
 static_assert(offsetof(FcCollParams, timeout_ns) == 112, "FcCollParams.timeout_ns");

@@ -19,8 +19,8 @@
 //   FC_FRAME_PAYLOAD bytes. A warp writes the payload with plain stores, synchronizes, and lane 0
 //   issues a system-scope fence before storing the tag. The receiver acquires the tag and then reads
 //   the payload through L2.
-// * Epochs live on the device (FcCtl::seq), advanced by the last block of each kernel, so a CUDA
-//   graph replays correctly any number of times.
+// * Epochs live on the device (one word per block index in the arena header, advanced by every
+//   block at its end; see finish), so a CUDA graph replays correctly any number of times.
 // * Every wait polls with a budget: it checks this rank's abort word (set by peers that gave up),
 //   the host abort flag (ncclCommAbort) and, when a timeout is set (timeout_ns != 0), a deadline
 //   (globaltimer). With no timeout a wait lasts until the data arrives or an abort word is set,
@@ -53,8 +53,9 @@ __device__ __forceinline__ uint32_t tag_of(uint64_t seq, uint32_t sig) {
 
 __device__ __forceinline__ Ctx begin(const FcCollParams& p) {
   Ctx c;
-  const FcCtl* ctl = reinterpret_cast<const FcCtl*>(p.ctl);
-  c.seq = ld_volatile_u64(&ctl->seq);
+  // This block's epoch word: every block of the previous kernel on this rank advanced every word
+  // (see finish), so all blocks of this kernel read the same epoch.
+  c.seq = ld_volatile_u32(reinterpret_cast<const uint32_t*>(p.epochs) + blockIdx.x);
   c.tag = tag_of(c.seq, p.flags >> FC_FLAG_SIG_SHIFT);
   c.half = (uint32_t)(c.seq & 1);
   // timeout_ns == 0: no time limit (NCCL's behaviour: wait until the work completes or the
@@ -65,20 +66,17 @@ __device__ __forceinline__ Ctx begin(const FcCollParams& p) {
   return c;
 }
 
-// Called by every thread of every block at the very end. The last block to finish advances the
-// epoch for the next collective on this rank.
+// Called by every thread of every block at the very end: block b advances the epoch words
+// b, b + G, b + 2G, ... (G = gridDim.x) below FC_MAX_BLOCKS. No word is read by another block of
+// this kernel (block b' < G reads only word b'), so no atomic and no grid-wide count is needed,
+// and the next kernel on this rank (stream order) sees every word advanced whatever its grid.
+// The epoch is a u32: at its wrap the half parity stays consistent (2^32 is even) and the tags of
+// calls two apart still differ (tag_of reduces modulo 2^24 - 1).
 __device__ __forceinline__ void finish(const FcCollParams& p, const Ctx& c) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    FcCtl* ctl = reinterpret_cast<FcCtl*>(p.ctl);
-    __threadfence();
-    uint32_t prev = atomicAdd(&ctl->done, 1u);
-    if (prev == gridDim.x - 1) {
-      ctl->done = 0;
-      ctl->seq = c.seq + 1;
-      __threadfence();
-    }
-  }
+  uint32_t* words = reinterpret_cast<uint32_t*>(p.epochs);
+  const uint32_t next = (uint32_t)c.seq + 1u;
+  for (uint32_t w = blockIdx.x + threadIdx.x * gridDim.x; w < FC_MAX_BLOCKS; w += blockDim.x * gridDim.x) words[w] = next;
 }
 
 __device__ __forceinline__ char* arena_local(const FcCollParams& p) {
