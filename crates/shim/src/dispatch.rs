@@ -96,12 +96,44 @@ pub(crate) fn on_comm_destroying(comm: ncclComm_t, end: CommEnd) {
                 if let Some(c) = state.served() {
                     c.abort();
                 }
+            } else if let Some(c) = state.served() {
+                // NCCL's finalize flushes the communicator's operations before it returns (a
+                // blocking communicator; flashcomm serves no other kind): flashcomm's too. The
+                // wait ends when the kernels finish, or when an abort (another thread's
+                // ncclCommAbort) makes them leave their waits.
+                let _saved = crate::calls::cuda::SavedContext::save();
+                if let Err(e) = c.wait_idle() {
+                    logging::info(
+                        Subsys::Init,
+                        &format!("communicator {comm:p}: finalize: flashcomm's last kernel: {e}"),
+                    );
+                }
             }
         }
         CommEnd::Destroy | CommEnd::Abort => {
             if let Some(state) = registry::remove(h) {
                 serve::tear_down(h, state, end == CommEnd::Abort);
             }
+        }
+    }
+}
+
+/// Hook of `ncclCommShrink` with `NCCL_SHRINK_ABORT`, before the real shrink: NCCL aborts the
+/// parent's operations in flight and leaves the parent usable only for destroy or abort; so
+/// flashcomm's kernels of the parent leave their waits (the abort flag) and the parent's later
+/// collectives go to NCCL, which reports its state.
+pub(crate) fn on_comm_shrink_abort(comm: ncclComm_t) {
+    if comm.is_null() {
+        return;
+    }
+    logging::info(
+        Subsys::Init,
+        &format!("communicator {comm:p}: shrink with NCCL_SHRINK_ABORT: flashcomm's kernels of it abort"),
+    );
+    if let Some(state) = registry::by_handle(CommHandle::of(comm)) {
+        state.close();
+        if let Some(c) = state.served() {
+            c.abort();
         }
     }
 }

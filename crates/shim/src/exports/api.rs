@@ -10,8 +10,8 @@ use std::cell::RefCell;
 use std::ffi::{CString, c_char, c_int, c_void};
 
 use flashcomm_nccl_sys::{
-    cudaStream_t, ncclCollConfig_t, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t,
-    ncclResult_t, ncclSimInfo_t, ncclUniqueId,
+    NCCL_SHRINK_ABORT, cudaStream_t, ncclCollConfig_t, ncclComm_t, ncclConfig_t, ncclDataType_t,
+    ncclRedOp_t, ncclResult_t, ncclSimInfo_t, ncclUniqueId,
 };
 
 use crate::args::Args;
@@ -413,6 +413,9 @@ nccl_api! {
         exclude_ranks_count: c_int, newcomm: *mut ncclComm_t, config: *mut ncclConfig_t,
         shrink_flags: c_int,
     ) -> ncclResult_t {
+        if shrink_flags & NCCL_SHRINK_ABORT as c_int != 0 && !forked() {
+            dispatch::on_comm_shrink_abort(comm);
+        }
         let r = forwarded!(call_real!(SHRINK, (comm, exclude_ranks_list, exclude_ranks_count,
             newcomm, config, shrink_flags) -> ncclResult_t));
         created(r, newcomm, 1, CommOrigin::Shrink { parent: CommHandle::of(comm) }, config);
