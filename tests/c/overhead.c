@@ -94,6 +94,32 @@ typedef int (*cu_count_t)(int*);
 typedef int (*cu_dev_t)(int*, int);
 typedef int (*cu_retain_t)(void**, int);
 typedef int (*cu_set_t)(void*);
+typedef int (*cu_alloc_t)(unsigned long long*, size_t);
+typedef int (*cu_stream_create_t)(void**, unsigned);
+typedef int (*cu_stream_t)(void*);
+typedef int (*all_reduce_t)(const void*, void*, size_t, int, int, void*, void*);
+
+static int cmp_double(const void* a, const void* b) {
+  double x = *(const double*)a, y = *(const double*)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Eager host time of one ncclAllReduce (API entry to return), bf16 sum of `bytes`: the median
+ * over 7 rounds of `calls` calls each, the stream drained between rounds (outside the timing).
+ * Returns -1 when a call fails. */
+static double time_all_reduce(all_reduce_t f, void* comm, void* stream, cu_stream_t sync,
+                              unsigned long long send, unsigned long long recv, size_t bytes, long calls) {
+  double per[7];
+  for (int round = 0; round < 7; round++) {
+    double t0 = now_ns();
+    for (long i = 0; i < calls; i++)
+      if (f((const void*)send, (void*)recv, bytes / 2, 9 /* bf16 */, 0 /* sum */, comm, stream)) return -1;
+    per[round] = (now_ns() - t0) / (double)calls;
+    if (sync(stream)) return -1;
+  }
+  qsort(per, 7, sizeof per[0], cmp_double);
+  return per[3];
+}
 
 int main(int argc, char** argv) {
   const char* ours_path = NULL;
@@ -164,7 +190,39 @@ int main(int argc, char** argv) {
       comm_int_t o = (comm_int_t)sym(ours, calls[c]);
       report(calls[c], time_comm_int(r, comm, iters), time_comm_int(o, comm, iters));
     }
+    /* The per-call host cost of an eager AllReduce, through flashcomm and through the real
+     * NCCL, on the same one-rank communicator and stream (the issue's "host side of a call"). */
+    unsigned long long send = 0, recv = 0;
+    void* stream = NULL;
+    cu_stream_t sync = (cu_stream_t)sym(cu, "cuStreamSynchronize");
+    if (((cu_alloc_t)sym(cu, "cuMemAlloc_v2"))(&send, 1 << 20) || ((cu_alloc_t)sym(cu, "cuMemAlloc_v2"))(&recv, 1 << 20) ||
+        ((cu_stream_create_t)sym(cu, "cuStreamCreate"))(&stream, 1 /* non-blocking */)) {
+      fprintf(stderr, "buffer or stream creation failed\n");
+      return 1;
+    }
+    all_reduce_t ar_real = (all_reduce_t)sym(real, "ncclAllReduce");
+    all_reduce_t ar_ours = (all_reduce_t)sym(ours, "ncclAllReduce");
+    int failed = 0;
+    const size_t sizes[] = {8 << 10, 64 << 10, 1 << 20};
+    for (int k = 0; k < 3; k++) {
+      for (int inplace = 0; inplace < 2; inplace++) {
+        unsigned long long r = inplace ? send : recv;
+        long calls = 500;
+        double tr = time_all_reduce(ar_real, comm, stream, sync, send, r, sizes[k], calls);
+        double to = time_all_reduce(ar_ours, comm, stream, sync, send, r, sizes[k], calls);
+        char name[64];
+        snprintf(name, sizeof name, "ncclAllReduce %zuK%s", sizes[k] >> 10, inplace ? " in" : "");
+        if (tr < 0 || to < 0) {
+          fprintf(stderr, "%s failed\n", name);
+          failed = 1;
+          continue;
+        }
+        report(name, tr, to);
+        printf("%-20s flashcomm / real %.2f (median of 7 rounds of %ld eager calls)\n", name, to / tr, calls);
+      }
+    }
     ((comm_t)sym(ours, "ncclCommDestroy"))(comm);
+    if (failed) return 1;
   }
   return 0;
 }
