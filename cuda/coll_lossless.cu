@@ -133,53 +133,42 @@ __device__ __forceinline__ void ll_copy(const FcCollParams& p, Ctx& c, uint32_t 
   }
 }
 
-// One-shot AllReduce with LL, fused per thread: a thread takes 16 payload bytes (two 8-byte
-// units, lines 2v and 2v + 1 of the sub-slot: the layout of ll_send), pushes them to every peer,
-// then polls exactly those lines of every peer, reduces in rank order, writes the result and
-// clears the lines. A thread never waits for anything another thread of its rank sends, so one
-// chunk costs one round trip of polls instead of a send phase and a reduce phase; and the loads
-// of every source's lines are issued before any is checked.
+// One-shot AllReduce with LL, fused per thread: a thread takes one 8-byte unit (line u of the
+// sub-slot: the layout of ll_send), pushes it to every peer, then polls exactly that line of
+// every peer (every source's load issued before any is checked), reduces in rank order, writes
+// the result and clears the lines. A thread never waits for anything another thread of its rank
+// sends, so a chunk costs one round trip of polls instead of a send phase and a reduce phase.
+// (One unit per thread measured faster on the H200 than two: docs/perf.md, "Decode-size
+// latency".)
 template <typename T>
 __device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, const char* in, char* out, uint32_t len,
                                                  uint64_t round) {
-  const uint32_t vecs = (len + 15) / 16;
+  const uint32_t units = (len + FC_LL_PAYLOAD - 1) / FC_LL_PAYLOAD;
   const uint32_t others = ((1u << p.nranks) - 1u) & ~(1u << p.rank);
-  for (uint32_t v = threadIdx.x; v < vecs; v += blockDim.x) {
-    const uint32_t n = min(16u, len - v * 16);
-    const bool two = n > 8;  // the second unit exists
-    const uint4 mine = load_bytes16(in + (uint64_t)v * 16, n);
-    const uint64_t at = (uint64_t)v * 2 * FC_LL_LINE;
+  for (uint32_t u = threadIdx.x; u < units; u += blockDim.x) {
+    const uint32_t n = min((uint32_t)FC_LL_PAYLOAD, len - u * FC_LL_PAYLOAD);
+    const uint2 mine = load_bytes8(in + (uint64_t)u * FC_LL_PAYLOAD, n);
+    const uint64_t at = (uint64_t)u * FC_LL_LINE;
 #pragma unroll
     for (uint32_t q = 0; q < FC_MAX_RANKS; ++q) {
-      if (q < p.nranks && q != p.rank) {
-        char* line = sub_slot(p, c, q, 0, p.rank, round) + at;
-        ll_store(line, make_uint2(mine.x, mine.y), c.tag);
-        if (two) ll_store(line + FC_LL_LINE, make_uint2(mine.z, mine.w), c.tag);
-      }
+      if (q < p.nranks && q != p.rank) ll_store(sub_slot(p, c, q, 0, p.rank, round) + at, mine, c.tag);
     }
-    uint4 lo[FC_MAX_RANKS], hi[FC_MAX_RANKS];
+    uint4 got[FC_MAX_RANKS];
     uint32_t need = others;
     uint32_t foreign = 0;
     Waiter w;
     while (need != 0 && !c.dead) {
 #pragma unroll
-      for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
-        if ((need >> s) & 1u) {
-          const char* line = sub_slot(p, c, p.rank, 0, s, round) + at;
-          lo[s] = ld_volatile_v4(line);
-          hi[s] = two ? ld_volatile_v4(line + FC_LL_LINE) : make_uint4(0, c.tag, 0, c.tag);
-        }
-      }
+      for (uint32_t s = 0; s < FC_MAX_RANKS; ++s)
+        if ((need >> s) & 1u) got[s] = ld_volatile_v4(sub_slot(p, c, p.rank, 0, s, round) + at);
 #pragma unroll
       for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
         if ((need >> s) & 1u) {
-          if (lo[s].y == c.tag && lo[s].w == c.tag && hi[s].y == c.tag && hi[s].w == c.tag) {
+          if (got[s].y == c.tag && got[s].w == c.tag) {
             need &= ~(1u << s);
           } else {
-            const uint32_t t[4] = {lo[s].y, lo[s].w, hi[s].y, hi[s].w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-              if (t[i] != 0 && t[i] != c.tag) foreign = t[i];
+            if (got[s].y != 0 && got[s].y != c.tag) foreign = got[s].y;
+            if (got[s].w != 0 && got[s].w != c.tag) foreign = got[s].w;
           }
         }
       }
@@ -189,27 +178,23 @@ __device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, 
       }
       if (need != 0 && w.stop(p, c, __ffs(need) - 1)) break;
     }
-    Acc<T, 4> acc;
+    Acc<T, 2> acc;
 #pragma unroll
     for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
       if (s < p.nranks) {
-        const uint4 x = s == p.rank ? mine : make_uint4(lo[s].x, lo[s].z, hi[s].x, hi[s].z);
+        const uint2 x = s == p.rank ? mine : make_uint2(got[s].x, got[s].z);
         if (s == 0)
           acc.init(reinterpret_cast<const uint32_t*>(&x));
         else
           acc.add(reinterpret_cast<const uint32_t*>(&x));
       }
     }
-    uint4 r;
+    uint2 r;
     acc.out(reinterpret_cast<uint32_t*>(&r));
-    store_bytes16(out + (uint64_t)v * 16, r, n);
+    store_bytes8(out + (uint64_t)u * FC_LL_PAYLOAD, r, n);
 #pragma unroll
     for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
-      if ((others >> s) & 1u) {
-        char* line = sub_slot(p, c, p.rank, 0, s, round) + at;
-        ll_clear(line);
-        if (two) ll_clear(line + FC_LL_LINE);
-      }
+      if ((others >> s) & 1u) ll_clear(sub_slot(p, c, p.rank, 0, s, round) + at);
     }
   }
 }

@@ -1100,17 +1100,16 @@ impl Communicator {
         {
             last.event.wait_on(stream)?;
         }
-        gpu::launch(
-            &self.kernels,
-            k,
-            LaunchConfig {
-                grid: p.grid,
-                block: threads,
-                smem: 0,
-            },
-            stream,
-            &params,
-        )?;
+        let cfg = LaunchConfig {
+            grid: p.grid,
+            block: threads,
+            smem: 0,
+        };
+        if self.device.supports_overlapped_launch() {
+            gpu::launch_overlapped(&self.kernels, k, cfg, stream, &params)?;
+        } else {
+            gpu::launch(&self.kernels, k, cfg, stream, &params)?;
+        }
         if !capturing {
             last.event.record(stream)?;
             last.stream.store(stream.0 as usize, Ordering::Relaxed);

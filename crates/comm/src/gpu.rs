@@ -10,7 +10,7 @@ pub use flashcomm_gpu::{
     IpcMapping, LaunchConfig, OwnStream, Stream, device_count, driver_present, init, mem_info,
 };
 
-use flashcomm_kernels::abi::KernelParams;
+use flashcomm_kernels::abi::{self, KernelParams};
 use flashcomm_kernels::{Kernel, Kernels};
 
 /// Launches catalogue kernel `k` (its parameter type is tied to it, so the layout is right by
@@ -31,4 +31,19 @@ pub(crate) fn launch<P: KernelParams>(
     // SAFETY: see the function's documentation: lifetimes and stream are guaranteed by the
     // communicator (the only caller) and by the DevicePtr contract.
     unsafe { kernels.launch(k, cfg, stream, params) }.map_err(crate::Error::from)
+}
+
+/// [`launch`] with programmatic stream serialization, for the collective kernels (each waits for
+/// the previous work of its stream before its first memory access; see
+/// [`Kernels::launch_overlapped`]). Sound for the reasons [`launch`] gives.
+pub(crate) fn launch_overlapped(
+    kernels: &Kernels,
+    k: Kernel<abi::FcCollParams>,
+    cfg: LaunchConfig,
+    stream: Stream,
+    params: &abi::FcCollParams,
+) -> Result<(), crate::Error> {
+    // SAFETY: as in `launch`; `k` is a collective kernel (typed FcCollParams), and every
+    // collective kernel waits for the previous work first (transport.cuh, begin()).
+    unsafe { kernels.launch_overlapped(k, cfg, stream, params) }.map_err(crate::Error::from)
 }

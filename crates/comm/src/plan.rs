@@ -124,17 +124,17 @@ pub fn shard_elems(count: u64, nranks: u32, elem: u64) -> Option<u64> {
     ((n - 1) * per < count).then_some(per)
 }
 
-/// Payload bytes an LL thread takes per step: 16 (two 8-byte units; the fused one-shot
-/// AllReduce moves them as a pair, the other LL kernels unit by unit).
-pub const LL_THREAD_BYTES: u64 = 16;
+/// Payload bytes an LL thread takes per step: one 8-byte unit, one line per peer.
+pub const LL_THREAD_BYTES: u64 = LL_PAYLOAD;
 
-/// Threads an LL block aims for: small blocks spread a small message over many SMs, whose
-/// memory pipelines then work in parallel (measured on the H200: 8 KiB over 8 blocks of 64
-/// threads beat 2 blocks of 512 by about 1.4x; docs/perf.md, "Decode-size latency").
-pub const LL_BLOCK_THREADS: u32 = 64;
+/// Threads an LL block aims for: a small message spread over several blocks, one unit per
+/// thread (measured on the H200 with a one-shot kernel of this shape: 8 KiB over 4 blocks of 256
+/// threads, 2 ranks, 1.82 us against the plain reference's 2.19 us; docs/perf.md, "Decode-size
+/// latency").
+pub const LL_BLOCK_THREADS: u32 = 256;
 
 /// Blocks and threads per block of a launch that moves `bytes` per source with `proto`.
-/// LL: one 16-byte step per thread in blocks of [`LL_BLOCK_THREADS`] threads, as many blocks as
+/// LL: one 8-byte unit per thread in blocks of [`LL_BLOCK_THREADS`] threads, as many blocks as
 /// that takes up to `max_grid`; a capped grid gets larger blocks (up to [`THREADS`]) before its
 /// threads loop. BLOCK: blocks of [`THREADS`] threads, one warp per frame.
 pub fn shape_for(proto: Protocol, bytes: u64, max_grid: u32) -> (u32, u32) {
@@ -611,11 +611,11 @@ mod tests {
     #[test]
     fn launch_shapes_use_whole_blocks() {
         // (bytes, max_grid) -> (grid, threads)
-        assert_eq!(shape_for(Protocol::Ll, 8 << 10, 66), (8, 64));
-        assert_eq!(shape_for(Protocol::Ll, 64 << 10, 66), (64, 64));
-        assert_eq!(shape_for(Protocol::Ll, 128 << 10, 66), (66, 128));
-        assert_eq!(shape_for(Protocol::Ll, 1 << 20, 66), (66, 512));
-        assert_eq!(shape_for(Protocol::Ll, 100, 66), (1, 64));
+        assert_eq!(shape_for(Protocol::Ll, 8 << 10, 66), (4, 256));
+        assert_eq!(shape_for(Protocol::Ll, 64 << 10, 66), (32, 256));
+        assert_eq!(shape_for(Protocol::Ll, 128 << 10, 66), (64, 256));
+        assert_eq!(shape_for(Protocol::Ll, 256 << 10, 66), (66, 512));
+        assert_eq!(shape_for(Protocol::Ll, 100, 66), (1, 256));
         assert_eq!(shape_for(Protocol::Block, 8 << 10, 66), (1, THREADS));
         let a = Arena::new(8, 64 << 20).unwrap();
         let m = CostModel::default_for(8);
@@ -630,7 +630,7 @@ mod tests {
                 Choice::Force(Algorithm::OneShot),
                 Choice::Force(Protocol::Ll),
             );
-            assert!(p.grid <= 16 && p.threads <= THREADS && p.threads % 32 == 0);
+            assert!(p.grid <= 16 && p.threads <= THREADS && p.threads.is_multiple_of(32));
             assert!(p.sub_bytes >= LL_LINE);
             // Every block has work, and one round covers the message unless a chunk is as
             // large as a sub-slot carries.

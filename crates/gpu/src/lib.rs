@@ -27,7 +27,7 @@ mod module;
 
 pub use caller::{OwnStream, SavedContext, current_device, driver_loaded};
 pub use host_arena::HostArena;
-pub use module::{Function, LaunchConfig, Module, launch};
+pub use module::{Function, LaunchConfig, Module, launch, launch_overlapped};
 
 /// What can go wrong in a driver call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,6 +148,7 @@ pub struct Device {
     sms: u32,
     uuid: [u8; 16],
     numa: Option<u32>,
+    overlap: bool,
 }
 
 // SAFETY: CUdevice is an integer and CUcontext an opaque handle that the driver accepts from any
@@ -182,6 +183,20 @@ impl Device {
         }
         .map_err(cuda("querying the SM count"))?;
         let uuid = result::device::get_uuid(dev).map_err(cuda("querying the device UUID"))?;
+        // Programmatic launches (launch_overlapped) need compute capability 9.0 and a CUDA 12
+        // driver (cuLaunchKernelEx).
+        // SAFETY: valid device and attribute.
+        let major = unsafe {
+            result::device::get_attribute(
+                dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            )
+        }
+        .unwrap_or(0);
+        let mut driver = 0;
+        // SAFETY: a valid out pointer.
+        let driver_ok = unsafe { sys::cuDriverGetVersion(&mut driver) }.result().is_ok();
+        let overlap = major >= 9 && driver_ok && driver >= 12000;
         let numa = numa_node_of(dev);
         let d = Arc::new(Device {
             ordinal,
@@ -190,6 +205,7 @@ impl Device {
             sms: sms.max(1) as u32,
             uuid: uuid.bytes.map(|b| b as u8),
             numa,
+            overlap,
         });
         map.insert(ordinal, d.clone());
         Ok(d)
@@ -203,6 +219,12 @@ impl Device {
     /// Multiprocessors.
     pub fn sm_count(&self) -> u32 {
         self.sms
+    }
+
+    /// Whether kernels on this device can be launched with [`launch_overlapped`] (compute
+    /// capability 9.0 or later, CUDA 12 driver).
+    pub fn supports_overlapped_launch(&self) -> bool {
+        self.overlap
     }
 
     /// The device UUID.

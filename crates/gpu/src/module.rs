@@ -169,3 +169,43 @@ pub unsafe fn launch<P>(
     }
     .map_err(cuda("launching a kernel"))
 }
+
+/// Launches `f` like [`launch`], allowed to start before the previous work of `stream` has
+/// finished (programmatic stream serialization, compute capability 9.0 and later): the launch
+/// overhead then overlaps the tail of that work. The kernel must execute `griddepcontrol.wait`
+/// before its first memory access, which waits until the previous work has completed and its
+/// memory is visible: the result is the same as a plain launch. Captured into a graph, the edge
+/// keeps this meaning.
+///
+/// # Safety
+/// As [`launch`]; and the kernel must wait as described before touching memory.
+pub unsafe fn launch_overlapped<P>(
+    f: Function,
+    cfg: LaunchConfig,
+    stream: Stream,
+    params: &P,
+) -> Result<(), Error> {
+    let mut args = [params as *const P as *mut c_void];
+    // SAFETY: an all-zero attribute is a valid value of this plain C struct; the fields set
+    // below are the ID and the union member that ID selects.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: cfg.block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: cfg.smem,
+        hStream: stream.0,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: `config` and `attr` outlive the call; the argument array holds one pointer to the
+    // parameter struct, as for `launch`; the caller upholds the rest.
+    unsafe { sys::cuLaunchKernelEx(&config, f.0, args.as_mut_ptr(), std::ptr::null_mut()) }
+        .result()
+        .map_err(cuda("launching a kernel (programmatic serialization)"))
+}

@@ -52,6 +52,12 @@ __device__ __forceinline__ uint32_t tag_of(uint64_t seq, uint32_t sig) {
 }
 
 __device__ __forceinline__ Ctx begin(const FcCollParams& p) {
+  // The host may launch this kernel with programmatic stream serialization (compute capability
+  // 9.0 and later): wait here, before any memory access, until the previous work of the stream
+  // has completed and its memory is visible. Without that launch attribute this returns at once.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   Ctx c;
   // This block's epoch word: every block of the previous kernel on this rank advanced every word
   // (see finish), so all blocks of this kernel read the same epoch.

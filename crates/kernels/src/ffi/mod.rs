@@ -179,6 +179,25 @@ impl Kernels {
         unsafe { flashcomm_gpu::launch(self.get(k), cfg, stream, params) }.map_err(Error::from)
     }
 
+    /// Launches catalogue kernel `k` with programmatic stream serialization
+    /// ([`flashcomm_gpu::launch_overlapped`]): every collective kernel executes
+    /// `griddepcontrol.wait` before its first memory access, so the result is that of
+    /// [`Kernels::launch`] and only the launch overhead overlaps the previous work.
+    ///
+    /// # Safety
+    /// As [`Kernels::launch`]; `k` must be a collective kernel (they all wait first).
+    pub unsafe fn launch_overlapped<P: KernelParams>(
+        &self,
+        k: Kernel<P>,
+        cfg: LaunchConfig,
+        stream: flashcomm_gpu::Stream,
+        params: &P,
+    ) -> Result<(), Error> {
+        // SAFETY: as in `launch`; the collective kernels wait before touching memory.
+        unsafe { flashcomm_gpu::launch_overlapped(self.get(k), cfg, stream, params) }
+            .map_err(Error::from)
+    }
+
     /// The name of every kernel in the loaded modules.
     pub fn kernel_names(&self) -> Result<Vec<String>, Error> {
         let mut v = Vec::new();
