@@ -6,8 +6,11 @@
 For every rank count and size: the reference's time, the selector's plan and time, the best
 forced plan and its time (one-shot/two-shot x LL/BLOCK, each measured in its own run), the ratios
 to the reference and to the best forced plan, and #wrong summed over the rows; then the one-rank
-communicator against a device copy.
+communicator against a device copy. Where the run with the reference was repeated
+(ref-n<n>-r<i>.json), times are medians over the runs, "vs ref" is the median of each run's own
+ratio, and the plan column lists every plan the selector chose (one plan: stable across runs).
 """
+import statistics
 import glob
 import json
 import os
@@ -43,19 +46,29 @@ def main():
     res = sys.argv[1]
     print("| ranks | size | reference (us) | selector's plan | selector (us) | vs ref | best forced plan | best forced (us) | selector / best | #wrong |")
     print("|---:|---:|---:|---|---:|---:|---|---:|---:|---:|")
-    for path in sorted(glob.glob(os.path.join(res, "ref-n*.json")), key=lambda p: int(p.split("-n")[1].split(".")[0])):
-        n = int(path.split("-n")[1].split(".")[0])
-        rs = rows(path)
-        ref, sel = graph(rs, "reference"), graph(rs, "flashcomm")
+    groups = {}
+    for path in glob.glob(os.path.join(res, "ref-n*.json")):
+        n = int(os.path.basename(path)[len("ref-n"):].split("-")[0].split(".")[0])
+        groups.setdefault(n, []).append(path)
+    for n in sorted(groups):
+        runs = [rows(p) for p in sorted(groups[n])]
+        refs = [graph(rs, "reference") for rs in runs]
+        sels = [graph(rs, "flashcomm") for rs in runs]
         forced = [graph(rows(p), "flashcomm") for p in glob.glob(os.path.join(res, f"forced-n{n}-*.json"))]
-        for size in sorted(sel):
-            s, r = sel[size], ref.get(size)
+        for size in sorted(set().union(*[set(s) for s in sels])):
+            ss = [s[size] for s in sels if size in s and t(s[size]) is not None]
+            rr = [r[size] for r in refs if size in r and t(r[size]) is not None]
+            ratios = [t(s[size]) / t(r[size]) for s, r in zip(sels, refs)
+                      if size in s and size in r and t(s[size]) and t(r[size])]
             cands = [f[size] for f in forced if size in f and t(f[size]) is not None]
             best = min(cands, key=t) if cands else None
-            w = wrong(s) + wrong(r) + sum(wrong(c) for c in cands)
-            ratio = t(s) / t(r) if r and t(r) else None
-            vs_best = t(s) / t(best) if best and t(best) else None
-            print(f"| {n} | {size // 1024} KiB | {fmt(t(r))} | {s['plan']} | {fmt(t(s))} | {fmt(ratio, 3)} | "
+            w = sum(wrong(x) for x in ss + rr + cands)
+            ts = statistics.median([t(x) for x in ss]) if ss else None
+            tr = statistics.median([t(x) for x in rr]) if rr else None
+            ratio = statistics.median(ratios) if ratios else None
+            vs_best = ts / t(best) if best and t(best) and ts else None
+            plans = sorted({x["plan"] for x in ss})
+            print(f"| {n} | {size // 1024} KiB | {fmt(tr)} | {', '.join(plans)} | {fmt(ts)} | {fmt(ratio, 3)} | "
                   f"{best['plan'] if best else '-'} | {fmt(t(best))} | {fmt(vs_best, 3)} | {w} |")
     one = os.path.join(res, "one-rank.json")
     if os.path.exists(one):

@@ -7,7 +7,9 @@
 #
 #   ci/perf-decode.sh <bundle-dir> <results-dir> [ranks ...]     # on the GPU machine
 #
-# Writes one JSON file and one table per run into <results-dir>.
+# Writes one JSON file and one table per run into <results-dir>. The run with the reference is
+# repeated PERF_RUNS times (default 3: ref-n<n>-r<i>.json); ci/perf-decode-table.py reports the
+# medians and whether the selector chose the same plans in every run.
 set -uo pipefail
 here=$(cd "${1:?usage: perf-decode.sh <bundle-dir> <results-dir> [ranks ...]}" && pwd)
 res=${2:?usage: perf-decode.sh <bundle-dir> <results-dir> [ranks ...]}
@@ -20,9 +22,12 @@ export NCCL_NVLS_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTI
 perf="$here/bin/flashcomm-perf"
 common=(--mode virtual -d bfloat16 -b 8K -e 1M -f 2 -n 100 -w 5 -G 20 --timeout 20)
 status=0
+runs=${PERF_RUNS:-3}
 for n in "${ranks[@]}"; do
-  "$perf" --ranks "$n" --impl reference,flashcomm "${common[@]}" --json "$res/ref-n$n.json" \
-    > "$res/ref-n$n.txt" 2>&1 || status=1
+  for i in $(seq 1 "$runs"); do
+    "$perf" --ranks "$n" --impl reference,flashcomm "${common[@]}" --json "$res/ref-n$n-r$i.json" \
+      > "$res/ref-n$n-r$i.txt" 2>&1 || status=1
+  done
   for a in oneshot twoshot; do
     for p in ll block; do
       "$perf" --ranks "$n" --impl flashcomm --algo $a --proto $p --calibrate 0 "${common[@]}" \

@@ -140,19 +140,23 @@ __device__ __forceinline__ void ll_copy(const FcCollParams& p, Ctx& c, uint32_t 
 // sends, so a chunk costs one round trip of polls instead of a send phase and a reduce phase.
 // (One unit per thread measured faster on the H200 than two: docs/perf.md, "Decode-size
 // latency".)
+// `pre` is this thread's first unit of round 0 when the caller loaded it already (`have_pre`).
 template <typename T>
 __device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, const char* in, char* out, uint32_t len,
-                                                 uint64_t round) {
+                                                 uint64_t round, uint2 pre, bool have_pre) {
   const uint32_t units = (len + FC_LL_PAYLOAD - 1) / FC_LL_PAYLOAD;
   const uint32_t others = ((1u << p.nranks) - 1u) & ~(1u << p.rank);
+  // This rank's slot of source 0 for this block and round; source s's is p.slot_bytes further.
+  const char* inbox = sub_slot(p, c, p.rank, 0, 0, round);
   for (uint32_t u = threadIdx.x; u < units; u += blockDim.x) {
     const uint32_t n = min((uint32_t)FC_LL_PAYLOAD, len - u * FC_LL_PAYLOAD);
-    const uint2 mine = load_bytes8(in + (uint64_t)u * FC_LL_PAYLOAD, n);
+    const uint2 mine = (have_pre && u == threadIdx.x) ? pre : load_bytes8(in + (uint64_t)u * FC_LL_PAYLOAD, n);
     const uint64_t at = (uint64_t)u * FC_LL_LINE;
 #pragma unroll
     for (uint32_t q = 0; q < FC_MAX_RANKS; ++q) {
       if (q < p.nranks && q != p.rank) ll_store(sub_slot(p, c, q, 0, p.rank, round) + at, mine, c.tag);
     }
+    const char* mine_lines = inbox + at;
     uint4 got[FC_MAX_RANKS];
     uint32_t need = others;
     uint32_t foreign = 0;
@@ -160,7 +164,7 @@ __device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, 
     while (need != 0 && !c.dead) {
 #pragma unroll
       for (uint32_t s = 0; s < FC_MAX_RANKS; ++s)
-        if ((need >> s) & 1u) got[s] = ld_volatile_v4(sub_slot(p, c, p.rank, 0, s, round) + at);
+        if ((need >> s) & 1u) got[s] = ld_volatile_v4(mine_lines + (uint64_t)s * p.slot_bytes);
 #pragma unroll
       for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
         if ((need >> s) & 1u) {
@@ -194,7 +198,7 @@ __device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, 
     store_bytes8(out + (uint64_t)u * FC_LL_PAYLOAD, r, n);
 #pragma unroll
     for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
-      if ((others >> s) & 1u) ll_clear(sub_slot(p, c, p.rank, 0, s, round) + at);
+      if ((others >> s) & 1u) ll_clear(const_cast<char*>(mine_lines) + (uint64_t)s * p.slot_bytes);
     }
   }
 }
@@ -371,19 +375,31 @@ __device__ __forceinline__ void copy_local(const char* src, char* dst, uint32_t 
 
 template <typename T, int PROTO>
 __device__ void allreduce_oneshot(const FcCollParams& p) {
-  Ctx c = begin(p);
+  wait_for_previous_work();
   const uint64_t bytes = p.count * sizeof(T);
   const uint64_t nchunks = (bytes + p.chunk_bytes - 1) / p.chunk_bytes;
   const uint32_t all = (1u << p.nranks) - 1u;
   const char* in = reinterpret_cast<const char*>(p.send);
   char* out = reinterpret_cast<char*>(p.recv);
+  // LL: this thread's first unit is loaded before the epoch word, so the two loads overlap.
+  uint2 pre = make_uint2(0, 0);
+  bool have_pre = false;
+  if (PROTO == FC_PROTO_LL && blockIdx.x < nchunks) {
+    const uint64_t off = (uint64_t)blockIdx.x * p.chunk_bytes;
+    const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
+    if (threadIdx.x * FC_LL_PAYLOAD < len) {
+      pre = load_bytes8(in + off + (uint64_t)threadIdx.x * FC_LL_PAYLOAD, min((uint32_t)FC_LL_PAYLOAD, len - threadIdx.x * FC_LL_PAYLOAD));
+      have_pre = true;
+    }
+  }
+  Ctx c = begin_after_wait(p);
   uint64_t round = 0;
   for (uint64_t k = blockIdx.x; k < nchunks; k += gridDim.x, ++round) {
     if (round > 0) between_rounds<PROTO>();
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
     if (PROTO == FC_PROTO_LL) {
-      ll_oneshot_fused<T>(p, c, in + off, out + off, len, round);
+      ll_oneshot_fused<T>(p, c, in + off, out + off, len, round, pre, have_pre && round == 0);
     } else {
       send<PROTO>(p, c, in + off, len, round, 0, all);
       reduce<PROTO, T>(p, c, in + off, out + off, len, round, 0, 0, 0);

@@ -51,13 +51,20 @@ __device__ __forceinline__ uint32_t tag_of(uint64_t seq, uint32_t sig) {
   return (((uint32_t)(seq % 16777215ull) + 1u) << 8) | (sig & 0xffu);
 }
 
-__device__ __forceinline__ Ctx begin(const FcCollParams& p) {
-  // The host may launch this kernel with programmatic stream serialization (compute capability
-  // 9.0 and later): wait here, before any memory access, until the previous work of the stream
-  // has completed and its memory is visible. Without that launch attribute this returns at once.
+// The host may launch a collective kernel with programmatic stream serialization (compute
+// capability 9.0 and later): wait here, before any memory access, until the previous work of the
+// stream has completed and its memory is visible. Without that launch attribute this returns at
+// once.
+__device__ __forceinline__ void wait_for_previous_work() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+// The running collective as this block sees it, for kernels that called
+// wait_for_previous_work() already (and may have issued loads of their input meanwhile, which
+// then overlap the epoch's load).
+__device__ __forceinline__ Ctx begin_after_wait(const FcCollParams& p) {
   Ctx c;
   // This block's epoch word: every block of the previous kernel on this rank advanced every word
   // (see finish), so all blocks of this kernel read the same epoch.
@@ -65,11 +72,19 @@ __device__ __forceinline__ Ctx begin(const FcCollParams& p) {
   c.tag = tag_of(c.seq, p.flags >> FC_FLAG_SIG_SHIFT);
   c.half = (uint32_t)(c.seq & 1);
   // timeout_ns == 0: no time limit (NCCL's behaviour: wait until the work completes or the
-  // application aborts). Otherwise the deadline saturates instead of wrapping.
-  const uint64_t now = globaltimer_ns();
-  c.deadline = (p.timeout_ns == 0 || p.timeout_ns > ~0ull - now) ? ~0ull : now + p.timeout_ns;
+  // application aborts), and no clock read. Otherwise the deadline saturates instead of wrapping.
+  c.deadline = ~0ull;
+  if (p.timeout_ns != 0) {
+    const uint64_t now = globaltimer_ns();
+    c.deadline = p.timeout_ns > ~0ull - now ? ~0ull : now + p.timeout_ns;
+  }
   c.dead = false;
   return c;
+}
+
+__device__ __forceinline__ Ctx begin(const FcCollParams& p) {
+  wait_for_previous_work();
+  return begin_after_wait(p);
 }
 
 // Called by every thread of every block at the very end: block b advances the epoch words
