@@ -16,6 +16,7 @@ use common::{TYPES, run_ranks};
 use flashcomm_comm::{
     Bootstrap, CommConfig, Communicator, DataType, Error, ThreadBootstrap, ThreadGroup,
 };
+use flashcomm_comm::gpu::OwnStream;
 use flashcomm_testkit::verify::Verifier;
 
 /// Counts the rounds a rank ran.
@@ -308,6 +309,7 @@ fn a_thousand_set_ups_leak_nothing() {
                 let stream = v.stream().unwrap();
                 let buf = v.alloc(1 << 16).unwrap();
                 let mut start = (0, 0);
+                let mut streams = 0;
                 for i in 0..cycles {
                     let comm = Communicator::new(m, 0, cfg.clone()).unwrap();
                     comm.all_reduce(buf.as_ptr(), buf.as_ptr(), 256, DataType::F32, stream)
@@ -320,6 +322,7 @@ fn a_thousand_set_ups_leak_nothing() {
                     m.barrier().unwrap();
                     if m.rank() == 0 && i + 1 == warm {
                         start = (device_free_bytes(), rss_bytes());
+                        streams = OwnStream::live();
                     }
                     m.barrier().unwrap();
                 }
@@ -339,6 +342,11 @@ fn a_thousand_set_ups_leak_nothing() {
                         "device memory leaked: {} -> {} bytes free",
                         start.0,
                         end.0
+                    );
+                    assert_eq!(
+                        OwnStream::live(),
+                        streams,
+                        "streams leaked across {cycles} set-ups"
                     );
                     assert!(
                         end.1 <= start.1 + (16 << 20),

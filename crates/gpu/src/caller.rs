@@ -90,6 +90,9 @@ impl Drop for SavedContext {
     }
 }
 
+/// Streams made by [`OwnStream::create`] and not yet destroyed (for leak tests).
+static LIVE_STREAMS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// A non-blocking stream of the context that was current when it was made, destroyed on drop.
 #[derive(Debug)]
 pub struct OwnStream {
@@ -115,7 +118,14 @@ impl OwnStream {
                 detail: format!("{:?}", e.0),
             }
         })?;
+        LIVE_STREAMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(OwnStream { raw })
+    }
+
+    /// How many streams made by [`OwnStream::create`] are alive in this process: flat across
+    /// communicator set-ups and teardowns, or streams leak.
+    pub fn live() -> usize {
+        LIVE_STREAMS.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The stream as the communicator takes it.
@@ -145,6 +155,7 @@ impl Drop for OwnStream {
         // SAFETY: destroys the stream this value created, exactly once. Work still queued on it
         // completes first (the driver defers the release).
         let _ = unsafe { result::stream::destroy(self.raw) };
+        LIVE_STREAMS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

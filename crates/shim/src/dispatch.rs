@@ -118,6 +118,29 @@ pub(crate) fn on_comm_destroying(comm: ncclComm_t, end: CommEnd) {
     }
 }
 
+/// The creation hook panicked (a bug in flashcomm): the new communicators leave the registry
+/// (their calls go to NCCL; whatever flashcomm had built for them is released) and a warning
+/// says so. The real communicators stay the caller's, created as the real call returned.
+pub(crate) fn on_creation_hook_panicked(comms: &[ncclComm_t], payload: &(dyn std::any::Any + Send)) {
+    let text = crate::init::take_panic_text().unwrap_or_else(|| {
+        payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string())
+    });
+    for &c in comms.iter().filter(|c| !c.is_null()) {
+        registry::remove(CommHandle::of(c));
+        logging::warn(
+            Subsys::Init,
+            &format!(
+                "communicator {c:p}: internal error in flashcomm while setting it up ({text}); \
+                 it stays with NCCL"
+            ),
+        );
+    }
+}
+
 /// Hook of `ncclCommShrink` with `NCCL_SHRINK_ABORT`, before the real shrink: NCCL aborts the
 /// parent's operations in flight and leaves the parent usable only for destroy or abort; so
 /// flashcomm's kernels of the parent leave their waits (the abort flag) and the parent's later

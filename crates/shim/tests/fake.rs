@@ -251,6 +251,30 @@ fn a_panic_becomes_an_internal_error() {
 }
 
 #[test]
+fn a_panic_in_the_creation_hook_leaves_the_communicator_to_nccl() {
+    let name = "a_panic_in_the_creation_hook_leaves_the_communicator_to_nccl";
+    if is_child(name) {
+        let Both { ours, .. } = both();
+        // The real init succeeded, so the call succeeds and the communicator is the caller's.
+        let comm = init_rank(&ours);
+        assert_ne!(comm, 0);
+        let (rc, count) = ours.comm_int("ncclCommCount", comm);
+        assert_eq!((rc, count), (SUCCESS, 1));
+        let destroy: unsafe extern "C" fn(usize) -> c_int = ours.lib.get("ncclCommDestroy");
+        // SAFETY: a communicator the (fake) real library created.
+        assert_eq!(unsafe { destroy(comm) }, SUCCESS);
+        return;
+    }
+    let out = child(name, &[("FLASHCOMM_DEBUG_PANIC", "flashcommCreationHook")]);
+    let err = stderr(&out);
+    assert!(
+        err.contains("internal error in flashcomm while setting it up")
+            && err.contains("it stays with NCCL"),
+        "{err}"
+    );
+}
+
+#[test]
 fn a_panic_in_a_function_without_result_code_returns_its_default() {
     let name = "a_panic_in_a_function_without_result_code_returns_its_default";
     if is_child(name) {
