@@ -90,6 +90,7 @@ for t in "$here"/tests/*; do
   done
 done
 [ -x "$here/c/abi_smoke" ] && add "c::abi_smoke_gpu" 120 "FLASHCOMM_NCCL_LIB='$real' '$here/c/abi_smoke' --gpu"
+[ -x "$here/c/abi_smoke" ] && add "c::abi_smoke_gpu_check_pointers" 120 "NCCL_CHECK_POINTERS=1 FLASHCOMM_NCCL_LIB='$real' '$here/c/abi_smoke' --gpu"
 [ -x "$here/c/overhead" ] && add "c::overhead" 300 "FLASHCOMM_NCCL_LIB='$real' '$here/c/overhead' '$lib'"
 [ -x "$here/c/alloc_count" ] && add "c::alloc_count" 120 "FLASHCOMM_NCCL_LIB='$real' '$here/c/alloc_count' '$lib'"
 [ -f "$here/python/ctypes_load.py" ] && add "python::ctypes_load_gpu" 300 "FLASHCOMM_NCCL_LIB='$real' python3 '$here/python/ctypes_load.py' --lib '$lib' --gpu"

@@ -168,6 +168,22 @@ static void gpu_checks(void) {
         (unsigned long long)stats.calls[route][FLASHCOMM_COLL_ALLREDUCE], route);
   CHECK(stats.bytes[route][FLASHCOMM_COLL_ALLREDUCE] == 2ull * N * sizeof(float), "bytes");
 
+  /* NCCL_CHECK_POINTERS=1 (read once, at the first call): a host buffer on flashcomm's path is
+   * refused with ncclInvalidArgument and a message, as NCCL refuses it; device buffers pass. */
+  const char* cp = getenv("NCCL_CHECK_POINTERS");
+  if (cp && strcmp(cp, "1") == 0) {
+    CHECK(ncclAllReduce(host, (void*)b, N, ncclFloat32, ncclSum, comm, NULL) == ncclInvalidArgument,
+          "a host send buffer passed NCCL_CHECK_POINTERS");
+    const char* msg = ncclGetLastError(comm);
+    CHECK(strstr(msg, "sendbuff") != NULL && strstr(msg, "NCCL_CHECK_POINTERS") != NULL, "message: %s", msg);
+    CHECK(ncclAllReduce((void*)a, host, N, ncclFloat32, ncclSum, comm, NULL) == ncclInvalidArgument,
+          "a host receive buffer passed NCCL_CHECK_POINTERS");
+    CHECK(ncclAllReduce((void*)a, (void*)b, N, ncclFloat32, ncclSum, comm, NULL) == ncclSuccess,
+          "device buffers refused: %s", ncclGetLastError(comm));
+    sync();
+    printf("NCCL_CHECK_POINTERS=1: host buffers refused, device buffers pass\n");
+  }
+
   /* Per-communicator quantization settings: set, read back, invalid ones refused, reset. */
   flashcommQuantConfig_t q = {4, 8, 64, 2, 4096, 1 << 20}, got;
   CHECK(flashcommCommSetQuant(comm, &q) == ncclSuccess, "%s", ncclGetLastError(NULL));

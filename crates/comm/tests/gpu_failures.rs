@@ -13,10 +13,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{TYPES, run_ranks};
+use flashcomm_comm::gpu::OwnStream;
 use flashcomm_comm::{
     Bootstrap, CommConfig, Communicator, DataType, Error, ThreadBootstrap, ThreadGroup,
 };
-use flashcomm_comm::gpu::OwnStream;
 use flashcomm_testkit::verify::Verifier;
 
 /// Counts the rounds a rank ran.

@@ -288,6 +288,15 @@ variables! {
         allowed: "an exported function name such as `ncclCommCount`",
         strict: true,
     }
+    /// NCCL's pointer check, honoured on flashcomm's path too: the buffers of a call flashcomm's
+    /// kernels take must be device memory of the communicator's device (or managed memory), or
+    /// the call returns `ncclInvalidArgument`, as NCCL does.
+    check_pointers: bool = false => {
+        name: "NCCL_CHECK_POINTERS",
+        kind: "bool",
+        allowed: "`1`, `0` (NCCL's values; also `true`, `false`, `yes`, `no`, `on`, `off`)",
+        strict: false,
+    }
 }
 
 variables! {

@@ -195,7 +195,9 @@ impl Device {
         .unwrap_or(0);
         let mut driver = 0;
         // SAFETY: a valid out pointer.
-        let driver_ok = unsafe { sys::cuDriverGetVersion(&mut driver) }.result().is_ok();
+        let driver_ok = unsafe { sys::cuDriverGetVersion(&mut driver) }
+            .result()
+            .is_ok();
         let overlap = major >= 9 && driver_ok && driver >= 12000;
         let numa = numa_node_of(dev);
         let d = Arc::new(Device {
@@ -318,6 +320,70 @@ impl Drop for CtxGuard {
             let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut old) };
         }
     }
+}
+
+/// What the driver knows of an address (NCCL_CHECK_POINTERS).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PointerKind {
+    /// Device memory of this device ordinal.
+    Device(i32),
+    /// Managed (unified) memory, usable from every device.
+    Managed,
+    /// Host memory the driver knows (pinned or registered).
+    Host,
+    /// An address the driver does not know (pageable host memory, freed memory, garbage).
+    Unknown,
+}
+
+/// The kind of memory at `addr`, as `cudaPointerGetAttributes` tells NCCL when
+/// `NCCL_CHECK_POINTERS=1`. Needs the driver loaded; an address it does not know is
+/// [`PointerKind::Unknown`], not an error.
+pub fn pointer_kind(addr: u64) -> Result<PointerKind, Error> {
+    if !driver_loaded() {
+        return Err(Error::NoDriver);
+    }
+    let mut managed: u32 = 0;
+    // SAFETY: a valid out pointer of the attribute's type (an unsigned int); any address may be
+    // asked about.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut managed as *mut u32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+            addr,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Ok(PointerKind::Unknown);
+    }
+    if managed != 0 {
+        return Ok(PointerKind::Managed);
+    }
+    let mut mem_type: u32 = 0;
+    // SAFETY: as above (CUmemorytype is an unsigned int).
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut mem_type as *mut u32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            addr,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Ok(PointerKind::Unknown);
+    }
+    if mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return Ok(PointerKind::Host);
+    }
+    let mut ordinal: i32 = -1;
+    // SAFETY: as above (an int).
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut ordinal as *mut i32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            addr,
+        )
+    };
+    check(r, "querying a pointer's device")?;
+    Ok(PointerKind::Device(ordinal))
 }
 
 /// A device address range that the holder promises is valid device memory for as long as the

@@ -201,7 +201,13 @@ mod tests {
                 .lines()
                 .find(|l| l.starts_with(&format!("#define {name} ")))
                 .unwrap_or_else(|| panic!("{name} missing"));
-            let val: u64 = line.split_whitespace().nth(2).unwrap().trim_end_matches('u').parse().unwrap();
+            let val: u64 = line
+                .split_whitespace()
+                .nth(2)
+                .unwrap()
+                .trim_end_matches('u')
+                .parse()
+                .unwrap();
             assert_eq!(val, v, "{name}");
         }
         assert!(h.contains("sizeof(FcCollParams) == 216"));

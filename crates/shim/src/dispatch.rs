@@ -121,7 +121,10 @@ pub(crate) fn on_comm_destroying(comm: ncclComm_t, end: CommEnd) {
 /// The creation hook panicked (a bug in flashcomm): the new communicators leave the registry
 /// (their calls go to NCCL; whatever flashcomm had built for them is released) and a warning
 /// says so. The real communicators stay the caller's, created as the real call returned.
-pub(crate) fn on_creation_hook_panicked(comms: &[ncclComm_t], payload: &(dyn std::any::Any + Send)) {
+pub(crate) fn on_creation_hook_panicked(
+    comms: &[ncclComm_t],
+    payload: &(dyn std::any::Any + Send),
+) {
     let text = crate::init::take_panic_text().unwrap_or_else(|| {
         payload
             .downcast_ref::<&str>()
@@ -151,7 +154,9 @@ pub(crate) fn on_comm_shrink_abort(comm: ncclComm_t) {
     }
     logging::info(
         Subsys::Init,
-        &format!("communicator {comm:p}: shrink with NCCL_SHRINK_ABORT: flashcomm's kernels of it abort"),
+        &format!(
+            "communicator {comm:p}: shrink with NCCL_SHRINK_ABORT: flashcomm's kernels of it abort"
+        ),
     );
     if let Some(state) = registry::by_handle(CommHandle::of(comm)) {
         state.close();

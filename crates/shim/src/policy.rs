@@ -297,7 +297,8 @@ pub(crate) fn explain(
                     format!("outside the quantization window of {quant}")
                 }
                 NotQuantized::OneRank => {
-                    "a one-rank communicator has nothing to send, so the result is exact".to_string()
+                    "a one-rank communicator has nothing to send, so the result is exact"
+                        .to_string()
                 }
             };
             format!(
@@ -407,7 +408,10 @@ pub(crate) mod tests {
         let config = cfg(&[("FLASHCOMM_QUANT_BITS", "4")]);
         let mut view = served(&config);
         let call = coll(AR, BF16, 1 << 20);
-        assert_eq!(decide(&call, &config, Some(&view), 0).route, Route::Quantized);
+        assert_eq!(
+            decide(&call, &config, Some(&view), 0).route,
+            Route::Quantized
+        );
         view.nranks = 1;
         assert_eq!(
             decide(&call, &config, Some(&view), 0),

@@ -34,7 +34,7 @@ use flashcomm_config::{Algo, Config, Proto, Transport as ConfigTransport};
 use flashcomm_nccl_sys::ncclResult_t;
 
 use crate::bootstrap::NcclBootstrap;
-use crate::calls::cuda::{SavedContext, user_buffers};
+use crate::calls::cuda::{SavedContext, check_pointers, user_buffers};
 use crate::calls::nccl::{self, Identity};
 use crate::error::Error;
 use crate::logging::{self, Subsys};
@@ -480,6 +480,11 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
     let Some((send, recv)) = user_buffers(call, u64::from(c.nranks())) else {
         return Executed::Refused(Cow::Borrowed("the buffer sizes overflow"));
     };
+    if crate::init::state().config.settings.check_pointers
+        && let Err(msg) = check_pointers(call, &send, &recv, c.device())
+    {
+        return Executed::Done(report(call, CommError::InvalidArgument(msg)));
+    }
     let stream = Stream(call.stream.cast());
     let count = call.count as u64;
     let dtype = policy::float_type(call.datatype);

@@ -2,15 +2,17 @@
 //! the caller's current context saved and restored around communicator set-up and teardown
 //! ([`SavedContext`]), the set-up exchange's own stream ([`OwnStream`]), the current device of
 //! the log lines ([`current_device`]), and the caller's buffers of a routed collective as
-//! [`DevicePtr`]s ([`user_buffers`], the one `unsafe` promise made here).
+//! [`DevicePtr`]s ([`user_buffers`], the one `unsafe` promise made here), and NCCL's pointer
+//! check of those buffers ([`check_pointers`], `NCCL_CHECK_POINTERS=1`).
 //!
 //! None of these loads the driver: they ask whether the process already loaded it (the real
 //! NCCL does before any communicator exists) and otherwise do nothing or fail with a message.
 //!
-//! Owns: [`user_buffers`].
+//! Owns: [`user_buffers`], [`check_pointers`].
 //! May import: `types`.
 
 pub(crate) use flashcomm_gpu::{OwnStream, SavedContext, current_device};
+use flashcomm_gpu::{PointerKind, pointer_kind};
 
 use flashcomm_comm::DevicePtr;
 
@@ -40,4 +42,38 @@ pub(crate) fn user_buffers(call: &CollCall, nranks: u64) -> Option<(DevicePtr, D
             DevicePtr::from_raw(call.recvbuff as u64, recv),
         ))
     }
+}
+
+/// NCCL's pointer check (`NCCL_CHECK_POINTERS=1`) of a routed call's buffers: each non-empty
+/// buffer must be device memory of `device` or managed memory. `Err` names the buffer and what
+/// it is, in NCCL's words.
+pub(crate) fn check_pointers(
+    call: &CollCall,
+    send: &DevicePtr,
+    recv: &DevicePtr,
+    device: i32,
+) -> Result<(), String> {
+    for (name, p) in [("sendbuff", send), ("recvbuff", recv)] {
+        if p.is_empty() {
+            continue;
+        }
+        let what = match pointer_kind(p.addr()) {
+            Ok(PointerKind::Device(d)) if d == device => continue,
+            Ok(PointerKind::Managed) => continue,
+            Ok(PointerKind::Device(d)) => {
+                format!(
+                    "allocated on device {d} mismatches with the communicator's device {device}"
+                )
+            }
+            Ok(PointerKind::Host) => "is host memory, not a valid device pointer".to_string(),
+            Ok(PointerKind::Unknown) => "is not a valid pointer".to_string(),
+            Err(e) => format!("could not be checked ({e})"),
+        };
+        return Err(format!(
+            "{} : {name} {:#x} {what} (NCCL_CHECK_POINTERS=1)",
+            call.api,
+            p.addr()
+        ));
+    }
+    Ok(())
 }
