@@ -44,11 +44,15 @@ fn handling(name: &str) -> Option<&'static str> {
         | "ncclCommInitAll"
         | "ncclCommInitRankScalable"
         | "ncclCommSplit"
-        | "ncclCommShrink"
         | "ncclCommGrow" => {
             "forwarded; then the creation hook (**intercepted**: flashcomm's communicator is built)"
         }
-        "ncclCommFinalize" => "the ending hook; then forwarded",
+        "ncclCommShrink" => {
+            "with `NCCL_SHRINK_ABORT`, the parent's flashcomm kernels abort and its routing closes; forwarded; then the creation hook (**intercepted**: flashcomm's communicator is built)"
+        }
+        "ncclCommFinalize" => {
+            "the ending hook (**intercepted**: routing closes, flashcomm's last kernel is waited for); then forwarded"
+        }
         "ncclCommRevoke" | "ncclCommAbort" => {
             "the ending hook (**intercepted**: flashcomm's kernels stop); then forwarded"
         }
