@@ -375,6 +375,7 @@ impl Communicator {
                 },
                 stream.stream(),
                 &params,
+                false,
             )?;
             stream.stream().synchronize()?;
             Ok(stream)
@@ -1105,11 +1106,8 @@ impl Communicator {
             block: threads,
             smem: 0,
         };
-        if self.device.supports_overlapped_launch() {
-            gpu::launch_overlapped(&self.kernels, k, cfg, stream, &params)?;
-        } else {
-            gpu::launch(&self.kernels, k, cfg, stream, &params)?;
-        }
+        let overlapped = self.device.supports_overlapped_launch();
+        gpu::launch(&self.kernels, k, cfg, stream, &params, overlapped)?;
         if !capturing {
             last.event.record(stream)?;
             last.stream.store(stream.0 as usize, Ordering::Relaxed);

@@ -342,48 +342,36 @@ pub fn pointer_kind(addr: u64) -> Result<PointerKind, Error> {
     if !driver_loaded() {
         return Err(Error::NoDriver);
     }
-    let mut managed: u32 = 0;
-    // SAFETY: a valid out pointer of the attribute's type (an unsigned int); any address may be
-    // asked about.
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut managed as *mut u32).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED,
-            addr,
-        )
+    use sys::CUpointer_attribute::{
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, CU_POINTER_ATTRIBUTE_IS_MANAGED,
+        CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
     };
-    if r != sys::CUresult::CUDA_SUCCESS {
+    let Some(managed) = pointer_attribute(addr, CU_POINTER_ATTRIBUTE_IS_MANAGED) else {
         return Ok(PointerKind::Unknown);
-    }
+    };
     if managed != 0 {
         return Ok(PointerKind::Managed);
     }
-    let mut mem_type: u32 = 0;
-    // SAFETY: as above (CUmemorytype is an unsigned int).
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut mem_type as *mut u32).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-            addr,
-        )
-    };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Ok(PointerKind::Unknown);
+    match pointer_attribute(addr, CU_POINTER_ATTRIBUTE_MEMORY_TYPE) {
+        None => Ok(PointerKind::Unknown),
+        Some(t) if t != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 => Ok(PointerKind::Host),
+        Some(_) => pointer_attribute(addr, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
+            .map(|d| PointerKind::Device(d as i32))
+            .ok_or(Error::Cuda {
+                during: "querying a pointer's device",
+                detail: "the driver knows the address but not its device".into(),
+            }),
     }
-    if mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-        return Ok(PointerKind::Host);
-    }
-    let mut ordinal: i32 = -1;
-    // SAFETY: as above (an int).
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut ordinal as *mut i32).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            addr,
-        )
-    };
-    check(r, "querying a pointer's device")?;
-    Ok(PointerKind::Device(ordinal))
+}
+
+/// One 4-byte attribute of `addr` (the three `pointer_kind` asks for are an unsigned int, a
+/// `CUmemorytype` and an int); `None` when the driver does not know the address.
+fn pointer_attribute(addr: u64, attr: sys::CUpointer_attribute) -> Option<u32> {
+    let mut v: u32 = 0;
+    // SAFETY: a valid out pointer of 4 bytes, the size of each attribute asked for; any address
+    // may be asked about.
+    let r = unsafe { sys::cuPointerGetAttribute((&mut v as *mut u32).cast(), attr, addr) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
 }
 
 /// A device address range that the holder promises is valid device memory for as long as the

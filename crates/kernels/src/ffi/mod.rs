@@ -161,41 +161,33 @@ impl Kernels {
         self.table[k.index]
     }
 
-    /// Launches catalogue kernel `k` with its parameter block.
+    /// Launches catalogue kernel `k` with its parameter block; with `overlapped`, through
+    /// [`flashcomm_gpu::launch_overlapped`] (programmatic stream serialization).
     ///
     /// # Safety
     /// Every device pointer inside `params` must stay valid until the kernel has finished, and
     /// `stream` must belong to the context that is current on this thread. (The parameter layout
-    /// is right by construction: `k` is tied to `P`.)
+    /// is right by construction: `k` is tied to `P`.) `overlapped` only for kernels that execute
+    /// `griddepcontrol.wait` before their first memory access (the collective kernels).
     pub unsafe fn launch<P: KernelParams>(
         &self,
         k: Kernel<P>,
         cfg: LaunchConfig,
         stream: flashcomm_gpu::Stream,
         params: &P,
+        overlapped: bool,
     ) -> Result<(), Error> {
         // SAFETY: `P` is the parameter type of kernel `k` (the catalogue ties them) and one of the
-        // layout-asserted mirrors of `abi`; the caller upholds pointer lifetimes and the stream.
-        unsafe { flashcomm_gpu::launch(self.get(k), cfg, stream, params) }.map_err(Error::from)
-    }
-
-    /// Launches catalogue kernel `k` with programmatic stream serialization
-    /// ([`flashcomm_gpu::launch_overlapped`]): every collective kernel executes
-    /// `griddepcontrol.wait` before its first memory access, so the result is that of
-    /// [`Kernels::launch`] and only the launch overhead overlaps the previous work.
-    ///
-    /// # Safety
-    /// As [`Kernels::launch`]; `k` must be a collective kernel (they all wait first).
-    pub unsafe fn launch_overlapped<P: KernelParams>(
-        &self,
-        k: Kernel<P>,
-        cfg: LaunchConfig,
-        stream: flashcomm_gpu::Stream,
-        params: &P,
-    ) -> Result<(), Error> {
-        // SAFETY: as in `launch`; the collective kernels wait before touching memory.
-        unsafe { flashcomm_gpu::launch_overlapped(self.get(k), cfg, stream, params) }
-            .map_err(Error::from)
+        // layout-asserted mirrors of `abi`; the caller upholds pointer lifetimes, the stream and
+        // the wait that `overlapped` needs.
+        unsafe {
+            if overlapped {
+                flashcomm_gpu::launch_overlapped(self.get(k), cfg, stream, params)
+            } else {
+                flashcomm_gpu::launch(self.get(k), cfg, stream, params)
+            }
+        }
+        .map_err(Error::from)
     }
 
     /// The name of every kernel in the loaded modules.
