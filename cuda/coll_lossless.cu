@@ -46,7 +46,7 @@ __device__ __forceinline__ void ll_send(const FcCollParams& p, Ctx& c, const cha
     const uint2 d = load_bytes8(src + (uint64_t)u * FC_LL_PAYLOAD, n);
 #pragma unroll
     for (uint32_t q = 0; q < FC_MAX_RANKS; ++q) {
-      if (q < p.nranks && is_peer(p, q, mask)) ll_store(sub_slot(p, c, q, region, p.rank, round) + (uint64_t)u * FC_LL_LINE, d, c.tag);
+      if (q < p.nranks && is_peer(p, q, mask)) ll_store(sub_slot(p, c, q, region, p.rank, round) + (uint64_t)u * FC_LL_LINE, d, c);
     }
   }
 }
@@ -55,12 +55,19 @@ __device__ __forceinline__ void ll_send(const FcCollParams& p, Ctx& c, const cha
 __device__ __forceinline__ void ll_gather(const FcCollParams& p, Ctx& c, uint32_t u, uint64_t round, uint32_t region,
                                           uint32_t need, uint2* v) {
   Waiter w;
-  uint32_t foreign = 0;
   while (need != 0 && !c.dead) {
+    const bool slow = w.slow_next();
+    uint32_t foreign = 0;
 #pragma unroll
     for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
       if ((need >> s) & 1u) {
-        if (ll_poll(sub_slot(p, c, p.rank, region, s, round) + (uint64_t)u * FC_LL_LINE, c.tag, v[s], foreign)) need &= ~(1u << s);
+        const uint4 l = ld_volatile_v4(sub_slot(p, c, p.rank, region, s, round) + (uint64_t)u * FC_LL_LINE);
+        if (ll_ready(l, c)) {
+          v[s] = make_uint2(l.x, l.z);
+          need &= ~(1u << s);
+        } else if (slow && foreign == 0) {
+          foreign = ll_foreign(l, c);
+        }
       }
     }
     if (foreign != 0) {
@@ -68,14 +75,6 @@ __device__ __forceinline__ void ll_gather(const FcCollParams& p, Ctx& c, uint32_
       break;
     }
     if (need != 0 && w.stop(p, c, __ffs(need) - 1)) break;
-  }
-}
-
-__device__ __forceinline__ void ll_clear_units(const FcCollParams& p, Ctx& c, uint32_t u, uint64_t round, uint32_t region,
-                                               uint32_t srcs) {
-#pragma unroll
-  for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
-    if ((srcs >> s) & 1u) ll_clear(sub_slot(p, c, p.rank, region, s, round) + (uint64_t)u * FC_LL_LINE);
   }
 }
 
@@ -107,10 +106,9 @@ __device__ __forceinline__ void ll_reduce(const FcCollParams& p, Ctx& c, const c
 #pragma unroll
       for (uint32_t q = 0; q < FC_MAX_RANKS; ++q) {
         if (q < p.nranks && is_peer(p, q, fwd_mask))
-          ll_store(sub_slot(p, c, q, fwd_region, p.rank, round) + (uint64_t)u * FC_LL_LINE, r, c.tag);
+          ll_store(sub_slot(p, c, q, fwd_region, p.rank, round) + (uint64_t)u * FC_LL_LINE, r, c);
       }
     }
-    ll_clear_units(p, c, u, round, region, others);
   }
 }
 
@@ -129,17 +127,17 @@ __device__ __forceinline__ void ll_copy(const FcCollParams& p, Ctx& c, uint32_t 
     for (uint32_t i = 0; i < FC_MAX_RANKS; ++i)
       if (i == s) d = v[i];
     store_bytes8(out + (uint64_t)u * FC_LL_PAYLOAD, d, n);
-    ll_clear_units(p, c, u, round, region, 1u << s);
   }
 }
 
 // One-shot AllReduce with LL, fused per thread: a thread takes one 8-byte unit (line u of the
-// sub-slot: the layout of ll_send), pushes it to every peer, then polls exactly that line of
-// every peer (every source's load issued before any is checked), reduces in rank order, writes
-// the result and clears the lines. A thread never waits for anything another thread of its rank
-// sends, so a chunk costs one round trip of polls instead of a send phase and a reduce phase.
-// (One unit per thread measured faster on the H200 than two: docs/perf.md, "Decode-size
-// latency".)
+// sub-slot: the layout of ll_send), pushes it to every peer (starting with the next rank, so the
+// ranks' first stores go to different arenas), then polls exactly that line of every peer (every
+// source's load issued before any is checked), reduces in rank order and writes the result. A
+// thread never waits for anything another thread of its rank sends, so a chunk costs one round
+// trip of polls instead of a send phase and a reduce phase; lines are never cleared (their tags
+// carry the whole epoch). (One unit per thread measured faster on the H200 than two:
+// docs/perf.md, "Decode-size latency".)
 // `pre` is this thread's first unit of round 0 when the caller loaded it already (`have_pre`).
 template <typename T>
 __device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, const char* in, char* out, uint32_t len,
@@ -148,39 +146,42 @@ __device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, 
   const uint32_t others = ((1u << p.nranks) - 1u) & ~(1u << p.rank);
   // This rank's slot of source 0 for this block and round; source s's is p.slot_bytes further.
   const char* inbox = sub_slot(p, c, p.rank, 0, 0, round);
+  // Where this rank's lines go in rank 0's arena; rank q's is at the same offset of its arena.
+  const uint64_t outbox = (uint64_t)(sub_slot(p, c, 0, 0, p.rank, round) - reinterpret_cast<char*>(p.peer_base[0]));
   for (uint32_t u = threadIdx.x; u < units; u += blockDim.x) {
     const uint32_t n = min((uint32_t)FC_LL_PAYLOAD, len - u * FC_LL_PAYLOAD);
     const uint2 mine = (have_pre && u == threadIdx.x) ? pre : load_bytes8(in + (uint64_t)u * FC_LL_PAYLOAD, n);
     const uint64_t at = (uint64_t)u * FC_LL_LINE;
 #pragma unroll
-    for (uint32_t q = 0; q < FC_MAX_RANKS; ++q) {
-      if (q < p.nranks && q != p.rank) ll_store(sub_slot(p, c, q, 0, p.rank, round) + at, mine, c.tag);
+    for (uint32_t d = 1; d < FC_MAX_RANKS; ++d) {
+      if (d < p.nranks) {
+        const uint32_t q = p.rank + d < p.nranks ? p.rank + d : p.rank + d - p.nranks;
+        ll_store(reinterpret_cast<char*>(p.peer_base[q]) + outbox + at, mine, c);
+      }
     }
     const char* mine_lines = inbox + at;
     uint4 got[FC_MAX_RANKS];
     uint32_t need = others;
-    uint32_t foreign = 0;
     Waiter w;
     while (need != 0 && !c.dead) {
 #pragma unroll
       for (uint32_t s = 0; s < FC_MAX_RANKS; ++s)
         if ((need >> s) & 1u) got[s] = ld_volatile_v4(mine_lines + (uint64_t)s * p.slot_bytes);
 #pragma unroll
-      for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
-        if ((need >> s) & 1u) {
-          if (got[s].y == c.tag && got[s].w == c.tag) {
-            need &= ~(1u << s);
-          } else {
-            if (got[s].y != 0 && got[s].y != c.tag) foreign = got[s].y;
-            if (got[s].w != 0 && got[s].w != c.tag) foreign = got[s].w;
-          }
+      for (uint32_t s = 0; s < FC_MAX_RANKS; ++s)
+        if (((need >> s) & 1u) && ll_ready(got[s], c)) need &= ~(1u << s);
+      if (need == 0) break;
+      if (w.slow_next()) {
+        uint32_t foreign = 0;
+#pragma unroll
+        for (uint32_t s = 0; s < FC_MAX_RANKS; ++s)
+          if (((need >> s) & 1u) && foreign == 0) foreign = ll_foreign(got[s], c);
+        if (foreign != 0) {
+          give_up(p, c, FC_STATUS_MISMATCH, __ffs(need) - 1, foreign);
+          break;
         }
       }
-      if (foreign != 0) {
-        give_up(p, c, FC_STATUS_MISMATCH, __ffs(need) - 1, foreign);
-        break;
-      }
-      if (need != 0 && w.stop(p, c, __ffs(need) - 1)) break;
+      if (w.stop(p, c, __ffs(need) - 1)) break;
     }
     Acc<T, 2> acc;
 #pragma unroll
@@ -196,10 +197,6 @@ __device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, 
     uint2 r;
     acc.out(reinterpret_cast<uint32_t*>(&r));
     store_bytes8(out + (uint64_t)u * FC_LL_PAYLOAD, r, n);
-#pragma unroll
-    for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
-      if ((others >> s) & 1u) ll_clear(const_cast<char*>(mine_lines) + (uint64_t)s * p.slot_bytes);
-    }
   }
 }
 
@@ -360,8 +357,9 @@ __device__ __forceinline__ void copy_from(const FcCollParams& p, Ctx& c, uint32_
     blk_copy(p, c, s, out, len, round, region);
 }
 
-// Between rounds: the lines and tags this thread cleared must be cleared before any peer can see
-// this rank's next round (which lets that peer reuse them two rounds later).
+// Between rounds: the frame tags this thread cleared must be cleared, and its reads of this
+// round's lines performed, before any peer can see this rank's next round (which lets that peer
+// reuse the sub-slot two rounds later).
 template <int PROTO>
 __device__ __forceinline__ void between_rounds() {
   fence_sys();
@@ -377,14 +375,14 @@ template <typename T, int PROTO>
 __device__ void allreduce_oneshot(const FcCollParams& p) {
   wait_for_previous_work();
   const uint64_t bytes = p.count * sizeof(T);
-  const uint64_t nchunks = (bytes + p.chunk_bytes - 1) / p.chunk_bytes;
   const uint32_t all = (1u << p.nranks) - 1u;
   const char* in = reinterpret_cast<const char*>(p.send);
   char* out = reinterpret_cast<char*>(p.recv);
   // LL: this thread's first unit is loaded before the epoch word, so the two loads overlap.
+  // (Chunk k exists while k * chunk_bytes < bytes: no division on the way to the first load.)
   uint2 pre = make_uint2(0, 0);
   bool have_pre = false;
-  if (PROTO == FC_PROTO_LL && blockIdx.x < nchunks) {
+  if (PROTO == FC_PROTO_LL && (uint64_t)blockIdx.x * p.chunk_bytes < bytes) {
     const uint64_t off = (uint64_t)blockIdx.x * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
     if (threadIdx.x * FC_LL_PAYLOAD < len) {
@@ -394,7 +392,7 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
   }
   Ctx c = begin_after_wait(p);
   uint64_t round = 0;
-  for (uint64_t k = blockIdx.x; k < nchunks; k += gridDim.x, ++round) {
+  for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
     if (round > 0) between_rounds<PROTO>();
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
@@ -413,12 +411,11 @@ __device__ void allreduce_twoshot(const FcCollParams& p) {
   Ctx c = begin(p);
   const uint64_t shard_bytes = p.shard_elems * sizeof(T);
   const uint64_t total = p.count * sizeof(T);
-  const uint64_t nchunks = (shard_bytes + p.chunk_bytes - 1) / p.chunk_bytes;
   const uint32_t all = (1u << p.nranks) - 1u;
   const char* in = reinterpret_cast<const char*>(p.send);
   char* out = reinterpret_cast<char*>(p.recv);
   uint64_t round = 0;
-  for (uint64_t k = blockIdx.x; k < nchunks; k += gridDim.x, ++round) {
+  for (uint64_t k = blockIdx.x; k * p.chunk_bytes < shard_bytes; k += gridDim.x, ++round) {
     if (round > 0) between_rounds<PROTO>();
     const uint64_t off = k * p.chunk_bytes;
     // Length of chunk k of shard j (0 when shard j is shorter than this chunk).
@@ -451,11 +448,10 @@ template <typename T, int PROTO>
 __device__ void reducescatter(const FcCollParams& p) {
   Ctx c = begin(p);
   const uint64_t bytes = p.count * sizeof(T);  // recvcount elements per rank
-  const uint64_t nchunks = (bytes + p.chunk_bytes - 1) / p.chunk_bytes;
   const char* in = reinterpret_cast<const char*>(p.send);
   char* out = reinterpret_cast<char*>(p.recv);
   uint64_t round = 0;
-  for (uint64_t k = blockIdx.x; k < nchunks; k += gridDim.x, ++round) {
+  for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
     if (round > 0) between_rounds<PROTO>();
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
@@ -471,12 +467,11 @@ template <int PROTO>
 __device__ void allgather(const FcCollParams& p) {
   Ctx c = begin(p);
   const uint64_t bytes = p.count * p.elem_bytes;  // sendcount elements
-  const uint64_t nchunks = (bytes + p.chunk_bytes - 1) / p.chunk_bytes;
   const uint32_t all = (1u << p.nranks) - 1u;
   const char* in = reinterpret_cast<const char*>(p.send);
   char* out = reinterpret_cast<char*>(p.recv);
   uint64_t round = 0;
-  for (uint64_t k = blockIdx.x; k < nchunks; k += gridDim.x, ++round) {
+  for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
     if (round > 0) between_rounds<PROTO>();
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
@@ -498,11 +493,10 @@ template <int PROTO>
 __device__ void alltoall(const FcCollParams& p) {
   Ctx c = begin(p);
   const uint64_t bytes = p.count * p.elem_bytes;  // per peer
-  const uint64_t nchunks = (bytes + p.chunk_bytes - 1) / p.chunk_bytes;
   const char* in = reinterpret_cast<const char*>(p.send);
   char* out = reinterpret_cast<char*>(p.recv);
   uint64_t round = 0;
-  for (uint64_t k = blockIdx.x; k < nchunks; k += gridDim.x, ++round) {
+  for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
     if (round > 0) between_rounds<PROTO>();
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);

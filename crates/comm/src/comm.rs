@@ -1189,6 +1189,15 @@ impl Communicator {
         Err(Error::Remote(what))
     }
 
+    /// Sets this rank's epoch (the sequence number of its next collective) to `seq`, so that a
+    /// test can cross the epoch's wrap-around (docs/protocols.md, "Epochs") without four billion
+    /// calls. Every rank must set the same value while no collective of the communicator runs.
+    #[doc(hidden)]
+    pub fn set_epoch_for_testing(&self, seq: u32) -> Result<(), Error> {
+        self.wait_idle()?;
+        gpu::write_epoch_words(&self.device, self.local.addr() + abi::HDR_EPOCHS, seq)
+    }
+
     /// Asks every running kernel of this communicator to stop (ncclCommAbort). Kernels leave
     /// their waits within microseconds; the communicator is unusable afterwards.
     pub fn abort(&self) {

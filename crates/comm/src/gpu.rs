@@ -1,6 +1,7 @@
 //! The driver layer (`flashcomm-gpu`) as the communicator uses it, and its launch paths.
 //!
-//! The only module of the crate with `unsafe` code: the launch below.
+//! The only module of the crate with `unsafe` code: the launch below, and the write of a rank's
+//! epoch words that tests use to cross the epoch's wrap-around.
 #![allow(unsafe_code)]
 
 /// The driver layer's error (the communicator's own [`crate::Error`] converts from it).
@@ -38,4 +39,28 @@ pub(crate) fn launch<P: KernelParams + 'static>(
     // communicator (the only caller) and by the DevicePtr contract; `overlapped` holds only for
     // the collective kernels (checked above by the parameter type).
     unsafe { kernels.launch(k, cfg, stream, params, overlapped) }.map_err(crate::Error::from)
+}
+
+/// Sets all of a rank's epoch words (`abi::MAX_BLOCKS` u32 at `words_addr`, inside the
+/// communicator's own arena) to `seq`, and waits for it. For tests only (the epoch's wrap-around);
+/// no kernel of the communicator may be running.
+pub(crate) fn write_epoch_words(
+    dev: &std::sync::Arc<Device>,
+    words_addr: u64,
+    seq: u32,
+) -> Result<(), crate::Error> {
+    let bytes: Vec<u8> = (0..abi::MAX_BLOCKS)
+        .flat_map(|_| seq.to_le_bytes())
+        .collect();
+    let tmp = DeviceMem::alloc_zeroed(dev, bytes.len())?;
+    let stream = Stream::null();
+    tmp.upload(0, &bytes, stream)?;
+    // SAFETY: `words_addr` is the epoch area of the calling communicator's own arena
+    // (abi::MAX_BLOCKS words, device-accessible: device memory or mapped pinned host memory),
+    // which outlives this synchronous copy; `tmp` holds exactly that many bytes.
+    let dst = unsafe { DevicePtr::from_raw(words_addr, bytes.len() as u64) };
+    let _ctx = dev.activate()?;
+    dst.copy_from(tmp.as_ptr(), bytes.len() as u64, stream)?;
+    stream.synchronize()?;
+    Ok(())
 }

@@ -852,3 +852,118 @@ fn disagreeing_ranks_get_an_error() {
         }
     });
 }
+
+/// The epoch crosses its wrap-around (0xfffffffe is followed by 1; docs/protocols.md, "Epochs")
+/// on 2 and 4 ranks: 64 calls of the stress sequence (every collective and protocol the selector
+/// picks, sizes that change the grid from call to call, so LL lines are read where calls of other
+/// geometries left them) starting 20 calls before the wrap, each verified.
+#[test]
+fn epochs_wrap_around_without_a_wrong_result() {
+    for n in [2u32, 4] {
+        run_ranks(n, test_config(), |r| {
+            let nn = r.n() as u64;
+            let send = r.alloc(4 << 20);
+            let recv = r.alloc(32 << 20);
+            r.sync();
+            r.comm.set_epoch_for_testing(0xffff_fffe - 20).unwrap();
+            r.boot.barrier().unwrap();
+            for (i, x) in (0..64u32).zip(stress_words().skip(777)) {
+                let (coll, ty, count) = stress_call(x, nn);
+                let p = r.comm.plan(coll, count, ty.bytes());
+                fill_run_check(r, &p, coll, ty, count, i, &send, &recv);
+                r.sync();
+                r.assert_clean(&format!(
+                    "call {i} around the epoch's wrap: {coll:?} {ty:?} {p:?}"
+                ));
+            }
+        });
+    }
+}
+
+/// Two ranks run one AllReduce of the same byte count with different datatypes (bf16 on rank 0,
+/// f16 on rank 1) on the LL one-shot: lines of this call's epoch with the other signature are
+/// reported as a mismatch (the rank that sees it first asks the other to stop), long before the
+/// timeout, instead of summing bytes of different types.
+#[test]
+fn ranks_with_different_datatypes_report_a_mismatch() {
+    let timeout = Duration::from_secs(60);
+    let cfg = CommConfig {
+        timeout,
+        ..test_config()
+    };
+    let errors = std::sync::Mutex::new(Vec::new());
+    run_ranks_expecting_errors(2, cfg, |comm, v, stream, m| {
+        let buf = v.alloc(1 << 20).unwrap();
+        let dt = if m.rank() == 0 {
+            flashcomm_comm::DataType::Bf16
+        } else {
+            flashcomm_comm::DataType::F16
+        };
+        let count = 4096;
+        let p = comm.plan_forced(
+            Collective::AllReduce,
+            count,
+            2,
+            Choice::Force(Algorithm::OneShot),
+            Choice::Force(Protocol::Ll),
+        );
+        m.barrier().unwrap();
+        let t = Instant::now();
+        comm.run(
+            &p,
+            buf.slice(0, 8192),
+            buf.slice(0, 8192),
+            count,
+            2,
+            Some(dt),
+            stream,
+        )
+        .unwrap();
+        stream.synchronize().unwrap();
+        let err = comm
+            .check_status()
+            .expect_err("different datatypes must be reported");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the mismatch took {:?}",
+            t.elapsed()
+        );
+        println!("rank {}: {err}", m.rank());
+        errors.lock().unwrap().push(err.to_string());
+    });
+    let errors = errors.into_inner().unwrap();
+    assert_eq!(errors.len(), 2);
+    assert!(
+        errors.iter().any(|e| e.contains("different collective")),
+        "no rank reported the mismatch: {errors:?}"
+    );
+}
+
+/// Runs `f` on `n` virtual ranks whose communicators are expected to end in an error (no final
+/// status check).
+fn run_ranks_expecting_errors<F>(n: u32, cfg: CommConfig, f: F)
+where
+    F: Fn(
+            &Communicator,
+            &flashcomm_testkit::verify::Verifier,
+            flashcomm_comm::Stream,
+            &flashcomm_comm::ThreadBootstrap,
+        ) + Sync,
+{
+    let group = ThreadGroup::new(n, Duration::from_secs(60));
+    let members = group.members();
+    std::thread::scope(|s| {
+        for m in &members {
+            let cfg = cfg.clone();
+            let f = &f;
+            s.spawn(move || {
+                let comm = Communicator::new(m, 0, cfg).unwrap();
+                let v = flashcomm_testkit::verify::Verifier::new(0).unwrap();
+                let _ctx = v.activate().unwrap();
+                let stream = v.stream().unwrap();
+                f(&comm, &v, stream, m);
+                m.barrier().unwrap();
+            });
+        }
+    });
+}

@@ -7,18 +7,20 @@
 //   region into one slot per source rank. A slot has two disjoint areas, one per protocol (so an
 //   LL line is never read where a frame's payload was left, and frame tags always sit on the same
 //   4112-byte grid), and an area is divided into one sub-slot per (block, round parity).
-// * The tag of collective `seq` is `(seq % (2^24 - 1) + 1) << 8 | sig`, where `sig` is the call's
-//   signature (collective and datatype): never 0. Receivers clear every tag they consume back to
-//   0, so a non-zero tag that differs from the expected one can only come from a peer that is
-//   running a different collective, or the same one with another datatype: that is reported as a
-//   mismatch.
-// * LL protocol: a 16-byte line carries 8 payload bytes as {d0, tag, d1, tag}; the line is written
-//   with one 16-byte store and read with one 16-byte load, and each 8-byte half has its own tag, so
-//   a torn read is never mistaken for a complete one. No fence on the way out.
+// * LL protocol: a 16-byte line carries 8 payload bytes as {d0, f0, d1, f1}; the line is written
+//   with one 16-byte store and read with one 16-byte load. f0 is the call's 32-bit epoch tag
+//   `seq + 1` (never 0: the epoch skips the one value that would make it 0), f1 is f0 with the
+//   call's signature (collective and datatype) xor-ed into its top 8 bits. Each 8-byte half
+//   proves its own freshness with the whole 32-bit epoch, so a torn read is never mistaken for a
+//   complete one, and lines are never cleared: a stale line carries an older epoch. A line whose
+//   f0 is this call's epoch but whose f1 carries another signature comes from a peer running a
+//   different collective at this sequence number: a mismatch (checked on the slow path of a wait,
+//   so a torn read resolves before it is judged). No fence on the way out.
 // * BLOCK protocol: a frame is a 16-byte header (u32 tag, rest reserved) followed by up to
 //   FC_FRAME_PAYLOAD bytes. A warp writes the payload with plain stores, synchronizes, and lane 0
-//   issues a system-scope fence before storing the tag. The receiver acquires the tag and then reads
-//   the payload through L2.
+//   issues a system-scope fence before storing the tag `(seq % (2^24 - 1) + 1) << 8 | sig`.
+//   The receiver acquires the tag, reads the payload through L2 and clears the tag back to 0, so
+//   a non-zero tag that differs from the expected one is a mismatch.
 // * Epochs live on the device (one word per block index in the arena header, advanced by every
 //   block at its end; see finish), so a CUDA graph replays correctly any number of times.
 // * Every wait polls with a budget: it checks this rank's abort word (set by peers that gave up),
@@ -40,7 +42,9 @@ namespace fc {
 struct Ctx {
   uint64_t seq;
   uint64_t deadline;
-  uint32_t tag;
+  uint32_t tag;     // BLOCK frames: (seq % (2^24 - 1) + 1) << 8 | sig
+  uint32_t ll0;     // LL lines, first half: seq + 1 (never 0)
+  uint32_t ll1;     // LL lines, second half: ll0 ^ sig << 24
   uint32_t half;
   bool dead;  // this thread gave up (or saw that another one did): skip every wait from now on
 };
@@ -48,7 +52,7 @@ struct Ctx {
 // The tag of call `seq` with signature `sig` (collective and datatype, FLAG_SIG_SHIFT of the
 // flags): never 0, and different for two calls of one sequence number but different signature.
 __device__ __forceinline__ uint32_t tag_of(uint64_t seq, uint32_t sig) {
-  return (((uint32_t)(seq % 16777215ull) + 1u) << 8) | (sig & 0xffu);
+  return (((uint32_t)seq % 16777215u + 1u) << 8) | (sig & 0xffu);
 }
 
 // The host may launch a collective kernel with programmatic stream serialization (compute
@@ -70,6 +74,8 @@ __device__ __forceinline__ Ctx begin_after_wait(const FcCollParams& p) {
   // (see finish), so all blocks of this kernel read the same epoch.
   c.seq = ld_volatile_u32(reinterpret_cast<const uint32_t*>(p.epochs) + blockIdx.x);
   c.tag = tag_of(c.seq, p.flags >> FC_FLAG_SIG_SHIFT);
+  c.ll0 = (uint32_t)c.seq + 1u;
+  c.ll1 = c.ll0 ^ (((p.flags >> FC_FLAG_SIG_SHIFT) & 0xffu) << 24);
   c.half = (uint32_t)(c.seq & 1);
   // timeout_ns == 0: no time limit (NCCL's behaviour: wait until the work completes or the
   // application aborts), and no clock read. Otherwise the deadline saturates instead of wrapping.
@@ -91,12 +97,15 @@ __device__ __forceinline__ Ctx begin(const FcCollParams& p) {
 // b, b + G, b + 2G, ... (G = gridDim.x) below FC_MAX_BLOCKS. No word is read by another block of
 // this kernel (block b' < G reads only word b'), so no atomic and no grid-wide count is needed,
 // and the next kernel on this rank (stream order) sees every word advanced whatever its grid.
-// The epoch is a u32: at its wrap the half parity stays consistent (2^32 is even) and the tags of
-// calls two apart still differ (tag_of reduces modulo 2^24 - 1).
+// The epoch is a u32 that never reaches 0xffffffff (whose LL tag seq + 1 would be 0, the value of
+// a line never written): after 0xfffffffe comes 1, so the half parity still alternates, and the
+// frame tags of calls two apart still differ (tag_of reduces modulo 2^24 - 1).
+__device__ __forceinline__ uint32_t next_epoch(uint32_t seq) { return seq + 1u == 0xffffffffu ? 1u : seq + 1u; }
+
 __device__ __forceinline__ void finish(const FcCollParams& p, const Ctx& c) {
   __syncthreads();
   uint32_t* words = reinterpret_cast<uint32_t*>(p.epochs);
-  const uint32_t next = (uint32_t)c.seq + 1u;
+  const uint32_t next = next_epoch((uint32_t)c.seq);
   for (uint32_t w = blockIdx.x + threadIdx.x * gridDim.x; w < FC_MAX_BLOCKS; w += blockDim.x * gridDim.x) words[w] = next;
 }
 
@@ -139,6 +148,9 @@ __device__ __noinline__ void give_up(const FcCollParams& p, Ctx& c, uint32_t cod
 // Budget check inside a polling loop. Returns true when the thread must stop waiting.
 struct Waiter {
   uint32_t spins = 0;
+  // The next call of stop() runs the slow checks (abort words, deadline): the caller may look for
+  // a foreign LL line first.
+  __device__ __forceinline__ bool slow_next() const { return ((spins + 1) & 127u) == 0; }
   __device__ __forceinline__ bool stop(const FcCollParams& p, Ctx& c, uint32_t peer) {
     if (c.dead) return true;
     ++spins;
@@ -161,24 +173,19 @@ struct Waiter {
 
 // ---- LL lines ----
 
-__device__ __forceinline__ void ll_store(char* line, uint2 d, uint32_t tag) {
-  st_volatile_v4(line, make_uint4(d.x, tag, d.y, tag));
+__device__ __forceinline__ void ll_store(char* line, uint2 d, const Ctx& c) {
+  st_volatile_v4(line, make_uint4(d.x, c.ll0, d.y, c.ll1));
 }
 
-// One poll of one line. Returns 1 when ready (payload in `out`), 0 when not yet, and reports a
-// foreign tag through `foreign`.
-__device__ __forceinline__ bool ll_poll(const char* line, uint32_t tag, uint2& out, uint32_t& foreign) {
-  uint4 v = ld_volatile_v4(line);
-  if (v.y == tag && v.w == tag) {
-    out = make_uint2(v.x, v.z);
-    return true;
-  }
-  if (v.y != 0 && v.y != tag) foreign = v.y;
-  if (v.w != 0 && v.w != tag) foreign = v.w;
-  return false;
-}
+__device__ __forceinline__ bool ll_ready(const uint4& v, const Ctx& c) { return v.y == c.ll0 && v.w == c.ll1; }
 
-__device__ __forceinline__ void ll_clear(char* line) { st_volatile_v4(line, make_uint4(0, 0, 0, 0)); }
+// A line of this call's epoch that carries another signature (see the header): 0 when it is not
+// one, else the frame tag of this call with the peer's signature (what a mismatch reports).
+// Called only on the slow path of a wait.
+__device__ __forceinline__ uint32_t ll_foreign(const uint4& v, const Ctx& c) {
+  if (v.y != c.ll0 || ((v.w ^ v.y) & 0x00ffffffu) != 0 || v.w == c.ll1) return 0;
+  return tag_of(c.seq, (v.w ^ v.y) >> 24);
+}
 
 // ---- BLOCK frames ----
 
