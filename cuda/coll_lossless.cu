@@ -109,6 +109,11 @@ __device__ __forceinline__ void ll_reduce(const FcCollParams& p, Ctx& c, const c
           ll_store(sub_slot(p, c, q, fwd_region, p.rank, round) + (uint64_t)u * FC_LL_LINE, r, c);
       }
     }
+    if (c.reuse) {
+#pragma unroll
+      for (uint32_t s = 0; s < FC_MAX_RANKS; ++s)
+        if ((others >> s) & 1u) ll_clear(sub_slot(p, c, p.rank, region, s, round) + (uint64_t)u * FC_LL_LINE);
+    }
   }
 }
 
@@ -127,6 +132,7 @@ __device__ __forceinline__ void ll_copy(const FcCollParams& p, Ctx& c, uint32_t 
     for (uint32_t i = 0; i < FC_MAX_RANKS; ++i)
       if (i == s) d = v[i];
     store_bytes8(out + (uint64_t)u * FC_LL_PAYLOAD, d, n);
+    if (c.reuse) ll_clear(sub_slot(p, c, p.rank, region, s, round) + (uint64_t)u * FC_LL_LINE);
   }
 }
 
@@ -136,7 +142,7 @@ __device__ __forceinline__ void ll_copy(const FcCollParams& p, Ctx& c, uint32_t 
 // source's load issued before any is checked), reduces in rank order and writes the result. A
 // thread never waits for anything another thread of its rank sends, so a chunk costs one round
 // trip of polls instead of a send phase and a reduce phase; lines are never cleared (their tags
-// carry the whole epoch). (One unit per thread measured faster on the H200 than two:
+// carry the whole epoch) unless the sub-slot carries a later round of this call. (One unit per thread measured faster on the H200 than two:
 // docs/perf.md, "Decode-size latency".)
 // `pre` is this thread's first unit of round 0 when the caller loaded it already (`have_pre`).
 template <typename T>
@@ -197,6 +203,11 @@ __device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, 
     uint2 r;
     acc.out(reinterpret_cast<uint32_t*>(&r));
     store_bytes8(out + (uint64_t)u * FC_LL_PAYLOAD, r, n);
+    if (c.reuse) {
+#pragma unroll
+      for (uint32_t s = 0; s < FC_MAX_RANKS; ++s)
+        if ((others >> s) & 1u) ll_clear(const_cast<char*>(mine_lines) + (uint64_t)s * p.slot_bytes);
+    }
   }
 }
 
@@ -394,6 +405,7 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
   uint64_t round = 0;
   for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
     if (round > 0) between_rounds<PROTO>();
+    c.reuse = (k + 2ull * gridDim.x) * p.chunk_bytes < bytes;
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
     if (PROTO == FC_PROTO_LL) {
@@ -417,6 +429,7 @@ __device__ void allreduce_twoshot(const FcCollParams& p) {
   uint64_t round = 0;
   for (uint64_t k = blockIdx.x; k * p.chunk_bytes < shard_bytes; k += gridDim.x, ++round) {
     if (round > 0) between_rounds<PROTO>();
+    c.reuse = (k + 2ull * gridDim.x) * p.chunk_bytes < shard_bytes;
     const uint64_t off = k * p.chunk_bytes;
     // Length of chunk k of shard j (0 when shard j is shorter than this chunk).
     auto len_of = [&](uint32_t j) -> uint32_t {
@@ -453,6 +466,7 @@ __device__ void reducescatter(const FcCollParams& p) {
   uint64_t round = 0;
   for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
     if (round > 0) between_rounds<PROTO>();
+    c.reuse = (k + 2ull * gridDim.x) * p.chunk_bytes < bytes;
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
     for (uint32_t j = 0; j < p.nranks; ++j) {
@@ -473,6 +487,7 @@ __device__ void allgather(const FcCollParams& p) {
   uint64_t round = 0;
   for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
     if (round > 0) between_rounds<PROTO>();
+    c.reuse = (k + 2ull * gridDim.x) * p.chunk_bytes < bytes;
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
     send<PROTO>(p, c, in + off, len, round, 0, all);
@@ -498,6 +513,7 @@ __device__ void alltoall(const FcCollParams& p) {
   uint64_t round = 0;
   for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
     if (round > 0) between_rounds<PROTO>();
+    c.reuse = (k + 2ull * gridDim.x) * p.chunk_bytes < bytes;
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
     for (uint32_t q = 0; q < p.nranks; ++q) {

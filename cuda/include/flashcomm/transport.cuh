@@ -12,7 +12,8 @@
 //   `seq + 1` (never 0: the epoch skips the one value that would make it 0), f1 is f0 with the
 //   call's signature (collective and datatype) xor-ed into its top 8 bits. Each 8-byte half
 //   proves its own freshness with the whole 32-bit epoch, so a torn read is never mistaken for a
-//   complete one, and lines are never cleared: a stale line carries an older epoch. A line whose
+//   complete one, and lines are not cleared: a stale line carries an older epoch. (Only a call
+//   whose block reuses a sub-slot for a later round of the same call clears what it read, c.reuse.) A line whose
 //   f0 is this call's epoch but whose f1 carries another signature comes from a peer running a
 //   different collective at this sequence number: a mismatch (checked on the slow path of a wait,
 //   so a torn read resolves before it is judged). No fence on the way out.
@@ -46,6 +47,8 @@ struct Ctx {
   uint32_t ll0;     // LL lines, first half: seq + 1 (never 0)
   uint32_t ll1;     // LL lines, second half: ll0 ^ sig << 24
   uint32_t half;
+  bool reuse;  // this block's sub-slot of the current round is written again two rounds later in
+               // this call (same tags): LL readers clear the lines they consumed
   bool dead;  // this thread gave up (or saw that another one did): skip every wait from now on
 };
 
@@ -84,6 +87,7 @@ __device__ __forceinline__ Ctx begin_after_wait(const FcCollParams& p) {
     const uint64_t now = globaltimer_ns();
     c.deadline = p.timeout_ns > ~0ull - now ? ~0ull : now + p.timeout_ns;
   }
+  c.reuse = false;
   c.dead = false;
   return c;
 }
@@ -178,6 +182,10 @@ __device__ __forceinline__ void ll_store(char* line, uint2 d, const Ctx& c) {
 }
 
 __device__ __forceinline__ bool ll_ready(const uint4& v, const Ctx& c) { return v.y == c.ll0 && v.w == c.ll1; }
+
+// A consumed line is cleared only when its sub-slot carries another round of this call (c.reuse),
+// whose lines bear the same tags.
+__device__ __forceinline__ void ll_clear(char* line) { st_volatile_v4(line, make_uint4(0, 0, 0, 0)); }
 
 // A line of this call's epoch that carries another signature (see the header): 0 when it is not
 // one, else the frame tag of this call with the peer's signature (what a mismatch reports).
