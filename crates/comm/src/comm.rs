@@ -50,6 +50,9 @@ pub struct CommConfig {
     /// Where arenas live: automatic (the peer transport where every pair of ranks has peer
     /// access, the host transport otherwise), or forced.
     pub transport: Choice<Transport>,
+    /// Graph mixing (`FLASHCOMM_GRAPH_MIXING`): a captured collective waits at each replay for the
+    /// last eager operation and records an event that later eager operations wait for.
+    pub graph_mixing: bool,
     /// Tests only: this rank fails set-up step `n` (0..=7, see [`Communicator::new_agreed`]), as
     /// an allocation, a driver call or a kernel launch failing there would.
     #[doc(hidden)]
@@ -66,6 +69,7 @@ impl Default for CommConfig {
             max_blocks: None,
             calibrate: true,
             transport: Choice::Auto,
+            graph_mixing: false,
             fail_at: None,
         }
     }
@@ -246,6 +250,10 @@ struct LastLaunch {
     stream: AtomicUsize,
     /// Whether any eager launch happened (`stream` is meaningful).
     launched: AtomicBool,
+    /// Graph mixing: whether an operation of this communicator was captured into a graph (whose
+    /// replays record `event`), so that every eager operation waits for `event`, whatever its
+    /// stream.
+    captured: AtomicBool,
     event: Event,
 }
 
@@ -440,6 +448,7 @@ impl Communicator {
             last: LastLaunch {
                 stream: AtomicUsize::new(0),
                 launched: AtomicBool::new(false),
+                captured: AtomicBool::new(false),
                 event,
             },
         };
@@ -1090,17 +1099,7 @@ impl Communicator {
             params.q_block_bytes_ag = q.format(d, q.ag_bits)?.block_bytes() as u32;
         }
         let _ctx = self.device.activate()?;
-        let capturing = stream.is_capturing()?;
-        let last = &self.last;
-        // Kernels of one communicator must not overlap: if this call comes on another stream than
-        // the previous one, order it after the previous launch (outside graph capture, where the
-        // graph's own order applies).
-        if !capturing
-            && last.launched.load(Ordering::Acquire)
-            && last.stream.load(Ordering::Relaxed) != stream.0 as usize
-        {
-            last.event.wait_on(stream)?;
-        }
+        let capturing = self.order_before(stream)?;
         let cfg = LaunchConfig {
             grid: p.grid,
             block: threads,
@@ -1108,11 +1107,47 @@ impl Communicator {
         };
         let overlapped = self.device.supports_overlapped_launch();
         gpu::launch(&self.kernels, k, cfg, stream, &params, overlapped)?;
-        if !capturing {
-            last.event.record(stream)?;
-            last.stream.store(stream.0 as usize, Ordering::Relaxed);
-            last.launched.store(true, Ordering::Release);
+        self.order_after(stream, capturing)
+    }
+
+    /// Orders an operation of this communicator about to be enqueued on `stream` (either
+    /// library's) after the communicator's previous ones, as NCCL orders all work of one
+    /// communicator (docs/protocols.md, "Ordering"); returns whether `stream` is capturing.
+    /// Eager: after the last eager operation when it went to another stream (and, with graph
+    /// mixing once something was captured, always: a replay may have recorded the event since).
+    /// Captured: the graph's own order applies; with graph mixing, the node also waits at each
+    /// replay for the last eager operation.
+    fn order_before(&self, stream: Stream) -> Result<bool, Error> {
+        let last = &self.last;
+        let capturing = stream.is_capturing()?;
+        if capturing {
+            if self.cfg.graph_mixing {
+                last.event.wait_on_external(stream)?;
+            }
+        } else if last.launched.load(Ordering::Acquire)
+            && (last.stream.load(Ordering::Relaxed) != stream.0 as usize
+                || last.captured.load(Ordering::Relaxed))
+        {
+            last.event.wait_on(stream)?;
         }
+        Ok(capturing)
+    }
+
+    /// After an operation of this communicator was enqueued on `stream`: eager, it becomes the
+    /// last operation (recorded); captured with graph mixing, every replay records it.
+    fn order_after(&self, stream: Stream, capturing: bool) -> Result<(), Error> {
+        let last = &self.last;
+        if capturing {
+            if self.cfg.graph_mixing {
+                last.event.record_external(stream)?;
+                last.captured.store(true, Ordering::Relaxed);
+                last.launched.store(true, Ordering::Release);
+            }
+            return Ok(());
+        }
+        last.event.record(stream)?;
+        last.stream.store(stream.0 as usize, Ordering::Relaxed);
+        last.launched.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -1123,16 +1158,8 @@ impl Communicator {
     /// being captured, where the graph's own order applies).
     pub fn before_foreign(&self, stream: Stream) -> Result<bool, Error> {
         let _ctx = self.device.activate()?;
-        if stream.is_capturing()? {
-            return Ok(false);
-        }
-        let last = &self.last;
-        if last.launched.load(Ordering::Acquire)
-            && last.stream.load(Ordering::Relaxed) != stream.0 as usize
-        {
-            last.event.wait_on(stream)?;
-        }
-        Ok(true)
+        let capturing = self.order_before(stream)?;
+        Ok(!capturing || self.cfg.graph_mixing)
     }
 
     /// After another library's operation on this communicator was enqueued on `stream`: it is the
@@ -1140,11 +1167,8 @@ impl Communicator {
     /// is ordered after.
     pub fn after_foreign(&self, stream: Stream) -> Result<(), Error> {
         let _ctx = self.device.activate()?;
-        let last = &self.last;
-        last.event.record(stream)?;
-        last.stream.store(stream.0 as usize, Ordering::Relaxed);
-        last.launched.store(true, Ordering::Release);
-        Ok(())
+        let capturing = stream.is_capturing()?;
+        self.order_after(stream, capturing)
     }
 
     /// The device-reported error, if a kernel of this communicator gave up.

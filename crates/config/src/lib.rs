@@ -288,6 +288,17 @@ variables! {
         allowed: "an exported function name such as `ncclCommCount`",
         strict: true,
     }
+    /// Order graph replays and eager calls of one communicator as NCCL's graph mixing does: every
+    /// collective captured into a CUDA graph waits, at each replay, for the communicator's last
+    /// eager operation, and records an event that every later eager operation waits for. Off by
+    /// default: the event node after each captured collective costs 2-4 us per call on the H200
+    /// (docs/protocols.md, "Ordering with NCCL's own work and with graph replays").
+    graph_mixing: bool = false => {
+        name: "FLASHCOMM_GRAPH_MIXING",
+        kind: "bool",
+        allowed: "`1`, `0`, `true`, `false`, `yes`, `no`, `on`, `off`",
+        strict: true,
+    }
     /// NCCL's pointer check, honoured on flashcomm's path too: the buffers of a call flashcomm's
     /// kernels take must be device memory of the communicator's device (or managed memory), or
     /// the call returns `ncclInvalidArgument`, as NCCL does.

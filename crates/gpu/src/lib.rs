@@ -686,6 +686,37 @@ impl Event {
         unsafe { result::event::record(self.0, stream.0) }.map_err(cuda("recording an event"))
     }
 
+    /// Records the event on `stream`; in a graph capture, as an event-record node that records
+    /// the event at every replay (`CU_EVENT_RECORD_EXTERNAL`), so that work outside the graph can
+    /// wait for it.
+    pub fn record_external(&self, stream: Stream) -> Result<(), Error> {
+        // SAFETY: valid event and stream of the current context.
+        check(
+            unsafe {
+                sys::cuEventRecordWithFlags(
+                    self.0,
+                    stream.0,
+                    sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32,
+                )
+            },
+            "recording an event",
+        )
+    }
+
+    /// Makes `stream` wait for the event; in a graph capture, as an event-wait node that waits at
+    /// every replay for the event's last record (`CU_EVENT_WAIT_EXTERNAL`).
+    pub fn wait_on_external(&self, stream: Stream) -> Result<(), Error> {
+        // SAFETY: valid event and stream.
+        unsafe {
+            result::stream::wait_event(
+                stream.0,
+                self.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_EXTERNAL,
+            )
+        }
+        .map_err(cuda("waiting on an event"))
+    }
+
     /// Makes `stream` wait for the event.
     pub fn wait_on(&self, stream: Stream) -> Result<(), Error> {
         // SAFETY: valid event and stream.

@@ -69,6 +69,7 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
             ConfigTransport::Host => Choice::Force(Transport::Host),
         },
         calibrate: true,
+        graph_mixing: s.graph_mixing,
         ..CommConfig::default()
     }
 }
