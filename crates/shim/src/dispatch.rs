@@ -19,7 +19,8 @@
 //! calls may be captured into CUDA graphs.
 //!
 //! Owns: the hooks the exports call ([`run`], [`on_comms_created`],
-//! [`on_comm_destroying`], [`group_ended`], [`async_error`]).
+//! [`on_comm_destroying`], [`on_comm_suspend`], [`on_comm_resumed`], [`group_ended`],
+//! [`async_error`]).
 //! May import: `types`, `logging`, `stats`, `policy`, `registry`, `group`, `serve`.
 
 use std::borrow::Cow;
@@ -115,6 +116,39 @@ pub(crate) fn on_comm_destroying(comm: ncclComm_t, end: CommEnd) {
                 serve::tear_down(h, state, end == CommEnd::Abort);
             }
         }
+    }
+}
+
+/// Before `ncclCommSuspend`: flashcomm's operations of the communicator are flushed (NCCL
+/// requires a communicator to be idle when it is suspended; flashcomm keeps its memory), and every
+/// call from now on goes to NCCL, which answers it as it answers calls on a suspended
+/// communicator, until [`on_comm_resumed`] (or the real suspend failed: `suspended` false).
+pub(crate) fn on_comm_suspend(comm: ncclComm_t, suspended: bool) {
+    let Some(state) = (!comm.is_null())
+        .then(|| registry::by_handle(CommHandle::of(comm)))
+        .flatten()
+    else {
+        return;
+    };
+    state.set_suspended(suspended);
+    if suspended && let Some(c) = state.served() {
+        let _saved = crate::calls::cuda::SavedContext::save();
+        if let Err(e) = c.wait_idle() {
+            logging::info(
+                Subsys::Init,
+                &format!("communicator {comm:p}: suspend: flashcomm's last kernel: {e}"),
+            );
+        }
+    }
+}
+
+/// After a successful `ncclCommResume`: flashcomm's kernels take the communicator's calls again.
+pub(crate) fn on_comm_resumed(comm: ncclComm_t) {
+    if comm.is_null() {
+        return;
+    }
+    if let Some(state) = registry::by_handle(CommHandle::of(comm)) {
+        state.set_suspended(false);
     }
 }
 
@@ -387,6 +421,35 @@ mod tests {
         assert!(registry::get(comm).unwrap().is_closed());
         on_comm_destroying(comm, CommEnd::Destroy);
         assert!(registry::get(comm).is_none());
+    }
+
+    #[test]
+    fn a_suspended_communicator_routes_to_nccl_until_it_is_resumed() {
+        let comm = 0x5050usize as ncclComm_t;
+        on_comm_created(comm, CommOrigin::InitRank, false, None);
+        let state = registry::get(comm).unwrap();
+        let config = Config::default();
+        assert!(!state.view(&config).closed);
+        on_comm_suspend(comm, true);
+        assert!(state.is_suspended() && state.view(&config).closed);
+        // As a served communicator would be decided (this one is not: no GPU in unit tests).
+        let mut view = state.view(&config);
+        view.served = true;
+        view.nranks = 2;
+        let d = policy::decide(&call(comm), &config, Some(&view), 0);
+        assert_eq!(d.route, Route::Nccl);
+        let why = policy::explain(&d, &call(comm), &config, Some(&view), None);
+        assert!(why.contains("suspended"), "{why}");
+        // The real suspend failed: flashcomm routes as before.
+        on_comm_suspend(comm, false);
+        assert!(!state.view(&config).closed);
+        on_comm_suspend(comm, true);
+        on_comm_resumed(comm);
+        assert!(!state.is_suspended() && !state.view(&config).closed);
+        // Unknown and null communicators are ignored.
+        on_comm_suspend(std::ptr::null_mut(), true);
+        on_comm_resumed(0x5051usize as ncclComm_t);
+        on_comm_destroying(comm, CommEnd::Destroy);
     }
 
     #[test]

@@ -262,7 +262,7 @@ pub(crate) fn explain(
             "flashcomm does not serve this communicator: {}",
             why_not.unwrap_or("unknown")
         ),
-        Why::Closed => "the communicator was finalized or revoked".into(),
+        Why::Closed => "the communicator was finalized, revoked or is suspended".into(),
         Why::OpsExclude => format!(
             "FLASHCOMM_OPS={} excludes it",
             s.ops

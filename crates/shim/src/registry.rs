@@ -48,6 +48,8 @@ pub(crate) struct CommState {
     closed: AtomicBool,
     /// Revoked: flashcomm's kernels were asked to stop.
     revoked: AtomicBool,
+    /// Suspended (`ncclCommSuspend` until a successful `ncclCommResume`): calls go to NCCL.
+    suspended: AtomicBool,
     /// `flashcommCommSetQuant`'s settings; `None`: the environment's.
     quant: QuantCell,
     /// (kind, route) pairs already logged.
@@ -80,6 +82,7 @@ impl CommState {
             setup: OnceLock::new(),
             closed: AtomicBool::new(false),
             revoked: AtomicBool::new(false),
+            suspended: AtomicBool::new(false),
             quant: QuantCell::new(),
             announced: Announced::new(),
             async_warned: AtomicBool::new(false),
@@ -147,6 +150,16 @@ impl CommState {
         self.revoked.store(true, Ordering::Relaxed);
     }
 
+    /// Whether the communicator is suspended.
+    pub(crate) fn is_suspended(&self) -> bool {
+        self.suspended.load(Ordering::Relaxed)
+    }
+
+    /// Marks it suspended (`ncclCommSuspend`) or resumed (`ncclCommResume`).
+    pub(crate) fn set_suspended(&self, on: bool) {
+        self.suspended.store(on, Ordering::Relaxed);
+    }
+
     /// The quantization settings in force: `flashcommCommSetQuant`'s, else the environment's.
     pub(crate) fn quant_settings(&self, config: &Config) -> QuantSettings {
         self.quant.load().unwrap_or_else(|| config.quant_settings())
@@ -163,7 +176,7 @@ impl CommState {
         CommView {
             served: served.is_some(),
             nranks: served.map_or(0, |c| u64::from(c.nranks())),
-            closed: self.is_closed(),
+            closed: self.is_closed() || self.is_suspended(),
             quant: self.quant_settings(config),
         }
     }

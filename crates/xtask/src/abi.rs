@@ -56,6 +56,12 @@ fn handling(name: &str) -> Option<&'static str> {
         "ncclCommRevoke" | "ncclCommAbort" => {
             "the ending hook (**intercepted**: flashcomm's kernels stop); then forwarded"
         }
+        "ncclCommSuspend" => {
+            "**intercepted**: flashcomm's last kernel is waited for and every call goes to NCCL until a successful resume (flashcomm keeps its memory); then forwarded"
+        }
+        "ncclCommResume" => {
+            "forwarded; **intercepted**: on success flashcomm's kernels take the calls again"
+        }
         "ncclCommDestroy" => {
             "the ending hook (**intercepted**: flashcomm's communicator is released); then forwarded"
         }

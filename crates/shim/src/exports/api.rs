@@ -52,6 +52,8 @@ static SHRINK: Slot = Slot::new(c"ncclCommShrink");
 static GROW: Slot = Slot::new(c"ncclCommGrow");
 static FINALIZE: Slot = Slot::new(c"ncclCommFinalize");
 static REVOKE: Slot = Slot::new(c"ncclCommRevoke");
+static SUSPEND: Slot = Slot::new(c"ncclCommSuspend");
+static RESUME: Slot = Slot::new(c"ncclCommResume");
 static DESTROY: Slot = Slot::new(c"ncclCommDestroy");
 static ABORT: Slot = Slot::new(c"ncclCommAbort");
 static GET_ASYNC_ERROR: Slot = Slot::new(c"ncclCommGetAsyncError");
@@ -450,6 +452,28 @@ nccl_api! {
     fn ncclCommRevoke(comm: ncclComm_t, revoke_flags: c_int) -> ncclResult_t {
         ending(comm, CommEnd::Revoke);
         forwarded!(call_real!(REVOKE, (comm, revoke_flags) -> ncclResult_t))
+    }
+
+    /// flashcomm's operations of the communicator are flushed first, and until a successful
+    /// resume every call goes to NCCL, which answers it as on a suspended communicator.
+    fn ncclCommSuspend(comm: ncclComm_t, flags: c_int) -> ncclResult_t {
+        if !forked() {
+            dispatch::on_comm_suspend(comm, true);
+        }
+        let r = call_real!(SUSPEND, (comm, flags) -> ncclResult_t);
+        if !matches!(r, Ok(ncclResult_t::ncclSuccess)) && !forked() {
+            dispatch::on_comm_suspend(comm, false);
+        }
+        forwarded!(r)
+    }
+
+    /// After a successful resume flashcomm's kernels take the communicator's calls again.
+    fn ncclCommResume(comm: ncclComm_t) -> ncclResult_t {
+        let r = call_real!(RESUME, (comm) -> ncclResult_t);
+        if matches!(r, Ok(ncclResult_t::ncclSuccess)) && !forked() {
+            dispatch::on_comm_resumed(comm);
+        }
+        forwarded!(r)
     }
 
     fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {

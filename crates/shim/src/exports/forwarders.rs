@@ -47,11 +47,6 @@ forward! {
         size: usize,
         handle: *mut *mut ::std::os::raw::c_void,
     ) -> ncclResult_t;
-    pub fn ncclCommResume(comm: ncclComm_t) -> ncclResult_t;
-    pub fn ncclCommSuspend(
-        comm: ncclComm_t,
-        flags: ::std::os::raw::c_int,
-    ) -> ncclResult_t;
     pub fn ncclCommUserRank(
         comm: ncclComm_t,
         rank: *mut ::std::os::raw::c_int,
