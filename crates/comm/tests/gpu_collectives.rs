@@ -819,37 +819,25 @@ fn disagreeing_ranks_get_an_error() {
         transport: common::test_transport(),
         ..CommConfig::default()
     };
-    let group = ThreadGroup::new(2, Duration::from_secs(60));
-    let members = group.members();
-    std::thread::scope(|s| {
-        for m in &members {
-            let cfg = cfg.clone();
-            s.spawn(move || {
-                let comm = Communicator::new(m, 0, cfg).unwrap();
-                let v = flashcomm_testkit::verify::Verifier::new(0).unwrap();
-                let _ctx = v.activate().unwrap();
-                let stream = v.stream().unwrap();
-                let buf = v.alloc(16 << 20).unwrap();
-                m.barrier().unwrap();
-                let count = if m.rank() == 0 { 1000 } else { 4 << 20 };
-                let t = Instant::now();
-                comm.all_reduce(
-                    buf.as_ptr(),
-                    buf.as_ptr(),
-                    count,
-                    flashcomm_comm::DataType::Bf16,
-                    stream,
-                )
-                .unwrap();
-                stream.synchronize().unwrap();
-                let err = comm
-                    .check_status()
-                    .expect_err("disagreeing ranks must be reported");
-                assert!(t.elapsed() <= timeout + Duration::from_secs(1));
-                println!("rank {}: {err}", m.rank());
-                m.barrier().unwrap();
-            });
-        }
+    run_ranks_expecting_errors(2, cfg, |comm, v, stream, m| {
+        let buf = v.alloc(16 << 20).unwrap();
+        m.barrier().unwrap();
+        let count = if m.rank() == 0 { 1000 } else { 4 << 20 };
+        let t = Instant::now();
+        comm.all_reduce(
+            buf.as_ptr(),
+            buf.as_ptr(),
+            count,
+            flashcomm_comm::DataType::Bf16,
+            stream,
+        )
+        .unwrap();
+        stream.synchronize().unwrap();
+        let err = comm
+            .check_status()
+            .expect_err("disagreeing ranks must be reported");
+        assert!(t.elapsed() <= timeout + Duration::from_secs(1));
+        println!("rank {}: {err}", m.rank());
     });
 }
 
