@@ -70,7 +70,7 @@ __device__ __forceinline__ void ll_gather(const FcCollParams& p, Ctx& c, uint32_
         }
       }
     }
-    if (foreign != 0) {
+    if (slow && w.confirm_foreign(foreign != 0)) {
       give_up(p, c, FC_STATUS_MISMATCH, __ffs(need) - 1, foreign);
       break;
     }
@@ -182,7 +182,7 @@ __device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, 
 #pragma unroll
         for (uint32_t s = 0; s < FC_MAX_RANKS; ++s)
           if (((need >> s) & 1u) && foreign == 0) foreign = ll_foreign(got[s], c);
-        if (foreign != 0) {
+        if (w.confirm_foreign(foreign != 0)) {
           give_up(p, c, FC_STATUS_MISMATCH, __ffs(need) - 1, foreign);
           break;
         }

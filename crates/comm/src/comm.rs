@@ -257,6 +257,13 @@ struct LastLaunch {
     event: Event,
 }
 
+/// A forwarded operation that [`Communicator::before_foreign`] ordered: whether its stream was
+/// capturing, for [`Communicator::after_foreign`].
+#[derive(Clone, Copy, Debug)]
+pub struct Foreign {
+    capturing: bool,
+}
+
 /// One rank of a flashcomm communicator.
 pub struct Communicator {
     rank: u32,
@@ -1152,23 +1159,22 @@ impl Communicator {
     }
 
     /// Before another library's operation on this communicator (a collective forwarded to NCCL)
-    /// is enqueued on `stream`: orders it after this communicator's last operation if that went
-    /// to another stream, as NCCL orders all work of a communicator. Returns whether the
-    /// operation is to be recorded with [`Communicator::after_foreign`] (not while `stream` is
-    /// being captured, where the graph's own order applies).
-    pub fn before_foreign(&self, stream: Stream) -> Result<bool, Error> {
+    /// is enqueued on `stream`: orders it after this communicator's previous operations as
+    /// flashcomm's own launches are ordered (`order_before`), as NCCL orders all work of a
+    /// communicator. Returns what to pass to [`Communicator::after_foreign`] once the operation
+    /// was enqueued, or `None` when it is not to be recorded (captured without graph mixing,
+    /// where the graph's own order applies).
+    pub fn before_foreign(&self, stream: Stream) -> Result<Option<Foreign>, Error> {
         let _ctx = self.device.activate()?;
         let capturing = self.order_before(stream)?;
-        Ok(!capturing || self.cfg.graph_mixing)
+        Ok((!capturing || self.cfg.graph_mixing).then_some(Foreign { capturing }))
     }
 
     /// After another library's operation on this communicator was enqueued on `stream`: it is the
-    /// communicator's last operation, which the next launch of either library on another stream
-    /// is ordered after.
-    pub fn after_foreign(&self, stream: Stream) -> Result<(), Error> {
+    /// communicator's last operation, which later operations of either library are ordered after.
+    pub fn after_foreign(&self, stream: Stream, op: Foreign) -> Result<(), Error> {
         let _ctx = self.device.activate()?;
-        let capturing = stream.is_capturing()?;
-        self.order_after(stream, capturing)
+        self.order_after(stream, op.capturing)
     }
 
     /// The device-reported error, if a kernel of this communicator gave up.
@@ -1216,8 +1222,16 @@ impl Communicator {
     /// Sets this rank's epoch (the sequence number of its next collective) to `seq`, so that a
     /// test can cross the epoch's wrap-around (docs/protocols.md, "Epochs") without four billion
     /// calls. Every rank must set the same value while no collective of the communicator runs.
+    /// Only on a communicator that has run no collective yet: an epoch set below one already used
+    /// would make lines left by the earlier calls look fresh again. `u32::MAX` is refused (the
+    /// epoch never takes it: docs/protocols.md, "Epochs").
     #[doc(hidden)]
     pub fn set_epoch_for_testing(&self, seq: u32) -> Result<(), Error> {
+        if seq == u32::MAX {
+            return Err(Error::InvalidArgument(
+                "the epoch never takes the value 0xffffffff".into(),
+            ));
+        }
         self.wait_idle()?;
         gpu::write_epoch_words(&self.device, self.local.addr() + abi::HDR_EPOCHS, seq)
     }

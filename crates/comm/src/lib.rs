@@ -21,7 +21,7 @@ pub mod plan;
 mod transport;
 
 pub use bootstrap::{Agreement, Bootstrap, ThreadBootstrap, ThreadGroup};
-pub use comm::{CommConfig, Communicator};
+pub use comm::{CommConfig, Communicator, Foreign};
 pub use error::Error;
 pub use gpu::{DeviceMem, DevicePtr, Stream};
 pub use plan::{

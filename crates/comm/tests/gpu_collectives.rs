@@ -842,9 +842,12 @@ fn disagreeing_ranks_get_an_error() {
 }
 
 /// The epoch crosses its wrap-around (0xfffffffe is followed by 1; docs/protocols.md, "Epochs")
-/// on 2 and 4 ranks: 64 calls of the stress sequence (every collective and protocol the selector
-/// picks, sizes that change the grid from call to call, so LL lines are read where calls of other
-/// geometries left them) starting 20 calls before the wrap, each verified.
+/// on 2 and 4 ranks: 64 calls back to back, with no synchronization between them (so that two
+/// consecutive calls that landed on the same half would race and show), starting 20 calls before
+/// the wrap: the stress sequence (every collective and protocol the selector picks, sizes that
+/// change the grid from call to call, so LL lines are read where calls of other geometries left
+/// them), and every eighth call a 2 MiB LL one-shot AllReduce, whose blocks reuse their sub-slots
+/// within the call (the lines they clear). Every call is verified on the device.
 #[test]
 fn epochs_wrap_around_without_a_wrong_result() {
     for n in [2u32, 4] {
@@ -856,14 +859,24 @@ fn epochs_wrap_around_without_a_wrong_result() {
             r.comm.set_epoch_for_testing(0xffff_fffe - 20).unwrap();
             r.boot.barrier().unwrap();
             for (i, x) in (0..64u32).zip(stress_words().skip(777)) {
-                let (coll, ty, count) = stress_call(x, nn);
-                let p = r.comm.plan(coll, count, ty.bytes());
+                let (coll, ty, count, p) = if i % 8 == 3 {
+                    let (ty, count) = (TestType::Bf16, 1u64 << 20);
+                    let p = r.comm.plan_forced(
+                        Collective::AllReduce,
+                        count,
+                        ty.bytes(),
+                        Choice::Force(Algorithm::OneShot),
+                        Choice::Force(Protocol::Ll),
+                    );
+                    (Collective::AllReduce, ty, count, p)
+                } else {
+                    let (coll, ty, count) = stress_call(x, nn);
+                    (coll, ty, count, r.comm.plan(coll, count, ty.bytes()))
+                };
                 fill_run_check(r, &p, coll, ty, count, i, &send, &recv);
-                r.sync();
-                r.assert_clean(&format!(
-                    "call {i} around the epoch's wrap: {coll:?} {ty:?} {p:?}"
-                ));
             }
+            r.sync();
+            r.assert_clean("64 calls around the epoch's wrap");
         });
     }
 }

@@ -119,17 +119,19 @@ pub(crate) fn on_comm_destroying(comm: ncclComm_t, end: CommEnd) {
     }
 }
 
-/// Before `ncclCommSuspend`: flashcomm's operations of the communicator are flushed (NCCL
-/// requires a communicator to be idle when it is suspended; flashcomm keeps its memory), and every
-/// call from now on goes to NCCL, which answers it as it answers calls on a suspended
-/// communicator, until [`on_comm_resumed`] (or the real suspend failed: `suspended` false).
-pub(crate) fn on_comm_suspend(comm: ncclComm_t, suspended: bool) {
+/// Before `ncclCommSuspend` (`suspended` true): flashcomm's operations of the communicator are
+/// flushed (NCCL's header: a suspended communicator cannot be used; flashcomm keeps its memory),
+/// and every call from now on goes to NCCL, which answers it as it answers calls on a suspended
+/// communicator, until [`on_comm_resumed`]. Returns the previous state, which the caller restores
+/// (`suspended` = that state) when the real suspend failed.
+pub(crate) fn on_comm_suspend(comm: ncclComm_t, suspended: bool) -> bool {
     let Some(state) = (!comm.is_null())
         .then(|| registry::by_handle(CommHandle::of(comm)))
         .flatten()
     else {
-        return;
+        return false;
     };
+    let before = state.is_suspended();
     state.set_suspended(suspended);
     if suspended && let Some(c) = state.served() {
         let _saved = crate::calls::cuda::SavedContext::save();
@@ -140,6 +142,7 @@ pub(crate) fn on_comm_suspend(comm: ncclComm_t, suspended: bool) {
             );
         }
     }
+    before
 }
 
 /// After a successful `ncclCommResume`: flashcomm's kernels take the communicator's calls again.
@@ -440,8 +443,17 @@ mod tests {
         assert_eq!(d.route, Route::Nccl);
         let why = policy::explain(&d, &call(comm), &config, Some(&view), None);
         assert!(why.contains("suspended"), "{why}");
-        // The real suspend failed: flashcomm routes as before.
-        on_comm_suspend(comm, false);
+        // A second suspend that fails leaves it suspended (the state before it is restored).
+        let before = on_comm_suspend(comm, true);
+        assert!(before);
+        on_comm_suspend(comm, before);
+        assert!(state.is_suspended());
+        on_comm_resumed(comm);
+        assert!(!state.view(&config).closed);
+        // A first suspend that fails: flashcomm routes as before.
+        let before = on_comm_suspend(comm, true);
+        assert!(!before);
+        on_comm_suspend(comm, before);
         assert!(!state.view(&config).closed);
         on_comm_suspend(comm, true);
         on_comm_resumed(comm);

@@ -437,10 +437,12 @@ pub(crate) fn forward_in_order(
         return forward();
     };
     let stream = Stream(call.stream.cast());
-    let record = c.before_foreign(stream).unwrap_or(false);
+    let record = c.before_foreign(stream).ok().flatten();
     let r = forward();
-    if record && (r == ncclResult_t::ncclSuccess || r == ncclResult_t::ncclInProgress) {
-        let _ = c.after_foreign(stream);
+    if let Some(op) = record
+        && (r == ncclResult_t::ncclSuccess || r == ncclResult_t::ncclInProgress)
+    {
+        let _ = c.after_foreign(stream, op);
     }
     r
 }

@@ -15,8 +15,9 @@
 //   complete one, and lines are not cleared: a stale line carries an older epoch. (Only a call
 //   whose block reuses a sub-slot for a later round of the same call clears what it read, c.reuse.) A line whose
 //   f0 is this call's epoch but whose f1 carries another signature comes from a peer running a
-//   different collective at this sequence number: a mismatch (checked on the slow path of a wait,
-//   so a torn read resolves before it is judged). No fence on the way out.
+//   different collective at this sequence number: a mismatch, judged on the slow path of a wait
+//   and only when two consecutive slow checks (128 polls apart) see a foreign line, so a torn
+//   read (a new first half beside an old second half) is not judged. No fence on the way out.
 // * BLOCK protocol: a frame is a 16-byte header (u32 tag, rest reserved) followed by up to
 //   FC_FRAME_PAYLOAD bytes. A warp writes the payload with plain stores, synchronizes, and lane 0
 //   issues a system-scope fence before storing the tag `(seq % (2^24 - 1) + 1) << 8 | sig`.
@@ -162,6 +163,16 @@ struct Waiter {
   // The next call of stop() runs the slow checks (abort words, deadline): the caller may look for
   // a foreign LL line first.
   __device__ __forceinline__ bool slow_next() const { return ((spins + 1) & 127u) == 0; }
+  // At a slow check: whether a foreign LL line was seen now (`seen`) and at the previous slow
+  // check too, 128 polls earlier. A torn read (a new first half beside an old second half, which
+  // can pass ll_foreign when the epoch is a multiple of 2^24) does not last that long; a peer
+  // running another collective does. The flag lives in the top bit of `spins` (no register more
+  // in the polling loops, which are tight on registers).
+  __device__ __forceinline__ bool confirm_foreign(bool seen) {
+    const bool before = (spins & 0x80000000u) != 0;
+    spins = seen ? (spins | 0x80000000u) : (spins & 0x7fffffffu);
+    return seen && before;
+  }
   __device__ __forceinline__ bool stop(const FcCollParams& p, Ctx& c, uint32_t peer) {
     if (c.dead) return true;
     ++spins;
@@ -196,7 +207,7 @@ __device__ __forceinline__ void ll_clear(char* line) { st_volatile_v4(line, make
 
 // A line of this call's epoch that carries another signature (see the header): 0 when it is not
 // one, else the frame tag of this call with the peer's signature (what a mismatch reports).
-// Called only on the slow path of a wait.
+// Called only on the slow path of a wait, and judged with Waiter::confirm_foreign.
 __device__ __forceinline__ uint32_t ll_foreign(const uint4& v, const Ctx& c) {
   if (v.y != c.ll0 || ((v.w ^ v.y) & 0x00ffffffu) != 0 || v.w == c.ll1) return 0;
   return tag_of(c.seq, (v.w ^ v.y) >> 24);

@@ -457,12 +457,10 @@ nccl_api! {
     /// flashcomm's operations of the communicator are flushed first, and until a successful
     /// resume every call goes to NCCL, which answers it as on a suspended communicator.
     fn ncclCommSuspend(comm: ncclComm_t, flags: c_int) -> ncclResult_t {
-        if !forked() {
-            dispatch::on_comm_suspend(comm, true);
-        }
+        let before = !forked() && dispatch::on_comm_suspend(comm, true);
         let r = call_real!(SUSPEND, (comm, flags) -> ncclResult_t);
         if !matches!(r, Ok(ncclResult_t::ncclSuccess)) && !forked() {
-            dispatch::on_comm_suspend(comm, false);
+            dispatch::on_comm_suspend(comm, before);
         }
         forwarded!(r)
     }
