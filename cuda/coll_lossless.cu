@@ -142,8 +142,8 @@ __device__ __forceinline__ void ll_copy(const FcCollParams& p, Ctx& c, uint32_t 
 // source's load issued before any is checked), reduces in rank order and writes the result. A
 // thread never waits for anything another thread of its rank sends, so a chunk costs one round
 // trip of polls instead of a send phase and a reduce phase; lines are never cleared (their tags
-// carry the whole epoch) unless the sub-slot carries a later round of this call. (One unit per thread measured faster on the H200 than two:
-// docs/perf.md, "Decode-size latency".)
+// carry the whole epoch) unless the sub-slot carries a later round of this call. (One unit per
+// thread measured faster on the H200 than two: docs/perf.md, "Decode-size latency".)
 // `pre` is this thread's first unit of round 0 when the caller loaded it already (`have_pre`).
 template <typename T>
 __device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, const char* in, char* out, uint32_t len,
@@ -368,12 +368,14 @@ __device__ __forceinline__ void copy_from(const FcCollParams& p, Ctx& c, uint32_
     blk_copy(p, c, s, out, len, round, region);
 }
 
-// Between rounds: the frame tags this thread cleared must be cleared, and its reads of this
-// round's lines performed, before any peer can see this rank's next round (which lets that peer
-// reuse the sub-slot two rounds later).
-template <int PROTO>
-__device__ __forceinline__ void between_rounds() {
-  fence_sys();
+// At the start of round `round` (chunk k) of a block whose chunks end at `limit` bytes: after the
+// first round, the frame tags and LL lines this thread cleared must be cleared, and its reads of
+// the last round performed, before any peer can see this round (which lets that peer reuse the
+// sub-slot two rounds later); and whether this round's sub-slot carries round + 2 of this call
+// too (c.reuse: LL readers then clear what they read).
+__device__ __forceinline__ void begin_round(Ctx& c, uint64_t k, uint64_t round, uint64_t chunk, uint64_t limit) {
+  if (round > 0) fence_sys();
+  c.reuse = (k + 2ull * gridDim.x) * chunk < limit;
 }
 
 __device__ __forceinline__ void copy_local(const char* src, char* dst, uint32_t len) {
@@ -404,8 +406,7 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
   Ctx c = begin_after_wait(p);
   uint64_t round = 0;
   for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
-    if (round > 0) between_rounds<PROTO>();
-    c.reuse = (k + 2ull * gridDim.x) * p.chunk_bytes < bytes;
+    begin_round(c, k, round, p.chunk_bytes, bytes);
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
     if (PROTO == FC_PROTO_LL) {
@@ -428,8 +429,7 @@ __device__ void allreduce_twoshot(const FcCollParams& p) {
   char* out = reinterpret_cast<char*>(p.recv);
   uint64_t round = 0;
   for (uint64_t k = blockIdx.x; k * p.chunk_bytes < shard_bytes; k += gridDim.x, ++round) {
-    if (round > 0) between_rounds<PROTO>();
-    c.reuse = (k + 2ull * gridDim.x) * p.chunk_bytes < shard_bytes;
+    begin_round(c, k, round, p.chunk_bytes, shard_bytes);
     const uint64_t off = k * p.chunk_bytes;
     // Length of chunk k of shard j (0 when shard j is shorter than this chunk).
     auto len_of = [&](uint32_t j) -> uint32_t {
@@ -465,8 +465,7 @@ __device__ void reducescatter(const FcCollParams& p) {
   char* out = reinterpret_cast<char*>(p.recv);
   uint64_t round = 0;
   for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
-    if (round > 0) between_rounds<PROTO>();
-    c.reuse = (k + 2ull * gridDim.x) * p.chunk_bytes < bytes;
+    begin_round(c, k, round, p.chunk_bytes, bytes);
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
     for (uint32_t j = 0; j < p.nranks; ++j) {
@@ -486,8 +485,7 @@ __device__ void allgather(const FcCollParams& p) {
   char* out = reinterpret_cast<char*>(p.recv);
   uint64_t round = 0;
   for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
-    if (round > 0) between_rounds<PROTO>();
-    c.reuse = (k + 2ull * gridDim.x) * p.chunk_bytes < bytes;
+    begin_round(c, k, round, p.chunk_bytes, bytes);
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
     send<PROTO>(p, c, in + off, len, round, 0, all);
@@ -512,8 +510,7 @@ __device__ void alltoall(const FcCollParams& p) {
   char* out = reinterpret_cast<char*>(p.recv);
   uint64_t round = 0;
   for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
-    if (round > 0) between_rounds<PROTO>();
-    c.reuse = (k + 2ull * gridDim.x) * p.chunk_bytes < bytes;
+    begin_round(c, k, round, p.chunk_bytes, bytes);
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
     for (uint32_t q = 0; q < p.nranks; ++q) {

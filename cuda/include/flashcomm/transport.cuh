@@ -12,9 +12,9 @@
 //   `seq + 1` (never 0: the epoch skips the one value that would make it 0), f1 is f0 with the
 //   call's signature (collective and datatype) xor-ed into its top 8 bits. Each 8-byte half
 //   proves its own freshness with the whole 32-bit epoch, so a torn read is never mistaken for a
-//   complete one, and lines are not cleared: a stale line carries an older epoch. (Only a call
-//   whose block reuses a sub-slot for a later round of the same call clears what it read, c.reuse.) A line whose
-//   f0 is this call's epoch but whose f1 carries another signature comes from a peer running a
+//   complete one, and lines are not cleared: a stale line carries an older epoch. (Only a block
+//   whose sub-slot carries a later round of the same call clears what it read: c.reuse.) A line
+//   whose f0 is this call's epoch but whose f1 carries another signature comes from a peer running a
 //   different collective at this sequence number: a mismatch, judged on the slow path of a wait
 //   and only when two consecutive slow checks (128 polls apart) see a foreign line, so a torn
 //   read (a new first half beside an old second half) is not judged. No fence on the way out.
