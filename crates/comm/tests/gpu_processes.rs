@@ -107,6 +107,52 @@ fn killed_process_gives_errors_not_hangs() {
     }
 }
 
+/// Rank processes under MPS with no time limit: the last rank reaches the AllReduce
+/// `FLASHCOMM_TEST_LATE_S` (default 30) seconds after the others, and every rank completes with
+/// the right result.
+#[test]
+fn a_late_process_completes_without_a_timeout() {
+    let n = 4;
+    let dir = scratch_dir("late");
+    let mut kids: Vec<Child> = (0..n).map(|r| spawn(&dir, r, n, "late")).collect();
+    let late = late_s();
+    let codes = wait_all(&mut kids, Duration::from_secs(late + 90));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        codes.iter().all(|c| *c == Some(0)),
+        "rank processes exited with {codes:?} (0 = completed and checked)"
+    );
+}
+
+/// Rank processes under MPS with no time limit: the last rank never calls; a watchdog thread of
+/// every other rank aborts its communicator a second after its launch, and the wait ends within
+/// 5 s with the abort reported, on every other rank.
+#[test]
+fn abort_from_a_watchdog_thread_ends_the_wait_in_every_process() {
+    let n = 4;
+    let dir = scratch_dir("watchdog");
+    let mut kids: Vec<Child> = (0..n)
+        .map(|r| spawn(&dir, r, n, if r == n - 1 { "absent" } else { "watchdog" }))
+        .collect();
+    let codes = wait_all(&mut kids, Duration::from_secs(90));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (r, c) in codes.iter().enumerate().take((n - 1) as usize) {
+        assert_eq!(
+            *c,
+            Some(EXPECTED_ERROR),
+            "rank {r} exited with {c:?} (3 = the abort ended its wait in time)"
+        );
+    }
+    assert_eq!(codes[(n - 1) as usize], Some(0), "the absent rank");
+}
+
+fn late_s() -> u64 {
+    std::env::var("FLASHCOMM_TEST_LATE_S")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30)
+}
+
 /// Entry point of the rank processes (does nothing in a normal test run).
 #[test]
 fn child_process_entry() {
@@ -115,7 +161,11 @@ fn child_process_entry() {
     let mode = parts[4];
     let dir = std::path::PathBuf::from(parts[1]);
     let (rank, n): (u32, u32) = (parts[2].parse().unwrap(), parts[3].parse().unwrap());
-    let timeout = Duration::from_secs(3);
+    // The late and watchdog modes run as NCCL does by default: with no time limit.
+    let timeout = match mode {
+        "late" | "watchdog" | "absent" => Duration::ZERO,
+        _ => Duration::from_secs(3),
+    };
     let boot = FileBootstrap::new(&dir, rank, n, Duration::from_secs(60)).expect("bootstrap");
     let cfg = CommConfig {
         timeout,
@@ -178,6 +228,71 @@ fn child_process_entry() {
                 );
                 boot.barrier().unwrap();
             }
+        }
+        "late" => {
+            let count = 100_003u64;
+            let t = TestType::Bf16;
+            v.fill(send.as_ptr(), count, t, rank, 7, s).unwrap();
+            s.synchronize().unwrap();
+            if rank == n - 1 {
+                std::thread::sleep(Duration::from_secs(late_s()));
+            }
+            let t0 = Instant::now();
+            comm.all_reduce(send.as_ptr(), recv.as_ptr(), count, DataType::Bf16, s)
+                .unwrap();
+            v.check(
+                recv.as_ptr(),
+                count,
+                count,
+                Collective::AllReduce,
+                t,
+                n,
+                rank,
+                7,
+                s,
+            )
+            .unwrap();
+            s.synchronize().unwrap();
+            comm.check_status().expect("no error for a late peer");
+            let (bad, first) = v.errors().unwrap();
+            assert_eq!(bad, 0, "rank {rank}: {bad} wrong, first at {first}");
+            println!("rank {rank} completed after {:?}", t0.elapsed());
+            boot.barrier().unwrap();
+        }
+        "absent" => {
+            // Never calls; waits until every other rank has ended its wait, then leaves.
+            while (0..n - 1).any(|r| !dir.join(format!("aborted-{r}")).exists()) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        "watchdog" => {
+            comm.all_reduce(send.as_ptr(), recv.as_ptr(), 1000, DataType::Bf16, s)
+                .unwrap();
+            let aborted_at = std::thread::scope(|w| {
+                let comm = &comm;
+                w.spawn(move || {
+                    std::thread::sleep(Duration::from_secs(1));
+                    comm.abort();
+                    Instant::now()
+                })
+                .join()
+                .unwrap()
+            });
+            let idle = comm.wait_idle_for(Duration::from_secs(5));
+            let took = aborted_at.elapsed();
+            let status = comm.check_status();
+            println!("rank {rank}: idle {idle:?} {took:?} after the abort: {status:?}");
+            std::fs::write(dir.join(format!("aborted-{rank}")), b"").unwrap();
+            let reported =
+                matches!(&status, Err(flashcomm_comm::Error::Remote(m)) if m.contains("aborted"));
+            drop(comm);
+            std::process::exit(
+                if idle == Ok(true) && took < Duration::from_secs(5) && reported {
+                    EXPECTED_ERROR
+                } else {
+                    1
+                },
+            );
         }
         "victim" => {
             std::fs::write(dir.join("victim-ready"), b"").unwrap();
