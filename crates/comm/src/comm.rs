@@ -279,6 +279,9 @@ pub struct Communicator {
     model: CostModel,
     cfg: CommConfig,
     last: LastLaunch,
+    /// The scratch of [`Communicator::all_to_all_scattered`] (allocated at its first use, grown
+    /// when a call needs more, kept until the communicator is dropped).
+    scratch: std::sync::Mutex<Option<DeviceMem>>,
 }
 
 impl Communicator {
@@ -452,6 +455,7 @@ impl Communicator {
             max_grid,
             model: CostModel::default_for(nranks),
             cfg: cfg.clone(),
+            scratch: std::sync::Mutex::new(None),
             last: LastLaunch {
                 stream: AtomicUsize::new(0),
                 launched: AtomicBool::new(false),
@@ -961,6 +965,83 @@ impl Communicator {
         }
         let p = self.plan(Collective::AlltoAll, count, elem);
         self.run(&p, send, recv, count, elem, None, stream)?;
+        Ok(p)
+    }
+
+    /// AllToAll whose blocks lie anywhere: `send[q]` (`count` elements of `elem` bytes) goes to
+    /// rank q, `recv[r]` receives what rank r sent to this rank; blocks may overlap one another.
+    /// What a group of `ncclSend`/`ncclRecv` with one buffer per peer is. The blocks are gathered
+    /// into a scratch buffer of the communicator's device, exchanged by the AllToAll kernel, and
+    /// scattered out: 2 x nranks device copies more than [`Communicator::all_to_all`], all on
+    /// `stream`, ordered after the communicator's previous operation like a launch. The scratch
+    /// (2 x nranks x count x elem bytes) is allocated at the first call that needs more than the
+    /// last one and kept; under graph capture, where allocating is not allowed, a call that needs
+    /// more is refused as [`Error::Unsupported`] (the caller sends it to NCCL, which every rank
+    /// does alike: the scratch's size follows the calls, which are the same on every rank).
+    pub fn all_to_all_scattered(
+        &self,
+        send: &[DevicePtr],
+        recv: &[DevicePtr],
+        count: u64,
+        elem: u64,
+        stream: Stream,
+    ) -> Result<Plan, Error> {
+        let n = self.nranks as usize;
+        let block = count
+            .checked_mul(elem)
+            .ok_or_else(|| Error::InvalidArgument("AllToAll block size overflows".into()))?;
+        if send.len() != n || recv.len() != n {
+            return Err(Error::InvalidArgument(format!(
+                "{} send and {} receive blocks for {n} ranks",
+                send.len(),
+                recv.len()
+            )));
+        }
+        if send.iter().chain(recv).any(|b| b.len() < block) {
+            return Err(Error::InvalidArgument(format!(
+                "an AllToAll block is smaller than {block} bytes"
+            )));
+        }
+        let p = self.plan(Collective::AlltoAll, count, elem);
+        self.check_status()?;
+        if block == 0 {
+            return Ok(p);
+        }
+        let total = block
+            .checked_mul(n as u64)
+            .and_then(|t| usize::try_from(t.checked_mul(2)?).ok())
+            .ok_or_else(|| Error::InvalidArgument("AllToAll size overflows".into()))?;
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let _ctx = self.device.activate()?;
+        if scratch.as_ref().is_none_or(|m| m.len() < total) {
+            if stream.is_capturing()? {
+                return Err(Error::Unsupported(format!(
+                    "a scattered AllToAll of {total} bytes of scratch under graph capture, \
+                     before any eager one of that size"
+                )));
+            }
+            // The old scratch may still be read by this communicator's last kernel.
+            self.wait_idle()?;
+            *scratch = None;
+            *scratch = Some(DeviceMem::alloc_zeroed(&self.device, total)?);
+        }
+        let mem = scratch.as_ref().expect("allocated above");
+        let half = total / 2;
+        let (s_in, s_out) = (mem.slice(0, half), mem.slice(half, half));
+        let capturing = self.order_before(stream)?;
+        for (q, b) in send.iter().enumerate() {
+            mem.slice(q * block as usize, block as usize)
+                .copy_from(*b, block, stream)?;
+        }
+        self.run(&p, s_in, s_out, count, elem, None, stream)?;
+        for (r, b) in recv.iter().enumerate() {
+            b.copy_from(
+                mem.slice(half + r * block as usize, block as usize),
+                block,
+                stream,
+            )?;
+        }
+        self.order_after(stream, capturing)?;
         Ok(p)
     }
 

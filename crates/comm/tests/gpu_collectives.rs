@@ -1048,3 +1048,86 @@ fn graph_replays_and_eager_calls_on_two_streams() {
         }
     });
 }
+
+/// AllToAll with blocks anywhere (what a group of `ncclSend`/`ncclRecv` with one buffer per
+/// peer is, `Communicator::all_to_all_scattered`): send and receive blocks in shuffled places
+/// with gaps between them, and blocks received in place of the blocks sent (a list all-to-all
+/// with the same tensors); 2, 4 and 8 ranks, 2- and 4-byte elements, 1 to 256 Ki elements
+/// per block; bitwise exact, and every rank's layout different from the others'.
+#[test]
+fn scattered_alltoall_blocks_anywhere() {
+    for n in [2u32, 4, 8] {
+        run_ranks(n, test_config(), |r| {
+            let n = r.n() as u64;
+            let max_block = (1u64 << 18) * 4;
+            // Room for n blocks with a gap after each, twice (send and receive places).
+            let stride = max_block + 4096;
+            let space = r.alloc((2 * n * stride) as usize);
+            let contiguous = r.alloc((n * max_block) as usize);
+            let mut salt = 700u32;
+            for ty in TYPES {
+                for count in [1u64, 999, 1 << 18] {
+                    salt += 1;
+                    let elem = ty.bytes();
+                    let block = count * elem;
+                    // This rank's permutation of places (different on every rank).
+                    let place = |q: u64, second: bool| -> u64 {
+                        let slot = (q * 3 + u64::from(r.rank()) + if second { 1 } else { 0 }) % n;
+                        (if second { n * stride } else { 0 }) + slot * stride + 64 * q
+                    };
+                    for aliased in [false, true] {
+                        // Fill the blocks as a contiguous send buffer would be, then scatter.
+                        r.v.fill(contiguous.as_ptr(), count * n, ty, r.rank(), salt, r.stream)
+                            .unwrap();
+                        let sends: Vec<_> = (0..n)
+                            .map(|q| space.slice(place(q, false) as usize, block as usize))
+                            .collect();
+                        let recvs: Vec<_> = (0..n)
+                            .map(|q| {
+                                if aliased {
+                                    sends[q as usize]
+                                } else {
+                                    space.slice(place(q, true) as usize, block as usize)
+                                }
+                            })
+                            .collect();
+                        for (q, b) in sends.iter().enumerate() {
+                            b.copy_from(
+                                contiguous.slice(q * block as usize, block as usize),
+                                block,
+                                r.stream,
+                            )
+                            .unwrap();
+                        }
+                        r.comm
+                            .all_to_all_scattered(&sends, &recvs, count, elem, r.stream)
+                            .unwrap();
+                        // Gather what arrived into one buffer and check it as an AllToAll result.
+                        for (q, b) in recvs.iter().enumerate() {
+                            contiguous
+                                .slice(q * block as usize, block as usize)
+                                .copy_from(*b, block, r.stream)
+                                .unwrap();
+                        }
+                        r.v.check(
+                            contiguous.as_ptr(),
+                            count * n,
+                            count,
+                            Collective::AlltoAll,
+                            ty,
+                            r.n(),
+                            r.rank(),
+                            salt,
+                            r.stream,
+                        )
+                        .unwrap();
+                        r.sync();
+                        r.assert_clean(&format!(
+                            "scattered AllToAll {ty:?} count={count} aliased={aliased}"
+                        ));
+                    }
+                }
+            }
+        });
+    }
+}
