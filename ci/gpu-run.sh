@@ -90,12 +90,18 @@ for t in "$here"/tests/*; do
   done
 done
 [ -x "$here/c/abi_smoke" ] && add "c::abi_smoke_gpu" 120 "FLASHCOMM_NCCL_LIB='$real' '$here/c/abi_smoke' --gpu"
+[ -x "$here/c/abi_smoke" ] && add "c::abi_smoke_gpu_grouped_alltoall" 120 "FLASHCOMM_GROUPED_ALLTOALL=1 FLASHCOMM_NCCL_LIB='$real' '$here/c/abi_smoke' --gpu"
 [ -x "$here/c/abi_smoke" ] && add "c::abi_smoke_gpu_check_pointers" 120 "NCCL_CHECK_POINTERS=1 FLASHCOMM_NCCL_LIB='$real' '$here/c/abi_smoke' --gpu"
 [ -x "$here/c/overhead" ] && add "c::overhead" 300 "FLASHCOMM_NCCL_LIB='$real' '$here/c/overhead' '$lib'"
+# Communicator lifecycles through the real NCCL (init, split, destroy): 100 cycles by default,
+# because the real ncclCommDestroy alone takes about 0.5 s per communicator on the H200 (1,000
+# cycles take about 18 minutes; FLASHCOMM_LIFECYCLE_CYCLES=1000 runs them).
+[ -x "$here/c/lifecycle" ] && add "c::lifecycle_cycles" 600 "FLASHCOMM_NCCL_LIB='$real' '$here/c/lifecycle' '$lib' \${FLASHCOMM_LIFECYCLE_CYCLES:-100}"
 [ -x "$here/c/alloc_count" ] && add "c::alloc_count" 120 "FLASHCOMM_NCCL_LIB='$real' '$here/c/alloc_count' '$lib'"
 [ -f "$here/python/ctypes_load.py" ] && add "python::ctypes_load_gpu" 300 "FLASHCOMM_NCCL_LIB='$real' python3 '$here/python/ctypes_load.py' --lib '$lib' --gpu"
 # Through the installed wheel's launcher (no hand-set LD_PRELOAD), with the engagement line shown.
 [ -f "$here/python/torch_preload.py" ] && add "python::torch_preload_ws1" 600 "[ -n '$launcher' ] || { echo 'FAIL the wheel is not installed (logs/wheel-install.log)'; exit 1; }; expect_line 'FLASHCOMM INFO flashcomm .* is on: .* served by flashcomm' '$launcher' run --debug VERSION -- python3 '$here/python/torch_preload.py' --world-size 1"
+[ -f "$here/python/torch_preload.py" ] && add "python::torch_preload_ws1_grouped_alltoall" 600 "FLASHCOMM_GROUPED_ALLTOALL=1 python3 '$here/python/torch_preload.py' --lib '$lib' --world-size 1"
 [ -f "$here/python/torch_quant.py" ] && add "python::torch_quant_ws1" 600 "python3 '$here/python/torch_quant.py' --lib '$lib' --world-size 1"
 [ -f "$here/python/torch_quant.py" ] && add "python::torch_quant_ws1_twostep_4_8" 600 "python3 '$here/python/torch_quant.py' --lib '$lib' --world-size 1 --algo twoshot --bits 4 --ag-bits 8"
 if [ -x "$here/bin/flashcomm-perf" ]; then

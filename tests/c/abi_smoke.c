@@ -184,6 +184,49 @@ static void gpu_checks(void) {
     printf("NCCL_CHECK_POINTERS=1: host buffers refused, device buffers pass\n");
   }
 
+  /* A Send/Recv group that forms an all-to-all (for one rank: one send to itself and one receive
+   * from itself, as PyTorch's all_to_all_single with split sizes issues it). With
+   * FLASHCOMM_GROUPED_ALLTOALL=1 flashcomm's AllToAll runs it (one alltoall call on the lossless
+   * route, no send or receive reaches NCCL); without, NCCL runs it (one send and one receive on
+   * the NCCL route). The result is exact either way. */
+  {
+    const char* ga = getenv("FLASHCOMM_GROUPED_ALLTOALL");
+    const int grouped = ga && strcmp(ga, "1") == 0;
+    flashcommStats_t s0, s1;
+    float* zero = (float*)calloc(N, sizeof(float));
+    htod(b, zero, N * sizeof(float));
+    CHECK(flashcommGetStats(comm, &s0) == ncclSuccess, "%s", ncclGetLastError(NULL));
+    CHECK(ncclGroupStart() == ncclSuccess, "group start");
+    CHECK(ncclSend((void*)a, N, ncclFloat32, 0, comm, NULL) == ncclSuccess, "send: %s", ncclGetLastError(comm));
+    CHECK(ncclRecv((void*)b, N, ncclFloat32, 0, comm, NULL) == ncclSuccess, "recv: %s", ncclGetLastError(comm));
+    CHECK(ncclGroupEnd() == ncclSuccess, "group end: %s", ncclGetLastError(comm));
+    sync();
+    dtoh(back, b, N * sizeof(float));
+    CHECK(memcmp(back, host, N * sizeof(float)) == 0, "the Send/Recv group's result differs");
+    CHECK(flashcommGetStats(comm, &s1) == ncclSuccess, "%s", ncclGetLastError(NULL));
+#define MOVED(r, k) (s1.calls[r][k] - s0.calls[r][k])
+    if (grouped) {
+      CHECK(MOVED(FLASHCOMM_ROUTE_LOSSLESS, FLASHCOMM_COLL_ALLTOALL) == 1 &&
+                MOVED(FLASHCOMM_ROUTE_NCCL, FLASHCOMM_COLL_SEND) == 0 &&
+                MOVED(FLASHCOMM_ROUTE_NCCL, FLASHCOMM_COLL_RECV) == 0,
+            "grouped all-to-all: alltoall %llu, send %llu, recv %llu",
+            (unsigned long long)MOVED(FLASHCOMM_ROUTE_LOSSLESS, FLASHCOMM_COLL_ALLTOALL),
+            (unsigned long long)MOVED(FLASHCOMM_ROUTE_NCCL, FLASHCOMM_COLL_SEND),
+            (unsigned long long)MOVED(FLASHCOMM_ROUTE_NCCL, FLASHCOMM_COLL_RECV));
+    } else {
+      CHECK(MOVED(FLASHCOMM_ROUTE_NCCL, FLASHCOMM_COLL_SEND) == 1 &&
+                MOVED(FLASHCOMM_ROUTE_NCCL, FLASHCOMM_COLL_RECV) == 1 &&
+                MOVED(FLASHCOMM_ROUTE_LOSSLESS, FLASHCOMM_COLL_ALLTOALL) == 0,
+            "Send/Recv group: send %llu, recv %llu on NCCL",
+            (unsigned long long)MOVED(FLASHCOMM_ROUTE_NCCL, FLASHCOMM_COLL_SEND),
+            (unsigned long long)MOVED(FLASHCOMM_ROUTE_NCCL, FLASHCOMM_COLL_RECV));
+    }
+#undef MOVED
+    printf("Send/Recv all-to-all group of one rank: %s, exact\n",
+           grouped ? "flashcomm's AllToAll" : "NCCL");
+    free(zero);
+  }
+
   /* Per-communicator quantization settings: set, read back, invalid ones refused, reset. */
   flashcommQuantConfig_t q = {4, 8, 64, 2, 4096, 1 << 20}, got;
   CHECK(flashcommCommSetQuant(comm, &q) == ncclSuccess, "%s", ncclGetLastError(NULL));

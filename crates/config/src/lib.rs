@@ -299,6 +299,19 @@ variables! {
         allowed: "`1`, `0`, `true`, `false`, `yes`, `no`, `on`, `off`",
         strict: true,
     }
+    /// Run a group of `ncclSend`/`ncclRecv` that forms an all-to-all (one communicator, one
+    /// stream, one datatype, exactly one send and one receive per rank, all of one count; the
+    /// buffers may lie anywhere) as flashcomm's AllToAll. Off by default, because it is a promise
+    /// the application makes: every rank's group of a call has that shape or none has (equal
+    /// splits). A job whose groups differ between ranks (unequal splits that happen to be equal
+    /// on one rank) would leave ranks on different libraries and hang. Other groups go to NCCL as
+    /// written (docs/abi.md, "Send/Recv groups").
+    grouped_alltoall: bool = false => {
+        name: "FLASHCOMM_GROUPED_ALLTOALL",
+        kind: "bool",
+        allowed: "`1`, `0`, `true`, `false`, `yes`, `no`, `on`, `off`",
+        strict: true,
+    }
     /// NCCL's pointer check, honoured on flashcomm's path too: the buffers of a call flashcomm's
     /// kernels take must be device memory of the communicator's device (or managed memory), or
     /// the call returns `ncclInvalidArgument`, as NCCL does.

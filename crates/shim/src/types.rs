@@ -1,7 +1,7 @@
 //! The call types: what one collective call is, where it can go, and how communicators begin and
 //! end. Plain data shared by every layer above.
 //!
-//! Owns: [`Route`], [`Collective`], [`CollCall`], [`CommHandle`], [`CommOrigin`], [`CommEnd`].
+//! Owns: [`Route`], [`Collective`], [`CollCall`], [`P2pCall`], [`Held`], [`CommHandle`], [`CommOrigin`], [`CommEnd`].
 //! May import: nothing of this crate (the bottom of the module graph). [`Collective`] is the
 //! tree's one collective enum, re-exported from the configuration crate.
 
@@ -69,6 +69,24 @@ pub(crate) struct CollCall {
 
 /// A communicator handle as a plain address (the registry key; `ncclComm_t` itself is a raw
 /// pointer, which is neither `Send` nor `Sync`).
+/// An `ncclSend` or `ncclRecv` held back inside a group (`FLASHCOMM_GROUPED_ALLTOALL`): the
+/// checked call and its peer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct P2pCall {
+    pub(crate) call: CollCall,
+    pub(crate) peer: i32,
+}
+
+/// What a group that holds its Send/Recv calls back holds, in call order: the calls, and the
+/// nested `ncclGroupStart`/`ncclGroupEnd` made between them (given to the real library in the same
+/// order, or dropped with the calls when the group runs as flashcomm's AllToAll).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Held {
+    P2p(P2pCall),
+    GroupStart,
+    GroupEnd,
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct CommHandle(pub(crate) usize);
 

@@ -566,3 +566,81 @@ fn a_simulated_group_end_ends_the_group() {
     }
     child(name, &[("FLASHCOMM_DISABLE", "1")]);
 }
+
+type SendRecvFn = unsafe extern "C" fn(usize, usize, c_int, c_int, usize, usize) -> c_int;
+
+/// Send/Recv groups reach the real library exactly as the caller wrote them (same calls, same
+/// order, one real group), whether flashcomm holds them back (`FLASHCOMM_GROUPED_ALLTOALL=1`:
+/// held until the group ends or proves not to be an all-to-all) or not. The fake's communicator
+/// is not served (no GPU here), so even the group that forms an all-to-all goes to it: what is
+/// checked is that holding and giving back lose, add and reorder nothing.
+#[test]
+fn send_recv_groups_reach_the_real_library_as_written() {
+    let name = "send_recv_groups_reach_the_real_library_as_written";
+    if is_child(name) {
+        let holding = std::env::var("FLASHCOMM_GROUPED_ALLTOALL").as_deref() == Ok("1");
+        let Both { ours, fake } = both();
+        fake.set_int("fake_send_ok", 1);
+        let start: unsafe extern "C" fn() -> c_int = ours.lib.get("ncclGroupStart");
+        let end: unsafe extern "C" fn() -> c_int = ours.lib.get("ncclGroupEnd");
+        let send: SendRecvFn = ours.lib.get("ncclSend");
+        let recv: SendRecvFn = ours.lib.get("ncclRecv");
+        let comm = init_rank(&ours);
+        let s = |peer: c_int, buf: usize| {
+            // SAFETY: the fake takes any buffer and stream and never touches them.
+            unsafe { send(buf, 64, FLOAT32, peer, comm, 0) }
+        };
+        let r = |peer: c_int, buf: usize| {
+            // SAFETY: as above.
+            unsafe { recv(buf, 64, FLOAT32, peer, comm, 0) }
+        };
+        let g = |f: unsafe extern "C" fn() -> c_int| {
+            // SAFETY: ncclGroupStart/End take no arguments.
+            unsafe { f() }
+        };
+        let log = || fake.text("fake_log");
+
+        // 1. An all-to-all of one rank: held while the group is open, then given back.
+        assert_eq!(g(start), SUCCESS);
+        assert_eq!(s(0, 0x1000), SUCCESS);
+        assert_eq!(
+            log().contains("send"),
+            !holding,
+            "held iff holding: {}",
+            log()
+        );
+        assert_eq!(r(0, 0x2000), SUCCESS);
+        assert_eq!(g(end), SUCCESS);
+        // 2. A collective inside the group: what was held goes first.
+        assert_eq!(g(start), SUCCESS);
+        assert_eq!(r(0, 0x3000), SUCCESS);
+        assert_eq!(ours.all_reduce(0x5000, 0x6000, 4, BF16, 0, comm), SUCCESS);
+        assert_eq!(s(0, 0x4000), SUCCESS);
+        assert_eq!(g(end), SUCCESS);
+        // 3. A peer outside the communicator: NCCL's answer, in the caller's order.
+        assert_eq!(g(start), SUCCESS);
+        assert_eq!(s(0, 0x1000), SUCCESS);
+        assert_eq!(s(5, 0x1100), SUCCESS);
+        assert_eq!(r(0, 0x2000), SUCCESS);
+        assert_eq!(g(end), SUCCESS);
+        // 4. Nested groups, and two sends to one peer (not an all-to-all).
+        assert_eq!(g(start), SUCCESS);
+        assert_eq!(g(start), SUCCESS);
+        assert_eq!(s(0, 0x1000), SUCCESS);
+        assert_eq!(g(end), SUCCESS);
+        assert_eq!(s(0, 0x1100), SUCCESS);
+        assert_eq!(r(0, 0x2000), SUCCESS);
+        assert_eq!(g(end), SUCCESS);
+        let want = "start;send:0:64:7:1000;recv:0:64:7:2000;end;\
+                    start;recv:0:64:7:3000;allreduce;send:0:64:7:4000;end;\
+                    start;send:0:64:7:1000;send:5:64:7:1100;recv:0:64:7:2000;end;\
+                    start;start;send:0:64:7:1000;end;send:0:64:7:1100;recv:0:64:7:2000;end;";
+        assert_eq!(log(), want);
+        println!("holding {holding}: {}", log());
+        return;
+    }
+    for extra in [&[][..], &[("FLASHCOMM_GROUPED_ALLTOALL", "1")][..]] {
+        let out = child(name, extra);
+        assert!(out.status.success(), "{extra:?}: {}", stderr(&out));
+    }
+}

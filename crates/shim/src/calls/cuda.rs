@@ -8,7 +8,7 @@
 //! None of these loads the driver: they ask whether the process already loaded it (the real
 //! NCCL does before any communicator exists) and otherwise do nothing or fail with a message.
 //!
-//! Owns: [`user_buffers`], [`check_pointers`].
+//! Owns: [`user_buffers`], [`user_blocks`], [`check_pointers`].
 //! May import: `types`.
 
 pub(crate) use flashcomm_gpu::{OwnStream, SavedContext, current_device};
@@ -42,6 +42,18 @@ pub(crate) fn user_buffers(call: &CollCall, nranks: u64) -> Option<(DevicePtr, D
             DevicePtr::from_raw(call.recvbuff as u64, recv),
         ))
     }
+}
+
+/// The caller's blocks of a group of `ncclSend`/`ncclRecv` (at `addrs`, `bytes` each), as device
+/// ranges.
+pub(crate) fn user_blocks(addrs: &[u64], bytes: u64) -> Vec<DevicePtr> {
+    addrs
+        .iter()
+        // SAFETY: each is the buffer of one of the caller's ncclSend/ncclRecv calls, for which the
+        // caller promises NCCL's contract: device memory of at least `bytes` bytes, valid until
+        // the operation has completed on the caller's stream, on which flashcomm runs it.
+        .map(|&a| unsafe { DevicePtr::from_raw(a, bytes) })
+        .collect()
 }
 
 /// NCCL's pointer check (`NCCL_CHECK_POINTERS=1`) of a routed call's buffers: each non-empty

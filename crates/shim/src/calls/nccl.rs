@@ -1,9 +1,10 @@
-//! Calls flashcomm makes to the real NCCL on its own behalf (not forwarding a caller's call):
-//! the identity of a new communicator, the all-gather of the set-up exchange, and the
-//! communicator's asynchronous error. They never count in the statistics and never record a last
-//! error; failures come back as messages for the caller to log.
+//! Calls flashcomm makes to the real NCCL on its own behalf (not forwarding a caller's call as
+//! it is made): the identity of a new communicator, the all-gather of the set-up exchange, the
+//! communicator's asynchronous error, and the `ncclSend`/`ncclRecv` calls a group held back
+//! (given to the real library later, unchanged). They never record a last error; failures come
+//! back as messages or result codes for the caller.
 //!
-//! Owns: [`Identity`], [`identity`], [`all_gather_bytes`], [`async_error`].
+//! Owns: [`Identity`], [`identity`], [`all_gather_bytes`], [`async_error`], [`send_recv`], [`group_call`].
 //! May import: `calls::real`, `error`.
 
 use std::ffi::{c_int, c_void};
@@ -18,6 +19,10 @@ static COUNT: Slot = Slot::new(c"ncclCommCount");
 static CU_DEVICE: Slot = Slot::new(c"ncclCommCuDevice");
 static ALL_GATHER: Slot = Slot::new(c"ncclAllGather");
 static ASYNC_ERROR: Slot = Slot::new(c"ncclCommGetAsyncError");
+static SEND: Slot = Slot::new(c"ncclSend");
+static RECV: Slot = Slot::new(c"ncclRecv");
+static GROUP_START: Slot = Slot::new(c"ncclGroupStart");
+static GROUP_END: Slot = Slot::new(c"ncclGroupEnd");
 
 type CommIntFn = unsafe extern "C" fn(ncclComm_t, *mut c_int) -> ncclResult_t;
 type AllGatherFn = unsafe extern "C" fn(
@@ -25,6 +30,16 @@ type AllGatherFn = unsafe extern "C" fn(
     *mut c_void,
     usize,
     ncclDataType_t,
+    ncclComm_t,
+    *mut c_void,
+) -> ncclResult_t;
+/// `ncclSend(const void*, ...)` and `ncclRecv(void*, ...)`: the same ABI (the buffer is a
+/// pointer either way).
+type SendRecvFn = unsafe extern "C" fn(
+    *mut c_void,
+    usize,
+    ncclDataType_t,
+    c_int,
     ncclComm_t,
     *mut c_void,
 ) -> ncclResult_t;
@@ -118,4 +133,39 @@ pub(crate) fn async_error(comm: ncclComm_t) -> Result<ncclResult_t, String> {
         return Err(describe("ncclCommGetAsyncError", r));
     }
     Ok(state)
+}
+
+/// The real `ncclSend` (`send` true) or `ncclRecv` with the caller's arguments, unchanged: a call
+/// the caller made inside a group, held back by flashcomm and now given to the real library
+/// (still inside the real group). `Err`: the real library lacks the function.
+pub(crate) fn send_recv(
+    send: bool,
+    buf: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    peer: c_int,
+    comm: ncclComm_t,
+    stream: *mut c_void,
+) -> Result<ncclResult_t, String> {
+    let p = if send { &SEND } else { &RECV }
+        .get()
+        .map_err(|e| e.message().to_string())?;
+    // SAFETY: `p` is the real ncclSend or ncclRecv, declared `ncclResult_t f(const void* or
+    // void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t)`; both pointers have one ABI.
+    let f = unsafe { std::mem::transmute::<*mut c_void, SendRecvFn>(p) };
+    // SAFETY: the arguments are the caller's, passed on unchanged, as the caller made the call.
+    Ok(unsafe { f(buf, count, datatype, peer, comm, stream) })
+}
+
+/// The real `ncclGroupStart` (`start` true) or `ncclGroupEnd`: a nested group call the caller
+/// made while flashcomm held the group's calls back, given to the real library in its place.
+pub(crate) fn group_call(start: bool) -> Result<ncclResult_t, String> {
+    let p = if start { &GROUP_START } else { &GROUP_END }
+        .get()
+        .map_err(|e| e.message().to_string())?;
+    // SAFETY: `p` is the real ncclGroupStart or ncclGroupEnd, declared `ncclResult_t f(void)`.
+    let f =
+        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> ncclResult_t>(p) };
+    // SAFETY: no arguments; the caller made this call.
+    Ok(unsafe { f() })
 }

@@ -489,28 +489,51 @@ nccl_api! {
         forwarded!(real)
     }
 
+    /// Inside a group that holds its Send/Recv calls back, a nested start is held with them.
     fn ncclGroupStart() -> ncclResult_t {
+        if !forked() && dispatch::hold_group_call(true) {
+            group::started();
+            return ncclResult_t::ncclSuccess;
+        }
         let r = forwarded!(call_real!(GROUP_START, () -> ncclResult_t));
         if r == ncclResult_t::ncclSuccess && !forked() {
             group::started();
+            dispatch::group_started(group::depth(), &crate::init::state().config);
         }
         r
     }
 
-    /// The communicators created inside the outermost group are set up after it ended.
+    /// The communicators created inside the outermost group are set up after it ended. Send/Recv
+    /// calls the group held back (`FLASHCOMM_GROUPED_ALLTOALL`) run first, as flashcomm's
+    /// AllToAll or given to the real library in their order, inside the real group.
     fn ncclGroupEnd() -> ncclResult_t {
         let depth = (!forked()).then(group::ending);
+        if matches!(depth, Some(d) if d > 0) && dispatch::hold_group_call(false) {
+            return ncclResult_t::ncclSuccess;
+        }
+        let held = match depth {
+            Some(0) => dispatch::group_ending(&crate::init::state().config),
+            _ => None,
+        };
         let r = forwarded!(call_real!(GROUP_END, () -> ncclResult_t));
         if let Some(depth) = depth {
             dispatch::group_ended(depth, r);
         }
-        r
+        match held {
+            Some(e) if r == ncclResult_t::ncclSuccess => e,
+            _ => r,
+        }
     }
 
     /// Ends the group inside NCCL like `ncclGroupEnd` (without running its operations), so the
     /// thread's group depth goes down with it; communicators created inside a simulated group
     /// stay with NCCL (on every rank alike, since every rank makes the same call).
     fn ncclGroupSimulateEnd(sim_info: *mut ncclSimInfo_t) -> ncclResult_t {
+        // Held-back Send/Recv calls go to the real library first: it simulates the group as the
+        // caller wrote it.
+        if !forked() && group::depth() == 1 {
+            let _ = dispatch::hold_in_group_released(&crate::init::state().config);
+        }
         // Only once the real library ran it (a real library without the function ended no
         // group).
         let r = forwarded!(call_real!(GROUP_SIMULATE_END, (sim_info) -> ncclResult_t));

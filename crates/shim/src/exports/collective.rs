@@ -59,7 +59,12 @@ pub(crate) fn collective(
                 config: extra.config,
                 bytes,
             };
-            dispatch::run(&call, &crate::init::state().config, forward)
+            let config = &crate::init::state().config;
+            // Inside a group that holds its Send/Recv calls back (FLASHCOMM_GROUPED_ALLTOALL).
+            if dispatch::hold_in_group(&call, extra.root_or_peer, config) {
+                return ncclResult_t::ncclSuccess;
+            }
+            dispatch::run(&call, config, forward)
         }
     }
 }

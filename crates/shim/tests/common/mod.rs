@@ -185,6 +185,23 @@ impl Lib {
         unsafe { p.read_volatile() }
     }
 
+    /// Sets an `int` global of the library.
+    pub fn set_int(&self, name: &str, v: c_int) {
+        let p = self.addr(name).cast::<c_int>();
+        assert!(!p.is_null(), "no {name}");
+        // SAFETY: the symbol is an `int` variable of the library (the caller knows); the tests
+        // run one thread.
+        unsafe { p.write_volatile(v) }
+    }
+
+    /// A NUL-terminated `char[]` global of the library.
+    pub fn text(&self, name: &str) -> String {
+        let p = self.addr(name).cast::<c_char>();
+        assert!(!p.is_null(), "no {name}");
+        // SAFETY: the symbol is a NUL-terminated character array of the library.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+
     /// A pointer global of the library.
     pub fn ptr(&self, name: &str) -> usize {
         let p = self.addr(name).cast::<usize>();

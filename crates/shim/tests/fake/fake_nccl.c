@@ -5,6 +5,8 @@
  * Types are spelled with plain C types: the ABI is what matters. */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
 
 struct fake_comm { int magic; };
 struct fake_comm fake_comm_object = { 0x5eed };
@@ -16,6 +18,20 @@ size_t fake_last_count = 0;
 void* fake_last_comm = 0;
 const void* fake_last_config = 0;
 int fake_send_calls = 0;
+/* When nonzero, ncclSend succeeds (else it fails, for the error-message test). */
+int fake_send_ok = 0;
+/* Every group, send, receive and all-reduce call, in order: "start;", "end;", "allreduce;",
+ * "send:PEER:COUNT:DT:BUF;", "recv:PEER:COUNT:DT:BUF;" (BUF in hex). */
+char fake_log[8192] = "";
+
+static void fake_note(const char* what, int peer, size_t count, int dt, const void* buf) {
+  size_t used = strlen(fake_log);
+  if (peer < 0)
+    snprintf(fake_log + used, sizeof fake_log - used, "%s;", what);
+  else
+    snprintf(fake_log + used, sizeof fake_log - used, "%s:%d:%zu:%d:%lx;", what, peer, count, dt,
+             (unsigned long)(uintptr_t)buf);
+}
 
 static const char* last_error = "";
 
@@ -42,8 +58,8 @@ int ncclCommCount(void* comm, int* count) { (void)comm; *count = 1; return 0; }
 int ncclCommUserRank(void* comm, int* rank) { (void)comm; *rank = 0; return 0; }
 int ncclCommCuDevice(void* comm, int* device) { (void)comm; *device = 0; return 0; }
 int ncclCommGetAsyncError(void* comm, int* state) { (void)comm; *state = 0; return 0; }
-int ncclGroupStart(void) { return 0; }
-int ncclGroupEnd(void) { return 0; }
+int ncclGroupStart(void) { fake_note("start", -1, 0, 0, 0); return 0; }
+int ncclGroupEnd(void) { fake_note("end", -1, 0, 0, 0); return 0; }
 /* Newer than 2.19, but present so that the tests can check that a simulated group end ends the
  * group for flashcomm too. */
 int fake_simulate_calls = 0;
@@ -52,6 +68,7 @@ int ncclGroupSimulateEnd(void* sim_info) { (void)sim_info; fake_simulate_calls++
 int ncclAllReduce(const void* s, void* r, size_t count, int dt, int op, void* comm, void* stream) {
   (void)s; (void)r; (void)dt; (void)stream;
   fake_allreduce_calls++;
+  fake_note("allreduce", -1, 0, 0, 0);
   fake_last_op = op;
   fake_last_count = count;
   fake_last_comm = comm;
@@ -59,8 +76,16 @@ int ncclAllReduce(const void* s, void* r, size_t count, int dt, int op, void* co
 }
 
 int ncclSend(const void* s, size_t count, int dt, int peer, void* comm, void* stream) {
-  (void)s; (void)count; (void)dt; (void)peer; (void)comm; (void)stream;
+  (void)comm; (void)stream;
   fake_send_calls++;
+  fake_note("send", peer, count, dt, s);
+  if (fake_send_ok) return 0;
   last_error = "fake: send refused";
   return 5; /* ncclInvalidUsage */
+}
+
+int ncclRecv(void* r, size_t count, int dt, int peer, void* comm, void* stream) {
+  (void)comm; (void)stream;
+  fake_note("recv", peer, count, dt, r);
+  return 0;
 }
