@@ -27,6 +27,9 @@ typedef struct { uint64_t calls[3][8]; uint64_t bytes[3][8]; } flashcommStats_t;
 #define FLASHCOMM_ROUTE_NCCL 0
 #define FLASHCOMM_ROUTE_LOSSLESS 1
 #define FLASHCOMM_COLL_ALLREDUCE 0
+#define FLASHCOMM_COLL_ALLTOALL 3
+#define FLASHCOMM_COLL_SEND 6
+#define FLASHCOMM_COLL_RECV 7
 #define FLASHCOMM_REASON_BYTES 256
 typedef struct {
   int rs_bits, ag_bits, group, spikes;

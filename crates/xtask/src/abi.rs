@@ -38,7 +38,9 @@ fn handling(name: &str) -> Option<&'static str> {
         | "ncclReduce"
         | "ncclReduceConfig"
         | "ncclSend"
-        | "ncclRecv" => "inspected + forwarded",
+        | "ncclRecv" => {
+            "inspected + forwarded; inside a group with `FLASHCOMM_GROUPED_ALLTOALL=1`, held until the group shows whether it is an all-to-all (\"Send/Recv groups\")"
+        }
         "ncclCommInitRank"
         | "ncclCommInitRankConfig"
         | "ncclCommInitAll"
@@ -68,12 +70,14 @@ fn handling(name: &str) -> Option<&'static str> {
         "ncclCommGetAsyncError" => {
             "forwarded; **intercepted**: a device error of flashcomm's kernels is merged in"
         }
-        "ncclGroupStart" => "forwarded; group depth tracked",
+        "ncclGroupStart" => {
+            "forwarded; group depth tracked (a nested one is held with the calls a holding group holds)"
+        }
         "ncclGroupSimulateEnd" => {
             "forwarded; group depth tracked (the group ends; communicators created in it stay with NCCL)"
         }
         "ncclGroupEnd" => {
-            "forwarded; group depth tracked; communicators created in the group are set up after it"
+            "**intercepted** when the group held Send/Recv calls that form an all-to-all (flashcomm's AllToAll runs them; else they go to NCCL in order first); forwarded; group depth tracked; communicators created in the group are set up after it"
         }
         "ncclGetVersion" => "forwarded (reports the real library's version)",
         "ncclGetErrorString" => "ours (NCCL's wording; no real library needed)",
