@@ -279,9 +279,10 @@ pub struct Communicator {
     model: CostModel,
     cfg: CommConfig,
     last: LastLaunch,
-    /// The scratch of [`Communicator::all_to_all_scattered`] (allocated at its first use, grown
-    /// when a call needs more, kept until the communicator is dropped).
-    scratch: std::sync::Mutex<Option<DeviceMem>>,
+    /// The scratch of [`Communicator::all_to_all_scattered`]: the last is in use; earlier, smaller
+    /// ones are kept until the communicator is dropped (freeing device memory synchronizes the
+    /// device, which would wait for the kernels of ranks that share it and wait for this one).
+    scratch: std::sync::Mutex<Vec<DeviceMem>>,
 }
 
 impl Communicator {
@@ -455,7 +456,7 @@ impl Communicator {
             max_grid,
             model: CostModel::default_for(nranks),
             cfg: cfg.clone(),
-            scratch: std::sync::Mutex::new(None),
+            scratch: std::sync::Mutex::new(Vec::new()),
             last: LastLaunch {
                 stream: AtomicUsize::new(0),
                 launched: AtomicBool::new(false),
@@ -1013,21 +1014,21 @@ impl Communicator {
             .ok_or_else(|| Error::InvalidArgument("AllToAll size overflows".into()))?;
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let _ctx = self.device.activate()?;
-        if scratch.as_ref().is_none_or(|m| m.len() < total) {
+        if scratch.last().is_none_or(|m| m.len() < total) {
             if stream.is_capturing()? {
                 return Err(Error::Unsupported(format!(
                     "a scattered AllToAll of {total} bytes of scratch under graph capture, \
                      before any eager one of that size"
                 )));
             }
-            // The old scratch may still be read by this communicator's last kernel.
-            self.wait_idle()?;
-            *scratch = None;
-            *scratch = Some(DeviceMem::alloc_zeroed(&self.device, total)?);
+            // Powers of two: the kept scratches add up to less than twice the largest.
+            let bytes = total.checked_next_power_of_two().unwrap_or(total);
+            scratch.push(DeviceMem::alloc_zeroed(&self.device, bytes)?);
         }
-        let mem = scratch.as_ref().expect("allocated above");
+        let mem = scratch.last().expect("allocated above");
         let half = total / 2;
         let (s_in, s_out) = (mem.slice(0, half), mem.slice(half, half));
+        debug_assert!(mem.len() >= total);
         let capturing = self.order_before(stream)?;
         for (q, b) in send.iter().enumerate() {
             mem.slice(q * block as usize, block as usize)

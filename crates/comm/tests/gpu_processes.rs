@@ -126,7 +126,7 @@ fn a_late_process_completes_without_a_timeout() {
 
 /// Rank processes under MPS with no time limit: the last rank never calls; a watchdog thread of
 /// every other rank aborts its communicator a second after its launch, and the wait ends within
-/// 5 s with the abort reported, on every other rank.
+/// 5 s with an error on every other rank (its own abort, or a peer's that came first).
 #[test]
 fn abort_from_a_watchdog_thread_ends_the_wait_in_every_process() {
     let n = 4;
@@ -283,8 +283,9 @@ fn child_process_entry() {
             let status = comm.check_status();
             println!("rank {rank}: idle {idle:?} {took:?} after the abort: {status:?}");
             std::fs::write(dir.join(format!("aborted-{rank}")), b"").unwrap();
-            let reported =
-                matches!(&status, Err(flashcomm_comm::Error::Remote(m)) if m.contains("aborted"));
+            // Its own abort, or a peer's that came first (NCCL's ncclRemoteError).
+            let reported = matches!(&status, Err(flashcomm_comm::Error::Remote(m))
+                if m.contains("aborted") || m.contains("a peer gave up"));
             drop(comm);
             std::process::exit(
                 if idle == Ok(true) && took < Duration::from_secs(5) && reported {
