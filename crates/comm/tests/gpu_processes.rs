@@ -146,6 +146,29 @@ fn abort_from_a_watchdog_thread_ends_the_wait_in_every_process() {
     assert_eq!(codes[(n - 1) as usize], Some(0), "the absent rank");
 }
 
+/// As above, with every other rank's launch queued on its stream behind an operation that never
+/// finishes by itself (a collective of a second communicator the last rank never joins, standing
+/// for an NCCL operation stuck on a dead peer): the watchdog sets the abort flag, the "real
+/// abort" ends the stuck operation, and the queued launch finishes within 5 s on every rank.
+#[test]
+fn abort_returns_in_every_process_when_the_launch_is_queued_behind_a_stuck_operation() {
+    let n = 4;
+    let dir = scratch_dir("queued");
+    let mut kids: Vec<Child> = (0..n)
+        .map(|r| spawn(&dir, r, n, if r == n - 1 { "absent2" } else { "queued" }))
+        .collect();
+    let codes = wait_all(&mut kids, Duration::from_secs(90));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (r, c) in codes.iter().enumerate().take((n - 1) as usize) {
+        assert_eq!(
+            *c,
+            Some(EXPECTED_ERROR),
+            "rank {r} exited with {c:?} (3 = the abort ended its queued launch in time)"
+        );
+    }
+    assert_eq!(codes[(n - 1) as usize], Some(0), "the absent rank");
+}
+
 fn late_s() -> u64 {
     std::env::var("FLASHCOMM_TEST_LATE_S")
         .ok()
@@ -163,7 +186,7 @@ fn child_process_entry() {
     let (rank, n): (u32, u32) = (parts[2].parse().unwrap(), parts[3].parse().unwrap());
     // The late and watchdog modes run as NCCL does by default: with no time limit.
     let timeout = match mode {
-        "late" | "watchdog" | "absent" => Duration::ZERO,
+        "late" | "watchdog" | "queued" | "absent" | "absent2" => Duration::ZERO,
         _ => Duration::from_secs(3),
     };
     let boot = FileBootstrap::new(&dir, rank, n, Duration::from_secs(60)).expect("bootstrap");
@@ -177,7 +200,15 @@ fn child_process_entry() {
         },
         ..CommConfig::default()
     };
-    let comm = Communicator::new(&boot, 0, cfg).expect("communicator set-up across processes");
+    let comm =
+        Communicator::new(&boot, 0, cfg.clone()).expect("communicator set-up across processes");
+    // A second communicator of the same ranks (the "queued" mode's stuck operation).
+    let second = matches!(mode, "queued" | "absent2").then(|| {
+        let d = dir.join("second");
+        let _ = std::fs::create_dir_all(&d);
+        let b = FileBootstrap::new(&d, rank, n, Duration::from_secs(60)).expect("bootstrap");
+        Communicator::new(&b, 0, cfg).expect("second communicator")
+    });
     let v = Verifier::new(0).expect("verifier");
     let _ctx = v.activate().unwrap();
     let s = v.stream().unwrap();
@@ -259,11 +290,44 @@ fn child_process_entry() {
             println!("rank {rank} completed after {:?}", t0.elapsed());
             boot.barrier().unwrap();
         }
-        "absent" => {
+        "absent" | "absent2" => {
             // Never calls; waits until every other rank has ended its wait, then leaves.
             while (0..n - 1).any(|r| !dir.join(format!("aborted-{r}")).exists()) {
                 std::thread::sleep(Duration::from_millis(20));
             }
+        }
+        "queued" => {
+            let stuck = second.as_ref().expect("built above");
+            stuck
+                .all_reduce(send.as_ptr(), send.as_ptr(), 1000, DataType::Bf16, s)
+                .unwrap();
+            comm.all_reduce(send.as_ptr(), recv.as_ptr(), 1000, DataType::Bf16, s)
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+            let queued = comm.wait_idle_for(Duration::from_millis(10)) == Ok(false);
+            let t0 = Instant::now();
+            let idle = std::thread::scope(|w| {
+                w.spawn(|| {
+                    // ncclCommAbort's order: our flag, the real abort, then a bounded wait.
+                    comm.abort();
+                    stuck.abort();
+                    comm.wait_idle_for(Duration::from_secs(2))
+                })
+                .join()
+                .unwrap()
+            });
+            let took = t0.elapsed();
+            println!("rank {rank}: queued {queued}, idle {idle:?} {took:?} after the abort");
+            std::fs::write(dir.join(format!("aborted-{rank}")), b"").unwrap();
+            drop(second);
+            drop(comm);
+            std::process::exit(
+                if queued && idle == Ok(true) && took < Duration::from_secs(5) {
+                    EXPECTED_ERROR
+                } else {
+                    1
+                },
+            );
         }
         "watchdog" => {
             comm.all_reduce(send.as_ptr(), recv.as_ptr(), 1000, DataType::Bf16, s)
