@@ -158,3 +158,52 @@ extern "C" __global__ void __launch_bounds__(FC_REF_THREADS) fc_test_reference_a
   __syncthreads();
   if (threadIdx.x == 0) epochs[blockIdx.x] = e;
 }
+
+// The same pattern adapted to AllToAll (flashcomm-perf --coll alltoall --impl reference): `bytes`
+// is one block (what this rank sends to each rank); line l of block q goes to slot (rank, l) of
+// rank q's inbox, and what arrives from rank s is copied, line by line once both epoch words
+// match, to block s of the output. Nothing is reduced; the rest (lines, epochs, halves, bounded
+// waits, 16 blocks of 256 threads) is the AllReduce's above.
+extern "C" __global__ void __launch_bounds__(FC_REF_THREADS) fc_test_reference_alltoall(const __grid_constant__ FcRefParams p) {
+  __shared__ uint32_t epoch_s;
+  volatile uint32_t* epochs = reinterpret_cast<volatile uint32_t*>(p.epochs);
+  volatile uint32_t* fail = reinterpret_cast<volatile uint32_t*>(p.fail);
+  if (threadIdx.x == 0) epoch_s = epochs[blockIdx.x] + 1u;
+  __syncthreads();
+  const uint32_t e = epoch_s;
+  const uint64_t half = (uint64_t)(e & 1u) * p.half_bytes;
+  const uint64_t lines = (p.bytes + 7) / 8;
+  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  const uint64_t first = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned char* in = reinterpret_cast<const unsigned char*>(p.send);
+  unsigned char* out = reinterpret_cast<unsigned char*>(p.recv);
+  for (uint64_t l = first; l < lines; l += stride) {
+    const uint32_t n = (uint32_t)min((uint64_t)8, p.bytes - l * 8);
+    for (uint32_t q = 0; q < p.nranks; ++q) {
+      const uint2 d = fc_ref_load8(in + (uint64_t)q * p.bytes + l * 8, n);
+      char* line = reinterpret_cast<char*>(p.inbox[q]) + half + ((uint64_t)p.rank * lines + l) * 16;
+      fc_ref_st(line, make_uint4(d.x, e, d.y, e));
+    }
+  }
+  const uint64_t deadline = fc_ref_now() + p.timeout_ns;
+  bool dead = false;
+  for (uint64_t l = first; l < lines; l += stride) {
+    const uint32_t n = (uint32_t)min((uint64_t)8, p.bytes - l * 8);
+    for (uint32_t s = 0; s < p.nranks; ++s) {
+      const char* line = reinterpret_cast<const char*>(p.inbox[p.rank]) + half + ((uint64_t)s * lines + l) * 16;
+      uint4 v = fc_ref_ld(line);
+      uint32_t spins = 0;
+      while (!dead && (v.y != e || v.w != e)) {
+        if ((++spins & 1023u) == 0 && (*fail != 0 || fc_ref_now() > deadline)) {
+          *fail = 1u;
+          dead = true;
+          break;
+        }
+        v = fc_ref_ld(line);
+      }
+      fc_ref_store8(out + (uint64_t)s * p.bytes + l * 8, make_uint2(v.x, v.z), n);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) epochs[blockIdx.x] = e;
+}

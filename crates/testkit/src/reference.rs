@@ -1,7 +1,8 @@
 //! The plain reference AllReduce of the benchmark (`cuda/testing/reference.cu`, flashcomm-perf
 //! `--impl reference`): an LL one-shot kernel of 16 blocks of 256 threads per rank, launched per
 //! rank on the rank's stream. It is the yardstick of decode-size latency, kept exactly as plain as
-//! its source describes; it is not part of the product.
+//! its source describes; it is not part of the product. The same pattern adapted to AllToAll
+//! ([`Reference::all_to_all`]) is the yardstick of `--coll alltoall`.
 //!
 //! Ranks are threads of one process whose devices can read and write each other's memory (virtual
 //! ranks on one GPU, or GPUs with peer access enabled): every rank allocates an inbox, publishes
@@ -48,6 +49,7 @@ impl crate::codec_launch::TestParams for FcRefParams {}
 pub struct Reference {
     device: Arc<Device>,
     function: Function,
+    alltoall: Function,
     inbox: DeviceMem,
     /// Per-block epochs (u32 each), then the failure flag.
     state: DeviceMem,
@@ -89,6 +91,7 @@ impl Reference {
         let _ctx = device.activate()?;
         let kernels = Kernels::for_context(device.context())?;
         let function = kernels.function("fc_test_reference_allreduce")?;
+        let alltoall = kernels.function("fc_test_reference_alltoall")?;
         let lines = max_bytes.div_ceil(8).max(1);
         let half_bytes = nranks as u64 * lines * 16;
         let inbox = DeviceMem::alloc_zeroed(&device, (2 * half_bytes) as usize)?;
@@ -96,6 +99,7 @@ impl Reference {
         Ok(Reference {
             device,
             function,
+            alltoall,
             inbox,
             state,
             half_bytes,
@@ -146,6 +150,49 @@ impl Reference {
         if bytes == 0 {
             return Ok(());
         }
+        let dtype = match dtype {
+            DataType::F32 => 0,
+            DataType::F16 => 1,
+            DataType::Bf16 => 2,
+        };
+        self.launch(self.function, send, recv, bytes, dtype, stream)
+    }
+
+    /// One AllToAll of `count` elements of `elem` bytes per peer (any datatype: nothing is
+    /// reduced) from `send` (block q for rank q) into `recv` (block s from rank s) on `stream`.
+    pub fn all_to_all(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        elem: u64,
+        stream: Stream,
+    ) -> Result<(), Error> {
+        let bytes = count * elem;
+        let all = bytes * u64::from(self.nranks);
+        if bytes > self.max_bytes || send.len() < all || recv.len() < all {
+            return Err(Error::InvalidArgument(format!(
+                "reference: blocks of {bytes} bytes (set up for {}, buffers {} and {})",
+                self.max_bytes,
+                send.len(),
+                recv.len()
+            )));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.launch(self.alltoall, send, recv, bytes, 0, stream)
+    }
+
+    fn launch(
+        &self,
+        function: Function,
+        send: DevicePtr,
+        recv: DevicePtr,
+        bytes: u64,
+        dtype: u32,
+        stream: Stream,
+    ) -> Result<(), Error> {
         let p = FcRefParams {
             send: send.addr(),
             recv: recv.addr(),
@@ -157,16 +204,12 @@ impl Reference {
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             rank: self.rank,
             nranks: self.nranks,
-            dtype: match dtype {
-                DataType::F32 => 0,
-                DataType::F16 => 1,
-                DataType::Bf16 => 2,
-            },
+            dtype,
             pad: 0,
         };
         let _ctx = self.device.activate()?;
         crate::codec_launch::launch_test(
-            self.function,
+            function,
             LaunchConfig {
                 grid: BLOCKS,
                 block: THREADS,

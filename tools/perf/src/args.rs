@@ -757,8 +757,8 @@ fn validate(o: &Options) -> Result<(), ArgError> {
         );
     }
     if o.impls.contains(&Impl::Reference) {
-        if o.coll != Collective::AllReduce {
-            return err("--impl reference: the reference kernel is an AllReduce");
+        if !matches!(o.coll, Collective::AllReduce | Collective::AlltoAll) {
+            return err("--impl reference: the reference kernels are an AllReduce and an AllToAll");
         }
         if !matches!(o.mode, Mode::Virtual | Mode::Gpus) {
             return err(
@@ -936,7 +936,13 @@ mod tests {
         assert!(fails("--impl nccl --ranks 4").contains("--mode gpus"));
         assert!(fails("--quant 4 --impl nccl --mode gpus").contains("--impl flashcomm"));
         assert!(fails("--quant 4 --coll allgather").contains("only AllReduce"));
-        assert!(fails("--impl reference --coll allgather").contains("an AllReduce"));
+        assert!(
+            fails("--impl reference --coll allgather").contains("an AllReduce and an AllToAll")
+        );
+        assert_eq!(
+            run("--impl reference --coll alltoall").coll,
+            Collective::AlltoAll
+        );
         assert!(fails("--impl reference --mode procs").contains("--mode virtual or gpus"));
         assert_eq!(
             run("--impl reference,flashcomm --ranks 8").impls,

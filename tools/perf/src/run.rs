@@ -855,11 +855,14 @@ impl Rank<'_> {
             (Variant::Lossless, Some(p), Some(c), _) => c
                 .run(p, send, recv, sh.call_count, elem, Some(job.dtype), s)
                 .map_err(|e| e.to_string()),
-            (Variant::Reference, _, _, _) => match &self.reference {
-                Some(r) => r
+            (Variant::Reference, _, _, _) => match (&self.reference, self.o.coll) {
+                (Some(r), Collective::AlltoAll) => r
+                    .all_to_all(send, recv, sh.call_count, elem, s)
+                    .map_err(|e| e.to_string()),
+                (Some(r), _) => r
                     .all_reduce(send, recv, sh.call_count, job.dtype, s)
                     .map_err(|e| e.to_string()),
-                None => Err("the reference is not set up on this rank".into()),
+                (None, _) => Err("the reference is not set up on this rank".into()),
             },
             (Variant::Nccl, _, _, Some((lib, nc))) => {
                 let t = job.dtype;
