@@ -550,7 +550,15 @@ pub fn plan(
         (Collective::ReduceScatter | Collective::AlltoAll, _) => count * elem,
         _ => bytes,
     };
-    let (grid, threads) = shape_for(proto, per_block_bytes, max_grid);
+    // AllToAll: each block carries its chunk of every peer's block, so the grid is sized for the
+    // whole message (n blocks), not one block: sized for one, 1-32 KiB per peer ran on one or two
+    // blocks (8 ranks: 1.5-6.5x the plain reference kernel, docs/perf.md).
+    let grid_bytes = if coll == Collective::AlltoAll {
+        bytes
+    } else {
+        per_block_bytes
+    };
+    let (grid, threads) = shape_for(proto, grid_bytes, max_grid);
     let (sub_bytes, capacity) = arena.chunking(proto, grid);
     let chunk_bytes = chunk_for(per_block_bytes, grid, capacity);
     let coll_algo = if coll == Collective::AllReduce {
@@ -590,6 +598,32 @@ mod tests {
         }
         assert!(Arena::new(9, 64 << 20).is_err());
         assert!(Arena::new(8, 1 << 20).is_err());
+    }
+
+    #[test]
+    fn alltoall_grids_are_sized_for_the_whole_message() {
+        let a = Arena::new(8, 64 << 20).unwrap();
+        let m = CostModel::default_for(8);
+        for per_peer in [1u64 << 10, 32 << 10] {
+            let count = per_peer / 2;
+            let a2a = plan(
+                &a,
+                &m,
+                Collective::AlltoAll,
+                count,
+                2,
+                64,
+                Choice::Auto,
+                Choice::Auto,
+            );
+            let (grid, _) = shape_for(a2a.proto, per_peer * 8, 64.min(a.max_grid()));
+            assert_eq!(a2a.grid, grid, "{per_peer} bytes per peer");
+            assert!(a2a.grid > shape_for(a2a.proto, per_peer, 64).0 || a2a.grid == 64);
+            assert!(
+                a2a.chunk_bytes * u64::from(a2a.grid) >= per_peer,
+                "every byte has a block"
+            );
+        }
     }
 
     #[test]
