@@ -529,23 +529,17 @@ pub fn plan(
         Choice::Auto => &Protocol::ALL,
     };
     // The fastest prediction, then the first candidate (in the fixed order of the slices) within
-    // TIE_FACTOR of it: see TIE_FACTOR. An AllToAll of b bytes per peer pushes b to each of the
-    // n-1 peers, as a one-shot push of a b-byte message does: it is predicted at b.
-    let model_bytes = if coll == Collective::AlltoAll {
-        count * elem
-    } else {
-        bytes
-    };
+    // TIE_FACTOR of it: see TIE_FACTOR.
     let mut fastest = f64::INFINITY;
     for &a in algos {
         for &p in protos {
-            fastest = fastest.min(model.predict(a, p, model_bytes));
+            fastest = fastest.min(model.predict(a, p, bytes));
         }
     }
     let mut best: Option<(Algorithm, Protocol)> = None;
     for &a in algos {
         for &p in protos {
-            if best.is_none() && model.predict(a, p, model_bytes) <= fastest * TIE_FACTOR {
+            if best.is_none() && model.predict(a, p, bytes) <= fastest * TIE_FACTOR {
                 best = Some((a, p));
             }
         }
