@@ -163,7 +163,10 @@ extern "C" __global__ void __launch_bounds__(FC_REF_THREADS) fc_test_reference_a
 // is one block (what this rank sends to each rank); line l of block q goes to slot (rank, l) of
 // rank q's inbox, and what arrives from rank s is copied, line by line once both epoch words
 // match, to block s of the output. Nothing is reduced; the rest (lines, epochs, halves, bounded
-// waits, 16 blocks of 256 threads) is the AllReduce's above.
+// waits, 16 blocks of 256 threads) is the AllReduce's above, written out again on purpose: the
+// AllReduce's text is frozen, because factoring the shared steps into helpers changes its SASS
+// (register allocation, 8 more instructions with nvcc 13.0) and it is the yardstick every round
+// is measured against.
 extern "C" __global__ void __launch_bounds__(FC_REF_THREADS) fc_test_reference_alltoall(const __grid_constant__ FcRefParams p) {
   __shared__ uint32_t epoch_s;
   volatile uint32_t* epochs = reinterpret_cast<volatile uint32_t*>(p.epochs);

@@ -171,16 +171,8 @@ fn abort_from_a_watchdog_thread_ends_a_wait_for_a_peer_that_never_comes() {
                 if m.rank() == 0 {
                     comm.all_reduce(buf.as_ptr(), buf.as_ptr(), 1000, DataType::Bf16, stream)
                         .unwrap();
-                    let aborted_at = std::thread::scope(|w| {
-                        let comm = &comm;
-                        w.spawn(move || {
-                            std::thread::sleep(Duration::from_secs(1));
-                            comm.abort();
-                            Instant::now()
-                        })
-                        .join()
-                        .unwrap()
-                    });
+                    let aborted_at =
+                        common::abort_from_another_thread(&comm, Duration::from_secs(1));
                     assert_eq!(comm.wait_idle_for(Duration::from_secs(5)), Ok(true));
                     let took = aborted_at.elapsed();
                     assert!(took < Duration::from_secs(5), "{took:?}");

@@ -7,6 +7,8 @@
 //! point does nothing (and passes) when the variable is not set.
 #![cfg(feature = "gpu")]
 
+mod common;
+
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
@@ -107,17 +109,37 @@ fn killed_process_gives_errors_not_hangs() {
     }
 }
 
+/// Runs four rank processes, the first three in mode `others` and the last in `last`, and
+/// returns their exit codes (`None`: still running after `limit`, then killed).
+fn four_processes(tag: &str, others: &str, last: &str, limit: Duration) -> Vec<Option<i32>> {
+    let n = 4;
+    let dir = scratch_dir(tag);
+    let mut kids: Vec<Child> = (0..n)
+        .map(|r| spawn(&dir, r, n, if r == n - 1 { last } else { others }))
+        .collect();
+    let codes = wait_all(&mut kids, limit);
+    let _ = std::fs::remove_dir_all(&dir);
+    codes
+}
+
+/// The first three processes saw their wait end in time (`EXPECTED_ERROR`), the last exited 0.
+fn three_ended_in_time(codes: &[Option<i32>], what: &str) {
+    for (r, c) in codes.iter().enumerate().take(3) {
+        assert_eq!(
+            *c,
+            Some(EXPECTED_ERROR),
+            "rank {r} exited with {c:?} (3 = {what})"
+        );
+    }
+    assert_eq!(codes[3], Some(0), "the absent rank");
+}
+
 /// Rank processes under MPS with no time limit: the last rank reaches the AllReduce
 /// `FLASHCOMM_TEST_LATE_S` (default 30) seconds after the others, and every rank completes with
 /// the right result.
 #[test]
 fn a_late_process_completes_without_a_timeout() {
-    let n = 4;
-    let dir = scratch_dir("late");
-    let mut kids: Vec<Child> = (0..n).map(|r| spawn(&dir, r, n, "late")).collect();
-    let late = late_s();
-    let codes = wait_all(&mut kids, Duration::from_secs(late + 90));
-    let _ = std::fs::remove_dir_all(&dir);
+    let codes = four_processes("late", "late", "late", Duration::from_secs(late_s() + 90));
     assert!(
         codes.iter().all(|c| *c == Some(0)),
         "rank processes exited with {codes:?} (0 = completed and checked)"
@@ -129,21 +151,8 @@ fn a_late_process_completes_without_a_timeout() {
 /// 5 s with an error on every other rank (its own abort, or a peer's that came first).
 #[test]
 fn abort_from_a_watchdog_thread_ends_the_wait_in_every_process() {
-    let n = 4;
-    let dir = scratch_dir("watchdog");
-    let mut kids: Vec<Child> = (0..n)
-        .map(|r| spawn(&dir, r, n, if r == n - 1 { "absent" } else { "watchdog" }))
-        .collect();
-    let codes = wait_all(&mut kids, Duration::from_secs(90));
-    let _ = std::fs::remove_dir_all(&dir);
-    for (r, c) in codes.iter().enumerate().take((n - 1) as usize) {
-        assert_eq!(
-            *c,
-            Some(EXPECTED_ERROR),
-            "rank {r} exited with {c:?} (3 = the abort ended its wait in time)"
-        );
-    }
-    assert_eq!(codes[(n - 1) as usize], Some(0), "the absent rank");
+    let codes = four_processes("watchdog", "watchdog", "absent", Duration::from_secs(90));
+    three_ended_in_time(&codes, "the abort ended its wait in time");
 }
 
 /// As above, with every other rank's launch queued on its stream behind an operation that never
@@ -152,21 +161,8 @@ fn abort_from_a_watchdog_thread_ends_the_wait_in_every_process() {
 /// abort" ends the stuck operation, and the queued launch finishes within 5 s on every rank.
 #[test]
 fn abort_returns_in_every_process_when_the_launch_is_queued_behind_a_stuck_operation() {
-    let n = 4;
-    let dir = scratch_dir("queued");
-    let mut kids: Vec<Child> = (0..n)
-        .map(|r| spawn(&dir, r, n, if r == n - 1 { "absent2" } else { "queued" }))
-        .collect();
-    let codes = wait_all(&mut kids, Duration::from_secs(90));
-    let _ = std::fs::remove_dir_all(&dir);
-    for (r, c) in codes.iter().enumerate().take((n - 1) as usize) {
-        assert_eq!(
-            *c,
-            Some(EXPECTED_ERROR),
-            "rank {r} exited with {c:?} (3 = the abort ended its queued launch in time)"
-        );
-    }
-    assert_eq!(codes[(n - 1) as usize], Some(0), "the absent rank");
+    let codes = four_processes("queued", "queued", "absent2", Duration::from_secs(90));
+    three_ended_in_time(&codes, "the abort ended its queued launch in time");
 }
 
 fn late_s() -> u64 {
@@ -332,16 +328,7 @@ fn child_process_entry() {
         "watchdog" => {
             comm.all_reduce(send.as_ptr(), recv.as_ptr(), 1000, DataType::Bf16, s)
                 .unwrap();
-            let aborted_at = std::thread::scope(|w| {
-                let comm = &comm;
-                w.spawn(move || {
-                    std::thread::sleep(Duration::from_secs(1));
-                    comm.abort();
-                    Instant::now()
-                })
-                .join()
-                .unwrap()
-            });
+            let aborted_at = common::abort_from_another_thread(&comm, Duration::from_secs(1));
             let idle = comm.wait_idle_for(Duration::from_secs(5));
             let took = aborted_at.elapsed();
             let status = comm.check_status();

@@ -655,7 +655,7 @@ impl Rank<'_> {
             && r.failed(self.stream).map_err(e2s("reference status"))?
         {
             return Err(format!(
-                "rank {}: the reference AllReduce timed out waiting for a peer",
+                "rank {}: the reference kernel timed out waiting for a peer",
                 self.rank
             ));
         }

@@ -139,3 +139,17 @@ pub fn sweep_counts(elem: u64, max_bytes: u64) -> Vec<u64> {
     v.dedup();
     v
 }
+
+/// A watchdog: another thread sleeps `after`, then aborts `comm` (as PyTorch's watchdog calls
+/// `ncclCommAbort`); returns when it did.
+pub fn abort_from_another_thread(comm: &Communicator, after: Duration) -> std::time::Instant {
+    std::thread::scope(|w| {
+        w.spawn(move || {
+            std::thread::sleep(after);
+            comm.abort();
+            std::time::Instant::now()
+        })
+        .join()
+        .unwrap()
+    })
+}
