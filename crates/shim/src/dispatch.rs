@@ -297,7 +297,8 @@ pub(crate) fn group_started(depth: u32, config: &Config) {
 /// communicator whose size the real library told, to a peer within it (NCCL itself answers a
 /// peer out of range, so that call is not held).
 pub(crate) fn hold_in_group(call: &CollCall, peer: Option<i32>, config: &Config) -> bool {
-    if !group::holding() {
+    // The setting first: with it off (the default) the per-call path reads no thread-local.
+    if !config.settings.grouped_alltoall || !group::holding() {
         return false;
     }
     if matches!(call.kind, Collective::Send | Collective::Recv)
@@ -307,8 +308,33 @@ pub(crate) fn hold_in_group(call: &CollCall, peer: Option<i32>, config: &Config)
     {
         return group::hold(Held::P2p(P2pCall { call: *call, peer }));
     }
-    release_held(group::take_held(), config);
+    let r = release_held(group::take_held(), config);
+    if r != ncclResult_t::ncclSuccess {
+        // NCCL returns a failed call's error again from the group's end.
+        RELEASE_FAILURE.with(|f| f.set(Some(f.get().unwrap_or(r))));
+    }
     false
+}
+
+thread_local! {
+    /// The first failure of held calls given back before the group's end (returned by it).
+    static RELEASE_FAILURE: std::cell::Cell<Option<ncclResult_t>> = const { std::cell::Cell::new(None) };
+}
+
+/// Gives held calls to the real library in their order, each Send/Recv through `p2p`; returns
+/// the first failure, if any.
+fn forward_held(held: &[Held], p2p: impl Fn(&P2pCall) -> ncclResult_t) -> ncclResult_t {
+    let mut result = ncclResult_t::ncclSuccess;
+    for h in held {
+        let r = match h {
+            Held::P2p(p) => p2p(p),
+            Held::GroupStart | Held::GroupEnd => serve::forward_group_call(h),
+        };
+        if result == ncclResult_t::ncclSuccess {
+            result = r;
+        }
+    }
+    result
 }
 
 /// Ends the holding of this thread's group: the calls held so far go to the real library now,
@@ -320,17 +346,9 @@ pub(crate) fn hold_in_group_released(config: &Config) -> ncclResult_t {
 /// Gives held calls to the real library, in their order, each counted as the NCCL route of its
 /// kind (inside the real group, which is still open). Returns the first failure, if any.
 fn release_held(held: Vec<Held>, config: &Config) -> ncclResult_t {
-    let mut result = ncclResult_t::ncclSuccess;
-    for h in &held {
-        let r = match h {
-            Held::P2p(p) => run_at(&p.call, config, 1, true, None, || serve::forward_p2p(p)),
-            Held::GroupStart | Held::GroupEnd => serve::forward_group_call(h),
-        };
-        if result == ncclResult_t::ncclSuccess {
-            result = r;
-        }
-    }
-    result
+    forward_held(&held, |p| {
+        run_at(&p.call, config, 1, true, None, || serve::forward_p2p(p))
+    })
 }
 
 /// Hook of a nested `ncclGroupStart` (`start`) or `ncclGroupEnd` while the thread's group holds
@@ -351,9 +369,10 @@ pub(crate) fn hold_group_call(start: bool) -> bool {
 /// in their order. A recognized group counts as one `alltoall` call on the route it took.
 /// `None` when nothing was held.
 pub(crate) fn group_ending(config: &Config) -> Option<ncclResult_t> {
+    let earlier = RELEASE_FAILURE.with(std::cell::Cell::take);
     let held = group::take_held();
     if held.is_empty() {
-        return None;
+        return earlier;
     }
     let first = held.iter().find_map(|h| match h {
         Held::P2p(p) => Some(p.call.comm),
@@ -363,23 +382,13 @@ pub(crate) fn group_ending(config: &Config) -> Option<ncclResult_t> {
         .and_then(registry::get)
         .and_then(|s| s.identity())
         .map_or(0, |id| id.nranks);
-    let give_back = |held: &[Held]| {
-        let mut result = ncclResult_t::ncclSuccess;
-        for h in held {
-            let r = match h {
-                Held::P2p(p) => serve::forward_p2p(p),
-                Held::GroupStart | Held::GroupEnd => serve::forward_group_call(h),
-            };
-            if result == ncclResult_t::ncclSuccess {
-                result = r;
-            }
-        }
-        result
-    };
-    Some(match policy::alltoall_of(&held, nranks) {
-        Some(g) => run_at(&g.call, config, 0, true, Some(&g), || give_back(&held)),
+    let r = match policy::alltoall_of(&held, nranks) {
+        Some(g) => run_at(&g.call, config, 0, true, Some(&g), || {
+            forward_held(&held, serve::forward_p2p)
+        }),
         None => release_held(held, config),
-    })
+    };
+    Some(earlier.unwrap_or(r))
 }
 
 /// (kind, route) pairs already logged for communicators flashcomm never saw.

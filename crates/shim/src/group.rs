@@ -18,9 +18,8 @@ thread_local! {
     /// Communicators created inside the current group, set up when it ends.
     static PENDING: RefCell<Vec<CommHandle>> = const { RefCell::new(Vec::new()) };
     /// `Some`: Send/Recv calls (and nested group calls) of the current outermost group held back
-    /// so far, in call order
-    /// (`FLASHCOMM_GROUPED_ALLTOALL`); `None`: not holding (off, outside a group, or the group
-    /// already proved not to be an all-to-all and its calls went to NCCL).
+    /// so far, in call order (`FLASHCOMM_GROUPED_ALLTOALL`); `None`: not holding (off, outside a
+    /// group, or the group already proved not to be an all-to-all and its calls went to NCCL).
     static HELD: RefCell<Option<Vec<Held>>> = const { RefCell::new(None) };
 }
 

@@ -644,3 +644,41 @@ fn send_recv_groups_reach_the_real_library_as_written() {
         assert!(out.status.success(), "{extra:?}: {}", stderr(&out));
     }
 }
+
+/// A held call that the real library refuses when it finally receives it (here when a collective
+/// ends the holding; the fake refuses every send) makes `ncclGroupEnd` fail, as NCCL's group end
+/// returns a failed call's error again.
+#[test]
+fn a_held_call_the_real_library_refuses_fails_the_group_end() {
+    let name = "a_held_call_the_real_library_refuses_fails_the_group_end";
+    if is_child(name) {
+        let Both { ours, fake } = both();
+        let start: unsafe extern "C" fn() -> c_int = ours.lib.get("ncclGroupStart");
+        let end: unsafe extern "C" fn() -> c_int = ours.lib.get("ncclGroupEnd");
+        let send: SendRecvFn = ours.lib.get("ncclSend");
+        let comm = init_rank(&ours);
+        // SAFETY: plain calls; the fake takes any buffer and stream and never touches them.
+        unsafe {
+            assert_eq!(start(), SUCCESS);
+            assert_eq!(send(0x1000, 64, FLOAT32, 0, comm, 0), SUCCESS, "held");
+        }
+        assert_eq!(ours.all_reduce(0x5000, 0x6000, 4, BF16, 0, comm), SUCCESS);
+        assert_eq!(
+            fake.int("fake_send_calls"),
+            1,
+            "given back before the all-reduce"
+        );
+        // SAFETY: as above.
+        let ended = unsafe { end() };
+        assert_eq!(ended, 5, "ncclInvalidUsage from the refused send");
+        // The next group starts clean.
+        // SAFETY: as above.
+        unsafe {
+            assert_eq!(start(), SUCCESS);
+            assert_eq!(end(), SUCCESS);
+        }
+        return;
+    }
+    let out = child(name, &[("FLASHCOMM_GROUPED_ALLTOALL", "1")]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
