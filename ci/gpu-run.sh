@@ -103,6 +103,7 @@ done
 [ -f "$here/python/torch_preload.py" ] && add "python::torch_preload_ws1" 600 "[ -n '$launcher' ] || { echo 'FAIL the wheel is not installed (logs/wheel-install.log)'; exit 1; }; expect_line 'FLASHCOMM INFO flashcomm .* is on: .* served by flashcomm' '$launcher' run --debug VERSION -- python3 '$here/python/torch_preload.py' --world-size 1"
 [ -f "$here/python/torch_preload.py" ] && add "python::torch_preload_ws1_grouped_alltoall" 600 "FLASHCOMM_GROUPED_ALLTOALL=1 python3 '$here/python/torch_preload.py' --lib '$lib' --world-size 1"
 [ -f "$here/python/torch_quant.py" ] && add "python::torch_quant_ws1" 600 "python3 '$here/python/torch_quant.py' --lib '$lib' --world-size 1"
+[ -f "$here/python/torch_quant.py" ] && add "python::torch_quant_ws1_ops" 600 "python3 '$here/python/torch_quant.py' --lib '$lib' --world-size 1 --ops --max-bytes 16M"
 [ -f "$here/python/torch_quant.py" ] && add "python::torch_quant_ws1_twostep_4_8" 600 "python3 '$here/python/torch_quant.py' --lib '$lib' --world-size 1 --algo twoshot --bits 4 --ag-bits 8"
 if [ -x "$here/bin/flashcomm-perf" ]; then
   add "perf::latency_8_virtual_ranks" 300 "'$here/bin/flashcomm-perf' --preset latency --json '$res/perf-latency.json'"

@@ -67,10 +67,13 @@ typedef struct {
 } flashcommStats_t;
 
 // Quantization settings of one communicator (`flashcommCommSetQuant`, `flashcommCommGetQuant`).
-// Widths are bits per value of each step of the quantized AllReduce: 2..8 group-quantize; 16
-// (or 0 when setting) keeps the AllReduce lossless. Both steps must quantize for the AllReduce
-// to be quantized. Kernels exist for equal widths and for an 8-bit all-gather after a 2-, 3- or
-// 4-bit reduce-scatter; other pairs send the AllReduce to NCCL.
+// Widths are bits per value: 2..8 group-quantize; 16 (or 0 when setting) keeps the collective
+// lossless. `rs_bits` and `ag_bits` are the two steps of the quantized AllReduce: both must
+// quantize for the AllReduce to be quantized; kernels exist for equal widths and for an 8-bit
+// all-gather after a 2-, 3- or 4-bit reduce-scatter, and other pairs send the AllReduce to NCCL.
+// `allgather_bits`, `reducescatter_bits` and `alltoall_bits` are the widths of those
+// collectives (one quantization step each). Which collectives may be quantized at all stays
+// `FLASHCOMM_QUANT_OPS`.
 typedef struct {
   // Width of the reduce-scatter step (the only step of one-shot): 2..8, or 16 for lossless.
   int rs_bits;
@@ -84,6 +87,12 @@ typedef struct {
   size_t min_bytes;
   // Largest message (bytes per rank) that is quantized.
   size_t max_bytes;
+  // Width of the quantized AllGather: 2..8, or 16 for lossless.
+  int allgather_bits;
+  // Width of the quantized ReduceScatter: 2..8, or 16 for lossless.
+  int reducescatter_bits;
+  // Width of the quantized AllToAll: 2..8, or 16 for lossless.
+  int alltoall_bits;
 } flashcommQuantConfig_t;
 
 // What flashcomm knows about one communicator (`flashcommCommGetInfo`).

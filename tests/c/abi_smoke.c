@@ -34,6 +34,7 @@ typedef struct { uint64_t calls[3][8]; uint64_t bytes[3][8]; } flashcommStats_t;
 typedef struct {
   int rs_bits, ag_bits, group, spikes;
   size_t min_bytes, max_bytes;
+  int allgather_bits, reducescatter_bits, alltoall_bits;
 } flashcommQuantConfig_t;
 typedef struct {
   int served, rank, nranks, device;
@@ -231,12 +232,14 @@ static void gpu_checks(void) {
   }
 
   /* Per-communicator quantization settings: set, read back, invalid ones refused, reset. */
-  flashcommQuantConfig_t q = {4, 8, 64, 2, 4096, 1 << 20}, got;
+  flashcommQuantConfig_t q = {4, 8, 64, 2, 4096, 1 << 20, 8, 16, 4}, got;
   CHECK(flashcommCommSetQuant(comm, &q) == ncclSuccess, "%s", ncclGetLastError(NULL));
   memset(&got, 0, sizeof got);
   CHECK(flashcommCommGetQuant(comm, &got) == ncclSuccess && got.rs_bits == 4 && got.ag_bits == 8 &&
-            got.group == 64 && got.spikes == 2 && got.min_bytes == 4096 && got.max_bytes == (1 << 20),
-        "got %d/%d/%d/%d", got.rs_bits, got.ag_bits, got.group, got.spikes);
+            got.group == 64 && got.spikes == 2 && got.min_bytes == 4096 && got.max_bytes == (1 << 20) &&
+            got.allgather_bits == 8 && got.reducescatter_bits == 16 && got.alltoall_bits == 4,
+        "got %d/%d/%d/%d, %d/%d/%d", got.rs_bits, got.ag_bits, got.group, got.spikes, got.allgather_bits,
+        got.reducescatter_bits, got.alltoall_bits);
   q.group = 100;
   CHECK(flashcommCommSetQuant(comm, &q) == ncclInvalidArgument, "group 100 accepted");
   CHECK(flashcommCommSetQuant(comm, NULL) == ncclSuccess, "%s", ncclGetLastError(NULL));

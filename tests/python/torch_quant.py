@@ -32,9 +32,17 @@ flashcomm reads its configuration once per process):
    * f32 all_reduce (not in FLASHCOMM_QUANT_DTYPES) stays lossless and exact;
    * flashcommGetStats counts the bf16 all_reduces on the quantized route.
 
+With --ops (FLASHCOMM_QUANT_OPS=allreduce,allgather,reducescatter,alltoall in the quantized
+phase) the same for all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single (equal
+split), each one quantization step (docs/codec.md, "Reference algorithms"): exact and on the
+lossless route in the lossless phase; in the quantized phase every block within the bound of one
+round trip (AllGather, AllToAll: the decode bound plus half a bf16 ulp; ReduceScatter: the
+one-shot bound of its shards) and, with several ranks, bit for bit the numpy emulation, on the
+quantized route; at world size 1 exact and on the lossless route.
+
     python3 torch_quant.py --lib PATH/libnccl.so.2 --world-size N [--bits 4] [--ag-bits B]
         [--group 128] [--spikes 2] [--algo auto|oneshot|twoshot] [--max-bytes 64M]
-        [--real PATH/libnccl.so.2]
+        [--real PATH/libnccl.so.2] [--ops]
     python3 torch_quant.py --emulate IN OUT --ranks N --bits B [--group G] [--spikes K]
 
 GPU machine only (the --emulate mode needs only numpy: it reads N ranks' little-endian bf16
@@ -204,6 +212,81 @@ def make_input(n, rank, seed):
     return bf16_round(a)
 
 
+def round_trip(x, bits, group, spikes):
+    """One block through the wire: bf16 of the decoded values, and its bound (f64)."""
+    v, b = encode_decode(x, bits, group, spikes)
+    r = bf16_round(v)
+    return r, b + 0.5 * ulp_bf16(r)
+
+
+def check_ops(rank, world, dev, opts, check, counted):
+    """all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single (bf16) in this phase."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    phase = opts["phase"]
+    bits, group, spikes = opts["bits"], opts["group"], opts["spikes"]
+    sizes = [b for b in SIZES if b * world <= opts["max_bytes"]]
+    for seed, nbytes in enumerate(sizes):
+        n = nbytes // 2  # values per block: AllGather's input, a shard, a per-peer block
+        if phase == "lossless":
+            base = (torch.arange(world * n, device=dev) % 7).to(torch.bfloat16)
+            x = base + (rank + 1)
+            out = torch.empty(world * n, dtype=torch.bfloat16, device=dev)
+            dist.all_gather_into_tensor(out, x[:n].contiguous())
+            want = torch.cat([base[:n] + (r + 1) for r in range(world)])
+            check(torch.equal(out, want), f"bf16 all_gather of {nbytes} bytes is exact")
+            shard = torch.empty(n, dtype=torch.bfloat16, device=dev)
+            dist.reduce_scatter_tensor(shard, x)
+            want = base[rank * n:(rank + 1) * n] * world + world * (world + 1) / 2
+            check(torch.equal(shard, want), f"bf16 reduce_scatter of {nbytes} bytes per rank is exact")
+            out = torch.empty(world * n, dtype=torch.bfloat16, device=dev)
+            dist.all_to_all_single(out, x)
+            want = torch.cat([base[rank * n:(rank + 1) * n] + (r + 1) for r in range(world)])
+            check(torch.equal(out, want), f"bf16 all_to_all_single of {nbytes} bytes per peer is exact")
+            for c in ("allgather", "reducescatter", "alltoall"):
+                counted[c] += 1
+            continue
+        inputs = [make_input(world * n, r, 100 + seed) for r in range(world)]
+        x = torch.from_numpy(inputs[rank]).to(torch.bfloat16).to(dev)
+        results = {}
+        out = torch.empty(world * n, dtype=torch.bfloat16, device=dev)
+        dist.all_gather_into_tensor(out, x[:n].contiguous())
+        trips = [round_trip(inputs[r][:n], bits, group, spikes) for r in range(world)]
+        results["all_gather"] = (out, np.concatenate([t[0] for t in trips]),
+                                 np.concatenate([t[1] for t in trips]),
+                                 np.concatenate([inputs[r][:n] for r in range(world)]))
+        shard = torch.empty(n, dtype=torch.bfloat16, device=dev)
+        dist.reduce_scatter_tensor(shard, x)
+        emu, bound, exact, _ = oneshot([inputs[r][rank * n:(rank + 1) * n] for r in range(world)],
+                                       bits, group, spikes)
+        results["reduce_scatter"] = (shard, emu, bound, exact)
+        out2 = torch.empty(world * n, dtype=torch.bfloat16, device=dev)
+        dist.all_to_all_single(out2, x)
+        blocks = [inputs[r][rank * n:(rank + 1) * n] for r in range(world)]
+        trips = [round_trip(b, bits, group, spikes) for b in blocks]
+        results["all_to_all_single"] = (out2, np.concatenate([t[0] for t in trips]),
+                                        np.concatenate([t[1] for t in trips]), np.concatenate(blocks))
+        for c in ("allgather", "reducescatter", "alltoall"):
+            counted[c] += 1
+        for what, (t, emu, bound, exact) in results.items():
+            y = t.float().cpu().numpy().astype(np.float64)
+            exact = np.asarray(exact, dtype=np.float64)
+            if world == 1:
+                changed = int(np.count_nonzero(y != exact))
+                check(changed == 0, f"{what} of {nbytes} bytes: one rank is exact ({changed} changed)")
+                continue
+            err = np.abs(y - exact)
+            bad = np.nonzero(~(err <= bound))[0]
+            ratio = float(np.max(err / np.maximum(bound, 1e-300)))
+            check(bad.size == 0, f"{what} of {nbytes} bytes: within the one-step bound (max error/bound "
+                  f"{ratio:.3f})", f"{bad.size} outside, first at {bad[:1]}")
+            differ = np.nonzero(y.astype(np.float32).view(np.uint32) != emu.astype(np.float32).view(np.uint32))[0]
+            check(differ.size == 0, f"{what} of {nbytes} bytes: bit for bit the emulation",
+                  f"{differ.size} elements differ, first at {differ[:1]}")
+
+
 def worker(rank, world, port, lib_path, opts):
     import numpy as np
     import torch
@@ -286,6 +369,10 @@ def worker(rank, world, port, lib_path, opts):
             want = base * world + world * (world + 1) / 2
             check(torch.equal(t, want), f"f32 all_reduce of {nbytes} bytes stays lossless and exact")
 
+    counted = {"allgather": 0, "reducescatter": 0, "alltoall": 0}
+    if opts["ops"]:
+        check_ops(rank, world, dev, opts, check, counted)
+
     torch.cuda.synchronize()
     after = stats(lib_path)
     moved = {k: after[k] - before[k] for k in after if after[k] != before[k]}
@@ -303,6 +390,13 @@ def worker(rank, world, port, lib_path, opts):
                   f"the {bf16_calls} bf16 all_reduces took the quantized route", got)
         check(got["lossless"] >= f32_calls, f"the {f32_calls} f32 all_reduces took the lossless route",
               got)
+    for c, calls in counted.items():
+        if calls == 0:
+            continue
+        got = {r: after[(r, c)] - before[(r, c)] for r in ROUTES}
+        route = "quantized" if phase == "quant" and world > 1 else "lossless"
+        check(got[route] >= calls and (route == "quantized" or got["quantized"] == 0),
+              f"the {calls} bf16 {c} calls took the {route} route", got)
     dist.destroy_process_group()
     if failures:
         sys.exit(1)
@@ -323,7 +417,7 @@ def run_phase(args, lib):
         return 1
     opts = {"phase": args.phase, "bits": args.bits, "ag_bits": args.ag_bits or args.bits,
             "group": args.group, "spikes": args.spikes, "algo": args.algo,
-            "max_bytes": args.max_bytes}
+            "max_bytes": args.max_bytes, "ops": args.ops}
     try:
         mp.spawn(worker, args=(args.world_size, free_port(), lib, opts), nprocs=args.world_size,
                  join=True)
@@ -353,6 +447,9 @@ def main():
     p.add_argument("--max-bytes", type=parse_bytes, default=64 << 20,
                    help="largest message per rank (sizes: 1K, 4K, 64K, 1M, 16M, 64M)")
     p.add_argument("--real", help="the real libnccl.so.2 (default: found by flashcomm)")
+    p.add_argument("--ops", action="store_true",
+                   help="also all_gather, reduce_scatter and all_to_all_single, quantized in the "
+                        "quantized phase (FLASHCOMM_QUANT_OPS lists all four)")
     p.add_argument("--phase", choices=["lossless", "quant"], help=argparse.SUPPRESS)
     p.add_argument("--emulate", nargs=2, metavar=("IN", "OUT"),
                    help="CPU only: write the one-shot emulation of IN's bf16 inputs to OUT")
@@ -385,11 +482,13 @@ def main():
             env["FLASHCOMM_QUANT_SPIKES"] = str(args.spikes)
             if args.ag_bits:
                 env["FLASHCOMM_QUANT_AG_BITS"] = str(args.ag_bits)
+            if args.ops:
+                env["FLASHCOMM_QUANT_OPS"] = "allreduce,allgather,reducescatter,alltoall"
         shown = " ".join(f"{k}={env[k]}" for k in sorted(env) if k.startswith("FLASHCOMM_"))
         print(f"== {phase} phase: {shown}", flush=True)
         cmd = [sys.executable, os.path.abspath(__file__), "--phase", phase] + sys.argv[1:]
         failed += subprocess.call(cmd, env=env) != 0
-    print("PASS torch quantized all_reduce on flashcomm" if not failed else f"FAIL {failed} phase(s)")
+    print("PASS torch quantized collectives on flashcomm" if not failed else f"FAIL {failed} phase(s)")
     return 1 if failed else 0
 
 

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use flashcomm_kernels::catalog::QuantOp;
 use flashcomm_kernels::{Kernel, Kernels, LaunchConfig};
 
 use crate::abi::{self, FcCollParams, FcProbeParams, MAX_RANKS, THREADS};
@@ -53,6 +54,10 @@ pub struct CommConfig {
     /// Graph mixing (`FLASHCOMM_GRAPH_MIXING`): a captured collective waits at each replay for the
     /// last eager operation and records an event that later eager operations wait for.
     pub graph_mixing: bool,
+    /// Early launch (`FLASHCOMM_EARLY_LAUNCH`): each kernel lets the next kernel of its stream
+    /// launch as soon as it starts, where twice the grid fits the resident share
+    /// ([`abi::FLAG_EARLY_LAUNCH`]).
+    pub early_launch: bool,
     /// Tests only: this rank fails set-up step `n` (0..=7, see [`Communicator::new_agreed`]), as
     /// an allocation, a driver call or a kernel launch failing there would.
     #[doc(hidden)]
@@ -70,6 +75,7 @@ impl Default for CommConfig {
             calibrate: true,
             transport: Choice::Auto,
             graph_mixing: false,
+            early_launch: true,
             fail_at: None,
         }
     }
@@ -143,8 +149,8 @@ pub(crate) fn check_buffers(
 }
 
 /// The signature of a call that its tags carry (see `FLAG_SIG_SHIFT`): the collective, whether
-/// it is quantized, and the datatype of a reducing collective (an AllGather moves bytes, so its
-/// datatype does not matter). Never more than 8 bits.
+/// it is quantized, and the datatype of a reducing or quantized collective (a lossless AllGather
+/// or AllToAll moves bytes, so its datatype does not matter). Never more than 8 bits.
 fn call_signature(p: &Plan, dtype: Option<DataType>) -> u32 {
     let coll = match p.coll {
         Collective::AllReduce => 1,
@@ -155,7 +161,8 @@ fn call_signature(p: &Plan, dtype: Option<DataType>) -> u32 {
         other => 5 + other.index() as u32 % 11,
     };
     let ty = match (p.coll, dtype) {
-        (Collective::AllGather | Collective::AlltoAll, _) | (_, None) => 0,
+        (Collective::AllGather | Collective::AlltoAll, _) if p.quant.is_none() => 0,
+        (_, None) => 0,
         (_, Some(DataType::F32)) => 1,
         (_, Some(DataType::F16)) => 2,
         (_, Some(DataType::Bf16)) => 3,
@@ -237,6 +244,7 @@ struct LocalSetup {
     dev: Arc<Device>,
     arena: Arena,
     local: LocalArena,
+    own_slots: Option<DeviceMem>,
     host: HostMapped,
     kernels: Arc<Kernels>,
     grid: u32,
@@ -271,6 +279,9 @@ pub struct Communicator {
     device: Arc<Device>,
     arena: Arena,
     local: LocalArena,
+    /// Host transport: this rank's own slots (regions A and B) in device memory, which only
+    /// this rank's quantized kernels write and read (`FcCollParams::own_slots`).
+    own_slots: Option<DeviceMem>,
     peers: [u64; MAX_RANKS],
     mappings: Vec<PeerMapping>,
     host: HostMapped,
@@ -346,6 +357,7 @@ impl Communicator {
                 dev,
                 arena,
                 local,
+                own_slots,
                 host,
                 kernels,
                 grid: my_grid,
@@ -449,6 +461,7 @@ impl Communicator {
             device: dev.clone(),
             arena,
             local,
+            own_slots,
             peers,
             mappings,
             host,
@@ -551,6 +564,13 @@ impl Communicator {
         let _ctx = dev.activate()?;
         let kernels = Kernels::for_context(dev.context())?;
         let local = LocalArena::alloc(transport, &dev, arena.total_bytes as usize)?;
+        let own_slots = match transport {
+            Transport::Host => Some(DeviceMem::alloc_zeroed(
+                &dev,
+                2 * arena.slot_bytes as usize,
+            )?),
+            Transport::P2p => None,
+        };
         let host = HostMapped::alloc(HOST_BYTES)?;
         // Largest grid that keeps all co-located ranks resident at once (the kernels wait on one
         // another across ranks): occupancy of the heaviest kernel times SMs, shared among the
@@ -572,6 +592,7 @@ impl Communicator {
             dev,
             arena,
             local,
+            own_slots,
             host,
             kernels,
             grid,
@@ -912,6 +933,93 @@ impl Communicator {
         )
     }
 
+    /// The plan of a quantized AllGather, AllToAll or ReduceScatter of `count` values per block
+    /// (one quantization step at `q.rs_bits`).
+    pub fn plan_quant_op(
+        &self,
+        coll: Collective,
+        count: u64,
+        dtype: DataType,
+        q: QuantSpec,
+    ) -> Result<Plan, Error> {
+        plan::plan_quant_op(&self.arena, coll, count, dtype, q, self.max_grid)
+    }
+
+    /// AllGather of `sendcount` f16 or bf16 elements with a quantized wire format (width
+    /// `q.rs_bits`, one step): every rank's input is encoded once and every rank, its owner too,
+    /// decodes every rank's bytes, so every rank holds the same values
+    /// (`flashcomm_codec::reference::allgather_quant`). In place as NCCL's (the send buffer at
+    /// rank x sendcount elements into the receive buffer) or out of place.
+    pub fn all_gather_quant(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        sendcount: u64,
+        dtype: DataType,
+        q: QuantSpec,
+        stream: Stream,
+    ) -> Result<Plan, Error> {
+        let p = self.plan_quant_op(Collective::AllGather, sendcount, dtype, q)?;
+        self.run(
+            &p,
+            send,
+            recv,
+            sendcount,
+            dtype.bytes(),
+            Some(dtype),
+            stream,
+        )?;
+        Ok(p)
+    }
+
+    /// AllToAll of `count` f16 or bf16 elements per peer with a quantized wire format (width
+    /// `q.rs_bits`, one step): each per-peer block is encoded once, as a buffer of its own, and
+    /// decoded by its receiver (`flashcomm_codec::reference::alltoall_quant`). Out of place only.
+    pub fn all_to_all_quant(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        dtype: DataType,
+        q: QuantSpec,
+        stream: Stream,
+    ) -> Result<Plan, Error> {
+        if send.addr() == recv.addr() && count > 0 && self.nranks > 1 {
+            return Err(Error::InvalidArgument(
+                "in-place AllToAll is not supported by flashcomm's kernels".into(),
+            ));
+        }
+        let p = self.plan_quant_op(Collective::AlltoAll, count, dtype, q)?;
+        self.run(&p, send, recv, count, dtype.bytes(), Some(dtype), stream)?;
+        Ok(p)
+    }
+
+    /// Sum ReduceScatter of `recvcount` f16 or bf16 elements per rank with a quantized wire
+    /// format (width `q.rs_bits`, one step): each shard is encoded once; its owner decodes the N
+    /// encodings in rank order, sums them in f32 and rounds to the element type
+    /// (`flashcomm_codec::reference::reducescatter_quant`).
+    pub fn reduce_scatter_quant(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        recvcount: u64,
+        dtype: DataType,
+        q: QuantSpec,
+        stream: Stream,
+    ) -> Result<Plan, Error> {
+        let p = self.plan_quant_op(Collective::ReduceScatter, recvcount, dtype, q)?;
+        self.run(
+            &p,
+            send,
+            recv,
+            recvcount,
+            dtype.bytes(),
+            Some(dtype),
+            stream,
+        )?;
+        Ok(p)
+    }
+
     /// Sum ReduceScatter: `recvcount` elements per rank.
     pub fn reduce_scatter(
         &self,
@@ -1093,15 +1201,22 @@ impl Communicator {
             ));
         }
         if let Some(q) = p.quant {
-            if p.coll != Collective::AllReduce
-                || !q.has_kernels()
-                || dtype.is_none_or(|d| d == DataType::F32)
-            {
+            let has_kernels = match p.coll {
+                Collective::AllReduce => q.has_kernels(),
+                Collective::AllGather | Collective::AlltoAll | Collective::ReduceScatter => {
+                    (2..=8).contains(&q.rs_bits)
+                }
+                _ => false,
+            };
+            if !has_kernels || dtype.is_none_or(|d| d == DataType::F32) {
                 return Err(Error::Unsupported(
                     "quantized plan for an unsupported call".into(),
                 ));
             }
-            if p.algo == Algorithm::TwoShot && count.div_ceil(plan::CODEC_BLOCK_VALUES) < n {
+            if p.coll == Collective::AllReduce
+                && p.algo == Algorithm::TwoShot
+                && count.div_ceil(plan::CODEC_BLOCK_VALUES) < n
+            {
                 return Err(Error::InvalidArgument(
                     "two-step quantized plan with an empty shard".into(),
                 ));
@@ -1125,12 +1240,40 @@ impl Communicator {
         self.launch_plan(p, send, recv, count, elem, dtype, stream)
     }
 
+    /// [`abi::FLAG_EARLY_LAUNCH`] for a lossless plan whose grid, doubled, still fits this rank's
+    /// resident share (`max_grid`, the share of the GPU that keeps every co-located rank's blocks
+    /// resident): the next kernel's blocks, launched early and waiting, then never keep a peer's
+    /// blocks from being scheduled. (The quantized kernels' occupancy differs from the lossless
+    /// ones' that `max_grid` was measured on, so they do not take it.)
+    fn early_launch_flag(&self, p: &Plan) -> u32 {
+        let fits = p.grid.saturating_mul(2) <= self.max_grid;
+        if self.cfg.early_launch
+            && fits
+            && p.quant.is_none()
+            && self.device.supports_overlapped_launch()
+        {
+            abi::FLAG_EARLY_LAUNCH
+        } else {
+            0
+        }
+    }
+
     /// The catalogue kernel of a plan: a few integer operations, no name and no lookup.
     fn kernel_for(p: &Plan, dtype: Option<DataType>) -> Result<Kernel<FcCollParams>, Error> {
         let (proto, algo) = (p.proto, p.algo);
+        let quant_op = match p.coll {
+            Collective::AllGather => Some(QuantOp::AllGather),
+            Collective::AlltoAll => Some(QuantOp::AlltoAll),
+            Collective::ReduceScatter => Some(QuantOp::ReduceScatter),
+            _ => None,
+        };
         let k = match (p.coll, dtype) {
-            (Collective::AllGather, _) => Some(Kernel::allgather(proto)),
-            (Collective::AlltoAll, _) => Some(Kernel::alltoall(proto)),
+            (_, Some(t)) if p.quant.is_some() && quant_op.is_some() => match (quant_op, p.quant) {
+                (Some(op), Some(q)) => Kernel::quant_op(op, t, q.rs_bits),
+                _ => None,
+            },
+            (Collective::AllGather, _) if p.quant.is_none() => Some(Kernel::allgather(proto)),
+            (Collective::AlltoAll, _) if p.quant.is_none() => Some(Kernel::alltoall(proto)),
             (Collective::AllReduce, Some(t)) => match p.quant {
                 Some(q) if algo == Algorithm::OneShot => Kernel::quant_oneshot(t, q.rs_bits),
                 Some(q) => Kernel::quant_twostep(t, q.rs_bits, q.ag_bits),
@@ -1173,7 +1316,8 @@ impl Communicator {
             nranks: self.nranks,
             elem_bytes: elem as u32,
             area_offset: self.arena.area_offset(p.proto),
-            flags: call_signature(p, dtype) << abi::FLAG_SIG_SHIFT,
+            own_slots: self.own_slots.as_ref().map_or(0, |m| m.as_ptr().addr()),
+            flags: call_signature(p, dtype) << abi::FLAG_SIG_SHIFT | self.early_launch_flag(p),
             ..Default::default()
         };
         let mut params = params;
@@ -1210,7 +1354,7 @@ impl Communicator {
         let capturing = stream.is_capturing()?;
         if capturing {
             if self.cfg.graph_mixing {
-                last.event.wait_on_external(stream)?;
+                last.event.wait_on_external_beside(stream)?;
             }
         } else if last.launched.load(Ordering::Acquire)
             && (last.stream.load(Ordering::Relaxed) != stream.0 as usize
@@ -1227,7 +1371,7 @@ impl Communicator {
         let last = &self.last;
         if capturing {
             if self.cfg.graph_mixing {
-                last.event.record_external(stream)?;
+                last.event.record_external_beside(stream)?;
                 last.captured.store(true, Ordering::Relaxed);
                 last.launched.store(true, Ordering::Release);
             }

@@ -458,6 +458,56 @@ pub fn plan_quant(
     })
 }
 
+/// Plans a quantized AllGather, AllToAll or ReduceScatter: one quantization step at `q.rs_bits`
+/// (`q.ag_bits` is not used), BLOCK frames of whole codec blocks. `count` is the values per
+/// block: AllGather's send count, AllToAll's per-peer count, ReduceScatter's receive count; each
+/// such block is encoded as a buffer of its own. The grid is sized for one block's frames, as the
+/// one-shot quantized AllReduce's is: every block of the grid carries its chunk of every peer's
+/// block.
+pub fn plan_quant_op(
+    arena: &Arena,
+    coll: Collective,
+    count: u64,
+    dtype: DataType,
+    q: QuantSpec,
+    max_grid: u32,
+) -> Result<Plan, Error> {
+    if !matches!(
+        coll,
+        Collective::AllGather | Collective::AlltoAll | Collective::ReduceScatter
+    ) {
+        return Err(Error::Unsupported(format!(
+            "{coll}: no quantized kernel of one step"
+        )));
+    }
+    if dtype == DataType::F32 {
+        return Err(Error::Unsupported(format!(
+            "quantized {coll} of f32 (use f16 or bf16; f32 stays lossless)"
+        )));
+    }
+    let f = q.format(dtype, q.rs_bits)?;
+    let per_frame = FRAME_PAYLOAD / f.block_bytes() as u64;
+    let frames = count.div_ceil(CODEC_BLOCK_VALUES).div_ceil(per_frame);
+    let grid = frames
+        .div_ceil((QUANT_THREADS / 32) as u64)
+        .clamp(1, max_grid.min(arena.max_grid()).max(1) as u64) as u32;
+    let (sub_bytes, chunk_bytes) = arena.chunking(Protocol::Block, grid);
+    Ok(Plan {
+        coll,
+        algo: Algorithm::OneShot,
+        proto: Protocol::Block,
+        grid,
+        threads: QUANT_THREADS,
+        sub_bytes,
+        chunk_bytes,
+        shard_elems: 0,
+        quant: Some(QuantSpec {
+            ag_bits: q.rs_bits,
+            ..q
+        }),
+    })
+}
+
 /// Everything a launch needs besides buffers: chosen variant and geometry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {

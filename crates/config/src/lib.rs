@@ -227,6 +227,34 @@ variables! {
         allowed: "`off`, `16`, or an integer in 2..=8",
         strict: true,
     }
+    /// Overrides `FLASHCOMM_QUANT_BITS` for the quantized AllGather (one step: every rank's
+    /// input encoded once, decoded by every rank). Applies when `allgather` is in
+    /// `FLASHCOMM_QUANT_OPS`.
+    quant_allgather_bits: Option<QuantBits> = None => {
+        name: "FLASHCOMM_QUANT_ALLGATHER_BITS",
+        kind: "bits",
+        allowed: "`off`, `16`, or an integer in 2..=8",
+        strict: true,
+    }
+    /// Overrides `FLASHCOMM_QUANT_BITS` for the quantized ReduceScatter (one step: each shard
+    /// encoded once; its owner sums the decoded shards in f32 and writes full precision). Applies
+    /// when `reducescatter` is in `FLASHCOMM_QUANT_OPS`.
+    quant_reducescatter_bits: Option<QuantBits> = None => {
+        name: "FLASHCOMM_QUANT_REDUCESCATTER_BITS",
+        kind: "bits",
+        allowed: "`off`, `16`, or an integer in 2..=8",
+        strict: true,
+    }
+    /// Overrides `FLASHCOMM_QUANT_BITS` for the quantized AllToAll (one step: each per-peer block
+    /// encoded once, decoded by its receiver). MoE dispatch and combine on one communicator share
+    /// it; to give them different widths, call `flashcommCommSetQuant` between them (every rank
+    /// alike) or use two communicators. Applies when `alltoall` is in `FLASHCOMM_QUANT_OPS`.
+    quant_alltoall_bits: Option<QuantBits> = None => {
+        name: "FLASHCOMM_QUANT_ALLTOALL_BITS",
+        kind: "bits",
+        allowed: "`off`, `16`, or an integer in 2..=8",
+        strict: true,
+    }
     /// Values per quantization group (one range per group).
     quant_group: OneOf<32, 64, 128, 256> = OneOf(128) => {
         name: "FLASHCOMM_QUANT_GROUP",
@@ -255,8 +283,9 @@ variables! {
         allowed: "bytes, with optional suffix `K`, `M`, `G` (powers of 1024)",
         strict: true,
     }
-    /// Which collectives may be quantized (when `FLASHCOMM_QUANT_BITS` is not `off`). Only
-    /// `allreduce` has quantized kernels; the others stay lossless.
+    /// Which collectives may be quantized (each at its width: `FLASHCOMM_QUANT_BITS`, or the
+    /// collective's own `FLASHCOMM_QUANT_<COLLECTIVE>_BITS`). Every listed collective has
+    /// quantized kernels for f16 and bf16.
     quant_ops: Set<Collective> = Set(vec![Collective::AllReduce]) => {
         name: "FLASHCOMM_QUANT_OPS",
         kind: "list",
@@ -295,6 +324,17 @@ variables! {
     /// (docs/protocols.md, "Ordering with NCCL's own work and with graph replays").
     graph_mixing: bool = false => {
         name: "FLASHCOMM_GRAPH_MIXING",
+        kind: "bool",
+        allowed: "`1`, `0`, `true`, `false`, `yes`, `no`, `on`, `off`",
+        strict: true,
+    }
+    /// Let the next kernel of a stream launch as soon as a flashcomm kernel has started (compute
+    /// capability 9.0 and later): a following flashcomm kernel, or any kernel launched with
+    /// programmatic stream serialization, then waits on the GPU and starts the moment this one
+    /// completes, without launch latency in between. Taken only where twice the grid fits the
+    /// resident share of the GPU; `0` switches it off.
+    early_launch: bool = true => {
+        name: "FLASHCOMM_EARLY_LAUNCH",
         kind: "bool",
         allowed: "`1`, `0`, `true`, `false`, `yes`, `no`, `on`, `off`",
         strict: true,
@@ -423,6 +463,12 @@ pub struct QuantSettings {
     pub rs_bits: QuantBits,
     /// Width of the all-gather step.
     pub ag_bits: QuantBits,
+    /// Width of the quantized AllGather collective.
+    pub allgather_bits: QuantBits,
+    /// Width of the quantized ReduceScatter collective.
+    pub reducescatter_bits: QuantBits,
+    /// Width of the quantized AllToAll collective.
+    pub alltoall_bits: QuantBits,
     /// Values per group: 32, 64, 128 or 256.
     pub group: u32,
     /// Extreme values kept exactly per group: 0, 2 or 4.
@@ -443,6 +489,22 @@ impl QuantSettings {
         }
     }
 
+    /// The width of a one-step quantized collective (AllGather, ReduceScatter, AllToAll), when
+    /// it quantizes; `None` when it stays lossless (and for AllReduce: see
+    /// [`QuantSettings::widths`]).
+    pub fn op_bits(&self, coll: Collective) -> Option<u8> {
+        let b = match coll {
+            Collective::AllGather => self.allgather_bits,
+            Collective::ReduceScatter => self.reducescatter_bits,
+            Collective::AlltoAll => self.alltoall_bits,
+            _ => return None,
+        };
+        match b {
+            QuantBits::Bits(n) => Some(n),
+            _ => None,
+        }
+    }
+
     /// Whether a message of `bytes` (per rank) lies inside the quantization window.
     pub fn in_window(&self, bytes: u64) -> bool {
         (self.min_bytes..=self.max_bytes).contains(&bytes)
@@ -457,7 +519,13 @@ impl QuantSettings {
         if ![0, 2, 4].contains(&self.spikes) {
             return Err(format!("spikes {} (allowed: 0, 2, 4)", self.spikes));
         }
-        for b in [self.rs_bits, self.ag_bits] {
+        for b in [
+            self.rs_bits,
+            self.ag_bits,
+            self.allgather_bits,
+            self.reducescatter_bits,
+            self.alltoall_bits,
+        ] {
             if let QuantBits::Bits(n) = b
                 && !(2..=8).contains(&n)
             {
@@ -480,9 +548,12 @@ impl fmt::Display for QuantSettings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "rs {} bits, ag {} bits, group {}, spikes {}, window [{}, {}]",
+            "rs {} bits, ag {} bits, allgather {} bits, reducescatter {} bits, alltoall {} bits, group {}, spikes {}, window [{}, {}]",
             self.rs_bits.show(),
             self.ag_bits.show(),
+            self.allgather_bits.show(),
+            self.reducescatter_bits.show(),
+            self.alltoall_bits.show(),
             self.group,
             self.spikes,
             Bytes(self.min_bytes),
@@ -696,6 +767,18 @@ impl Config {
         QuantSettings {
             rs_bits: self.quant_rs_bits(),
             ag_bits: self.quant_ag_bits(),
+            allgather_bits: self
+                .settings
+                .quant_allgather_bits
+                .unwrap_or(self.settings.quant_bits),
+            reducescatter_bits: self
+                .settings
+                .quant_reducescatter_bits
+                .unwrap_or(self.settings.quant_bits),
+            alltoall_bits: self
+                .settings
+                .quant_alltoall_bits
+                .unwrap_or(self.settings.quant_bits),
             group: self.settings.quant_group.0,
             spikes: self.settings.quant_spikes.0,
             min_bytes: self.settings.quant_min_bytes.0,
@@ -849,6 +932,30 @@ mod tests {
         assert_eq!(c.settings.max_bytes, Bytes(16 * MIB));
         assert_eq!(c.quant_rs_bits(), QuantBits::Bits(4));
         assert_eq!(c.quant_ag_bits(), QuantBits::Bits(8));
+        // The one-step collectives follow FLASHCOMM_QUANT_BITS unless given their own width.
+        let q = c.quant_settings();
+        assert_eq!(
+            (q.allgather_bits, q.reducescatter_bits, q.alltoall_bits),
+            (QuantBits::Bits(4), QuantBits::Bits(4), QuantBits::Bits(4))
+        );
+        let own = cfg(&[
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_ALLTOALL_BITS", "8"),
+            ("FLASHCOMM_QUANT_REDUCESCATTER_BITS", "off"),
+        ])
+        .quant_settings();
+        assert_eq!(own.op_bits(Collective::AlltoAll), Some(8));
+        assert_eq!(own.op_bits(Collective::ReduceScatter), None);
+        assert_eq!(own.op_bits(Collective::AllGather), Some(4));
+        assert_eq!(own.op_bits(Collective::AllReduce), None);
+        let bad = cfg(&[("FLASHCOMM_QUANT_ALLGATHER_BITS", "9")]);
+        assert!(
+            bad.passthrough_forced
+                .as_deref()
+                .is_some_and(|w| w.contains("FLASHCOMM_QUANT_ALLGATHER_BITS")),
+            "{:?}",
+            bad.passthrough_forced
+        );
         assert_eq!(c.logging.nccl_debug, Some(DebugLevel::Info));
         // Declaration order, whatever the order of the environment.
         assert_eq!(
@@ -953,7 +1060,7 @@ mod tests {
         assert_eq!(q.validate(), Ok(()));
         assert_eq!(
             q.to_string(),
-            "rs off bits, ag off bits, group 128, spikes 2, window [0, 1G]"
+            "rs off bits, ag off bits, allgather off bits, reducescatter off bits, alltoall off bits, group 128, spikes 2, window [0, 1G]"
         );
     }
 
@@ -1061,6 +1168,14 @@ mod tests {
             },
             QuantSettings {
                 ag_bits: QuantBits::Bits(1),
+                ..good
+            },
+            QuantSettings {
+                alltoall_bits: QuantBits::Bits(9),
+                ..good
+            },
+            QuantSettings {
+                allgather_bits: QuantBits::Bits(0),
                 ..good
             },
             QuantSettings {

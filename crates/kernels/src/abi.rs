@@ -41,6 +41,13 @@ pub const PROTO_BLOCK: u32 = 1;
 pub const FLAG_SEND_ALIGNED: u32 = 1;
 /// FcCollParams.flags: the receive buffer is 16-byte aligned.
 pub const FLAG_RECV_ALIGNED: u32 = 2;
+/// FcCollParams.flags: every block lets the next kernel of the stream launch as soon as it has
+/// started (`griddepcontrol.launch_dependents`, compute capability 9.0 and later): a kernel
+/// launched with programmatic stream serialization (every flashcomm kernel) then sits resident
+/// at its `griddepcontrol.wait` and starts the moment this one completes. The host sets it only
+/// where twice the grid still fits the ranks' resident share, so the waiting blocks can never
+/// keep a peer's kernel from being scheduled.
+pub const FLAG_EARLY_LAUNCH: u32 = 4;
 /// FcCollParams.flags: bits `FLAG_SIG_SHIFT..FLAG_SIG_SHIFT + 8` carry the call's signature
 /// (collective and datatype), which every tag of the call carries too: ranks that run the same
 /// sequence number with different collectives or datatypes see a foreign tag and report a
@@ -135,6 +142,11 @@ pub struct FcCollParams {
     pub q_block_bytes_ag: u32,
     /// Where this protocol's area starts inside every slot.
     pub area_offset: u64,
+    /// Host transport: device memory that stands in for this rank's own slots (regions A and B,
+    /// `2 * slot_bytes`), which only this rank's kernels write and read (the quantized kernels
+    /// encode into them and copy or decode from there), so those bytes never cross PCIe. 0: the
+    /// own slots are in the arena.
+    pub own_slots: u64,
 }
 
 /// Parameters of the set-up probe, which writes one word into every peer's arena header.
@@ -156,13 +168,14 @@ pub struct FcProbeParams {
 const _: () = {
     use std::mem::{offset_of, size_of};
     assert!(size_of::<FcStatus>() == 32);
-    assert!(size_of::<FcCollParams>() == 216);
+    assert!(size_of::<FcCollParams>() == 224);
     assert!(offset_of!(FcCollParams, peer_base) == 24);
     assert!(offset_of!(FcCollParams, epochs) == 88);
     assert!(offset_of!(FcCollParams, shard_elems) == 160);
     assert!(offset_of!(FcCollParams, rank) == 168);
     assert!(offset_of!(FcCollParams, q_bits_rs) == 184);
     assert!(offset_of!(FcCollParams, area_offset) == 208);
+    assert!(offset_of!(FcCollParams, own_slots) == 216);
     assert!(size_of::<FcProbeParams>() == 80);
 };
 
@@ -210,7 +223,7 @@ mod tests {
                 .unwrap();
             assert_eq!(val, v, "{name}");
         }
-        assert!(h.contains("sizeof(FcCollParams) == 216"));
+        assert!(h.contains("sizeof(FcCollParams) == 224"));
         // The frame sizes moved from transport.cuh into the generated params.h.
         assert!(h.contains("#define FC_FRAME_PAYLOAD 4096"));
         assert!(h.contains("#define FC_FRAME_HEADER 16"));

@@ -117,8 +117,52 @@ const Q1: usize = PROBE + 1;
 const Q2: usize = Q1 + QUANT_DTYPES.len() * QUANT_ONESHOT_BITS.len();
 /// Index of the lossless AllToAll kernels (protocol).
 const A2A: usize = Q2 + QUANT_DTYPES.len() * QUANT_TWOSTEP_BITS.len();
+/// Index of the quantized AllGather, AllToAll and ReduceScatter kernels (collective x type x
+/// width).
+const QOPS: usize = A2A + 2;
 /// Number of kernels in the table.
-pub const COUNT: usize = A2A + 2;
+pub const COUNT: usize = QOPS + QuantOp::ALL.len() * QUANT_DTYPES.len() * QUANT_OP_BITS.len();
+
+/// Widths of the quantized AllGather, AllToAll and ReduceScatter (one kernel each per type).
+pub const QUANT_OP_BITS: [u8; 7] = [2, 3, 4, 5, 6, 7, 8];
+
+/// The collectives besides AllReduce that have quantized kernels (one quantization step each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantOp {
+    /// Every rank's input encoded once, decoded by every rank.
+    AllGather,
+    /// Each per-peer block encoded once, decoded by its receiver.
+    AlltoAll,
+    /// Each shard encoded once; its owner decodes and sums the N encodings in f32.
+    ReduceScatter,
+}
+
+impl QuantOp {
+    /// The three, in table order.
+    pub const ALL: [QuantOp; 3] = [
+        QuantOp::AllGather,
+        QuantOp::AlltoAll,
+        QuantOp::ReduceScatter,
+    ];
+
+    /// Kernel-name fragment.
+    pub const fn name(self) -> &'static str {
+        match self {
+            QuantOp::AllGather => "allgather",
+            QuantOp::AlltoAll => "alltoall",
+            QuantOp::ReduceScatter => "reducescatter",
+        }
+    }
+
+    /// Position in [`QuantOp::ALL`].
+    pub const fn index(self) -> usize {
+        match self {
+            QuantOp::AllGather => 0,
+            QuantOp::AlltoAll => 1,
+            QuantOp::ReduceScatter => 2,
+        }
+    }
+}
 
 /// Table index of the lossless AllReduce kernel.
 pub const fn allreduce(algo: Algorithm, proto: Protocol, t: DType) -> usize {
@@ -183,6 +227,18 @@ pub const fn quant_twostep(t: DType, rs_bits: u8, ag_bits: u8) -> Option<usize> 
     }
 }
 
+/// Table index of the quantized AllGather, AllToAll or ReduceScatter at `bits`, if that kernel
+/// exists.
+pub const fn quant_op(op: QuantOp, t: DType, bits: u8) -> Option<usize> {
+    match quant_dtype(t) {
+        Some(d) if bits >= 2 && bits <= 8 => Some(
+            QOPS + (op.index() * QUANT_DTYPES.len() + d) * QUANT_OP_BITS.len()
+                + (bits - 2) as usize,
+        ),
+        _ => None,
+    }
+}
+
 /// Writes the CUDA name of kernel `index` into `out` (used once per kernel when the modules
 /// load, and by the generator of the CUDA instantiation list).
 pub fn name(index: usize, out: &mut String) {
@@ -220,7 +276,15 @@ pub fn name(index: usize, out: &mut String) {
             let (rs, ag) = QUANT_TWOSTEP_BITS[r % QUANT_TWOSTEP_BITS.len()];
             write!(out, "fc_allreduce_q2_block_{}_r{rs}_a{ag}", t.suffix())
         }
-        i if i < COUNT => write!(out, "fc_alltoall_{}", Protocol::ALL[i - A2A].name()),
+        i if i < QOPS => write!(out, "fc_alltoall_{}", Protocol::ALL[i - A2A].name()),
+        i if i < COUNT => {
+            let r = i - QOPS;
+            let per_op = QUANT_DTYPES.len() * QUANT_OP_BITS.len();
+            let op = QuantOp::ALL[r / per_op];
+            let t = QUANT_DTYPES[(r % per_op) / QUANT_OP_BITS.len()];
+            let b = QUANT_OP_BITS[r % QUANT_OP_BITS.len()];
+            write!(out, "fc_{}_q_block_{}_b{b}", op.name(), t.suffix())
+        }
         _ => write!(out, "fc_invalid_{index}"),
     };
 }
@@ -280,6 +344,11 @@ mod tests {
                         seen[i] += 1;
                     }
                 }
+                for op in QuantOp::ALL {
+                    if let Some(i) = quant_op(op, t, b) {
+                        seen[i] += 1;
+                    }
+                }
             }
         }
         assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
@@ -303,6 +372,19 @@ mod tests {
         assert_eq!(s, "fc_allreduce_q1_block_bf16_b3");
         name(quant_twostep(DType::F16, 4, 8).unwrap(), &mut s);
         assert_eq!(s, "fc_allreduce_q2_block_f16_r4_a8");
+        name(quant_op(QuantOp::AlltoAll, DType::Bf16, 5).unwrap(), &mut s);
+        assert_eq!(s, "fc_alltoall_q_block_bf16_b5");
+        name(
+            quant_op(QuantOp::ReduceScatter, DType::F16, 2).unwrap(),
+            &mut s,
+        );
+        assert_eq!(s, "fc_reducescatter_q_block_f16_b2");
+        name(
+            quant_op(QuantOp::AllGather, DType::Bf16, 8).unwrap(),
+            &mut s,
+        );
+        assert_eq!(s, "fc_allgather_q_block_bf16_b8");
+        assert_eq!(quant_op(QuantOp::AllGather, DType::F32, 4), None);
         assert_eq!(quant_oneshot(DType::F32, 4), None);
         assert_eq!(quant_twostep(DType::Bf16, 5, 8), None);
     }

@@ -373,8 +373,8 @@ mod tests {
         let q = serves(&cfg(&[("FLASHCOMM_QUANT_BITS", "4")]));
         assert!(
             q.ends_with(
-                "; quantizes allreduce of bf16,f16 (rs 4 bits, ag 4 bits, group 128, spikes 2, \
-                 window [0, 1G])"
+                "; quantizes allreduce of bf16,f16 (rs 4 bits, ag 4 bits, allgather 4 bits, \
+                 reducescatter 4 bits, alltoall 4 bits, group 128, spikes 2, window [0, 1G])"
             ),
             "{q}"
         );

@@ -35,8 +35,9 @@ pub(crate) struct CommView {
 pub(crate) enum NotQuantized {
     /// A step's width is `off` or `16`.
     Off,
-    /// Only AllReduce has quantized kernels.
-    NoQuantizedKernels,
+    /// An all-to-all formed by a Send/Recv group: whether its blocks are contiguous may differ
+    /// from rank to rank, and the scattered path is lossless, so the group never quantizes.
+    Grouped,
     /// `FLASHCOMM_QUANT_OPS` excludes it.
     OpsExclude,
     /// `FLASHCOMM_QUANT_DTYPES` excludes the element type.
@@ -274,11 +275,16 @@ pub(crate) fn decide(
     if call.bytes.checked_mul(view.nranks.max(1)).is_none() {
         return Decision::nccl(Why::AboveMax);
     }
-    let not_quantized = match (view.quant.widths(), dtype) {
+    // AllReduce: the widths of its two steps; the others: their one step's width.
+    let widths = match call.kind {
+        Collective::AllReduce => view.quant.widths(),
+        other => view.quant.op_bits(other).map(|b| (b, b)),
+    };
+    let not_quantized = match (widths, dtype) {
         (None, _) => NotQuantized::Off,
         (Some(_), _) if view.nranks == 1 => NotQuantized::OneRank,
         (Some(_), _) if !s.quant_ops.contains(&op) => NotQuantized::OpsExclude,
-        (Some(_), _) if call.kind != Collective::AllReduce => NotQuantized::NoQuantizedKernels,
+        (Some(_), _) if call.api == GROUPED_ALLTOALL => NotQuantized::Grouped,
         (Some(_), Some(t)) if !s.quant_dtypes.contains(&t) => NotQuantized::DtypeExcluded,
         (Some(_), None) => NotQuantized::DtypeExcluded,
         (Some(_), _) if call.bytes < view.quant.min_bytes => NotQuantized::BelowWindow,
@@ -379,8 +385,8 @@ pub(crate) fn explain(
         Why::Lossless(nq) => {
             let why_not = match nq {
                 NotQuantized::Off => "quantization is off".to_string(),
-                NotQuantized::NoQuantizedKernels => {
-                    "only AllReduce has quantized kernels".to_string()
+                NotQuantized::Grouped => {
+                    "an all-to-all of Send/Recv calls stays lossless".to_string()
                 }
                 NotQuantized::OpsExclude => "FLASHCOMM_QUANT_OPS excludes it".to_string(),
                 NotQuantized::DtypeExcluded => format!(
@@ -590,12 +596,19 @@ pub(crate) mod tests {
         assert!(alltoall_of(&[], 1).is_none());
     }
 
-    /// A call of `kind` on `bytes` bytes of `dtype` (sum for the reducing kinds).
+    /// A call of `kind` on `bytes` bytes of `dtype` (sum for the reducing kinds), out of place
+    /// for AllToAll (whose in-place form goes to NCCL).
     pub(crate) fn coll(kind: Collective, dtype: ncclDataType_t, bytes: u64) -> CollCall {
         let elem = crate::args::element_size(dtype).unwrap();
+        let recv = if kind == Collective::AlltoAll {
+            0x9000usize
+        } else {
+            0
+        };
         CollCall {
             api: "test",
             kind,
+            recvbuff: recv as *mut std::ffi::c_void,
             datatype: dtype,
             op: kind.reduces().then_some(ncclRedOp_t::ncclSum),
             count: (bytes / elem) as usize,
@@ -629,6 +642,7 @@ pub(crate) mod tests {
     pub(crate) const AR: Collective = Collective::AllReduce;
     pub(crate) const RS: Collective = Collective::ReduceScatter;
     pub(crate) const AG: Collective = Collective::AllGather;
+    pub(crate) const A2A: Collective = Collective::AlltoAll;
 
     pub(crate) fn lossless(nq: NotQuantized) -> Decision {
         Decision {
@@ -887,21 +901,53 @@ pub(crate) mod tests {
             route_of(&bf16_only, &coll(AR, F16, 4096)),
             lossless(NotQuantized::DtypeExcluded)
         );
-        // Only AllReduce has quantized kernels.
-        assert_eq!(
-            route_of(&q4, &coll(RS, BF16, 4096)),
-            lossless(NotQuantized::OpsExclude)
-        );
-        let all_ops = [
-            ("FLASHCOMM_QUANT_BITS", "4"),
-            ("FLASHCOMM_QUANT_OPS", "allreduce,reducescatter,allgather"),
-        ];
-        for kind in [RS, AG] {
+        // AllReduce alone is quantized by default.
+        for kind in [RS, AG, A2A] {
             assert_eq!(
-                route_of(&all_ops, &coll(kind, BF16, 4096)),
-                lossless(NotQuantized::NoQuantizedKernels)
+                route_of(&q4, &coll(kind, BF16, 4096)),
+                lossless(NotQuantized::OpsExclude)
             );
         }
+        // The others once listed, each at its own width (FLASHCOMM_QUANT_BITS by default).
+        let all_ops = [
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_ALLTOALL_BITS", "8"),
+            ("FLASHCOMM_QUANT_REDUCESCATTER_BITS", "16"),
+            (
+                "FLASHCOMM_QUANT_OPS",
+                "allreduce,reducescatter,allgather,alltoall",
+            ),
+        ];
+        assert_eq!(
+            route_of(&all_ops, &coll(AG, BF16, 4096)),
+            quantized(4, 4, 128, 2)
+        );
+        assert_eq!(
+            route_of(&all_ops, &coll(A2A, F16, 4096)),
+            quantized(8, 8, 128, 2)
+        );
+        assert_eq!(
+            route_of(&all_ops, &coll(RS, BF16, 4096)),
+            lossless(NotQuantized::Off)
+        );
+        // A lossless AllGather of integers stays lossless; an f32 one is excluded by type.
+        assert_eq!(
+            route_of(&all_ops, &coll(AG, ncclDataType_t::ncclInt32, 4096)),
+            lossless(NotQuantized::DtypeExcluded)
+        );
+        assert_eq!(
+            route_of(&all_ops, &coll(AG, F32, 4096)),
+            lossless(NotQuantized::DtypeExcluded)
+        );
+        // A Send/Recv group's all-to-all never quantizes (its layout may differ across ranks).
+        let grouped = CollCall {
+            api: GROUPED_ALLTOALL,
+            ..coll(A2A, BF16, 4096)
+        };
+        assert_eq!(
+            route_of(&all_ops, &grouped),
+            lossless(NotQuantized::Grouped)
+        );
         let rs_only = [
             ("FLASHCOMM_QUANT_BITS", "4"),
             ("FLASHCOMM_QUANT_OPS", "reducescatter"),

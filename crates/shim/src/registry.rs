@@ -193,7 +193,8 @@ impl CommState {
 struct QuantCell {
     /// Even: stable; odd: a write is in progress.
     seq: AtomicU64,
-    /// Bit 0: set; bits 16..32 and 32..48: the reduce-scatter and all-gather widths' codes.
+    /// Bit 0: set; bits 16..32 and 32..48: the reduce-scatter and all-gather widths' codes;
+    /// bits 48..52, 52..56 and 56..60: the AllGather, ReduceScatter and AllToAll widths' codes.
     head: AtomicU64,
     /// Group (low 32 bits) and spikes (high 32 bits).
     group_spikes: AtomicU64,
@@ -241,6 +242,9 @@ impl QuantCell {
                     return (head & 1 == 1).then(|| QuantSettings {
                         rs_bits: bits_of_code((head >> 16) & 0xffff),
                         ag_bits: bits_of_code((head >> 32) & 0xffff),
+                        allgather_bits: bits_of_code((head >> 48) & 0xf),
+                        reducescatter_bits: bits_of_code((head >> 52) & 0xf),
+                        alltoall_bits: bits_of_code((head >> 56) & 0xf),
                         group: gs as u32,
                         spikes: (gs >> 32) as u32,
                         min_bytes,
@@ -272,7 +276,11 @@ impl QuantCell {
         let (head, gs, min, max) = match q {
             None => (0, 0, 0, 0),
             Some(q) => (
-                1 | bits_code(q.rs_bits) << 16 | bits_code(q.ag_bits) << 32,
+                1 | bits_code(q.rs_bits) << 16
+                    | bits_code(q.ag_bits) << 32
+                    | bits_code(q.allgather_bits) << 48
+                    | bits_code(q.reducescatter_bits) << 52
+                    | bits_code(q.alltoall_bits) << 56,
                 u64::from(q.group) | u64::from(q.spikes) << 32,
                 q.min_bytes,
                 q.max_bytes,
@@ -422,6 +430,9 @@ mod tests {
         let own = QuantSettings {
             rs_bits: QuantBits::Bits(2),
             ag_bits: QuantBits::Bits(8),
+            allgather_bits: QuantBits::Off,
+            reducescatter_bits: QuantBits::Off,
+            alltoall_bits: QuantBits::Off,
             group: 64,
             spikes: 0,
             min_bytes: 0,
@@ -490,14 +501,17 @@ mod tests {
     fn quantization_settings_survive_the_atomic_cell() {
         let cell = QuantCell::new();
         assert_eq!(cell.load(), None);
-        for (rs, ag) in [
-            (QuantBits::Bits(2), QuantBits::Bits(8)),
-            (QuantBits::Off, QuantBits::Half),
-            (QuantBits::Bits(255), QuantBits::Off),
+        for (rs, ag, op) in [
+            (QuantBits::Bits(2), QuantBits::Bits(8), QuantBits::Bits(8)),
+            (QuantBits::Off, QuantBits::Half, QuantBits::Half),
+            (QuantBits::Bits(255), QuantBits::Off, QuantBits::Off),
         ] {
             let q = QuantSettings {
                 rs_bits: rs,
                 ag_bits: ag,
+                allgather_bits: op,
+                reducescatter_bits: QuantBits::Bits(3),
+                alltoall_bits: op,
                 group: u32::MAX,
                 spikes: 4,
                 min_bytes: 1,

@@ -70,6 +70,7 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
         },
         calibrate: true,
         graph_mixing: s.graph_mixing,
+        early_launch: s.early_launch,
         ..CommConfig::default()
     }
 }
@@ -537,7 +538,18 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
             c.all_reduce_quant(send, recv, count, t, q, stream)
         }
         (Collective::AllReduce, Some(t), None) => c.all_reduce(send, recv, count, t, stream),
-        (Collective::ReduceScatter, Some(t), _) => c.reduce_scatter(send, recv, count, t, stream),
+        (Collective::ReduceScatter, Some(t), Some(q)) => {
+            c.reduce_scatter_quant(send, recv, count, t, q, stream)
+        }
+        (Collective::ReduceScatter, Some(t), None) => {
+            c.reduce_scatter(send, recv, count, t, stream)
+        }
+        (Collective::AllGather, Some(t), Some(q)) => {
+            c.all_gather_quant(send, recv, count, t, q, stream)
+        }
+        (Collective::AlltoAll, Some(t), Some(q)) => {
+            c.all_to_all_quant(send, recv, count, t, q, stream)
+        }
         (Collective::AllGather, _, _) => {
             let elem = call.bytes / count.max(1);
             c.all_gather(send, recv, count, elem, stream)

@@ -345,6 +345,9 @@ struct QuantConfig {
     spikes: c_int,
     min_bytes: usize,
     max_bytes: usize,
+    allgather_bits: c_int,
+    reducescatter_bits: c_int,
+    alltoall_bits: c_int,
 }
 
 /// `flashcommCommInfo_t` of `include/flashcomm.h`.
@@ -488,6 +491,9 @@ fn quantization_settings_per_communicator() {
             spikes: 2,
             min_bytes: 0,
             max_bytes: 1 << 30,
+            allgather_bits: 4,
+            reducescatter_bits: 4,
+            alltoall_bits: 4,
         };
         assert_eq!(get_quant(&ours, comm), (SUCCESS, env));
         let own = QuantConfig {
@@ -497,6 +503,9 @@ fn quantization_settings_per_communicator() {
             spikes: 0,
             min_bytes: 4096,
             max_bytes: 1 << 20,
+            allgather_bits: 8,
+            reducescatter_bits: 16,
+            alltoall_bits: 3,
         };
         assert_eq!(set_quant(&ours, comm, Some(&own)), SUCCESS);
         assert_eq!(get_quant(&ours, comm), (SUCCESS, own));
@@ -512,6 +521,10 @@ fn quantization_settings_per_communicator() {
         // Invalid settings change nothing.
         for bad in [
             QuantConfig { rs_bits: 9, ..own },
+            QuantConfig {
+                alltoall_bits: 1,
+                ..own
+            },
             QuantConfig { group: 100, ..own },
             QuantConfig { spikes: 1, ..own },
             QuantConfig {

@@ -112,6 +112,20 @@ __device__ __forceinline__ void copy_payload(const char* src, char* dst, uint32_
   for (uint32_t o = lane * 16; o < bytes; o += 32 * 16) st_v4(dst + o, ld_cg_v4(src + o));
 }
 
+// The sub-slot that `src` writes into `owner`'s arena for this block and `round`, except this
+// rank's own slots (owner and source this rank): on the host transport they live in device memory
+// (p.own_slots, the arena's slot layout without the call-parity halves), since only this rank's
+// kernels write and read them and the bytes need not cross PCIe. No half is needed there: the
+// next kernel on this rank starts after this one completes (stream order), and no peer writes
+// them.
+__device__ __forceinline__ char* qslot(const FcCollParams& p, const Ctx& c, uint32_t owner, uint32_t region, uint32_t src,
+                                       uint64_t round) {
+  if (p.own_slots != 0 && owner == p.rank && src == p.rank)
+    return reinterpret_cast<char*>(p.own_slots) + (uint64_t)region * p.slot_bytes + p.area_offset +
+           ((uint64_t)blockIdx.x * 2 + (round & 1)) * p.sub_bytes;
+  return sub_slot(p, c, owner, region, src, round);
+}
+
 // Lane 0 publishes frame `f` of every peer in `mask` (after the warp's payload stores).
 __device__ __forceinline__ void publish(const FcCollParams& p, const Ctx& c, uint32_t region, uint32_t mask, uint64_t round,
                                         uint32_t f) {
@@ -144,7 +158,7 @@ __device__ __forceinline__ void clear_frames(const FcCollParams& p, Ctx& c, uint
 
 __device__ __forceinline__ const uint8_t* block_in(const FcCollParams& p, const Ctx& c, uint32_t region, uint32_t src,
                                                    uint64_t round, uint32_t f, uint32_t i, uint32_t bb) {
-  return reinterpret_cast<const uint8_t*>(frame_payload(sub_slot(p, c, p.rank, region, src, round) + (uint64_t)f * FC_FRAME_BYTES)) +
+  return reinterpret_cast<const uint8_t*>(frame_payload(qslot(p, c, p.rank, region, src, round) + (uint64_t)f * FC_FRAME_BYTES)) +
          (uint64_t)i * bb;
 }
 
@@ -173,7 +187,7 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
     // Encode once into the own slot, then copy to every peer.
     for (uint32_t f = warp; f < nframes; f += kWarps) {
       const uint32_t nblk = min(m, ncb - f * m);
-      char* self = frame_payload(sub_slot(p, c, p.rank, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES);
+      char* self = frame_payload(qslot(p, c, p.rank, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES);
       for (uint32_t i = 0; i < nblk; ++i) {
         const uint64_t cb = cb0 + (uint64_t)f * m + i;
         Vals<T> x;
@@ -238,7 +252,7 @@ __device__ void allreduce_twostep(const FcCollParams& p) {
       const uint32_t nframes = (ncb + m - 1) / m;
       for (uint32_t f = warp; f < nframes; f += kWarps) {
         const uint32_t nblk = min(m, ncb - f * m);
-        char* dst = frame_payload(sub_slot(p, c, j, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES);
+        char* dst = frame_payload(qslot(p, c, j, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES);
         for (uint32_t i = 0; i < nblk; ++i) {
           const uint64_t cb = cb0 + (uint64_t)f * m + i;
           Vals<T> x;
@@ -261,7 +275,7 @@ __device__ void allreduce_twostep(const FcCollParams& p) {
         for (uint32_t f = warp; f < nframes; f += kWarps) {
           const uint32_t nblk = min(m, ncb - f * m);
           wait_frames(p, c, 0, others, round, f);
-          char* mine = frame_payload(sub_slot(p, c, p.rank, 1, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES);
+          char* mine = frame_payload(qslot(p, c, p.rank, 1, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES);
           for (uint32_t i = 0; i < nblk; ++i) {
             const uint64_t cb = cb0 + (uint64_t)f * m + i;
             const uint32_t nv = codec::block_nvalues(p.count, cb);

@@ -42,6 +42,13 @@
 #define FC_FLAG_SEND_ALIGNED 1u
 // FcCollParams.flags: the receive buffer is 16-byte aligned.
 #define FC_FLAG_RECV_ALIGNED 2u
+// FcCollParams.flags: every block lets the next kernel of the stream launch as soon as it has
+// started (`griddepcontrol.launch_dependents`, compute capability 9.0 and later): a kernel launched
+// with programmatic stream serialization (every flashcomm kernel) then sits resident at its
+// `griddepcontrol.wait` and starts the moment this one completes. The host sets it only where twice
+// the grid still fits the ranks' resident share, so the waiting blocks can never keep a peer's
+// kernel from being scheduled.
+#define FC_FLAG_EARLY_LAUNCH 4u
 // FcCollParams.flags: bits `FLAG_SIG_SHIFT..FLAG_SIG_SHIFT + 8` carry the call's signature
 // (collective and datatype), which every tag of the call carries too: ranks that run the same
 // sequence number with different collectives or datatypes see a foreign tag and report a mismatch
@@ -99,6 +106,7 @@ struct FcCollParams {
   uint32_t q_block_bytes_rs;         // Encoded bytes per 1024-value block, first step.
   uint32_t q_block_bytes_ag;         // Encoded bytes per 1024-value block, second step.
   uint64_t area_offset;              // Where this protocol's area starts inside every slot.
+  uint64_t own_slots;                // Host transport: device memory that stands in for this rank's own slots (regions A and B, `2 * slot_bytes`), which only this rank's kernels write and read (the quantized kernels encode into them and copy or decode from there), so those bytes never cross PCIe. 0: the own slots are in the arena.
 };
 
 // Parameters of the set-up probe, which writes one word into every peer's arena header.
@@ -143,7 +151,8 @@ static_assert(offsetof(FcCollParams, q_spikes) == 196, "FcCollParams.q_spikes");
 static_assert(offsetof(FcCollParams, q_block_bytes_rs) == 200, "FcCollParams.q_block_bytes_rs");
 static_assert(offsetof(FcCollParams, q_block_bytes_ag) == 204, "FcCollParams.q_block_bytes_ag");
 static_assert(offsetof(FcCollParams, area_offset) == 208, "FcCollParams.area_offset");
-static_assert(sizeof(FcCollParams) == 216, "FcCollParams layout");
+static_assert(offsetof(FcCollParams, own_slots) == 216, "FcCollParams.own_slots");
+static_assert(sizeof(FcCollParams) == 224, "FcCollParams layout");
 static_assert(offsetof(FcProbeParams, peer_base) == 0, "FcProbeParams.peer_base");
 static_assert(offsetof(FcProbeParams, rank) == 64, "FcProbeParams.rank");
 static_assert(offsetof(FcProbeParams, nranks) == 68, "FcProbeParams.nranks");

@@ -69,6 +69,14 @@ __device__ __forceinline__ void wait_for_previous_work() {
 #endif
 }
 
+// Lets the next kernel of the stream launch now (FC_FLAG_EARLY_LAUNCH): it waits on the GPU, at
+// its own wait_for_previous_work, until this kernel has completed and its memory is visible.
+__device__ __forceinline__ void allow_next_launch(const FcCollParams& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (p.flags & FC_FLAG_EARLY_LAUNCH) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // The running collective as this block sees it, for kernels that called
 // wait_for_previous_work() already (and may have issued loads of their input meanwhile, which
 // then overlap the epoch's load).
@@ -90,6 +98,7 @@ __device__ __forceinline__ Ctx begin_after_wait(const FcCollParams& p) {
   }
   c.reuse = false;
   c.dead = false;
+  allow_next_launch(p);
   return c;
 }
 

@@ -236,6 +236,8 @@ pub struct Settings {
     preset: Option<&'static str>,
     timeout_s: u64,
     calibrate: bool,
+    early_launch: bool,
+    graph_mixing: bool,
     check_values: u64,
     seed: u64,
     nccl: Option<NcclSettings>,
@@ -293,6 +295,8 @@ pub fn settings(o: &Options, gpus: &[String], nccl: Option<&Nccl>, argv: &[Strin
         }),
         timeout_s: o.timeout_s,
         calibrate: o.calibrate,
+        early_launch: o.early_launch,
+        graph_mixing: o.graph_mixing,
         check_values: o.check_values,
         seed: o.seed,
         nccl: nccl.map(|n| NcclSettings {
@@ -388,7 +392,9 @@ pub fn header_lines(o: &Options, gpus: &[String], nccl: Option<&Nccl>) -> Vec<St
             flashcomm_nccl_sys::version_string(n.version())
         ));
     }
-    if !o.quant.is_empty() {
+    if !o.quant.is_empty() && o.coll != args::Collective::AllReduce {
+        v.push(quant_op_note(o));
+    } else if !o.quant.is_empty() {
         v.push(format!(
             "# quantized rows: group {}, spikes {}; inputs N(0,1) with spikes of +-{}..{} in about 1 of {} values (seed {}); relL2 and maxerr against the fp64 sum, on up to {} values per call; #wrong = values outside the codec's bound + bytes differing across ranks",
             o.group,
@@ -404,6 +410,31 @@ pub fn header_lines(o: &Options, gpus: &[String], nccl: Option<&Nccl>) -> Vec<St
         v.push("# lossless rows: #wrong = elements differing from the exact result (integer-valued inputs, checked on the device) + bytes differing from rank 0's result".into());
     }
     v
+}
+
+/// The header line of quantized AllGather, ReduceScatter and AllToAll rows.
+fn quant_op_note(o: &Options) -> String {
+    let (exact, across) = match o.coll {
+        args::Collective::ReduceScatter => ("the fp64 sum of the shards", ""),
+        args::Collective::AllGather => ("the inputs", " + bytes differing across ranks"),
+        _ => ("the inputs", ""),
+    };
+    format!(
+        "# quantized rows: {} in one quantization step at the row's width, group {}, spikes {}; inputs N(0,1) with spikes of +-{}..{} in about 1 of {} values (seed {}); relL2 and maxerr against {exact}, on up to {} values per call; #wrong = values outside the bound of flashcomm_codec::reference::{}_quant + bytes differing from it{across}",
+        o.coll.name(),
+        o.group,
+        o.spikes,
+        crate::inputs::SPIKE_MIN,
+        crate::inputs::SPIKE_MAX,
+        crate::inputs::SPIKE_PERIOD,
+        o.seed,
+        o.check_values,
+        match o.coll {
+            args::Collective::AllGather => "allgather",
+            args::Collective::ReduceScatter => "reducescatter",
+            _ => "alltoall",
+        }
+    )
 }
 
 fn layout(o: &Options) -> Layout {
@@ -604,6 +635,41 @@ mod tests {
         assert_eq!(s["algo"], "auto");
         assert!(s["nccl"].is_null());
         assert!(s["timing"][0].as_str().unwrap().contains("median"));
+    }
+
+    #[test]
+    fn quantized_rows_of_every_collective_are_described() {
+        let ar = header_lines(&opts("--quant 4"), &["G".into()], None);
+        let line = ar
+            .iter()
+            .find(|l| l.starts_with("# quantized rows"))
+            .unwrap();
+        assert!(line.contains("against the fp64 sum, on up to 1048576 values per call"));
+        assert!(line.ends_with("bytes differing across ranks"));
+        let rs = header_lines(&opts("--coll reducescatter --quant 4"), &["G".into()], None);
+        let line = rs
+            .iter()
+            .find(|l| l.starts_with("# quantized rows"))
+            .unwrap();
+        assert!(line.contains("one quantization step") && line.contains("sum of the shards"));
+        assert!(line.ends_with("reducescatter_quant + bytes differing from it"));
+        let ag = header_lines(&opts("--coll allgather --quant 8,4"), &["G".into()], None);
+        let line = ag
+            .iter()
+            .find(|l| l.starts_with("# quantized rows"))
+            .unwrap();
+        assert!(line.contains("allgather_quant") && line.ends_with("across ranks"));
+        let a2a = header_lines(&opts("--coll alltoall --quant 8"), &["G".into()], None);
+        assert!(a2a.iter().any(|l| l.contains("alltoall_quant")));
+        let s = serde_json::to_value(settings(
+            &opts("--coll alltoall --quant 8,4"),
+            &["G".into()],
+            None,
+            &[],
+        ))
+        .unwrap();
+        assert_eq!(s["collective"], args::Collective::AlltoAll.name());
+        assert_eq!(s["quant"], json!(["8", "4"]));
     }
 
     #[test]

@@ -217,6 +217,10 @@ pub struct Options {
     pub timeout_s: u64,
     /// `--calibrate`: let the communicator time its cost model at set-up.
     pub calibrate: bool,
+    /// `--early-launch`: each kernel lets the next one launch as soon as it starts.
+    pub early_launch: bool,
+    /// `--graph-mixing`: captured calls ordered with eager ones through graph nodes.
+    pub graph_mixing: bool,
     /// `--check-values`: most output values per quantized call compared with the CPU reference.
     pub check_values: u64,
     /// `--seed`: seed of the random inputs of quantized calls.
@@ -256,6 +260,8 @@ impl Default for Options {
             inplace: false,
             timeout_s: 60,
             calibrate: true,
+            early_launch: true,
+            graph_mixing: false,
             check_values: 1 << 20,
             seed: 1,
         }
@@ -494,7 +500,8 @@ struct Cli {
     #[arg(short = 'G', long = "cudagraph", value_name = "n", help_heading = NCCL_TESTS)]
     graph_replays: Option<u32>,
 
-    /// allreduce | reducescatter | allgather | alltoall [allreduce]
+    /// allreduce | reducescatter | allgather | alltoall [allreduce]; each also quantized with
+    /// --quant
     #[arg(long, value_name = "c", value_parser = coll_value, help_heading = FLASHCOMM)]
     coll: Option<Collective>,
     /// Ranks, 1..8 [8]
@@ -515,8 +522,12 @@ struct Cli {
     /// The real libnccl.so.2 for --impl nccl [$FLASHCOMM_NCCL_LIB]
     #[arg(long, value_name = "path", help_heading = FLASHCOMM)]
     nccl_lib: Option<PathBuf>,
-    /// Quantized AllReduce widths besides lossless: bits or rs/ag bits, comma-separated (4, 4/8,
-    /// 8,6,4), or sweep (= 8,6,4,3,2)
+    /// Quantized widths run besides lossless (bfloat16, half; float rows are skipped): bits,
+    /// comma-separated (8,6,4), or sweep (= 8,6,4,3,2). AllReduce also takes rs/ag bits (4/8:
+    /// reduce-scatter and all-gather steps of two-step); allgather, reducescatter and alltoall
+    /// quantize in one step and take single widths only. Quantized rows call flashcomm's
+    /// communicator in every --mode; --impl nccl rows stay lossless (NCCL's API cannot ask for a
+    /// width per call)
     #[arg(long, value_name = "list", value_parser = quant_value, help_heading = FLASHCOMM)]
     quant: Option<List<Width>>,
     /// Values per quantization group: 32 | 64 | 128 | 256 [128]
@@ -559,6 +570,12 @@ struct Cli {
     /// Time the cost model when the communicator is created [1]
     #[arg(long, value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     calibrate: Option<bool>,
+    /// Order captured calls with eager ones through graph nodes (FLASHCOMM_GRAPH_MIXING) [0]
+    #[arg(long = "graph-mixing", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
+    graph_mixing: Option<bool>,
+    /// Let the next kernel launch as soon as a flashcomm kernel starts (FLASHCOMM_EARLY_LAUNCH) [1]
+    #[arg(long = "early-launch", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
+    early_launch: Option<bool>,
     /// Write every row and the settings as JSON
     #[arg(long, value_name = "file", help_heading = FLASHCOMM)]
     json: Option<PathBuf>,
@@ -682,6 +699,8 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
     set(&mut o.seed, cli.seed);
     set(&mut o.timeout_s, cli.timeout_s);
     set(&mut o.calibrate, cli.calibrate);
+    set(&mut o.early_launch, cli.early_launch);
+    set(&mut o.graph_mixing, cli.graph_mixing);
     o.json = cli.json.or(o.json);
     o.svg = cli.svg.or(o.svg);
     o.commit = cli.commit.or(o.commit);
@@ -746,8 +765,23 @@ fn validate(o: &Options) -> Result<(), ArgError> {
         if !o.impls.contains(&Impl::Flashcomm) {
             return err("--quant needs --impl flashcomm (quantization is flashcomm's)");
         }
-        if o.coll != Collective::AllReduce {
-            return err("--quant: only AllReduce is quantized");
+        match o.coll {
+            Collective::AllReduce => {}
+            Collective::AllGather | Collective::ReduceScatter | Collective::AlltoAll => {
+                if let Some(w) = o.quant.iter().find(|w| w.rs != w.ag) {
+                    return err(format!(
+                        "--quant {w}: rs/ag pairs are the two steps of the quantized AllReduce; \
+                         a quantized {} has one step: give single widths (for example 8,4)",
+                        o.coll.name()
+                    ));
+                }
+            }
+            other => {
+                return err(format!(
+                    "--quant: {} is not quantized (allreduce, allgather, reducescatter, alltoall are)",
+                    other.name()
+                ));
+            }
         }
     }
     if o.impls.contains(&Impl::Nccl) && o.mode.one_gpu() && o.ranks > 1 {
@@ -886,6 +920,47 @@ mod tests {
     }
 
     #[test]
+    fn quant_widths_of_every_collective() {
+        let w = |b| Width { rs: b, ag: b };
+        for coll in ["allgather", "reducescatter", "alltoall"] {
+            let o = run(&format!("--coll {coll} --quant 8,4 -d half"));
+            assert_eq!(o.coll, Collective::from_name(coll).unwrap());
+            assert_eq!(o.quant, vec![w(8), w(4)]);
+            assert_eq!(o.dtypes, vec![Dtype::F16]);
+            assert_eq!(run(&format!("--coll {coll} --quant sweep")).quant.len(), 5);
+            assert_eq!(
+                run(&format!("--coll {coll} --quant 4,4/4")).quant,
+                vec![w(4)]
+            );
+            // rs/ag pairs are AllReduce's two steps: refused with the collective named.
+            let e = fails(&format!("--coll {coll} --quant 8,4/8"));
+            assert!(
+                e.contains("--quant 4/8") && e.contains("one step") && e.contains(coll),
+                "{e}"
+            );
+            assert!(fails(&format!("--coll {coll} --quant 4/8")).contains("single widths"));
+            // Widths are checked as for AllReduce; quantization stays flashcomm's.
+            assert!(fails(&format!("--coll {coll} --quant 9")).contains("2..8"));
+            assert!(
+                fails(&format!("--coll {coll} --quant 4 --impl nccl --mode gpus"))
+                    .contains("--impl flashcomm")
+            );
+            // Side by side with NCCL's lossless rows.
+            let o = run(&format!(
+                "--coll {coll} --quant 4 --impl nccl,flashcomm --mode procs --ranks 2"
+            ));
+            assert_eq!(o.impls, vec![Impl::Nccl, Impl::Flashcomm]);
+        }
+        // AllReduce keeps its pairs.
+        assert_eq!(run("--quant 4/8").quant, vec![Width { rs: 4, ag: 8 }]);
+        assert_eq!(run("--coll allreduce --quant 4/8,4").quant.len(), 2);
+        // The AllToAll reference and quantized AllToAll rows in one run.
+        let o = run("--coll alltoall --impl reference,flashcomm --quant 8,4 --ranks 8");
+        assert_eq!(o.quant, vec![w(8), w(4)]);
+        assert!(usage().contains("single widths"));
+    }
+
+    #[test]
     fn latency_preset_and_overrides() {
         let o = run("--preset latency");
         assert_eq!(o.preset, Some(Preset::Latency));
@@ -935,7 +1010,7 @@ mod tests {
         assert!(fails("--ranks 0").contains("1..8"));
         assert!(fails("--impl nccl --ranks 4").contains("--mode gpus"));
         assert!(fails("--quant 4 --impl nccl --mode gpus").contains("--impl flashcomm"));
-        assert!(fails("--quant 4 --coll allgather").contains("only AllReduce"));
+        assert!(fails("--quant 4/8 --coll allgather").contains("single widths"));
         assert!(
             fails("--impl reference --coll allgather").contains("an AllReduce and an AllToAll")
         );

@@ -25,7 +25,7 @@ pub enum Variant {
     Nccl,
     /// flashcomm, lossless.
     Lossless,
-    /// flashcomm, quantized AllReduce.
+    /// flashcomm, quantized (AllReduce, or the one-step AllGather, ReduceScatter, AllToAll).
     Quant(Width),
     /// The plain reference AllReduce (`--impl reference`).
     Reference,
@@ -558,6 +558,10 @@ struct AccuracyJson {
     max_err: f64,
     outside_bound: u64,
     ref_mismatch: u64,
+    /// Bytes that differ from the CPU reference (one-step quantized collectives, whose `#wrong`
+    /// counts them; absent for AllReduce).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ref_mismatch_bytes: Option<u64>,
 }
 
 impl<'a> OutcomeJson<'a> {
@@ -581,6 +585,8 @@ impl<'a> OutcomeJson<'a> {
                     max_err: a.max_err,
                     outside_bound: a.outside_bound,
                     ref_mismatch: a.ref_mismatch,
+                    ref_mismatch_bytes: (row.coll != Collective::AllReduce)
+                        .then_some(a.ref_mismatch_bytes),
                 }),
             },
         }
@@ -846,6 +852,7 @@ pub(crate) mod tests {
                 max_err: 0.5,
                 outside_bound: 0,
                 ref_mismatch: 0,
+                ..AccuracyStats::default()
             });
         }
         q.inplace = Some(Outcome::Skipped("N/A".into()));
@@ -1045,5 +1052,60 @@ pub(crate) mod tests {
         assert_eq!(back["latency"][0]["ratio_eager"], 2.0);
         assert_eq!(back["summary"]["wrong_total"], 0);
         assert_eq!(back["summary"]["ok"], true);
+    }
+    #[test]
+    fn json_of_quantized_rows_of_every_collective() {
+        let q = |coll: Collective| {
+            let mut r = row(
+                Variant::Quant(Width { rs: 4, ag: 4 }),
+                Launch::Eager,
+                1 << 20,
+                10.0,
+            );
+            r.coll = coll;
+            r.quant = Some(QuantInfo {
+                width: Width { rs: 4, ag: 4 },
+                group: 128,
+                spikes: 2,
+                effbits_rs: 4.75,
+                effbits_ag: 4.75,
+            });
+            if let Outcome::Done(m) = &mut r.out {
+                m.wrong = Some(3);
+                m.rank_mismatch_bytes = None;
+                m.accuracy = Some(AccuracyStats {
+                    checked: 4096,
+                    outside_bound: 1,
+                    ref_mismatch: 1,
+                    ref_mismatch_bytes: 2,
+                    ..AccuracyStats::default()
+                });
+            }
+            serde_json::to_value(row_json(&r)).unwrap()
+        };
+        let a2a = q(Collective::AlltoAll);
+        assert_eq!(a2a["collective"], Collective::AlltoAll.name());
+        assert_eq!(a2a["impl"], "flashcomm-q4");
+        assert_eq!(a2a["redop"], "none");
+        assert_eq!(
+            (&a2a["quant"]["rs_bits"], &a2a["quant"]["ag_bits"]),
+            (&json!(4), &json!(4))
+        );
+        assert_eq!(a2a["out_of_place"]["wrong"], 3);
+        assert_eq!(a2a["out_of_place"]["accuracy"]["ref_mismatch_bytes"], 2);
+        // busbw of AllToAll: (n-1)/n.
+        let busbw = a2a["out_of_place"]["busbw_gbs"].as_f64().unwrap();
+        assert!((busbw - 104.8576 * 0.875).abs() < 1e-9, "{busbw}");
+        let rs = q(Collective::ReduceScatter);
+        assert_eq!(rs["redop"], "sum");
+        assert_eq!(rs["out_of_place"]["accuracy"]["ref_mismatch_bytes"], 2);
+        // AllReduce rows keep their fields as they were.
+        let ar = q(Collective::AllReduce);
+        assert!(
+            ar["out_of_place"]["accuracy"]
+                .get("ref_mismatch_bytes")
+                .is_none()
+        );
+        assert_eq!(ar["out_of_place"]["accuracy"]["ref_mismatch"], 1);
     }
 }

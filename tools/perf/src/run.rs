@@ -38,7 +38,7 @@ use flashcomm_testkit::reference::Reference;
 use flashcomm_testkit::verify::{TestType, Verifier};
 use serde::{Deserialize, Serialize};
 
-use crate::accuracy::{self, AccuracyStats, QuantAlgo};
+use crate::accuracy::{self, AccuracyStats, QuantAlgo, QuantOp};
 use crate::args::{
     AlgoChoice, Dtype, Impl, Launch, Mode, Options, ProtoChoice, TransportChoice, Width,
 };
@@ -486,6 +486,8 @@ fn rank_main(
             TransportChoice::Host => Choice::Force(Transport::Host),
         },
         calibrate: o.calibrate,
+        early_launch: o.early_launch,
+        graph_mixing: o.graph_mixing,
         ..CommConfig::default()
     };
     let comm = if o.impls.contains(&Impl::Flashcomm) {
@@ -1038,20 +1040,26 @@ impl Rank<'_> {
         };
         let dt = job.dtype;
         let count = job.shape.call_count;
+        // AllReduce, or the one-step AllGather, ReduceScatter and AllToAll (single widths: the
+        // arguments refuse pairs for them).
+        let op = QuantOp::of(self.o.coll);
         // The same verdict on every rank: planning is pure.
-        let plan = match self
-            .comm
-            .as_ref()
-            .map(|c| c.plan_quant(count, dt, spec, algo_choice(self.o.algo)))
-        {
-            None => return skipped("flashcomm is not set up".into()),
-            Some(Err(e)) => return skipped(e.to_string()),
-            Some(Ok(p)) => p,
+        let plan = match (self.comm.as_ref(), op) {
+            (None, _) => return skipped("flashcomm is not set up".into()),
+            (Some(c), None) => c.plan_quant(count, dt, spec, algo_choice(self.o.algo)),
+            (Some(c), Some(_)) => c.plan_quant_op(self.o.coll, count, dt, spec),
+        };
+        let plan = match plan {
+            Err(e) => return skipped(e.to_string()),
+            Ok(p) => p,
         };
         let seed = quant_seed(self.o.seed, job.dtype, count);
-        let bytes = job.shape.bytes as usize;
+        // The send buffer: the whole vector of AllReduce, one block of AllGather, every peer's
+        // block of AllToAll and every shard of ReduceScatter.
+        let send_bytes = job.shape.send_bytes as usize;
+        let recv_bytes = job.shape.recv_bytes as usize;
         if self.fp_for != Some((job.dtype, count)) {
-            let mut host = vec![0u8; bytes];
+            let mut host = vec![0u8; send_bytes];
             let threads = (self.threads / self.nranks as usize).max(1);
             match job.dtype {
                 Dtype::Bf16 => inputs::fill_le::<bf16>(seed, self.rank, 0, &mut host, threads),
@@ -1065,8 +1073,8 @@ impl Rank<'_> {
         }
         let comm = self.comm.as_ref().ok_or("flashcomm is not set up")?;
         let fp = self.fp.as_ref().ok_or("no buffer for quantized inputs")?;
-        let send = fp.slice(0, bytes);
-        let recv = self.recv.slice(0, bytes);
+        let send = fp.slice(0, send_bytes);
+        let recv = self.recv.slice(0, recv_bytes);
         let elem = job.dtype.bytes();
         let call = |s: Stream| {
             comm.run(&plan, send, recv, count, elem, Some(dt), s)
@@ -1088,20 +1096,36 @@ impl Rank<'_> {
             call(self.stream)?;
             self.sync()?;
             m.mismatch = self.compare_with_rank0(recv)?;
-            if self.rank == 0 {
-                let q = plan.quant.unwrap_or(spec);
-                let algo = match plan.algo {
-                    Algorithm::OneShot => QuantAlgo::OneShot,
-                    Algorithm::TwoShot => QuantAlgo::TwoStep,
-                };
-                let windows = accuracy::windows(count as usize, self.o.check_values as usize);
-                let acc = match job.dtype {
-                    Dtype::Bf16 => self.accuracy::<bf16>(algo, q, job.dtype, seed, &windows)?,
-                    Dtype::F16 => self.accuracy::<f16>(algo, q, job.dtype, seed, &windows)?,
-                    Dtype::F32 => self.accuracy::<f32>(algo, q, job.dtype, seed, &windows)?,
-                };
-                m.wrong = Some(acc.outside_bound);
-                m.accuracy = Some(acc);
+            let q = plan.quant.unwrap_or(spec);
+            match op {
+                None if self.rank == 0 => {
+                    let algo = match plan.algo {
+                        Algorithm::OneShot => QuantAlgo::OneShot,
+                        Algorithm::TwoShot => QuantAlgo::TwoStep,
+                    };
+                    let windows = accuracy::windows(count as usize, self.o.check_values as usize);
+                    let check = Check::AllReduce(algo);
+                    let acc = self.check_output(check, q, job.dtype, seed, &windows)?;
+                    m.wrong = Some(acc.outside_bound);
+                    m.accuracy = Some(acc);
+                }
+                None => {}
+                // AllGather: rank 0 checks its output (every rank's is the same, compared byte
+                // for byte with rank 0's above); the others: every rank checks its own, with an
+                // equal share of the values a call may check.
+                Some(op) if !op.same_everywhere() || self.rank == 0 => {
+                    let checkers = if op.same_everywhere() { 1 } else { self.nranks };
+                    let budget = (self.o.check_values / u64::from(checkers)) as usize;
+                    let windows = accuracy::op_windows(op, self.nranks, count as usize, budget);
+                    let check = Check::Op {
+                        op,
+                        len: count as usize,
+                    };
+                    let acc = self.check_output(check, q, job.dtype, seed, &windows)?;
+                    m.wrong = Some(acc.wrong_one_step());
+                    m.accuracy = Some(acc);
+                }
+                Some(_) => {}
             }
         }
         Ok(RankOut {
@@ -1115,18 +1139,40 @@ impl Rank<'_> {
         })
     }
 
+    /// [`Rank::accuracy`] for the element type of `dtype`.
+    fn check_output(
+        &self,
+        check: Check,
+        q: QuantSpec,
+        dtype: Dtype,
+        seed: u64,
+        windows: &[Range<usize>],
+    ) -> Result<AccuracyStats, String> {
+        match dtype {
+            Dtype::Bf16 => self.accuracy::<bf16>(check, q, dtype, seed, windows),
+            Dtype::F16 => self.accuracy::<f16>(check, q, dtype, seed, windows),
+            Dtype::F32 => self.accuracy::<f32>(check, q, dtype, seed, windows),
+        }
+    }
+
+    /// Downloads this rank's output at `windows` (of the whole output for AllReduce, of each
+    /// segment for the one-step collectives) and checks it against the CPU references.
     fn accuracy<T: Element>(
         &self,
-        algo: QuantAlgo,
+        check: Check,
         q: QuantSpec,
         dtype: Dtype,
         seed: u64,
         windows: &[Range<usize>],
     ) -> Result<AccuracyStats, String> {
         let elem = T::BYTES;
-        let mut values: Vec<T> = Vec::with_capacity(accuracy::window_values(windows));
+        let ranges = match check {
+            Check::AllReduce(_) => windows.to_vec(),
+            Check::Op { op, len } => accuracy::op_output_ranges(op, self.nranks, len, windows),
+        };
+        let mut values: Vec<T> = Vec::with_capacity(accuracy::window_values(&ranges));
         let mut buf = Vec::new();
-        for w in windows {
+        for w in &ranges {
             buf.resize(w.len() * elem, 0u8);
             self.recv
                 .download(w.start * elem, &mut buf, self.stream)
@@ -1134,17 +1180,49 @@ impl Rank<'_> {
             values.extend(buf.chunks_exact(elem).map(T::read_le));
         }
         let fmt = |b: u8| Format::new(dtype, b, q.group, q.spikes).map_err(|e| e.to_string());
-        Ok(accuracy::evaluate(
-            algo,
-            fmt(q.rs_bits)?,
-            fmt(q.ag_bits)?,
-            self.nranks,
-            seed,
-            windows,
-            &values,
-            self.threads,
-        ))
+        Ok(match check {
+            Check::AllReduce(algo) => accuracy::evaluate(
+                algo,
+                fmt(q.rs_bits)?,
+                fmt(q.ag_bits)?,
+                self.nranks,
+                seed,
+                windows,
+                &values,
+                self.threads,
+            ),
+            // Every rank of AllToAll and ReduceScatter checks at once: a share of the threads.
+            Check::Op { op, len } => accuracy::evaluate_op(
+                op,
+                fmt(q.rs_bits)?,
+                self.nranks,
+                self.rank,
+                seed,
+                len,
+                windows,
+                &values,
+                if op.same_everywhere() {
+                    self.threads
+                } else {
+                    (self.threads / self.nranks as usize).max(1)
+                },
+            ),
+        })
     }
+}
+
+/// What a quantized row's output is checked as.
+#[derive(Clone, Copy, Debug)]
+enum Check {
+    /// AllReduce by this algorithm.
+    AllReduce(QuantAlgo),
+    /// A one-step collective of `len` values per output segment (the call's count).
+    Op {
+        /// The collective.
+        op: QuantOp,
+        /// Values per segment.
+        len: usize,
+    },
 }
 
 /// Rank 0's output as a range of `len` bytes (its buffer is at least as long as ours: every
@@ -1156,13 +1234,14 @@ fn theirs_slice(p: DevicePtr, len: u64) -> Result<DevicePtr, String> {
     Ok(p)
 }
 
-/// What a rank process sends rank 0 of one job: the times and counts that [`merge`] combines
-/// across ranks (whether the job ran, its plan and the accuracy are rank 0's own).
+/// What a rank process sends rank 0 of one job: the times, counts and accuracy checks that
+/// [`merge`] combines across ranks (whether the job ran and its plan are rank 0's own).
 fn wire(out: &RankOut) -> Result<Vec<u8>, String> {
     let m = |m: &RankMeasure| WireMeasure {
         times: m.times.clone(),
         wrong: m.wrong,
         mismatch: m.mismatch,
+        accuracy: m.accuracy.as_ref().map(WireAccuracy::of),
     };
     let doc = Wire {
         skipped: out.skipped.clone(),
@@ -1179,7 +1258,7 @@ fn unwire(bytes: &[u8]) -> Result<RankOut, String> {
         times: w.times,
         wrong: w.wrong,
         mismatch: w.mismatch,
-        accuracy: None,
+        accuracy: w.accuracy.map(WireAccuracy::stats),
     };
     Ok(RankOut {
         skipped: doc.skipped,
@@ -1197,12 +1276,59 @@ struct Wire {
     inplace: Option<WireMeasure>,
 }
 
-/// One measurement of a rank: its per-call times and counts (rank 0 keeps its own accuracy).
+/// One measurement of a rank: its per-call times and counts, and its accuracy check where it
+/// made one (the ranks of AllToAll and ReduceScatter each check their own output).
 #[derive(Debug, Serialize, Deserialize)]
 struct WireMeasure {
     times: Vec<f64>,
     wrong: Option<u64>,
     mismatch: Option<u64>,
+    #[serde(default)]
+    accuracy: Option<WireAccuracy>,
+}
+
+/// [`AccuracyStats`] as it travels: JSON has no NaN or infinity (serde_json writes `null`), so
+/// the floats are optional, `None` standing for a value that is not finite.
+#[derive(Debug, Serialize, Deserialize)]
+struct WireAccuracy {
+    checked: u64,
+    rel_l2: Option<f64>,
+    max_err: Option<f64>,
+    outside_bound: u64,
+    ref_mismatch: u64,
+    ref_mismatch_bytes: u64,
+    err2: Option<f64>,
+    ref2: Option<f64>,
+}
+
+impl WireAccuracy {
+    fn of(a: &AccuracyStats) -> WireAccuracy {
+        let f = |v: f64| v.is_finite().then_some(v);
+        WireAccuracy {
+            checked: a.checked,
+            rel_l2: f(a.rel_l2),
+            max_err: f(a.max_err),
+            outside_bound: a.outside_bound,
+            ref_mismatch: a.ref_mismatch,
+            ref_mismatch_bytes: a.ref_mismatch_bytes,
+            err2: f(a.err2),
+            ref2: f(a.ref2),
+        }
+    }
+
+    fn stats(self) -> AccuracyStats {
+        let f = |v: Option<f64>| v.unwrap_or(f64::NAN);
+        AccuracyStats {
+            checked: self.checked,
+            rel_l2: f(self.rel_l2),
+            max_err: f(self.max_err),
+            outside_bound: self.outside_bound,
+            ref_mismatch: self.ref_mismatch,
+            ref_mismatch_bytes: self.ref_mismatch_bytes,
+            err2: f(self.err2),
+            ref2: f(self.ref2),
+        }
+    }
 }
 
 /// Combines every rank's report of a job into a row.
@@ -1225,7 +1351,9 @@ fn merge(o: &Options, job: &Job, outs: &[RankOut]) -> Row {
             time: TimeStats::of(&sweep::slowest_rank(&times)),
             wrong: sum(&|m| m.wrong),
             rank_mismatch_bytes: sum(&|m| m.mismatch),
-            accuracy: ms.iter().find_map(|m| m.accuracy.clone()),
+            // Rank 0's check (AllReduce, AllGather), or every rank's together (AllToAll and
+            // ReduceScatter, whose outputs differ).
+            accuracy: AccuracyStats::combine(ms.iter().filter_map(|m| m.accuracy.as_ref())),
         })
     };
     let out = match &first.skipped {
@@ -1375,6 +1503,76 @@ mod tests {
     }
 
     #[test]
+    fn quantized_jobs_of_every_collective() {
+        for (coll, send) in [
+            ("allgather", 64 << 10),
+            ("reducescatter", 512 << 10),
+            ("alltoall", 512 << 10),
+        ] {
+            let o = opts(&format!(
+                "-b 64K -e 512K -f 2 --coll {coll} --quant 8,4 --ranks 8 --transport host"
+            ));
+            let j = jobs(&o);
+            // Per size: the link baseline, lossless, q8, q4.
+            assert_eq!(j.len(), 4 * 4);
+            let v: Vec<String> = j[..4].iter().map(|j| j.variant.label()).collect();
+            assert_eq!(v, ["link", "flashcomm", "flashcomm-q8", "flashcomm-q4"]);
+            // The inputs buffer holds a rank's send buffer of the largest call.
+            let (s, r, q) = buffer_bytes(&o, &j);
+            assert_eq!(q, send, "{coll}");
+            assert!(s >= q && r >= 512 << 10);
+        }
+    }
+
+    #[test]
+    fn merge_combines_every_ranks_check() {
+        let o = opts("-b 64K -e 64K --coll alltoall --quant 4 --ranks 2");
+        let job = *jobs(&o).last().unwrap();
+        assert_eq!(job.variant, Variant::Quant(Width { rs: 4, ag: 4 }));
+        let acc = |checked, err2, mx, bytes| AccuracyStats {
+            checked,
+            err2,
+            ref2: 100.0 * checked as f64,
+            max_err: mx,
+            ref_mismatch_bytes: bytes,
+            outside_bound: 0,
+            ..AccuracyStats::default()
+        };
+        let m = |a: AccuracyStats| RankMeasure {
+            times: vec![1.0],
+            wrong: Some(a.outside_bound + a.ref_mismatch_bytes),
+            mismatch: None,
+            accuracy: Some(a),
+        };
+        let outs = vec![
+            RankOut {
+                plan: Some("block/g4x256".into()),
+                out: Some(m(acc(100, 1.0, 0.25, 0))),
+                ..RankOut::default()
+            },
+            RankOut {
+                out: Some(m(acc(300, 3.0, 0.5, 2))),
+                ..RankOut::default()
+            },
+        ];
+        let row = merge(&o, &job, &outs);
+        let me = row.out.measure().unwrap();
+        let a = me.accuracy.as_ref().unwrap();
+        assert_eq!((a.checked, a.max_err, a.ref_mismatch_bytes), (400, 0.5, 2));
+        assert!((a.rel_l2 - 0.01).abs() < 1e-12);
+        assert_eq!(me.wrong_total(), Some(2));
+        assert_eq!(row.coll, Collective::AlltoAll);
+        assert_eq!(row.quant.unwrap().width, Width { rs: 4, ag: 4 });
+        // The same reports through the rank processes' wire.
+        let back: Vec<RankOut> = outs
+            .iter()
+            .map(|o| unwire(&wire(o).unwrap()).unwrap())
+            .collect();
+        let again = merge(&o, &job, &back);
+        assert_eq!(again.out.measure().unwrap().accuracy, me.accuracy);
+    }
+
+    #[test]
     fn quant_info_and_seeds() {
         let q = quant_info(Dtype::Bf16, Width { rs: 4, ag: 8 }, 128, 2).unwrap();
         assert_eq!((q.effbits_rs, q.effbits_ag), (4.75, 8.75));
@@ -1404,6 +1602,7 @@ mod tests {
         };
         let back = unwire(&wire(&out).unwrap()).unwrap();
         let got = back.out.unwrap();
+        assert_eq!(got.accuracy, None);
         assert_eq!(
             (got.times, got.wrong, got.mismatch),
             (vec![1.25, 1.75], Some(0), Some(3))
@@ -1419,6 +1618,37 @@ mod tests {
         assert_eq!(back.skipped.as_deref(), Some("too small"));
         assert!(back.out.is_none() && back.inplace.is_none());
         assert!(unwire(b"not json").is_err());
+        // An accuracy check travels; a float that is not finite comes back as NaN.
+        let a = AccuracyStats {
+            checked: 7,
+            rel_l2: 0.5,
+            max_err: f64::INFINITY,
+            outside_bound: 1,
+            ref_mismatch: 2,
+            ref_mismatch_bytes: 3,
+            err2: 4.0,
+            ref2: 16.0,
+        };
+        let with = RankOut {
+            out: Some(RankMeasure {
+                accuracy: Some(a.clone()),
+                ..m(1.0, Some(4))
+            }),
+            ..RankOut::default()
+        };
+        let got = unwire(&wire(&with).unwrap()).unwrap().out.unwrap().accuracy;
+        let got = got.unwrap();
+        assert!(got.max_err.is_nan());
+        assert_eq!(
+            AccuracyStats {
+                max_err: a.max_err,
+                ..got
+            },
+            a
+        );
+        // Older reports without the field still read.
+        let old = unwire(br#"{"out":{"times":[1.0],"wrong":null,"mismatch":null}}"#).unwrap();
+        assert!(old.out.unwrap().accuracy.is_none());
         assert!(unwire(br#"{"out":{"times":["x"]}}"#).is_err());
     }
 

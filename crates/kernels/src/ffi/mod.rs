@@ -15,7 +15,7 @@ pub use flashcomm_gpu::{Function, LaunchConfig, driver_present};
 
 use crate::Error;
 use crate::abi::{FcCollParams, FcProbeParams, KernelParams};
-use crate::catalog::{self, Algorithm, DType, Protocol};
+use crate::catalog::{self, Algorithm, DType, Protocol, QuantOp};
 
 impl From<flashcomm_gpu::Error> for Error {
     fn from(e: flashcomm_gpu::Error) -> Self {
@@ -64,6 +64,14 @@ impl Kernel<FcCollParams> {
     /// The one-shot quantized AllReduce kernel at `bits`, if it exists.
     pub const fn quant_oneshot(t: DType, bits: u8) -> Option<Self> {
         match catalog::quant_oneshot(t, bits) {
+            Some(i) => Some(Kernel::at(i)),
+            None => None,
+        }
+    }
+
+    /// The quantized AllGather, AllToAll or ReduceScatter kernel at `bits`, if it exists.
+    pub const fn quant_op(op: QuantOp, t: DType, bits: u8) -> Option<Self> {
+        match catalog::quant_op(op, t, bits) {
             Some(i) => Some(Kernel::at(i)),
             None => None,
         }

@@ -199,10 +199,13 @@ pub unsafe extern "C" fn flashcommGetConfigString(buf: *mut c_char, len: usize) 
 pub const FLASHCOMM_REASON_BYTES: usize = 256;
 
 /// Quantization settings of one communicator (`flashcommCommSetQuant`, `flashcommCommGetQuant`).
-/// Widths are bits per value of each step of the quantized AllReduce: 2..8 group-quantize; 16
-/// (or 0 when setting) keeps the AllReduce lossless. Both steps must quantize for the AllReduce
-/// to be quantized. Kernels exist for equal widths and for an 8-bit all-gather after a 2-, 3- or
-/// 4-bit reduce-scatter; other pairs send the AllReduce to NCCL.
+/// Widths are bits per value: 2..8 group-quantize; 16 (or 0 when setting) keeps the collective
+/// lossless. `rs_bits` and `ag_bits` are the two steps of the quantized AllReduce: both must
+/// quantize for the AllReduce to be quantized; kernels exist for equal widths and for an 8-bit
+/// all-gather after a 2-, 3- or 4-bit reduce-scatter, and other pairs send the AllReduce to NCCL.
+/// `allgather_bits`, `reducescatter_bits` and `alltoall_bits` are the widths of those
+/// collectives (one quantization step each). Which collectives may be quantized at all stays
+/// `FLASHCOMM_QUANT_OPS`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct flashcommQuantConfig_t {
@@ -218,6 +221,12 @@ pub struct flashcommQuantConfig_t {
     pub min_bytes: usize,
     /// Largest message (bytes per rank) that is quantized.
     pub max_bytes: usize,
+    /// Width of the quantized AllGather: 2..8, or 16 for lossless.
+    pub allgather_bits: c_int,
+    /// Width of the quantized ReduceScatter: 2..8, or 16 for lossless.
+    pub reducescatter_bits: c_int,
+    /// Width of the quantized AllToAll: 2..8, or 16 for lossless.
+    pub alltoall_bits: c_int,
 }
 
 /// What flashcomm knows about one communicator (`flashcommCommGetInfo`).
@@ -274,13 +283,15 @@ fn bits_to_c(b: QuantBits) -> c_int {
 
 /// The settings of a C struct, or what is wrong with them.
 fn settings_from_c(q: &flashcommQuantConfig_t) -> Result<QuantSettings, String> {
-    let rs = bits_from_c(q.rs_bits)
-        .ok_or_else(|| format!("rs_bits {} (allowed: 2..=8, or 16 for lossless)", q.rs_bits))?;
-    let ag = bits_from_c(q.ag_bits)
-        .ok_or_else(|| format!("ag_bits {} (allowed: 2..=8, or 16 for lossless)", q.ag_bits))?;
+    let bits = |name: &str, v: c_int| {
+        bits_from_c(v).ok_or_else(|| format!("{name} {v} (allowed: 2..=8, or 16 for lossless)"))
+    };
     let settings = QuantSettings {
-        rs_bits: rs,
-        ag_bits: ag,
+        rs_bits: bits("rs_bits", q.rs_bits)?,
+        ag_bits: bits("ag_bits", q.ag_bits)?,
+        allgather_bits: bits("allgather_bits", q.allgather_bits)?,
+        reducescatter_bits: bits("reducescatter_bits", q.reducescatter_bits)?,
+        alltoall_bits: bits("alltoall_bits", q.alltoall_bits)?,
         group: u32::try_from(q.group).unwrap_or(0),
         spikes: u32::try_from(q.spikes).unwrap_or(u32::MAX),
         min_bytes: q.min_bytes as u64,
@@ -294,6 +305,9 @@ fn settings_to_c(q: &QuantSettings) -> flashcommQuantConfig_t {
     flashcommQuantConfig_t {
         rs_bits: bits_to_c(q.rs_bits),
         ag_bits: bits_to_c(q.ag_bits),
+        allgather_bits: bits_to_c(q.allgather_bits),
+        reducescatter_bits: bits_to_c(q.reducescatter_bits),
+        alltoall_bits: bits_to_c(q.alltoall_bits),
         group: c_int::try_from(q.group).unwrap_or(c_int::MAX),
         spikes: c_int::try_from(q.spikes).unwrap_or(c_int::MAX),
         min_bytes: usize::try_from(q.min_bytes).unwrap_or(usize::MAX),
@@ -451,6 +465,9 @@ mod tests {
             spikes: 2,
             min_bytes: 0,
             max_bytes: 1 << 30,
+            allgather_bits: 6,
+            reducescatter_bits: 0,
+            alltoall_bits: 3,
         }
     }
 
@@ -463,6 +480,15 @@ mod tests {
             (back.rs_bits, back.ag_bits, back.group, back.spikes),
             (4, 8, 128, 2)
         );
+        assert_eq!(
+            (
+                back.allgather_bits,
+                back.reducescatter_bits,
+                back.alltoall_bits
+            ),
+            (6, 16, 3)
+        );
+        assert_eq!(q.op_bits(flashcomm_config::Collective::AlltoAll), Some(3));
         // 16 and 0 mean lossless; lossless reads back as 16.
         for lossless in [0, 16] {
             let q = settings_from_c(&c(lossless, lossless)).unwrap();
@@ -475,6 +501,14 @@ mod tests {
             c(-1, 4),
             flashcommQuantConfig_t {
                 group: 100,
+                ..c(4, 4)
+            },
+            flashcommQuantConfig_t {
+                alltoall_bits: 9,
+                ..c(4, 4)
+            },
+            flashcommQuantConfig_t {
+                allgather_bits: 1,
                 ..c(4, 4)
             },
             flashcommQuantConfig_t {
