@@ -1,6 +1,9 @@
 //! The simulated all-reduce: per-rank partial sums are converted to `bf16` (the all-reduce's
-//! datatype in serving) and reduced by the codec's CPU reference, exactly or quantized.
+//! datatype in serving) and reduced by the codec's CPU reference, exactly or quantized. In the
+//! expert-parallel modes ([`Mode::Ep`]) it also simulates the dispatch and combine all-to-alls
+//! around every MLP block (see [`crate::expert`]).
 
+use crate::expert::{self, Leg};
 use crate::model::{AllReduce, Site};
 use crate::rotation::Rotation;
 use half::bf16;
@@ -47,6 +50,15 @@ pub enum Mode {
     Oracle(Spec),
     /// The one-shot with the non-uniform code grid of [`crate::grid`], exponent `p / 10`.
     Grid(Spec, u8),
+    /// Expert parallelism on the dense model (see [`crate::expert`]): TP = 1 with no all-reduce
+    /// (the single rank's product is used as it is, in `f32`), the MLP block's input sent through
+    /// the dispatch all-to-all and its output through the combine all-to-all.
+    Ep {
+        /// The dispatch all-to-all (the MLP block's input).
+        dispatch: Leg,
+        /// The combine all-to-all (the MLP block's output).
+        combine: Leg,
+    },
 }
 
 impl Mode {
@@ -60,15 +72,40 @@ impl Mode {
             Mode::OneShot(_) => "one-shot",
             Mode::Oracle(_) => "oracle bound",
             Mode::Grid(..) => "one-shot grid",
+            Mode::Ep { dispatch, combine } => match (dispatch, combine) {
+                (Leg::F32, Leg::F32) => "EP f32 (no bf16)",
+                (Leg::Exact, Leg::Exact) => "EP exact (bf16)",
+                (Leg::Quantized(_), Leg::Quantized(_)) => "EP dispatch + combine",
+                (Leg::Quantized(_), _) => "EP dispatch",
+                (_, Leg::Quantized(_)) => "EP combine",
+                _ => "EP",
+            },
         }
     }
 
-    /// The formats used, or `None` for the exact modes.
+    /// Whether this is an expert-parallel mode.
+    pub fn is_ep(&self) -> bool {
+        matches!(self, Mode::Ep { .. })
+    }
+
+    /// The expert-parallel baseline: both all-to-alls exact in `bf16`.
+    pub const EP_EXACT: Mode = Mode::Ep {
+        dispatch: Leg::Exact,
+        combine: Leg::Exact,
+    };
+
+    /// The formats used, or `None` for the exact modes. For an expert-parallel mode: (dispatch,
+    /// combine) when both are quantized, the one quantized format twice when only one is.
     pub fn formats(&self) -> Option<(Spec, Spec)> {
         match *self {
             Mode::F32 | Mode::Lossless => None,
             Mode::TwoStep { rs, ag } => Some((rs, ag)),
             Mode::OneShot(f) | Mode::Oracle(f) | Mode::Grid(f, _) => Some((f, f)),
+            Mode::Ep { dispatch, combine } => match (dispatch.spec(), combine.spec()) {
+                (Some(d), Some(c)) => Some((d, c)),
+                (Some(f), None) | (None, Some(f)) => Some((f, f)),
+                (None, None) => None,
+            },
         }
     }
 }
@@ -101,6 +138,13 @@ pub trait Backend: Sync {
         let _ = (rs, ag, inputs);
         Err("this backend has no all-reduce with spikes first, then rotation".into())
     }
+    /// One per-peer block of a quantized all-to-all: the `bf16` values encoded once with `f` as
+    /// a buffer of their own and decoded by the receiver. Returns the received values and the
+    /// codec's per-element bound on their error. Not available by default.
+    fn all_to_all_block(&self, f: Spec, block: &[bf16]) -> Result<(Vec<bf16>, Vec<f64>), String> {
+        let _ = (f, block);
+        Err("this backend has no quantized all-to-all".into())
+    }
 }
 
 /// Error statistics of the quantized all-reduce against the exact sum of the same inputs.
@@ -122,6 +166,10 @@ pub struct ErrorStats {
     pub sq_err_rest: f64,
     /// [`ErrorStats::sq_ref`] over the same values.
     pub sq_ref_rest: f64,
+    /// Largest ratio of `|q - exact|` to the codec's predicted per-element bound (infinite for
+    /// an error where the bound is 0). Gathered by the expert-parallel all-to-alls only (see
+    /// [`crate::expert::send`]); at most 1 when the codec keeps its bound.
+    pub max_err_over_bound: f64,
 }
 
 impl ErrorStats {
@@ -152,6 +200,7 @@ impl ErrorStats {
         self.sq_ref_rest += o.sq_ref_rest;
         self.max_abs_err = self.max_abs_err.max(o.max_abs_err);
         self.max_abs_input = self.max_abs_input.max(o.max_abs_input);
+        self.max_err_over_bound = self.max_err_over_bound.max(o.max_err_over_bound);
         self.calls += o.calls;
     }
 }
@@ -242,6 +291,8 @@ pub struct Simulated<'a> {
     spikes_first: bool,
     row: usize,
     stats: Mutex<ErrorStats>,
+    dispatch_stats: Mutex<ErrorStats>,
+    combine_stats: Mutex<ErrorStats>,
 }
 
 impl<'a> Simulated<'a> {
@@ -256,6 +307,8 @@ impl<'a> Simulated<'a> {
             spikes_first: false,
             row: 0,
             stats: Mutex::new(ErrorStats::default()),
+            dispatch_stats: Mutex::new(ErrorStats::default()),
+            combine_stats: Mutex::new(ErrorStats::default()),
         }
     }
 
@@ -280,7 +333,9 @@ impl<'a> Simulated<'a> {
         self
     }
 
-    /// Restricts the quantized mode to some all-reduces; the others are exact.
+    /// Restricts the quantized mode to some all-reduces; the others are exact. In the
+    /// expert-parallel modes only the layers count: outside them, a quantized all-to-all is
+    /// exact (`bf16`).
     pub fn with_scope(mut self, scope: Scope) -> Simulated<'a> {
         self.scope = scope;
         self
@@ -297,6 +352,31 @@ impl<'a> Simulated<'a> {
     pub fn stats(&self) -> ErrorStats {
         *self.stats.lock().expect("stats lock")
     }
+
+    /// The statistics of the quantized dispatch all-to-alls so far (expert-parallel modes).
+    pub fn dispatch_stats(&self) -> ErrorStats {
+        *self.dispatch_stats.lock().expect("stats lock")
+    }
+
+    /// The statistics of the quantized combine all-to-alls so far (expert-parallel modes).
+    pub fn combine_stats(&self) -> ErrorStats {
+        *self.combine_stats.lock().expect("stats lock")
+    }
+
+    fn all_to_all(
+        &self,
+        layer: usize,
+        leg: Leg,
+        block: Vec<f32>,
+        stats: &Mutex<ErrorStats>,
+    ) -> Vec<f32> {
+        let quantize = (self.scope.first_layer..self.scope.end_layer).contains(&layer);
+        let mut local = ErrorStats::default();
+        let out = expert::send(self.backend, leg, quantize, block, self.row, &mut local)
+            .unwrap_or_else(|e| panic!("all-to-all {leg} failed: {e}"));
+        stats.lock().expect("stats lock").merge(&local);
+        out
+    }
 }
 
 impl AllReduce for Simulated<'_> {
@@ -309,7 +389,7 @@ impl AllReduce for Simulated<'_> {
             .iter()
             .flat_map(|p| p.iter())
             .fold(0f32, |a, &v| a.max(v.abs()));
-        if self.mode == Mode::F32 {
+        if matches!(self.mode, Mode::F32 | Mode::Ep { .. }) {
             let mut sum = partials[0].clone();
             for p in &partials[1..] {
                 sum.iter_mut().zip(p).for_each(|(a, &b)| *a += b);
@@ -349,7 +429,7 @@ impl AllReduce for Simulated<'_> {
             .map(|r| r.iter().map(Vec::as_slice).collect());
         let ar_inputs = rotated_inputs.as_deref().unwrap_or(&inputs);
         let out = match mode {
-            Mode::F32 | Mode::Lossless => Ok(exact.clone()),
+            Mode::F32 | Mode::Lossless | Mode::Ep { .. } => Ok(exact.clone()),
             Mode::TwoStep { rs, ag } if spikes_first => {
                 self.backend.two_step_spikes_rotated(rs, ag, &inputs)
             }
@@ -387,6 +467,24 @@ impl AllReduce for Simulated<'_> {
         }
         self.stats.lock().expect("stats lock").merge(&local);
         out.iter().map(|v| v.to_f32()).collect()
+    }
+
+    fn dispatch(&self, layer: usize, input: Vec<f32>) -> Vec<f32> {
+        match self.mode {
+            Mode::Ep { dispatch, .. } => {
+                self.all_to_all(layer, dispatch, input, &self.dispatch_stats)
+            }
+            _ => input,
+        }
+    }
+
+    fn combine(&self, layer: usize, output: Vec<f32>) -> Vec<f32> {
+        match self.mode {
+            Mode::Ep { combine, .. } => {
+                self.all_to_all(layer, combine, output, &self.combine_stats)
+            }
+            _ => output,
+        }
     }
 }
 
@@ -469,5 +567,14 @@ impl Backend for Codec {
         inputs: &[&[bf16]],
     ) -> Result<Vec<bf16>, String> {
         crate::spike_rotation::two_step(rs, ag, inputs)
+    }
+
+    fn all_to_all_block(&self, f: Spec, block: &[bf16]) -> Result<(Vec<bf16>, Vec<f64>), String> {
+        // AllToAll over one rank: its one per-peer block is the whole input, encoded once as a
+        // buffer of its own and decoded by the receiver.
+        let out = flashcomm_codec::reference::alltoall_quant(format(f)?, &[block])
+            .pop()
+            .ok_or("the all-to-all returned no output")?;
+        Ok((out.values, out.bound))
     }
 }

@@ -9,10 +9,13 @@
 //! optional randomized Hadamard rotation of the quantization groups around the codec;
 //! [`spike_rotation`] takes each group's spikes out before rotating the rest. [`oracle`] bounds
 //! what any per-group scalar codec could reach; [`grid`] tries a non-uniform code grid.
+//! [`expert`] simulates expert parallelism on the same model: the MLP block's input and output
+//! sent through the codec's quantized all-to-all, as dispatch and combine would send them.
 
 #![forbid(unsafe_code)]
 
 pub mod collective;
+pub mod expert;
 pub mod gguf;
 pub mod grid;
 pub mod model;

@@ -1,5 +1,6 @@
 //! `flashcomm-tp-study`: WikiText-2 perplexity of SmolLM2-135M with the tensor-parallel
-//! all-reduces quantized by the flashcomm codec. See `docs/accuracy-model.md`.
+//! all-reduces, or the expert-parallel dispatch and combine all-to-alls, quantized by the
+//! flashcomm codec. See `docs/accuracy-model.md`.
 
 #![forbid(unsafe_code)]
 
@@ -19,7 +20,7 @@ usage: flashcomm-tp-study --model FILE.gguf --text FILE [options]
   --text FILE      WikiText-2 test set (test.txt)
   --windows N      non-overlapping windows of --ctx tokens from the start of the text [3]
   --ctx N          tokens per window [512]
-  --plan NAME      quick | tp2 | tp48 | full | rot | srot | oracle [quick]
+  --plan NAME      quick | tp2 | tp48 | full | rot | srot | oracle | ep [quick]
   --run SETTING    a single setting, repeatable, replaces --plan:
                    TP:exact, TP:f32, TP:two:B:G:K, TP:one:B:G:K, TP:mixed:BRS:BAG:G:K,
                    TP:oracle:B:G:K (a bound: each group's best approximation with
@@ -29,7 +30,11 @@ usage: flashcomm-tp-study --model FILE.gguf --text FILE [options]
                    group's K spikes out first (kept exactly) and rotate and quantize the
                    rest without spikes (not the oracle or grid), then optionally by @L:S to
                    quantize only some all-reduces (the others stay exact): L is all, N or
-                   A-B (layers, inclusive), S is both, o or down
+                   A-B (layers, inclusive), S is both, o or down;
+                   or expert parallelism at TP = 1 (the MLP block's input sent as
+                   dispatch, its output as combine, through the codec's all-to-all):
+                   ep:f32, ep:exact (bf16), ep:dispatch:B:G:K, ep:combine:B:G:K,
+                   ep:both:B:G:K, optionally followed by @L:both
   --threads N      worker threads [available cores]
   --json FILE      also write the results as JSON (rewritten as settings finish)
   --prompt TEXT    prompt of the next-token check [The capital of France is]
@@ -262,7 +267,27 @@ fn run() -> Result<(), String> {
         wall
     );
     print!("{}", study::markdown_table(&results));
-    let mut tps: Vec<usize> = results.iter().map(|r| r.run.tp).collect();
+    let ep = study::markdown_table_ep(&results);
+    if !ep.is_empty() {
+        println!("\nExpert parallelism (TP = 1), against the exact bf16 all-to-alls\n\n{ep}");
+        for (dispatch, combine, name) in [
+            (true, true, "dispatch + combine"),
+            (true, false, "dispatch only"),
+            (false, true, "combine only"),
+        ] {
+            let p = study::pivot_ep(&results, dispatch, combine);
+            if !p.is_empty() {
+                println!(
+                    "\nEP, {name} quantized: PPL change vs exact (effective bits/value)\n\n{p}"
+                );
+            }
+        }
+    }
+    let mut tps: Vec<usize> = results
+        .iter()
+        .filter(|r| !r.run.mode.is_ep())
+        .map(|r| r.run.tp)
+        .collect();
     tps.dedup();
     for tp in tps {
         for one_shot in [false, true] {

@@ -1,5 +1,6 @@
 //! The LLaMA forward pass in `f32`, with the two row-parallel all-reduces of every layer
-//! (attention `o_proj` and MLP `down_proj`) simulated at a chosen tensor-parallel degree.
+//! (attention `o_proj` and MLP `down_proj`) simulated at a chosen tensor-parallel degree, and
+//! hooks for the expert-parallel all-to-alls around every MLP block (see [`crate::expert`]).
 //!
 //! Weights come from the GGUF file, dequantized once to `f32`. GGUF's converter stores the rows of
 //! the query and key projections permuted so that rotary embedding rotates *adjacent* pairs
@@ -71,12 +72,38 @@ pub enum Site {
     DownProj,
 }
 
-/// Sums the per-rank partial outputs of a row-parallel layer.
+/// Sums the per-rank partial outputs of a row-parallel layer; optionally also moves the MLP
+/// block's input and output as expert parallelism's dispatch and combine would.
 pub trait AllReduce: Sync {
     /// Number of ranks the inputs are split over.
     fn ranks(&self) -> usize;
     /// Reduces `partials` (one `[tokens * hidden]` row-major buffer per rank) to their sum.
     fn all_reduce(&self, layer: usize, site: Site, partials: &[Vec<f32>]) -> Vec<f32>;
+    /// The MLP block's input of `layer` (the normalized hidden states, `[tokens * hidden]`
+    /// row-major) as the expert receives it. The input unchanged by default.
+    fn dispatch(&self, layer: usize, input: Vec<f32>) -> Vec<f32> {
+        let _ = layer;
+        input
+    }
+    /// The MLP block's output of `layer` (`[tokens * hidden]` row-major, after the down
+    /// projection's all-reduce) as the token's rank receives it back. The output unchanged by
+    /// default.
+    fn combine(&self, layer: usize, output: Vec<f32>) -> Vec<f32> {
+        let _ = layer;
+        output
+    }
+}
+
+/// Runs `f` on the row-major values of `x` and puts the result back in the same shape.
+fn through(x: Array2<f32>, f: impl FnOnce(Vec<f32>) -> Vec<f32>) -> Array2<f32> {
+    let dim = x.dim();
+    let x = if x.is_standard_layout() {
+        x
+    } else {
+        x.as_standard_layout().into_owned()
+    };
+    let v = f(x.into_raw_vec_and_offset().0);
+    Array2::from_shape_vec(dim, v).expect("the hook keeps the length")
 }
 
 fn meta_u(g: &Gguf, key: &str) -> Result<usize, String> {
@@ -321,12 +348,14 @@ impl Model {
                 cols_mut(&mut attn, head * hd..(head + 1) * hd).assign(&scores.dot(&v));
             }
             x += &self.row_parallel(&attn, &b.wo, l, Site::OProj, ar);
-            // MLP.
+            // MLP (in expert parallelism: dispatch, the expert, combine).
             let h = rms_norm(&x, &b.ffn_norm, c.eps);
+            let h = through(h, |v| ar.dispatch(l, v));
             let gu = matmul_t(h.view(), b.w_gate_up.view());
             let mut act = cols(&gu, 0..c.ffn).to_owned();
             act.zip_mut_with(&cols(&gu, c.ffn..2 * c.ffn), |g, &u| *g = silu(*g) * u);
-            x += &self.row_parallel(&act, &b.w_down, l, Site::DownProj, ar);
+            let y = self.row_parallel(&act, &b.w_down, l, Site::DownProj, ar);
+            x += &through(y, |v| ar.combine(l, v));
         }
         rms_norm(&x, &self.out_norm, c.eps)
     }

@@ -1,7 +1,9 @@
 //! The perplexity study: runs a set of (tensor-parallel degree, all-reduce mode) settings over
 //! windows of text, in parallel over jobs, and reports perplexities against the exact all-reduce.
+//! The expert-parallel settings ([`Mode::Ep`]) are compared with the exact (`bf16`) all-to-alls.
 
 use crate::collective::{Backend, ErrorStats, Mode, Scope, Simulated, Spec};
+use crate::expert::Leg;
 use crate::model::Model;
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -81,6 +83,11 @@ pub struct RunResult {
     pub tokens: usize,
     /// All-reduce error statistics against the exact sum of the same inputs.
     pub stats: ErrorStats,
+    /// Error statistics of the quantized dispatch all-to-alls against the exact `bf16` ones
+    /// (expert-parallel settings with a quantized dispatch; empty otherwise).
+    pub dispatch: ErrorStats,
+    /// The same for the quantized combine all-to-alls.
+    pub combine: ErrorStats,
     /// Effective bits per value of (reduce-scatter, all-gather) formats, for quantized modes.
     pub effective_bits: Option<(f64, f64)>,
     /// Time spent in this setting's jobs, summed over threads.
@@ -124,6 +131,10 @@ fn spec(bits: u8, group: u16, spikes: u8) -> Spec {
 ///   128, spikes 0 and 2.
 /// * `quick`: TP = 2, exact, two-step widths 2, 3, 4, 8 at group 32 with spikes 2, one-shot
 ///   4-bit and mixed 4/8 at group 32 with spikes 2.
+/// * `ep`: expert parallelism (see [`crate::expert`]): the `f32` and exact (`bf16`) all-to-alls,
+///   then dispatch and combine both quantized at every width 2..=8, group 32/64/128/256 and
+///   spikes 0/2/4, then dispatch alone and combine alone (the other one exact) at every width
+///   2..=8, group 32/64/128/256 with spikes 2 and group 32/128 with spikes 0.
 pub fn plan(name: &str) -> Result<Vec<Run>, String> {
     let mut runs = Vec::new();
     let two = |b, g, k| Mode::TwoStep {
@@ -227,6 +238,37 @@ pub fn plan(name: &str) -> Result<Vec<Run>, String> {
                 }
             }
         }
+        "ep" => {
+            let ep = |dispatch, combine| Run::new(1, Mode::Ep { dispatch, combine });
+            runs.push(ep(Leg::F32, Leg::F32));
+            runs.push(ep(Leg::Exact, Leg::Exact));
+            for b in 2..=8 {
+                for g in [32, 64, 128, 256] {
+                    for k in [0, 2, 4] {
+                        let f = Leg::Quantized(spec(b, g, k));
+                        runs.push(ep(f, f));
+                    }
+                }
+            }
+            for dispatch in [true, false] {
+                let one = |f: Spec| {
+                    let f = Leg::Quantized(f);
+                    if dispatch {
+                        ep(f, Leg::Exact)
+                    } else {
+                        ep(Leg::Exact, f)
+                    }
+                };
+                for b in 2..=8 {
+                    for g in [32, 64, 128, 256] {
+                        runs.push(one(spec(b, g, 2)));
+                    }
+                    for g in [32, 128] {
+                        runs.push(one(spec(b, g, 0)));
+                    }
+                }
+            }
+        }
         "full" => {
             runs = plan("tp2")?;
             runs.extend(plan("tp48")?);
@@ -242,7 +284,7 @@ pub fn plan(name: &str) -> Result<Vec<Run>, String> {
         }
         other => {
             return Err(format!(
-                "unknown plan {other:?} (tp2, tp48, full, quick, rot, srot, oracle)"
+                "unknown plan {other:?} (tp2, tp48, full, quick, rot, srot, oracle, ep)"
             ));
         }
     }
@@ -256,11 +298,18 @@ pub fn plan(name: &str) -> Result<Vec<Run>, String> {
 /// or by `:srot` to take each group's spikes out before rotating the rest (see
 /// [`crate::spike_rotation`]), e.g. `2:one:4:32:2:srot`, and by `@SCOPE` (see [`Scope::parse`]) to quantize only some all-reduces, e.g.
 /// `2:two:4:32:2@0-27:both` or `2:two:4:32:2:rot@0-27:both`.
+///
+/// The expert-parallel settings (TP = 1, see [`crate::expert`]) are `ep:f32`, `ep:exact`,
+/// `ep:dispatch:B:G:K`, `ep:combine:B:G:K` and `ep:both:B:G:K`, optionally followed by
+/// `@LAYERS:both` to quantize the all-to-alls of some layers only, e.g. `ep:both:4:128:2@0-27:both`.
 pub fn parse_run(s: &str) -> Result<Run, String> {
     let (s, scope) = match s.split_once('@') {
         Some((run, scope)) => (run, Scope::parse(scope)?),
         None => (s, Scope::ALL),
     };
+    if let Some(ep) = s.strip_prefix("ep:") {
+        return parse_ep(ep, scope);
+    }
     let (s, rotate, spikes_first) = if let Some(run) = s.strip_suffix(":srot") {
         (run, false, true)
     } else if let Some(run) = s.strip_suffix(":rot") {
@@ -314,6 +363,39 @@ pub fn parse_run(s: &str) -> Result<Run, String> {
     })
 }
 
+/// Parses the part of an expert-parallel setting after `ep:`.
+fn parse_ep(s: &str, scope: Scope) -> Result<Run, String> {
+    let bad = || {
+        format!(
+            "bad setting \"ep:{s}\": use ep:f32, ep:exact, ep:dispatch:B:G:K, ep:combine:B:G:K or ep:both:B:G:K, optionally followed by @LAYERS:both"
+        )
+    };
+    if !(scope.o_proj && scope.down_proj) {
+        return Err(bad());
+    }
+    let parts: Vec<&str> = s.split(':').collect();
+    let format = || -> Result<Leg, String> {
+        let num = |i: usize| -> Result<u16, String> {
+            parts.get(i).and_then(|v| v.parse().ok()).ok_or_else(bad)
+        };
+        let (b, g, k) = (num(1)?, num(2)?, num(3)?);
+        let narrow = |v: u16| u8::try_from(v).map_err(|_| bad());
+        Ok(Leg::Quantized(spec(narrow(b)?, g, narrow(k)?)))
+    };
+    let (dispatch, combine) = match (parts[0], parts.len()) {
+        ("f32", 1) => (Leg::F32, Leg::F32),
+        ("exact", 1) => (Leg::Exact, Leg::Exact),
+        ("dispatch", 4) => (format()?, Leg::Exact),
+        ("combine", 4) => (Leg::Exact, format()?),
+        ("both", 4) => (format()?, format()?),
+        _ => return Err(bad()),
+    };
+    Ok(Run {
+        scope,
+        ..Run::new(1, Mode::Ep { dispatch, combine })
+    })
+}
+
 /// Evaluates every setting over every window with `threads` worker threads (jobs are
 /// (setting, window) pairs taken in order). `on_done` is called, from a worker thread, as soon as
 /// a setting has all its windows. Results come back in the order of `runs`.
@@ -336,6 +418,8 @@ pub fn evaluate(
             nll: 0.0,
             tokens: 0,
             stats: ErrorStats::default(),
+            dispatch: ErrorStats::default(),
+            combine: ErrorStats::default(),
             effective_bits,
             cpu_time: Duration::ZERO,
         });
@@ -366,6 +450,8 @@ pub fn evaluate(
                     res.nll += nll;
                     res.tokens += n;
                     res.stats.merge(&ar.stats());
+                    res.dispatch.merge(&ar.dispatch_stats());
+                    res.combine.merge(&ar.combine_stats());
                     res.cpu_time += elapsed;
                     done[r] += 1;
                     if done[r] == windows.len() {
@@ -378,11 +464,16 @@ pub fn evaluate(
     Ok(state.into_inner().expect("results lock").0)
 }
 
-/// The exact all-reduce's result at the same TP degree, if it was run.
-fn baseline(results: &[RunResult], tp: usize) -> Option<&RunResult> {
-    results
-        .iter()
-        .find(|r| r.run.tp == tp && r.run.mode == Mode::Lossless)
+/// The baseline of a setting, if it was run: the exact all-reduce at the same TP degree, or
+/// for an expert-parallel setting the exact (`bf16`) all-to-alls.
+fn baseline<'a>(results: &'a [RunResult], run: &Run) -> Option<&'a RunResult> {
+    if run.mode.is_ep() {
+        results.iter().find(|r| r.run.mode == Mode::EP_EXACT)
+    } else {
+        results
+            .iter()
+            .find(|r| r.run.tp == run.tp && r.run.mode == Mode::Lossless)
+    }
 }
 
 /// The relative perplexity change the product aims for at a payload width, if any.
@@ -395,9 +486,10 @@ pub fn target(bits: u8) -> Option<f64> {
     }
 }
 
-/// Relative change of a result's perplexity against the exact all-reduce at its TP degree.
+/// Relative change of a result's perplexity against the exact all-reduce at its TP degree (for
+/// an expert-parallel setting: against the exact all-to-alls).
 pub fn relative_change(results: &[RunResult], r: &RunResult) -> Option<f64> {
-    baseline(results, r.run.tp).map(|b| r.ppl() / b.ppl() - 1.0)
+    baseline(results, &r.run).map(|b| r.ppl() / b.ppl() - 1.0)
 }
 
 fn target_cell(results: &[RunResult], r: &RunResult) -> String {
@@ -414,9 +506,14 @@ fn target_cell(results: &[RunResult], r: &RunResult) -> String {
     }
 }
 
-/// The full results as a markdown table.
+/// The results of the tensor-parallel settings as a markdown table (empty when there are none;
+/// the expert-parallel settings are in [`markdown_table_ep`]).
 pub fn markdown_table(results: &[RunResult]) -> String {
-    let scoped = results.iter().any(|r| r.run.scope != Scope::ALL);
+    let tp: Vec<&RunResult> = results.iter().filter(|r| !r.run.mode.is_ep()).collect();
+    if tp.is_empty() {
+        return String::new();
+    }
+    let scoped = tp.iter().any(|r| r.run.scope != Scope::ALL);
     let mut s = String::new();
     s.push_str("| TP | all-reduce | bits (RS/AG) | group | spikes |");
     if scoped {
@@ -428,7 +525,7 @@ pub fn markdown_table(results: &[RunResult]) -> String {
         s.push_str("---|");
     }
     s.push_str("---:|---:|---:|---:|---|\n");
-    for r in results {
+    for r in tp {
         let (bits, group, spikes) = match r.run.mode.formats() {
             None => ("-".to_string(), "-".to_string(), "-".to_string()),
             Some((rs, ag)) if rs == ag => (
@@ -473,6 +570,81 @@ pub fn markdown_table(results: &[RunResult]) -> String {
     s
 }
 
+/// The results of the expert-parallel settings as a markdown table (empty when there are none):
+/// the quantized all-to-alls, their format and effective bits per value (of each quantized
+/// all-to-all; an exact one moves 16), the perplexity and its change against the exact
+/// all-to-alls, and each quantized all-to-all's relative L2 error against the exact one.
+pub fn markdown_table_ep(results: &[RunResult]) -> String {
+    let ep: Vec<&RunResult> = results.iter().filter(|r| r.run.mode.is_ep()).collect();
+    if ep.is_empty() {
+        return String::new();
+    }
+    let scoped = ep.iter().any(|r| r.run.scope != Scope::ALL);
+    let mut s = String::new();
+    s.push_str("| EP all-to-alls | bits | group | spikes |");
+    if scoped {
+        s.push_str(" quantized layers |");
+    }
+    s.push_str(
+        " eff. bits/value | PPL | Δ vs exact | dispatch rel. L2 err | combine rel. L2 err | target |\n",
+    );
+    s.push_str("|---|---:|---:|---:|");
+    if scoped {
+        s.push_str("---|");
+    }
+    s.push_str("---:|---:|---:|---:|---:|---|\n");
+    let l2 = |st: &ErrorStats| {
+        if st.calls > 0 {
+            format!("{:.2e}", st.rel_l2())
+        } else {
+            String::new()
+        }
+    };
+    for r in ep {
+        let Mode::Ep { dispatch, combine } = r.run.mode else {
+            continue;
+        };
+        let (bits, group, spikes, eff) = match r.run.mode.formats() {
+            Some((d, c)) if d == c => (
+                d.bits.to_string(),
+                d.group.to_string(),
+                d.spikes.to_string(),
+                r.mean_effective_bits()
+                    .map_or(String::new(), |e| format!("{e:.3}")),
+            ),
+            Some((d, c)) => (
+                format!("{}/{}", d.bits, c.bits),
+                format!("{}/{}", d.group, c.group),
+                format!("{}/{}", d.spikes, c.spikes),
+                r.effective_bits
+                    .map_or(String::new(), |(a, b)| format!("{a:.3}/{b:.3}")),
+            ),
+            None if dispatch == Leg::F32 && combine == Leg::F32 => {
+                ("-".into(), "-".into(), "-".into(), "32 (f32)".into())
+            }
+            None => ("-".into(), "-".into(), "-".into(), "16 (bf16)".into()),
+        };
+        let rel = relative_change(results, r).map_or(String::new(), change_cell);
+        let scope = if scoped {
+            let layers = r.run.scope.to_string();
+            let layers = layers.strip_suffix(":both").unwrap_or(&layers).to_string();
+            format!(" {layers} |")
+        } else {
+            String::new()
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {bits} | {group} | {spikes} |{scope} {eff} | {:.3} | {rel} | {} | {} | {} |",
+            r.run.algorithm(),
+            r.ppl(),
+            l2(&r.dispatch),
+            l2(&r.combine),
+            target_cell(results, r)
+        );
+    }
+    s
+}
+
 /// Pivot tables of the relative perplexity change (percent) for one algorithm at one TP degree:
 /// a row per width, a column per (group, spikes). Empty when no such results exist. Settings
 /// with rotated groups are left out (see [`pivot_rotated`]).
@@ -511,6 +683,35 @@ fn pivot_where(
                 }
         })
     };
+    pivot_by(results, pick)
+}
+
+/// Pivot table of the expert-parallel settings (all layers) that quantize the dispatch
+/// all-to-all (`dispatch`), the combine all-to-all (`combine`), or both with the same format,
+/// the other one exact. Empty when no such results exist.
+pub fn pivot_ep(results: &[RunResult], dispatch: bool, combine: bool) -> String {
+    let pick = |b: u8, g: u16, k: u8| {
+        let f = Leg::Quantized(spec(b, g, k));
+        let leg = |on: bool| if on { f } else { Leg::Exact };
+        let want = Mode::Ep {
+            dispatch: leg(dispatch),
+            combine: leg(combine),
+        };
+        results
+            .iter()
+            .find(|r| r.run.scope == Scope::ALL && r.run.mode == want)
+    };
+    if !dispatch && !combine {
+        return String::new();
+    }
+    pivot_by(results, pick)
+}
+
+/// A pivot table: a row per width, a column per (group, spikes) for which `pick` finds a result.
+fn pivot_by<'a>(
+    results: &[RunResult],
+    pick: impl Fn(u8, u16, u8) -> Option<&'a RunResult>,
+) -> String {
     let cols: Vec<(u16, u8)> = [32u16, 64, 128, 256]
         .into_iter()
         .flat_map(|g| [0u8, 2, 4].into_iter().map(move |k| (g, k)))
@@ -578,6 +779,45 @@ impl From<Spec> for JsonSpec {
     }
 }
 
+/// One quantized all-to-all's statistics in the JSON file (see [`crate::expert::send`]).
+#[derive(Serialize)]
+struct JsonLeg {
+    format: JsonSpec,
+    effective_bits: Option<f64>,
+    rel_l2_error: f64,
+    rel_l2_error_after_first_token: f64,
+    max_abs_error: f64,
+    max_abs_input: f64,
+    max_error_over_codec_bound: f64,
+    calls: u64,
+}
+
+/// The expert-parallel part of a setting's result: each all-to-all's leg (`f32`, `bf16`, or the
+/// quantized leg's statistics).
+#[derive(Serialize)]
+struct JsonEp {
+    dispatch: serde_json::Value,
+    combine: serde_json::Value,
+}
+
+fn json_leg(leg: Leg, st: &ErrorStats, eff: Option<f64>) -> serde_json::Value {
+    match leg {
+        Leg::F32 => "f32".into(),
+        Leg::Exact => "bf16".into(),
+        Leg::Quantized(f) => serde_json::to_value(JsonLeg {
+            format: f.into(),
+            effective_bits: eff,
+            rel_l2_error: st.rel_l2(),
+            rel_l2_error_after_first_token: st.rel_l2_rest(),
+            max_abs_error: st.max_abs_err,
+            max_abs_input: st.max_abs_input,
+            max_error_over_codec_bound: st.max_err_over_bound,
+            calls: st.calls,
+        })
+        .unwrap_or(serde_json::Value::Null),
+    }
+}
+
 /// One setting's result in the JSON file. Non-finite numbers are written as `null` (serde_json's
 /// rule), as are the fields that do not apply to the setting.
 #[derive(Serialize)]
@@ -603,6 +843,9 @@ struct JsonResult {
     max_abs_partial: f64,
     allreduce_calls: u64,
     cpu_seconds: f64,
+    /// Only for the expert-parallel settings.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ep: Option<JsonEp>,
 }
 
 /// The run metadata, written as the first keys of the JSON object in the order given.
@@ -635,7 +878,16 @@ pub fn json(results: &[RunResult], meta: &[(&str, String)]) -> Result<String, se
     let rows = results
         .iter()
         .map(|r| {
-            let formats = r.run.mode.formats();
+            let ep = match r.run.mode {
+                Mode::Ep { dispatch, combine } => Some(JsonEp {
+                    dispatch: json_leg(dispatch, &r.dispatch, r.effective_bits.map(|e| e.0)),
+                    combine: json_leg(combine, &r.combine, r.effective_bits.map(|e| e.1)),
+                }),
+                _ => None,
+            };
+            // The expert-parallel settings have no quantized all-reduce: their formats are
+            // those of `ep`.
+            let formats = r.run.mode.formats().filter(|_| ep.is_none());
             JsonResult {
                 tp: r.run.tp,
                 algorithm: r.run.mode.algorithm(),
@@ -648,8 +900,8 @@ pub fn json(results: &[RunResult], meta: &[(&str, String)]) -> Result<String, se
                 scope: r.run.scope.to_string(),
                 rs: formats.map(|(rs, _)| rs.into()),
                 ag: formats.map(|(_, ag)| ag.into()),
-                effective_bits_rs: r.effective_bits.map(|e| e.0),
-                effective_bits_ag: r.effective_bits.map(|e| e.1),
+                effective_bits_rs: r.effective_bits.filter(|_| ep.is_none()).map(|e| e.0),
+                effective_bits_ag: r.effective_bits.filter(|_| ep.is_none()).map(|e| e.1),
                 effective_bits: r.mean_effective_bits(),
                 ppl: r.ppl(),
                 nll_sum: r.nll,
@@ -662,6 +914,7 @@ pub fn json(results: &[RunResult], meta: &[(&str, String)]) -> Result<String, se
                 allreduce_calls: r.stats.calls,
                 // Milliseconds are all the precision a CPU time needs.
                 cpu_seconds: (r.cpu_time.as_secs_f64() * 1e3).round() / 1e3,
+                ep,
             }
         })
         .collect();

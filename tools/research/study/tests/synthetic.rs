@@ -4,6 +4,7 @@
 use flashcomm_study::collective::{
     Backend, Codec, ExactOnly, Mode, Simulated, Spec, spec_effective_bits,
 };
+use flashcomm_study::expert::Leg;
 use flashcomm_study::gguf::{GgmlType, Gguf, Value, Writer};
 use flashcomm_study::model::Model;
 use flashcomm_study::study::{Run, parse_run, plan};
@@ -466,6 +467,8 @@ fn json_results_parse_back() {
             calls: 3,
             ..ErrorStats::default()
         },
+        dispatch: ErrorStats::default(),
+        combine: ErrorStats::default(),
         effective_bits: eb,
         cpu_time: Duration::from_millis(1234),
     };
@@ -492,4 +495,314 @@ fn json_results_parse_back() {
     assert_eq!(rows[1]["ar_rel_l2_error"], 0.0);
     // A perplexity that is not a number is written as null, and the document stays valid.
     assert!(rows[2]["ppl"].is_null() && rows[2]["relative_change"].is_null());
+}
+
+fn ep(dispatch: Leg, combine: Leg) -> Mode {
+    Mode::Ep { dispatch, combine }
+}
+
+#[test]
+fn ep_settings_parse_and_the_plan_is_complete() {
+    let f = Spec {
+        bits: 4,
+        group: 128,
+        spikes: 2,
+    };
+    let q = Leg::Quantized(f);
+    assert_eq!(
+        parse_run("ep:f32").unwrap(),
+        Run::new(1, ep(Leg::F32, Leg::F32))
+    );
+    assert_eq!(parse_run("ep:exact").unwrap(), Run::new(1, Mode::EP_EXACT));
+    assert_eq!(
+        parse_run("ep:dispatch:4:128:2").unwrap(),
+        Run::new(1, ep(q, Leg::Exact))
+    );
+    assert_eq!(
+        parse_run("ep:combine:4:128:2").unwrap(),
+        Run::new(1, ep(Leg::Exact, q))
+    );
+    let both = parse_run("ep:both:4:128:2").unwrap();
+    assert_eq!(both, Run::new(1, ep(q, q)));
+    assert_eq!(both.algorithm(), "EP dispatch + combine");
+    assert_eq!(both.mode.formats(), Some((f, f)));
+    assert_eq!(
+        parse_run("ep:dispatch:4:128:2").unwrap().algorithm(),
+        "EP dispatch"
+    );
+    assert_eq!(
+        parse_run("ep:combine:4:128:2").unwrap().mode.formats(),
+        Some((f, f))
+    );
+    assert_eq!(parse_run("ep:exact").unwrap().mode.formats(), None);
+    let scoped = parse_run("ep:both:4:128:2@0-27:both").unwrap();
+    assert_eq!((scoped.scope.first_layer, scoped.scope.end_layer), (0, 28));
+    assert_eq!(scoped.mode, ep(q, q));
+    for bad in [
+        "ep:",
+        "ep:both",
+        "ep:both:4:128",
+        "ep:both:4:128:2:1",
+        "ep:two:4:128:2",
+        "ep:exact:4:128:2",
+        "ep:both:4:128:2:rot",
+        "ep:both:4:128:2:srot",
+        "ep:both:300:128:2",
+        "ep:both:4:x:2",
+        "ep:both:4:128:2@0-27:down",
+        "ep:exact@x",
+        "2:ep:both:4:128:2",
+    ] {
+        assert!(parse_run(bad).is_err(), "{bad}");
+    }
+    // The tensor-parallel syntax is unchanged.
+    assert!(!parse_run("2:two:4:128:2").unwrap().mode.is_ep());
+    let p = plan("ep").unwrap();
+    assert_eq!(p.len(), 2 + 7 * 4 * 3 + 2 * 7 * (4 + 2));
+    assert!(p.iter().all(|r| r.mode.is_ep() && r.tp == 1));
+    assert_eq!(p[1].mode, Mode::EP_EXACT);
+    let count = |d: bool, c: bool| {
+        p.iter()
+            .filter(|r| {
+                matches!(r.mode, Mode::Ep { dispatch, combine }
+                    if dispatch.spec().is_some() == d && combine.spec().is_some() == c)
+            })
+            .count()
+    };
+    assert_eq!(
+        (count(true, true), count(true, false), count(false, true)),
+        (84, 42, 42)
+    );
+    let mut unique = p.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), p.len());
+}
+
+#[test]
+fn exact_ep_is_the_plain_model() {
+    let m = tiny_model();
+    let toks = tokens(64);
+    let plain = Simulated::new(1, Mode::F32, &ExactOnly);
+    let f32_ep = Simulated::new(1, ep(Leg::F32, Leg::F32), &ExactOnly);
+    // Nothing rounded: bit for bit the plain single-rank model.
+    assert_eq!(m.nll(&toks, &f32_ep), m.nll(&toks, &plain));
+    assert_eq!(
+        m.hidden_states(&toks, &f32_ep),
+        m.hidden_states(&toks, &plain)
+    );
+    // The exact bf16 all-to-alls: the MLP's input and output rounded to bf16, nothing else; the
+    // backend's quantized paths are never called (the exact-only backend has none).
+    let exact = Simulated::new(1, Mode::EP_EXACT, &ExactOnly);
+    let (a, b) = (m.nll(&toks, &exact), m.nll(&toks, &plain));
+    assert_ne!(a.0, b.0);
+    assert!((a.0 - b.0).abs() < 1e-2 * b.0.abs(), "{} vs {}", a.0, b.0);
+    assert_eq!(exact.dispatch_stats().calls, 0);
+    assert_eq!(exact.combine_stats().calls, 0);
+    // No all-reduce error in any EP mode: TP = 1, the single partial used as it is.
+    assert_eq!(exact.stats().sq_err, 0.0);
+    assert_eq!(exact.stats().calls, 4);
+    // A quantized setting whose scope holds no layer is the exact one.
+    use flashcomm_study::collective::Scope;
+    let f = Leg::Quantized(Spec {
+        bits: 2,
+        group: 32,
+        spikes: 0,
+    });
+    let none = Simulated::new(1, ep(f, f), &Codec).with_scope(Scope {
+        first_layer: 0,
+        end_layer: 0,
+        o_proj: true,
+        down_proj: true,
+    });
+    assert_eq!(m.nll(&toks, &none), a);
+    assert_eq!(none.dispatch_stats().calls, 2);
+    assert_eq!(none.dispatch_stats().sq_err, 0.0);
+    let quantized = Simulated::new(1, ep(f, f), &Codec);
+    assert_ne!(m.nll(&toks, &quantized), a);
+    // The exact-only backend has no quantized all-to-all.
+    let block = [bf16::ONE; 64];
+    assert!(
+        ExactOnly
+            .all_to_all_block(
+                Spec {
+                    bits: 8,
+                    group: 32,
+                    spikes: 0
+                },
+                &block
+            )
+            .is_err()
+    );
+}
+
+#[test]
+fn ep_legs_quantize_what_they_say() {
+    let m = tiny_model();
+    let toks = tokens(64);
+    let mut last = (0.0, 0.0);
+    for bits in [8, 4, 2] {
+        let f = Leg::Quantized(Spec {
+            bits,
+            group: 32,
+            spikes: 2,
+        });
+        let d = Simulated::new(1, ep(f, Leg::Exact), &Codec).with_row(HIDDEN);
+        let c = Simulated::new(1, ep(Leg::Exact, f), &Codec).with_row(HIDDEN);
+        m.nll(&toks, &d);
+        m.nll(&toks, &c);
+        // One all-to-all per layer on the quantized leg, none counted on the exact one.
+        assert_eq!((d.dispatch_stats().calls, d.combine_stats().calls), (2, 0));
+        assert_eq!((c.dispatch_stats().calls, c.combine_stats().calls), (0, 2));
+        let (ed, ec) = (d.dispatch_stats().rel_l2(), c.combine_stats().rel_l2());
+        assert!(ed > last.0 && ec > last.1, "{bits} bits: {ed}, {ec}");
+        assert!(d.dispatch_stats().rel_l2_rest() > 0.0);
+        // The codec keeps its bound at every width.
+        assert!(d.dispatch_stats().max_err_over_bound <= 1.0);
+        assert!(c.combine_stats().max_err_over_bound <= 1.0);
+        last = (ed, ec);
+    }
+    assert!(last.0 < 0.5 && last.1 < 0.5);
+}
+
+#[test]
+fn ep_at_eight_bits_moves_the_mlp_input_within_the_codec_bound() {
+    use flashcomm_study::model::AllReduce;
+    // A [tokens × hidden] block with one large value, as the MLP input of a real model has.
+    let (t, h) = (16, 576);
+    let x: Vec<f32> = (0..t * h)
+        .map(|i| match i {
+            507 => 120.0,
+            _ => ((i * 37 % 101) as f32 / 50.0 - 1.0) * (1.0 + (i % h) as f32 / 300.0),
+        })
+        .collect();
+    for (group, spikes) in [(32u16, 2u8), (64, 0), (128, 2), (256, 4)] {
+        let f = Spec {
+            bits: 8,
+            group,
+            spikes,
+        };
+        let ar = Simulated::new(1, ep(Leg::Quantized(f), Leg::Exact), &Codec);
+        let y = ar.dispatch(3, x.clone());
+        assert_eq!(y.len(), x.len());
+        // The codec's bound at 8 bits: half a step of the group's range (255 steps, a little
+        // slack for the bf16 range table), plus the bf16 rounding of the input and of the
+        // decoded value.
+        for (gi, (xs, ys)) in x
+            .chunks(group.into())
+            .zip(y.chunks(group.into()))
+            .enumerate()
+        {
+            let lo = xs.iter().fold(f32::INFINITY, |a, &v| a.min(v));
+            let hi = xs.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+            for (&a, &b) in xs.iter().zip(ys) {
+                let ulp = |v: f32| (v.abs().max(1e-30)).log2().floor().exp2() / 128.0;
+                let bound = (hi - lo) / 255.0 * 0.51 + ulp(a) + ulp(b);
+                assert!(
+                    (a - b).abs() <= bound,
+                    "{f}, group {gi}: {a} -> {b}, {bound}"
+                );
+            }
+        }
+        let st = ar.dispatch_stats();
+        assert_eq!(st.calls, 1);
+        assert!(st.max_err_over_bound > 0.0 && st.max_err_over_bound <= 1.0);
+        assert!(
+            st.rel_l2() > 0.0 && st.rel_l2() < 2e-2,
+            "{f}: {}",
+            st.rel_l2()
+        );
+        assert_eq!(st.max_abs_input, 120.0);
+        // The combine hook leaves a dispatch-only setting's output as bf16.
+        let z = ar.combine(3, x.clone());
+        assert!(
+            z.iter()
+                .zip(&x)
+                .all(|(&a, &b)| a == bf16::from_f32(b).to_f32())
+        );
+        // Outside the EP modes the hooks do nothing.
+        let tp = Simulated::new(2, Mode::OneShot(f), &Codec);
+        assert_eq!(tp.dispatch(3, x.clone()), x);
+        assert_eq!(tp.combine(3, x.clone()), x);
+    }
+}
+
+#[test]
+fn ep_groups_stay_inside_a_token_when_they_divide_the_hidden_size() {
+    // hidden = 576: groups of 32 and 64 never straddle two tokens, so a token's round trip does
+    // not depend on the other tokens of the block; groups of 128 and 256 do straddle them.
+    let (t, h) = (6, 576);
+    let x: Vec<bf16> = (0..t * h)
+        .map(|i| bf16::from_f32(((i * 53 % 211) as f32 / 100.0 - 1.0) * (1 + i / h) as f32))
+        .collect();
+    for (group, aligned) in [(32u16, true), (64, true), (128, false), (256, false)] {
+        let f = Spec {
+            bits: 3,
+            group,
+            spikes: 2,
+        };
+        let (all, _) = Codec.all_to_all_block(f, &x).unwrap();
+        let independent = (0..t).all(|k| {
+            let row = &x[k * h..(k + 1) * h];
+            Codec.all_to_all_block(f, row).unwrap().0 == all[k * h..(k + 1) * h]
+        });
+        assert_eq!(independent, aligned, "g{group}");
+    }
+}
+
+#[test]
+fn ep_results_in_tables_and_json() {
+    use flashcomm_study::collective::ErrorStats;
+    use flashcomm_study::study::{RunResult, json, markdown_table, markdown_table_ep, pivot_ep};
+    use std::time::Duration;
+    let f = Spec {
+        bits: 4,
+        group: 128,
+        spikes: 2,
+    };
+    let q = Leg::Quantized(f);
+    let leg_stats = ErrorStats {
+        sq_err: 1.0,
+        sq_ref: 100.0,
+        calls: 30,
+        ..ErrorStats::default()
+    };
+    let result = |mode, nll, d: bool, c: bool| RunResult {
+        run: Run::new(1, mode),
+        nll,
+        tokens: 100,
+        stats: ErrorStats::default(),
+        dispatch: if d { leg_stats } else { ErrorStats::default() },
+        combine: if c { leg_stats } else { ErrorStats::default() },
+        effective_bits: Mode::formats(&mode).map(|_| (4.75, 4.75)),
+        cpu_time: Duration::ZERO,
+    };
+    let results = [
+        result(Mode::EP_EXACT, 100.0, false, false),
+        result(ep(q, q), 110.0, true, true),
+        result(ep(q, Leg::Exact), 105.0, true, false),
+        result(Mode::Lossless, 90.0, false, false),
+    ];
+    // The EP settings are compared with the exact all-to-alls, not with an all-reduce.
+    let table = markdown_table_ep(&results);
+    assert!(table.contains("| EP dispatch + combine | 4 | 128 | 2 | 4.750 |"));
+    assert!(
+        table.contains("| 1.00e-1 | 1.00e-1 | missed (≤1%) |"),
+        "{table}"
+    );
+    assert!(table.contains("| EP exact (bf16) | - | - | - | 16 (bf16) |"));
+    assert_eq!(table.lines().count(), 2 + 3);
+    assert_eq!(markdown_table(&results).lines().count(), 2 + 1);
+    let pivot = pivot_ep(&results, true, false);
+    assert!(pivot.contains("| 4 | +5.13% (4.750) |"), "{pivot}");
+    let v: serde_json::Value = serde_json::from_str(&json(&results, &[]).unwrap()).unwrap();
+    let rows = v["results"].as_array().unwrap();
+    assert!(rows[3].get("ep").is_none());
+    assert_eq!(rows[0]["ep"]["dispatch"], "bf16");
+    assert_eq!(rows[1]["ep"]["combine"]["format"]["group"], 128);
+    assert_eq!(rows[1]["ep"]["combine"]["rel_l2_error"], 0.1);
+    assert_eq!(rows[2]["ep"]["combine"], "bf16");
+    assert!(rows[2]["rs"].is_null() && rows[2]["effective_bits"] == 4.75);
+    let change = rows[1]["relative_change"].as_f64().unwrap();
+    assert!((change - (0.1f64.exp() - 1.0)).abs() < 1e-12, "{change}");
 }
