@@ -394,6 +394,13 @@ def worker(rank, world, port, lib_path, opts):
         if calls == 0:
             continue
         got = {r: after[(r, c)] - before[(r, c)] for r in ROUTES}
+        if world == 1 and c == "reducescatter":
+            # PyTorch 2.11 runs reduce_scatter_tensor of one rank as a copy, without calling
+            # NCCL (measured: no ncclReduceScatter reached the library); it must not have been
+            # quantized either way.
+            check(got["quantized"] == 0 and got["nccl"] == 0,
+                  f"the {calls} bf16 reducescatter calls of one rank were not quantized", got)
+            continue
         route = "quantized" if phase == "quant" and world > 1 else "lossless"
         check(got[route] >= calls and (route == "quantized" or got["quantized"] == 0),
               f"the {calls} bf16 {c} calls took the {route} route", got)

@@ -1354,7 +1354,7 @@ impl Communicator {
         let capturing = stream.is_capturing()?;
         if capturing {
             if self.cfg.graph_mixing {
-                last.event.wait_on_external_beside(stream)?;
+                last.event.wait_on_external(stream)?;
             }
         } else if last.launched.load(Ordering::Acquire)
             && (last.stream.load(Ordering::Relaxed) != stream.0 as usize
@@ -1371,7 +1371,7 @@ impl Communicator {
         let last = &self.last;
         if capturing {
             if self.cfg.graph_mixing {
-                last.event.record_external_beside(stream)?;
+                last.event.record_external(stream)?;
                 last.captured.store(true, Ordering::Relaxed);
                 last.launched.store(true, Ordering::Release);
             }

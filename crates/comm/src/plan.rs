@@ -461,9 +461,9 @@ pub fn plan_quant(
 /// Plans a quantized AllGather, AllToAll or ReduceScatter: one quantization step at `q.rs_bits`
 /// (`q.ag_bits` is not used), BLOCK frames of whole codec blocks. `count` is the values per
 /// block: AllGather's send count, AllToAll's per-peer count, ReduceScatter's receive count; each
-/// such block is encoded as a buffer of its own. The grid is sized for one block's frames, as the
-/// one-shot quantized AllReduce's is: every block of the grid carries its chunk of every peer's
-/// block.
+/// such block is encoded as a buffer of its own. Every block of the grid carries its chunk of
+/// every peer's block, and its warps share the (peer, frame) pairs, so the grid is sized for the
+/// frames of all N blocks, one warp each.
 pub fn plan_quant_op(
     arena: &Arena,
     coll: Collective,
@@ -487,7 +487,7 @@ pub fn plan_quant_op(
     }
     let f = q.format(dtype, q.rs_bits)?;
     let per_frame = FRAME_PAYLOAD / f.block_bytes() as u64;
-    let frames = count.div_ceil(CODEC_BLOCK_VALUES).div_ceil(per_frame);
+    let frames = count.div_ceil(CODEC_BLOCK_VALUES).div_ceil(per_frame) * arena.nranks as u64;
     let grid = frames
         .div_ceil((QUANT_THREADS / 32) as u64)
         .clamp(1, max_grid.min(arena.max_grid()).max(1) as u64) as u32;

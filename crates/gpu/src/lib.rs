@@ -717,31 +717,6 @@ impl Event {
         .map_err(cuda("waiting on an event"))
     }
 
-    /// On a capturing `stream`: an event-record node (as [`Event::record_external`]) after the
-    /// capture's current dependencies, beside the captured work rather than in its chain: the
-    /// capture's dependencies are set back afterwards, so the next captured kernel still depends
-    /// on the previous one directly (and keeps a programmatic edge to it), and the record node is
-    /// a leaf that no later node waits for.
-    pub fn record_external_beside(&self, stream: Stream) -> Result<(), Error> {
-        let (deps, edges) = stream.capture_dependencies()?;
-        self.record_external(stream)?;
-        stream.set_capture_dependencies(&deps, &edges)
-    }
-
-    /// On a capturing `stream`: makes the next captured work also wait for the event, through an
-    /// event-wait node (as [`Event::wait_on_external`]) that depends on nothing (so it does not
-    /// wait for the previous captured kernel, which the next one may overlap programmatically)
-    /// and is added beside the capture's current dependencies.
-    pub fn wait_on_external_beside(&self, stream: Stream) -> Result<(), Error> {
-        let (mut deps, mut edges) = stream.capture_dependencies()?;
-        stream.set_capture_dependencies(&[], &[])?;
-        self.wait_on_external(stream)?;
-        let (wait, wait_edges) = stream.capture_dependencies()?;
-        deps.extend(wait);
-        edges.extend(wait_edges);
-        stream.set_capture_dependencies(&deps, &edges)
-    }
-
     /// Makes `stream` wait for the event.
     pub fn wait_on(&self, stream: Stream) -> Result<(), Error> {
         // SAFETY: valid event and stream.
@@ -795,80 +770,6 @@ pub struct Graph {
 unsafe impl Send for Graph {}
 
 impl Stream {
-    /// The nodes (and their edge data) that the next node captured on this capturing stream
-    /// will depend on, copied.
-    fn capture_dependencies(
-        &self,
-    ) -> Result<(Vec<sys::CUgraphNode>, Vec<sys::CUgraphEdgeData>), Error> {
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let mut deps: *const sys::CUgraphNode = std::ptr::null();
-        let mut edges: *const sys::CUgraphEdgeData = std::ptr::null();
-        let mut n = 0usize;
-        // SAFETY: valid stream; every out-pointer is a local; the arrays the driver returns stay
-        // valid until the next capture operation on the stream, and are copied before it.
-        let r = unsafe {
-            sys::cuStreamGetCaptureInfo_v3(
-                self.0,
-                &mut status,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                &mut deps,
-                &mut edges,
-                &mut n,
-            )
-        };
-        check(r, "reading a capture's dependencies")?;
-        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
-            return Err(Error::Cuda {
-                during: "reading a capture's dependencies",
-                detail: "the stream is not capturing".into(),
-            });
-        }
-        let copy = |i: usize| {
-            let e = if edges.is_null() {
-                // SAFETY: CUgraphEdgeData is plain data; all zeros is the default edge.
-                unsafe { std::mem::zeroed() }
-            } else {
-                // SAFETY: `edges` holds `n` entries (see above) and i < n.
-                unsafe { *edges.add(i) }
-            };
-            // SAFETY: `deps` holds `n` nodes (see above) and i < n.
-            (unsafe { *deps.add(i) }, e)
-        };
-        Ok((0..n).map(copy).unzip())
-    }
-
-    /// Sets the nodes (with their edge data) that the next node captured on this capturing
-    /// stream will depend on.
-    fn set_capture_dependencies(
-        &self,
-        deps: &[sys::CUgraphNode],
-        edges: &[sys::CUgraphEdgeData],
-    ) -> Result<(), Error> {
-        let mut deps = deps.to_vec();
-        // SAFETY: valid capturing stream; `deps` and `edges` hold the same number of entries and
-        // outlive the call (the driver copies them).
-        let r = unsafe {
-            sys::cuStreamUpdateCaptureDependencies_v2(
-                self.0,
-                if deps.is_empty() {
-                    std::ptr::null_mut()
-                } else {
-                    deps.as_mut_ptr()
-                },
-                if edges.is_empty() {
-                    std::ptr::null()
-                } else {
-                    edges.as_ptr()
-                },
-                deps.len(),
-                sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES
-                    as u32,
-            )
-        };
-        check(r, "setting a capture's dependencies")
-    }
-
     /// Starts capturing the work of this stream (relaxed mode: other threads may keep making
     /// driver calls meanwhile).
     pub fn begin_capture(&self) -> Result<(), Error> {

@@ -17,9 +17,10 @@
 // Each round, every rank sends its part of chunk k to every rank before it receives chunk k from
 // every rank, so a sender writes round r + 2 into a sub-slot only after its receiver has read
 // round r from it (the receiver sent round r + 1 after reading round r, and the sender waited
-// for that). The frame that a warp encodes from a rank's own input is the frame the same warp
-// later writes out, so the in-place layouts (ReduceScatter's receive buffer inside its send
-// buffer, AllGather's send buffer inside its receive buffer) read before they write.
+// for that). The warps of a block share the (peer, frame) pairs of a chunk, so a small block per
+// peer still keeps every warp busy; a barrier between sending and receiving makes every read of
+// the input precede every write of the output, so the in-place layouts (ReduceScatter's receive
+// buffer inside its send buffer, AllGather's send buffer inside its receive buffer) are safe.
 // Preconditions (host): nranks <= 8; same grid and params on every rank; buffers aligned to the
 // element size; AllToAll out of place.
 #pragma once
@@ -76,55 +77,67 @@ __device__ void exchange(const FcCollParams& p) {
         publish(p, c, 0, all, round, f);
       }
     } else {
-      // Block (or shard) j of the input, encoded straight into rank j's arena; the ranks are
-      // visited from the next one on, so that not every rank writes to rank 0 first.
-      for (uint32_t d = 1; d <= n; ++d) {
-        const uint32_t j = (p.rank + d) % n;
+      // Block (or shard) j of the input, encoded straight into rank j's arena: the warps share
+      // the (rank, frame) pairs, the ranks visited from the next one on, so that not every rank
+      // writes to rank 0 first.
+      for (uint32_t t = warp; t < n * nframes; t += kWarps) {
+        const uint32_t j = (p.rank + 1 + t / nframes) % n, f = t % nframes;
         const char* src = in + (uint64_t)j * block_stride;
-        for (uint32_t f = warp; f < nframes; f += kWarps) {
-          const uint32_t nblk = min(m, ncb - f * m);
-          char* dst = frame_payload(qslot(p, c, j, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES);
-          for (uint32_t i = 0; i < nblk; ++i) {
-            const uint64_t cb = cb0 + (uint64_t)f * m + i;
-            Vals<T> x;
-            load_lane<T>(src, count, cb, lane, x);
-            codec::encode<T, B>(x, codec::block_nvalues(count, cb), L, reinterpret_cast<uint8_t*>(dst) + (uint64_t)i * bb,
-                                HeaderMode::kZeroTag);
-          }
-          if (j != p.rank)
-            publish(p, c, 0, 1u << j, round, f);
-          else
-            __syncwarp();
+        const uint32_t nblk = min(m, ncb - f * m);
+        char* dst = frame_payload(qslot(p, c, j, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES);
+        for (uint32_t i = 0; i < nblk; ++i) {
+          const uint64_t cb = cb0 + (uint64_t)f * m + i;
+          Vals<T> x;
+          load_lane<T>(src, count, cb, lane, x);
+          codec::encode<T, B>(x, codec::block_nvalues(count, cb), L, reinterpret_cast<uint8_t*>(dst) + (uint64_t)i * bb,
+                              HeaderMode::kZeroTag);
         }
+        if (j != p.rank)
+          publish(p, c, 0, 1u << j, round, f);
+        else
+          __syncwarp();
       }
     }
-    // Receive: every source's frame f of chunk k.
-    for (uint32_t f = warp; f < nframes; f += kWarps) {
-      const uint32_t nblk = min(m, ncb - f * m);
-      wait_frames(p, c, 0, others, round, f);
-      for (uint32_t i = 0; i < nblk; ++i) {
-        const uint64_t cb = cb0 + (uint64_t)f * m + i;
-        const uint32_t nv = codec::block_nvalues(count, cb);
-        if constexpr (OP == Op::ReduceScatter) {
+    // Every encoding of this chunk (and every read of the input) is done before any warp writes
+    // the output or decodes the own slot: the in-place layouts, and own frames another warp
+    // encoded.
+    __syncthreads();
+    if constexpr (OP == Op::ReduceScatter) {
+      // Receive: every source's frame f of chunk k, summed in rank order.
+      for (uint32_t f = warp; f < nframes; f += kWarps) {
+        const uint32_t nblk = min(m, ncb - f * m);
+        wait_frames(p, c, 0, others, round, f);
+        for (uint32_t i = 0; i < nblk; ++i) {
+          const uint64_t cb = cb0 + (uint64_t)f * m + i;
+          const uint32_t nv = codec::block_nvalues(count, cb);
           float acc[32];
           bool may_nan = false;
           codec::decode<T, B, codec::LoadCg>(block_in(p, c, 0, 0, round, f, i, bb), L, nv, acc, scratch, may_nan);
           for (uint32_t s = 1; s < n; ++s)
             codec::decode_accumulate<T, B, codec::LoadCg>(block_in(p, c, 0, s, round, f, i, bb), L, nv, acc, scratch);
           store_lane<T>(out, count, cb, lane, acc, may_nan);
-        } else {
-          for (uint32_t s = 0; s < n; ++s) {
-            char* dst = out + (uint64_t)s * block_stride;
-            float v[32];
-            bool may_nan = false;
-            codec::LaneSpikes sp;
-            codec::decode_values<T, B, codec::LoadCg>(block_in(p, c, 0, s, round, f, i, bb), L, nv, v, sp, may_nan);
-            store_lane<T>(dst, count, cb, lane, v, may_nan);
-            store_spikes<T>(dst, cb, lane, sp);
-          }
         }
+        clear_frames(p, c, 0, others, round, f);
       }
-      clear_frames(p, c, 0, others, round, f);
+    } else {
+      // Receive: the warps share the (source, frame) pairs; source s goes to block s.
+      for (uint32_t t = warp; t < n * nframes; t += kWarps) {
+        const uint32_t s = t / nframes, f = t % nframes;
+        const uint32_t nblk = min(m, ncb - f * m);
+        if (s != p.rank) wait_frames(p, c, 0, 1u << s, round, f);
+        char* dst = out + (uint64_t)s * block_stride;
+        for (uint32_t i = 0; i < nblk; ++i) {
+          const uint64_t cb = cb0 + (uint64_t)f * m + i;
+          float v[32];
+          bool may_nan = false;
+          codec::LaneSpikes sp;
+          codec::decode_values<T, B, codec::LoadCg>(block_in(p, c, 0, s, round, f, i, bb), L, codec::block_nvalues(count, cb),
+                                                    v, sp, may_nan);
+          store_lane<T>(dst, count, cb, lane, v, may_nan);
+          store_spikes<T>(dst, cb, lane, sp);
+        }
+        if (s != p.rank) clear_frames(p, c, 0, 1u << s, round, f);
+      }
     }
   }
   finish(p, c);
