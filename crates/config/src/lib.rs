@@ -320,7 +320,7 @@ variables! {
     /// Order graph replays and eager calls of one communicator as NCCL's graph mixing does: every
     /// collective captured into a CUDA graph waits, at each replay, for the communicator's last
     /// eager operation, and records an event that every later eager operation waits for. Off by
-    /// default: the event node after each captured collective costs 2-4 us per call on the H200
+    /// default: the event nodes around each captured collective cost 1-7 us per call on the H200
     /// (docs/protocols.md, "Ordering with NCCL's own work and with graph replays").
     graph_mixing: bool = false => {
         name: "FLASHCOMM_GRAPH_MIXING",

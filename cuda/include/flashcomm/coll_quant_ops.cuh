@@ -20,7 +20,9 @@
 // for that). The warps of a block share the (peer, frame) pairs of a chunk, so a small block per
 // peer still keeps every warp busy; a barrier between sending and receiving makes every read of
 // the input precede every write of the output, so the in-place layouts (ReduceScatter's receive
-// buffer inside its send buffer, AllGather's send buffer inside its receive buffer) are safe.
+// buffer inside its send buffer, AllGather's send buffer inside its receive buffer) are safe, and
+// a barrier at the end of each round orders every clear of a frame before the block's next sends
+// (the warp that clears a frame is not the warp that next writes to that peer).
 // Preconditions (host): nranks <= 8; same grid and params on every rank; buffers aligned to the
 // element size; AllToAll out of place.
 #pragma once
@@ -139,6 +141,11 @@ __device__ void exchange(const FcCollParams& p) {
         if (s != p.rank) clear_frames(p, c, 0, 1u << s, round, f);
       }
     }
+    // Every frame of this round is cleared before any warp sends the next round: a warp that
+    // cleared a frame late, after another warp of this block had sent round r + 1 and the peer
+    // had answered with round r + 2 in the same sub-slot, would erase that round's tag (found on
+    // the GPU: a 64 MiB quantized AllGather over the host transport waited for ever).
+    __syncthreads();
   }
   finish(p, c);
 }
