@@ -544,6 +544,23 @@ pub fn plan(
     proto_choice: Choice<Protocol>,
 ) -> Plan {
     let n = arena.nranks;
+    if n == 1 {
+        // One rank exchanges nothing (`Communicator::run` copies, or does nothing in place): no
+        // plan is weighed, so the trivial call costs no cost-model lookups.
+        let (grid, threads) = shape_for(Protocol::Ll, 0, 1);
+        let (sub_bytes, chunk_bytes) = arena.chunking(Protocol::Ll, grid);
+        return Plan {
+            coll,
+            algo: Algorithm::OneShot,
+            proto: Protocol::Ll,
+            grid,
+            threads,
+            sub_bytes,
+            chunk_bytes,
+            shard_elems: 0,
+            quant: None,
+        };
+    }
     let max_grid = max_grid.min(arena.max_grid()).max(1);
     let bytes = match coll {
         Collective::ReduceScatter | Collective::AlltoAll => count * elem * n as u64,
