@@ -959,17 +959,15 @@ impl Communicator {
         q: QuantSpec,
         stream: Stream,
     ) -> Result<Plan, Error> {
-        let p = self.plan_quant_op(Collective::AllGather, sendcount, dtype, q)?;
-        self.run(
-            &p,
+        self.run_quant_op(
+            Collective::AllGather,
             send,
             recv,
             sendcount,
-            dtype.bytes(),
-            Some(dtype),
+            dtype,
+            q,
             stream,
-        )?;
-        Ok(p)
+        )
     }
 
     /// AllToAll of `count` f16 or bf16 elements per peer with a quantized wire format (width
@@ -984,14 +982,8 @@ impl Communicator {
         q: QuantSpec,
         stream: Stream,
     ) -> Result<Plan, Error> {
-        if send.addr() == recv.addr() && count > 0 && self.nranks > 1 {
-            return Err(Error::InvalidArgument(
-                "in-place AllToAll is not supported by flashcomm's kernels".into(),
-            ));
-        }
-        let p = self.plan_quant_op(Collective::AlltoAll, count, dtype, q)?;
-        self.run(&p, send, recv, count, dtype.bytes(), Some(dtype), stream)?;
-        Ok(p)
+        self.refuse_in_place_alltoall(send, recv, count)?;
+        self.run_quant_op(Collective::AlltoAll, send, recv, count, dtype, q, stream)
     }
 
     /// Sum ReduceScatter of `recvcount` f16 or bf16 elements per rank with a quantized wire
@@ -1007,17 +999,48 @@ impl Communicator {
         q: QuantSpec,
         stream: Stream,
     ) -> Result<Plan, Error> {
-        let p = self.plan_quant_op(Collective::ReduceScatter, recvcount, dtype, q)?;
-        self.run(
-            &p,
+        self.run_quant_op(
+            Collective::ReduceScatter,
             send,
             recv,
             recvcount,
-            dtype.bytes(),
-            Some(dtype),
+            dtype,
+            q,
             stream,
-        )?;
+        )
+    }
+
+    /// Plans and runs one of the one-step quantized collectives.
+    #[allow(clippy::too_many_arguments)]
+    fn run_quant_op(
+        &self,
+        coll: Collective,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        dtype: DataType,
+        q: QuantSpec,
+        stream: Stream,
+    ) -> Result<Plan, Error> {
+        let p = self.plan_quant_op(coll, count, dtype, q)?;
+        self.run(&p, send, recv, count, dtype.bytes(), Some(dtype), stream)?;
         Ok(p)
+    }
+
+    /// AllToAll has no in-place form on flashcomm's kernels (the blocks a rank still has to send
+    /// would be overwritten by what arrives).
+    fn refuse_in_place_alltoall(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+    ) -> Result<(), Error> {
+        if send.addr() == recv.addr() && count > 0 && self.nranks > 1 {
+            return Err(Error::InvalidArgument(
+                "in-place AllToAll is not supported by flashcomm's kernels".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Sum ReduceScatter: `recvcount` elements per rank.
@@ -1067,11 +1090,7 @@ impl Communicator {
         elem: u64,
         stream: Stream,
     ) -> Result<Plan, Error> {
-        if send.addr() == recv.addr() && count > 0 && self.nranks > 1 {
-            return Err(Error::InvalidArgument(
-                "in-place AllToAll is not supported by flashcomm's kernels".into(),
-            ));
-        }
+        self.refuse_in_place_alltoall(send, recv, count)?;
         let p = self.plan(Collective::AlltoAll, count, elem);
         self.run(&p, send, recv, count, elem, None, stream)?;
         Ok(p)

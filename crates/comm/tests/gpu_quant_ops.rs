@@ -19,24 +19,7 @@ use half::{bf16, f16};
 
 /// Deterministic activation-like values: a Gaussian-ish bulk with a few large spikes.
 fn inputs(seed: u64, count: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s >> 11) as f64 / (1u64 << 53) as f64
-    };
-    (0..count)
-        .map(|i| {
-            let g = (0..4).map(|_| next()).sum::<f64>() - 2.0;
-            let spike = if i % 613 == 7 {
-                200.0 * (next() - 0.5)
-            } else {
-                0.0
-            };
-            (g * 1.5 + spike) as f32
-        })
-        .collect()
+    activations(seed, count, 613, 7, 200.0)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -104,16 +87,7 @@ fn recv_len(c: &Case, n: u32) -> usize {
 }
 
 fn to_bytes(dtype: DataType, v: &[f32]) -> Vec<u8> {
-    match dtype {
-        DataType::F16 => v
-            .iter()
-            .flat_map(|x| f16::from_f32(*x).to_le_bytes())
-            .collect(),
-        _ => v
-            .iter()
-            .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
-            .collect(),
-    }
+    half_bytes(dtype, v)
 }
 
 /// Rank `rank`'s expected output bytes, its per-element bounds and the exact values (the inputs

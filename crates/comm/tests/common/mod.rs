@@ -153,3 +153,40 @@ pub fn abort_from_another_thread(comm: &Communicator, after: Duration) -> std::t
         .unwrap()
     })
 }
+
+/// Deterministic activation-like values: a Gaussian-ish bulk (sum of four uniforms) with a large
+/// spike, uniform in `[-spike / 2, spike / 2)`, at every index `i` with `i % every == at`.
+pub fn activations(seed: u64, count: usize, every: usize, at: usize, spike: f64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 11) as f64 / (1u64 << 53) as f64
+    };
+    (0..count)
+        .map(|i| {
+            let g = (0..4).map(|_| next()).sum::<f64>() - 2.0;
+            let big = if i % every == at {
+                spike * (next() - 0.5)
+            } else {
+                0.0
+            };
+            (g * 1.5 + big) as f32
+        })
+        .collect()
+}
+
+/// `v` as little-endian f16 or bf16 bytes (round to nearest even).
+pub fn half_bytes(dtype: flashcomm_comm::DataType, v: &[f32]) -> Vec<u8> {
+    match dtype {
+        flashcomm_comm::DataType::F16 => v
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect(),
+        _ => v
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect(),
+    }
+}
