@@ -110,6 +110,9 @@ if [ -x "$here/bin/flashcomm-perf" ]; then
   add "perf::allreduce_quant_sweep_8_virtual_ranks" 300 "'$here/bin/flashcomm-perf' --mode virtual --ranks 8 -b 4K -e 64M -f 4 -d bfloat16 --quant sweep --copy-baseline --json '$res/perf-quant.json'"
   # One process per rank: 4 rank processes on one GPU under CUDA MPS (lossless and quantized,
   # checked, with a plot), and one rank process side by side with the real NCCL.
+  # The quantized AllToAll, AllGather and ReduceScatter across 4 rank processes under MPS, every
+  # checked value against the CPU reference (#wrong makes the tool exit 1).
+  add "perf::procs_one_gpu_4_ranks_quant_collectives" 300 "unset CUDA_DEVICE_MAX_CONNECTIONS; nvidia-cuda-mps-control -d; rc=0; for c in alltoall allgather reducescatter; do '$here/bin/flashcomm-perf' --mode procs-one-gpu --ranks 4 --coll \$c -b 4K -e 16M -f 4 -d bfloat16 --quant 8,4,2 --json '$res/perf-procs-'\$c'.json' || rc=1; done; echo quit | nvidia-cuda-mps-control; exit \$rc"
   add "perf::procs_one_gpu_4_ranks" 300 "unset CUDA_DEVICE_MAX_CONNECTIONS; nvidia-cuda-mps-control -d; '$here/bin/flashcomm-perf' --mode procs-one-gpu --ranks 4 -b 4K -e 16M -f 4 -d bfloat16 --quant 8,4,2 --copy-baseline --json '$res/perf-procs.json' --svg '$res/perf-procs.svg'; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc"
   [ -n "$real" ] && add "perf::procs_1_rank_vs_nccl" 300 "'$here/bin/flashcomm-perf' --mode procs --ranks 1 --impl flashcomm,nccl --nccl-lib '$real' -b 4K -e 16M -f 4 -d bfloat16 --json '$res/perf-procs-nccl.json'"
   # A plot of the quantized sweep of 8 virtual ranks (latency and algbw against size per width).
