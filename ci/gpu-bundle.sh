@@ -80,6 +80,9 @@ if [ -d tests/c ]; then
     cc -O2 -o "$exe" "$src" -I"$FLASHCOMM_NCCL_HOME/include" -I"$FLASHCOMM_CUDA_INCLUDE" \
       -L"$out/lib" -l:libnccl.so.2 -ldl -Wl,-rpath,'$ORIGIN/../lib' 2>"$exe.build.log" || echo "note: $src did not build (see $exe.build.log)"
   done
+  # The one-rank stand-in for the real NCCL of the long lifecycle test.
+  cc -O2 -shared -fPIC -o "$out/c/libsolo_nccl.so" tests/c/solo/solo_nccl.c -ldl \
+    2>"$out/c/libsolo_nccl.build.log" || echo "note: tests/c/solo/solo_nccl.c did not build"
 fi
 cp tests/python/*.py "$out/python/" 2>/dev/null || true
 cp ci/gpu-run.sh "$out/run.sh"

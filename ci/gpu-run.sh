@@ -97,6 +97,9 @@ done
 # because the real ncclCommDestroy alone takes about 0.5 s per communicator on the H200 (1,000
 # cycles take about 18 minutes; FLASHCOMM_LIFECYCLE_CYCLES=1000 runs them).
 [ -x "$here/c/lifecycle" ] && add "c::lifecycle_cycles" 600 "FLASHCOMM_NCCL_LIB='$real' '$here/c/lifecycle' '$lib' \${FLASHCOMM_LIFECYCLE_CYCLES:-100}"
+# The same program for 1,000 cycles with a one-rank stand-in for the real NCCL
+# (tests/c/solo/solo_nccl.c), whose destroy is free: everything flashcomm does per communicator.
+[ -x "$here/c/lifecycle" ] && [ -f "$here/c/libsolo_nccl.so" ] && add "c::lifecycle_1000_cycles_solo_nccl" 300 "FLASHCOMM_NCCL_LIB='$here/c/libsolo_nccl.so' '$here/c/lifecycle' '$lib' 1000"
 [ -x "$here/c/alloc_count" ] && add "c::alloc_count" 120 "FLASHCOMM_NCCL_LIB='$real' '$here/c/alloc_count' '$lib'"
 [ -f "$here/python/ctypes_load.py" ] && add "python::ctypes_load_gpu" 300 "FLASHCOMM_NCCL_LIB='$real' python3 '$here/python/ctypes_load.py' --lib '$lib' --gpu"
 # Through the installed wheel's launcher (no hand-set LD_PRELOAD), with the engagement line shown.

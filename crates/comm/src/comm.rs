@@ -26,7 +26,9 @@ use flashcomm_kernels::{Kernel, Kernels, LaunchConfig};
 use crate::abi::{self, FcCollParams, FcProbeParams, MAX_RANKS, THREADS};
 use crate::bootstrap::{Agreement, Bootstrap};
 use crate::error::Error;
-use crate::gpu::{self, Device, DeviceMem, DevicePtr, Event, HostMapped, OwnStream, Stream};
+use crate::gpu::{
+    self, CaptureRecord, Device, DeviceMem, DevicePtr, Event, HostMapped, OwnStream, Stream,
+};
 use crate::plan::{
     self, Algorithm, Arena, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantSpec,
 };
@@ -51,8 +53,10 @@ pub struct CommConfig {
     /// Where arenas live: automatic (the peer transport where every pair of ranks has peer
     /// access, the host transport otherwise), or forced.
     pub transport: Choice<Transport>,
-    /// Graph mixing (`FLASHCOMM_GRAPH_MIXING`): a captured collective waits at each replay for the
-    /// last eager operation and records an event that later eager operations wait for.
+    /// Graph mixing (`FLASHCOMM_GRAPH_MIXING`): the first captured collective of each capture
+    /// waits at each replay for the last eager operation, and each replay records an event (one
+    /// node beside the captured chain, after every captured collective) that later eager
+    /// operations wait for.
     pub graph_mixing: bool,
     /// Early launch (`FLASHCOMM_EARLY_LAUNCH`): each kernel lets the next kernel of its stream
     /// launch as soon as it starts, where twice the grid fits the resident share
@@ -74,7 +78,7 @@ impl Default for CommConfig {
             max_blocks: None,
             calibrate: true,
             transport: Choice::Auto,
-            graph_mixing: false,
+            graph_mixing: true,
             early_launch: true,
             fail_at: None,
         }
@@ -263,6 +267,10 @@ struct LastLaunch {
     /// stream.
     captured: AtomicBool,
     event: Event,
+    /// Graph mixing: the event-record node of the capture in progress (the last one this
+    /// communicator was captured into), beside its chain, which every captured operation of
+    /// that capture joins. Touched only while capturing, never on an eager call.
+    capture: std::sync::Mutex<Option<CaptureRecord>>,
 }
 
 /// A forwarded operation that [`Communicator::before_foreign`] ordered: whether its stream was
@@ -475,6 +483,7 @@ impl Communicator {
                 launched: AtomicBool::new(false),
                 captured: AtomicBool::new(false),
                 event,
+                capture: std::sync::Mutex::new(None),
             },
         };
         // Steps 5 and 6 (rounds 6 and 7), the same on every rank since `cfg` is.
@@ -1366,14 +1375,19 @@ impl Communicator {
     /// communicator (docs/protocols.md, "Ordering"); returns whether `stream` is capturing.
     /// Eager: after the last eager operation when it went to another stream (and, with graph
     /// mixing once something was captured, always: a replay may have recorded the event since).
-    /// Captured: the graph's own order applies; with graph mixing, the node also waits at each
-    /// replay for the last eager operation.
+    /// Captured: the graph's own order applies; with graph mixing, the first operation of each
+    /// capture also waits at each replay for the communicator's last eager operation (one
+    /// event-wait node in the chain, before that operation only).
     fn order_before(&self, stream: Stream) -> Result<bool, Error> {
         let last = &self.last;
         let capturing = stream.is_capturing()?;
         if capturing {
             if self.cfg.graph_mixing {
-                last.event.wait_on_external(stream)?;
+                let id = stream.capture_id()?;
+                let seen = self.capture_mark().as_ref().is_some_and(|r| r.id == id);
+                if !seen {
+                    last.event.wait_on_external(stream)?;
+                }
             }
         } else if last.launched.load(Ordering::Acquire)
             && (last.stream.load(Ordering::Relaxed) != stream.0 as usize
@@ -1385,12 +1399,19 @@ impl Communicator {
     }
 
     /// After an operation of this communicator was enqueued on `stream`: eager, it becomes the
-    /// last operation (recorded); captured with graph mixing, every replay records it.
+    /// last operation (recorded); captured with graph mixing, it joins the capture's one
+    /// event-record node, which sits beside the captured chain and records the communicator's
+    /// event at each replay once every captured operation of the communicator has completed.
     fn order_after(&self, stream: Stream, capturing: bool) -> Result<(), Error> {
         let last = &self.last;
         if capturing {
             if self.cfg.graph_mixing {
-                last.event.record_external(stream)?;
+                let id = stream.capture_id()?;
+                let mut mark = self.capture_mark();
+                match mark.as_mut() {
+                    Some(r) if r.id == id => r.join(stream)?,
+                    _ => *mark = Some(last.event.record_beside(stream)?),
+                }
                 last.captured.store(true, Ordering::Relaxed);
                 last.launched.store(true, Ordering::Release);
             }
@@ -1400,6 +1421,12 @@ impl Communicator {
         last.stream.store(stream.0 as usize, Ordering::Relaxed);
         last.launched.store(true, Ordering::Release);
         Ok(())
+    }
+
+    /// The graph-mixing record node of the capture in progress (a poisoned lock is taken over:
+    /// the value is a plain record that a panic cannot leave half-written in a harmful way).
+    fn capture_mark(&self) -> std::sync::MutexGuard<'_, Option<CaptureRecord>> {
+        self.last.capture.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Before another library's operation on this communicator (a collective forwarded to NCCL)

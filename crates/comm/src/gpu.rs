@@ -7,8 +7,9 @@
 /// The driver layer's error (the communicator's own [`crate::Error`] converts from it).
 pub use flashcomm_gpu::Error;
 pub use flashcomm_gpu::{
-    CtxGuard, Device, DeviceMem, DevicePtr, Event, Function, Graph, HostArena, HostMapped,
-    IpcMapping, LaunchConfig, OwnStream, Stream, device_count, driver_present, init, mem_info,
+    CaptureRecord, CtxGuard, Device, DeviceMem, DevicePtr, Event, Function, Graph, HostArena,
+    HostMapped, IpcMapping, LaunchConfig, OwnStream, Stream, device_count, driver_present, init,
+    mem_info,
 };
 
 use flashcomm_kernels::abi::{self, KernelParams};

@@ -969,8 +969,8 @@ where
     });
 }
 
-/// Graph mixing (`FLASHCOMM_GRAPH_MIXING`): on each of 2 ranks, a graph of one verified AllReduce
-/// (bf16, LL one-shot) replayed on one stream and a verified eager AllReduce (f32, another size)
+/// Graph mixing (`FLASHCOMM_GRAPH_MIXING`, on by default): on each of 2 ranks, a graph of three
+/// verified AllReduces (bf16, two sizes) replayed on one stream and a verified eager AllReduce (f32, another size)
 /// on a second stream, one after the other 10,000 times each, with no ordering by the caller
 /// between the two streams: every call completes, with the right result (a replay and an eager
 /// call that overlapped would share an epoch: a mismatch or wrong sums).
@@ -1023,8 +1023,15 @@ fn graph_replays_and_eager_calls_on_two_streams() {
             )
             .unwrap();
         };
+        // Three collectives in the graph: the first waits for the last eager call at each
+        // replay; the record node beside the chain must wait for all three.
+        let gp2 = r
+            .comm
+            .plan(Collective::AllReduce, gcount / 2 + 5, gt.bytes());
         r.stream.begin_capture().unwrap();
         call(&gp, gt, gcount, 7, &ga, &gb, r.stream);
+        call(&gp2, gt, gcount / 2 + 5, 8, &ga, &gb, r.stream);
+        call(&gp, gt, gcount, 9, &ga, &gb, r.stream);
         let graph = r.stream.end_capture().expect("capture");
         r.boot.barrier().unwrap();
         let t0 = Instant::now();

@@ -317,12 +317,14 @@ variables! {
         allowed: "an exported function name such as `ncclCommCount`",
         strict: true,
     }
-    /// Order graph replays and eager calls of one communicator as NCCL's graph mixing does: every
-    /// collective captured into a CUDA graph waits, at each replay, for the communicator's last
-    /// eager operation, and records an event that every later eager operation waits for. Off by
-    /// default: the event nodes around each captured collective cost 1-7 us per call on the H200
-    /// (docs/protocols.md, "Ordering with NCCL's own work and with graph replays").
-    graph_mixing: bool = false => {
+    /// Order graph replays and eager calls of one communicator as NCCL's graph mixing does (on by
+    /// default, as NCCL's `NCCL_GRAPH_MIXING_SUPPORT`): the first collective of the communicator
+    /// captured into a CUDA graph waits, at each replay, for the communicator's last eager
+    /// operation, and one event-record node beside the captured chain records, at each replay,
+    /// an event that every later eager operation waits for. `0` leaves replays and eager calls
+    /// on different streams unordered (docs/protocols.md, "Ordering with NCCL's own work and
+    /// with graph replays").
+    graph_mixing: bool = true => {
         name: "FLASHCOMM_GRAPH_MIXING",
         kind: "bool",
         allowed: "`1`, `0`, `true`, `false`, `yes`, `no`, `on`, `off`",

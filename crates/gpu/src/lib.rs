@@ -717,6 +717,30 @@ impl Event {
         .map_err(cuda("waiting on an event"))
     }
 
+    /// On a capturing `stream`: an event-record node that records the event at every replay and
+    /// depends on the capture's current dependencies, beside the captured chain: the stream's
+    /// dependencies are left as they are, so no later captured node waits for the record (the
+    /// next captured kernel keeps its direct, programmatic edge to the previous one). Later
+    /// captured work joins it with [`CaptureRecord::join`].
+    pub fn record_beside(&self, stream: Stream) -> Result<CaptureRecord, Error> {
+        let cap = stream.capture()?;
+        let mut node: sys::CUgraphNode = std::ptr::null_mut();
+        // SAFETY: `cap.graph` is the graph being captured on `stream` (valid until the capture
+        // ends); the node is created without dependencies and `node` is a local out-pointer.
+        let r = unsafe {
+            sys::cuGraphAddEventRecordNode(&mut node, cap.graph, std::ptr::null(), 0, self.0)
+        };
+        check(r, "adding an event-record node to a capture")?;
+        let mut rec = CaptureRecord {
+            id: cap.id,
+            graph: cap.graph as usize,
+            node: node as usize,
+            joined: Vec::new(),
+        };
+        rec.join(stream)?;
+        Ok(rec)
+    }
+
     /// Makes `stream` wait for the event.
     pub fn wait_on(&self, stream: Stream) -> Result<(), Error> {
         // SAFETY: valid event and stream.
@@ -768,6 +792,104 @@ pub struct Graph {
 
 // SAFETY: graph handles may be launched and destroyed from any thread.
 unsafe impl Send for Graph {}
+
+/// An event-record node beside a capture's chain ([`Event::record_beside`]), kept as plain
+/// integers (graph and node handles) so that a communicator can hold it between calls without
+/// owning it; meaningful only while that capture lasts.
+#[derive(Debug)]
+pub struct CaptureRecord {
+    /// The capture's unique id.
+    pub id: u64,
+    graph: usize,
+    node: usize,
+    /// The capture dependencies joined last (joining a node twice would be an error).
+    joined: Vec<usize>,
+}
+
+impl CaptureRecord {
+    /// Makes the record node depend also on everything captured on `stream` so far (the
+    /// capture's current dependencies), without changing the stream's dependencies.
+    pub fn join(&mut self, stream: Stream) -> Result<(), Error> {
+        let cap = stream.capture()?;
+        if cap.id != self.id || cap.graph as usize != self.graph {
+            return Err(Error::Cuda {
+                during: "joining a captured node",
+                detail: "the stream's capture is another one".into(),
+            });
+        }
+        let from: Vec<sys::CUgraphNode> = cap
+            .deps
+            .iter()
+            .copied()
+            .filter(|d| !self.joined.contains(&(*d as usize)) && *d as usize != self.node)
+            .collect();
+        if !from.is_empty() {
+            let to = vec![self.node as sys::CUgraphNode; from.len()];
+            // SAFETY: `cap.graph` is the graph under capture; `from` are its nodes and `to` names
+            // a node of the same graph, as many entries as `from`; default edges.
+            let r = unsafe {
+                sys::cuGraphAddDependencies(cap.graph, from.as_ptr(), to.as_ptr(), to.len())
+            };
+            check(r, "adding dependencies to a captured node")?;
+        }
+        self.joined = cap.deps.iter().map(|d| *d as usize).collect();
+        Ok(())
+    }
+}
+
+/// What [`Stream::capture`] reports of a capture in progress.
+struct Capture {
+    id: u64,
+    graph: sys::CUgraph,
+    deps: Vec<sys::CUgraphNode>,
+}
+
+impl Stream {
+    /// The capture in progress on this stream: its unique id, its graph and the nodes the next
+    /// captured node will depend on (copied).
+    fn capture(&self) -> Result<Capture, Error> {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id = 0u64;
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        let mut deps: *const sys::CUgraphNode = std::ptr::null();
+        let mut edges: *const sys::CUgraphEdgeData = std::ptr::null();
+        let mut n = 0usize;
+        // SAFETY: valid stream; every out-pointer is a local; the array the driver returns stays
+        // valid until the next capture operation on the stream and is copied before it. Edge
+        // data is asked for so that the query is never lossy; it is not needed here.
+        let r = unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                self.0,
+                &mut status,
+                &mut id,
+                &mut graph,
+                &mut deps,
+                &mut edges,
+                &mut n,
+            )
+        };
+        check(r, "reading a capture's state")?;
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+            return Err(Error::Cuda {
+                during: "reading a capture's state",
+                detail: "the stream is not capturing".into(),
+            });
+        }
+        let deps = if deps.is_null() || n == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: the driver returned `n` valid node handles at `deps` (see above).
+            unsafe { std::slice::from_raw_parts(deps, n) }.to_vec()
+        };
+        Ok(Capture { id, graph, deps })
+    }
+
+    /// The unique id of the capture in progress on this stream (ids are never reused in a
+    /// process).
+    pub fn capture_id(&self) -> Result<u64, Error> {
+        self.capture().map(|c| c.id)
+    }
+}
 
 impl Stream {
     /// Starts capturing the work of this stream (relaxed mode: other threads may keep making

@@ -261,7 +261,7 @@ impl Default for Options {
             timeout_s: 60,
             calibrate: true,
             early_launch: true,
-            graph_mixing: false,
+            graph_mixing: true,
             check_values: 1 << 20,
             seed: 1,
         }
