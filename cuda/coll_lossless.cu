@@ -238,9 +238,9 @@ __device__ __forceinline__ void frame_store_payload(char* frame, uint32_t fbytes
 
 __device__ __forceinline__ void blk_send(const FcCollParams& p, Ctx& c, const char* src, uint32_t len, uint64_t round,
                                          uint32_t region, uint32_t mask) {
-  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const uint32_t lane = threadIdx.x & 31;
   const uint32_t nframes = (len + FC_FRAME_PAYLOAD - 1) / FC_FRAME_PAYLOAD;
-  for (uint32_t f = warp; f < nframes; f += nwarps) {
+  for (uint32_t f = c.w; f < nframes; f += c.nw) {
     const uint32_t fbytes = frame_len(len, f);
     uint4 d[kFrameVecs];
     frame_load(src + (uint64_t)f * FC_FRAME_PAYLOAD, fbytes, lane, d);
@@ -278,10 +278,10 @@ __device__ __forceinline__ void blk_clear_frames(const FcCollParams& p, Ctx& c, 
 template <typename T>
 __device__ __forceinline__ void blk_reduce(const FcCollParams& p, Ctx& c, const char* own, char* out, uint32_t len,
                                            uint64_t round, uint32_t region, uint32_t fwd_region, uint32_t fwd_mask) {
-  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const uint32_t lane = threadIdx.x & 31;
   const uint32_t nframes = (len + FC_FRAME_PAYLOAD - 1) / FC_FRAME_PAYLOAD;
   const uint32_t others = ((1u << p.nranks) - 1u) & ~(1u << p.rank);
-  for (uint32_t f = warp; f < nframes; f += nwarps) {
+  for (uint32_t f = c.w; f < nframes; f += c.nw) {
     const uint32_t fbytes = frame_len(len, f);
     blk_wait_frames(p, c, f, round, region, others);
     uint4 r[kFrameVecs];
@@ -324,9 +324,9 @@ __device__ __forceinline__ void blk_reduce(const FcCollParams& p, Ctx& c, const 
 
 __device__ __forceinline__ void blk_copy(const FcCollParams& p, Ctx& c, uint32_t s, char* out, uint32_t len, uint64_t round,
                                          uint32_t region) {
-  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const uint32_t lane = threadIdx.x & 31;
   const uint32_t nframes = (len + FC_FRAME_PAYLOAD - 1) / FC_FRAME_PAYLOAD;
-  for (uint32_t f = warp; f < nframes; f += nwarps) {
+  for (uint32_t f = c.w; f < nframes; f += c.nw) {
     const uint32_t fbytes = frame_len(len, f);
     blk_wait_frames(p, c, f, round, region, 1u << s);
     const char* payload = frame_payload(frame_at(sub_slot(p, c, p.rank, region, s, round), f));
@@ -378,9 +378,37 @@ __device__ __forceinline__ void begin_round(Ctx& c, uint64_t k, uint64_t round, 
   c.reuse = (k + 2ull * gridDim.x) * chunk < limit;
 }
 
-__device__ __forceinline__ void copy_local(const char* src, char* dst, uint32_t len) {
+// A warp's part in a call (FC_FLAG_SPLIT_WARPS).
+constexpr int kBoth = 0, kSender = 1, kReceiver = 2;
+
+// With FC_FLAG_SPLIT_WARPS (the host sets it for BLOCK plans on the host transport) the block's
+// warps split into two halves for the whole call: the first half sends each round's frames while
+// the second receives them (waits, reduces, copies out), so that a link with two directions (PCIe:
+// device to host and host to device) carries bytes both ways at once instead of in turn; a
+// round's receiving never needs this rank's own sends (the own contribution is read from the user
+// buffer). Without it, or for LL, every warp sends, then receives. Sets c.w and c.nw to the warp's
+// index and number among the warps of its part.
+template <int PROTO>
+__device__ __forceinline__ int take_part(const FcCollParams& p, Ctx& c) {
+  const uint32_t warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (PROTO != FC_PROTO_BLOCK || (p.flags & FC_FLAG_SPLIT_WARPS) == 0u || nwarps < 2) return kBoth;
+  const uint32_t senders = nwarps / 2;
+  c.w = warp < senders ? warp : warp - senders;
+  c.nw = warp < senders ? senders : nwarps - senders;
+  return warp < senders ? kSender : kReceiver;
+}
+
+// The end of a round with split parts: the receivers' reads and clears of this round come before
+// the senders' writes of the next (whose begin_round fence, in every thread, then orders them at
+// system scope before any peer can see the next round: the condition of sub-slot reuse).
+__device__ __forceinline__ void end_round(int part) {
+  if (part != kBoth) __syncthreads();
+}
+
+// Copies `len` bytes on the GPU, spread over the warps of the current step (c.w of c.nw).
+__device__ __forceinline__ void copy_local(const Ctx& c, const char* src, char* dst, uint32_t len) {
   if (src == dst) return;
-  for (uint32_t o = threadIdx.x * 16; o < len; o += blockDim.x * 16)
+  for (uint32_t o = (c.w * 32 + (threadIdx.x & 31)) * 16; o < len; o += c.nw * 32 * 16)
     store_bytes16(dst + o, load_bytes16(src + o, min(16u, len - o)), min(16u, len - o));
 }
 
@@ -404,6 +432,7 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
     }
   }
   Ctx c = begin_after_wait(p);
+  const int part = take_part<PROTO>(p, c);
   uint64_t round = 0;
   for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
     begin_round(c, k, round, p.chunk_bytes, bytes);
@@ -412,8 +441,9 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
     if (PROTO == FC_PROTO_LL) {
       ll_oneshot_fused<T>(p, c, in + off, out + off, len, round, pre, have_pre && round == 0);
     } else {
-      send<PROTO>(p, c, in + off, len, round, 0, all);
-      reduce<PROTO, T>(p, c, in + off, out + off, len, round, 0, 0, 0);
+      if (part != kReceiver) send<PROTO>(p, c, in + off, len, round, 0, all);
+      if (part != kSender) reduce<PROTO, T>(p, c, in + off, out + off, len, round, 0, 0, 0);
+      end_round(part);
     }
   }
   finish(p, c);
@@ -422,6 +452,7 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
 template <typename T, int PROTO>
 __device__ void allreduce_twoshot(const FcCollParams& p) {
   Ctx c = begin(p);
+  const int part = take_part<PROTO>(p, c);
   const uint64_t shard_bytes = p.shard_elems * sizeof(T);
   const uint64_t total = p.count * sizeof(T);
   const uint32_t all = (1u << p.nranks) - 1u;
@@ -438,21 +469,24 @@ __device__ void allreduce_twoshot(const FcCollParams& p) {
       return start < end ? (uint32_t)min((uint64_t)p.chunk_bytes, end - start) : 0u;
     };
     // Step 1: chunk k of every other shard goes to its owner.
-    for (uint32_t j = 0; j < p.nranks; ++j) {
+    for (uint32_t j = 0; j < p.nranks && part != kReceiver; ++j) {
       const uint32_t lj = len_of(j);
       if (j != p.rank && lj > 0) send<PROTO>(p, c, in + (uint64_t)j * shard_bytes + off, lj, round, 0, 1u << j);
     }
-    // Step 2: reduce chunk k of the own shard, write it and push it to everyone.
-    const uint32_t li = len_of(p.rank);
-    if (li > 0) {
-      const uint64_t mine = (uint64_t)p.rank * shard_bytes + off;
-      reduce<PROTO, T>(p, c, in + mine, out + mine, li, round, 0, 1, all);
+    if (part != kSender) {
+      // Step 2: reduce chunk k of the own shard, write it and push it to everyone.
+      const uint32_t li = len_of(p.rank);
+      if (li > 0) {
+        const uint64_t mine = (uint64_t)p.rank * shard_bytes + off;
+        reduce<PROTO, T>(p, c, in + mine, out + mine, li, round, 0, 1, all);
+      }
+      // Step 3: collect the other owners' reduced chunks.
+      for (uint32_t j = 0; j < p.nranks; ++j) {
+        const uint32_t lj = len_of(j);
+        if (j != p.rank && lj > 0) copy_from<PROTO>(p, c, j, out + (uint64_t)j * shard_bytes + off, lj, round, 1);
+      }
     }
-    // Step 3: collect the other owners' reduced chunks.
-    for (uint32_t j = 0; j < p.nranks; ++j) {
-      const uint32_t lj = len_of(j);
-      if (j != p.rank && lj > 0) copy_from<PROTO>(p, c, j, out + (uint64_t)j * shard_bytes + off, lj, round, 1);
-    }
+    end_round(part);
   }
   finish(p, c);
 }
@@ -460,6 +494,7 @@ __device__ void allreduce_twoshot(const FcCollParams& p) {
 template <typename T, int PROTO>
 __device__ void reducescatter(const FcCollParams& p) {
   Ctx c = begin(p);
+  const int part = take_part<PROTO>(p, c);
   const uint64_t bytes = p.count * sizeof(T);  // recvcount elements per rank
   const char* in = reinterpret_cast<const char*>(p.send);
   char* out = reinterpret_cast<char*>(p.recv);
@@ -468,10 +503,11 @@ __device__ void reducescatter(const FcCollParams& p) {
     begin_round(c, k, round, p.chunk_bytes, bytes);
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
-    for (uint32_t j = 0; j < p.nranks; ++j) {
+    for (uint32_t j = 0; j < p.nranks && part != kReceiver; ++j) {
       if (j != p.rank) send<PROTO>(p, c, in + (uint64_t)j * bytes + off, len, round, 0, 1u << j);
     }
-    reduce<PROTO, T>(p, c, in + (uint64_t)p.rank * bytes + off, out + off, len, round, 0, 0, 0);
+    if (part != kSender) reduce<PROTO, T>(p, c, in + (uint64_t)p.rank * bytes + off, out + off, len, round, 0, 0, 0);
+    end_round(part);
   }
   finish(p, c);
 }
@@ -479,6 +515,7 @@ __device__ void reducescatter(const FcCollParams& p) {
 template <int PROTO>
 __device__ void allgather(const FcCollParams& p) {
   Ctx c = begin(p);
+  const int part = take_part<PROTO>(p, c);
   const uint64_t bytes = p.count * p.elem_bytes;  // sendcount elements
   const uint32_t all = (1u << p.nranks) - 1u;
   const char* in = reinterpret_cast<const char*>(p.send);
@@ -488,11 +525,14 @@ __device__ void allgather(const FcCollParams& p) {
     begin_round(c, k, round, p.chunk_bytes, bytes);
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
-    send<PROTO>(p, c, in + off, len, round, 0, all);
-    copy_local(in + off, out + (uint64_t)p.rank * bytes + off, len);
-    for (uint32_t s = 0; s < p.nranks; ++s) {
+    if (part != kReceiver) {
+      send<PROTO>(p, c, in + off, len, round, 0, all);
+      copy_local(c, in + off, out + (uint64_t)p.rank * bytes + off, len);
+    }
+    for (uint32_t s = 0; s < p.nranks && part != kSender; ++s) {
       if (s != p.rank) copy_from<PROTO>(p, c, s, out + (uint64_t)s * bytes + off, len, round, 0);
     }
+    end_round(part);
   }
   finish(p, c);
 }
@@ -505,6 +545,7 @@ __device__ void allgather(const FcCollParams& p) {
 template <int PROTO>
 __device__ void alltoall(const FcCollParams& p) {
   Ctx c = begin(p);
+  const int part = take_part<PROTO>(p, c);
   const uint64_t bytes = p.count * p.elem_bytes;  // per peer
   const char* in = reinterpret_cast<const char*>(p.send);
   char* out = reinterpret_cast<char*>(p.recv);
@@ -513,13 +554,16 @@ __device__ void alltoall(const FcCollParams& p) {
     begin_round(c, k, round, p.chunk_bytes, bytes);
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
-    for (uint32_t q = 0; q < p.nranks; ++q) {
-      if (q != p.rank) send<PROTO>(p, c, in + (uint64_t)q * bytes + off, len, round, 0, 1u << q);
+    if (part != kReceiver) {
+      for (uint32_t q = 0; q < p.nranks; ++q) {
+        if (q != p.rank) send<PROTO>(p, c, in + (uint64_t)q * bytes + off, len, round, 0, 1u << q);
+      }
+      copy_local(c, in + (uint64_t)p.rank * bytes + off, out + (uint64_t)p.rank * bytes + off, len);
     }
-    copy_local(in + (uint64_t)p.rank * bytes + off, out + (uint64_t)p.rank * bytes + off, len);
-    for (uint32_t s = 0; s < p.nranks; ++s) {
+    for (uint32_t s = 0; s < p.nranks && part != kSender; ++s) {
       if (s != p.rank) copy_from<PROTO>(p, c, s, out + (uint64_t)s * bytes + off, len, round, 0);
     }
+    end_round(part);
   }
   finish(p, c);
 }

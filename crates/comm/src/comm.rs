@@ -270,7 +270,17 @@ struct LastLaunch {
     /// Graph mixing: the event-record node of the capture in progress (the last one this
     /// communicator was captured into), beside its chain, which every captured operation of
     /// that capture joins. Touched only while capturing, never on an eager call.
-    capture: std::sync::Mutex<Option<CaptureRecord>>,
+    capture: std::sync::Mutex<CaptureMark>,
+}
+
+/// Graph mixing's state of the capture in progress.
+#[derive(Default)]
+struct CaptureMark {
+    /// The record node of the last capture this communicator was captured into.
+    record: Option<CaptureRecord>,
+    /// The capture's dependencies when the operation being enqueued began (`order_before`):
+    /// what a kernel launched next depends on.
+    before: Vec<usize>,
 }
 
 /// A forwarded operation that [`Communicator::before_foreign`] ordered: whether its stream was
@@ -483,7 +493,7 @@ impl Communicator {
                 launched: AtomicBool::new(false),
                 captured: AtomicBool::new(false),
                 event,
-                capture: std::sync::Mutex::new(None),
+                capture: std::sync::Mutex::new(CaptureMark::default()),
             },
         };
         // Steps 5 and 6 (rounds 6 and 7), the same on every rank since `cfg` is.
@@ -1177,7 +1187,7 @@ impl Communicator {
                 stream,
             )?;
         }
-        self.order_after(stream, capturing)?;
+        self.order_after(stream, capturing, false)?;
         Ok(p)
     }
 
@@ -1286,6 +1296,20 @@ impl Communicator {
         }
     }
 
+    /// [`abi::FLAG_SPLIT_WARPS`] for a lossless BLOCK plan on the host transport: half of each
+    /// block's warps send while the other half receive, so that PCIe carries both directions at
+    /// once (docs/protocols.md, "Senders and receivers at once on the host transport").
+    fn split_warps_flag(&self, p: &Plan) -> u32 {
+        if self.local.transport() == Transport::Host
+            && p.proto == Protocol::Block
+            && p.quant.is_none()
+        {
+            abi::FLAG_SPLIT_WARPS
+        } else {
+            0
+        }
+    }
+
     /// The catalogue kernel of a plan: a few integer operations, no name and no lookup.
     fn kernel_for(p: &Plan, dtype: Option<DataType>) -> Result<Kernel<FcCollParams>, Error> {
         let (proto, algo) = (p.proto, p.algo);
@@ -1345,7 +1369,9 @@ impl Communicator {
             elem_bytes: elem as u32,
             area_offset: self.arena.area_offset(p.proto),
             own_slots: self.own_slots.as_ref().map_or(0, |m| m.as_ptr().addr()),
-            flags: call_signature(p, dtype) << abi::FLAG_SIG_SHIFT | self.early_launch_flag(p),
+            flags: call_signature(p, dtype) << abi::FLAG_SIG_SHIFT
+                | self.early_launch_flag(p)
+                | self.split_warps_flag(p),
             ..Default::default()
         };
         let mut params = params;
@@ -1367,7 +1393,7 @@ impl Communicator {
         };
         let overlapped = self.device.supports_overlapped_launch();
         gpu::launch(&self.kernels, k, cfg, stream, &params, overlapped)?;
-        self.order_after(stream, capturing)
+        self.order_after(stream, capturing, true)
     }
 
     /// Orders an operation of this communicator about to be enqueued on `stream` (either
@@ -1383,10 +1409,13 @@ impl Communicator {
         let capturing = stream.is_capturing()?;
         if capturing {
             if self.cfg.graph_mixing {
-                let id = stream.capture_id()?;
-                let seen = self.capture_mark().as_ref().is_some_and(|r| r.id == id);
-                if !seen {
+                let (id, before) = stream.capture_point()?;
+                let mut mark = self.capture_mark();
+                if mark.record.as_ref().is_none_or(|r| r.id != id) {
                     last.event.wait_on_external(stream)?;
+                    mark.before.clear();
+                } else {
+                    mark.before = before;
                 }
             }
         } else if last.launched.load(Ordering::Acquire)
@@ -1402,15 +1431,24 @@ impl Communicator {
     /// last operation (recorded); captured with graph mixing, it joins the capture's one
     /// event-record node, which sits beside the captured chain and records the communicator's
     /// event at each replay once every captured operation of the communicator has completed.
-    fn order_after(&self, stream: Stream, capturing: bool) -> Result<(), Error> {
+    /// `one_kernel`: the operation was a single kernel launched right after `order_before`, so
+    /// it depends on what the capture's dependencies were then, and their edges to the record
+    /// node can go (back-to-back captured calls leave it one incoming edge).
+    fn order_after(&self, stream: Stream, capturing: bool, one_kernel: bool) -> Result<(), Error> {
         let last = &self.last;
         if capturing {
             if self.cfg.graph_mixing {
-                let id = stream.capture_id()?;
-                let mut mark = self.capture_mark();
-                match mark.as_mut() {
-                    Some(r) if r.id == id => r.join(stream)?,
-                    _ => *mark = Some(last.event.record_beside(stream)?),
+                let (id, _) = stream.capture_point()?;
+                let mut guard = self.capture_mark();
+                let mark = &mut *guard;
+                let covered = if one_kernel {
+                    std::mem::take(&mut mark.before)
+                } else {
+                    Vec::new()
+                };
+                match mark.record.as_mut() {
+                    Some(r) if r.id == id => r.join(stream, &covered)?,
+                    _ => mark.record = Some(last.event.record_beside(stream)?),
                 }
                 last.captured.store(true, Ordering::Relaxed);
                 last.launched.store(true, Ordering::Release);
@@ -1425,7 +1463,7 @@ impl Communicator {
 
     /// The graph-mixing record node of the capture in progress (a poisoned lock is taken over:
     /// the value is a plain record that a panic cannot leave half-written in a harmful way).
-    fn capture_mark(&self) -> std::sync::MutexGuard<'_, Option<CaptureRecord>> {
+    fn capture_mark(&self) -> std::sync::MutexGuard<'_, CaptureMark> {
         self.last.capture.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -1445,7 +1483,7 @@ impl Communicator {
     /// communicator's last operation, which later operations of either library are ordered after.
     pub fn after_foreign(&self, stream: Stream, op: Foreign) -> Result<(), Error> {
         let _ctx = self.device.activate()?;
-        self.order_after(stream, op.capturing)
+        self.order_after(stream, op.capturing, false)
     }
 
     /// The device-reported error, if a kernel of this communicator gave up.

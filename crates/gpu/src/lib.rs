@@ -735,9 +735,9 @@ impl Event {
             id: cap.id,
             graph: cap.graph as usize,
             node: node as usize,
-            joined: Vec::new(),
+            linked: Vec::new(),
         };
-        rec.join(stream)?;
+        rec.join(stream, &[])?;
         Ok(rec)
     }
 
@@ -802,14 +802,18 @@ pub struct CaptureRecord {
     pub id: u64,
     graph: usize,
     node: usize,
-    /// The capture dependencies joined last (joining a node twice would be an error).
-    joined: Vec<usize>,
+    /// The nodes with an edge to the record node.
+    linked: Vec<usize>,
 }
 
 impl CaptureRecord {
     /// Makes the record node depend also on everything captured on `stream` so far (the
-    /// capture's current dependencies), without changing the stream's dependencies.
-    pub fn join(&mut self, stream: Stream) -> Result<(), Error> {
+    /// capture's current dependencies), without changing the stream's dependencies. `covered`
+    /// are nodes that every current dependency is known to depend on (for example the
+    /// dependencies that the last captured kernel was launched after): their edges to the record
+    /// node are removed, as the new edges imply them, so that back-to-back captured operations
+    /// leave the record node with one incoming edge rather than one per operation.
+    pub fn join(&mut self, stream: Stream, covered: &[usize]) -> Result<(), Error> {
         let cap = stream.capture()?;
         if cap.id != self.id || cap.graph as usize != self.graph {
             return Err(Error::Cuda {
@@ -817,22 +821,42 @@ impl CaptureRecord {
                 detail: "the stream's capture is another one".into(),
             });
         }
+        let to_node = self.node as sys::CUgraphNode;
         let from: Vec<sys::CUgraphNode> = cap
             .deps
             .iter()
             .copied()
-            .filter(|d| !self.joined.contains(&(*d as usize)) && *d as usize != self.node)
+            .filter(|d| !self.linked.contains(&(*d as usize)) && *d as usize != self.node)
             .collect();
         if !from.is_empty() {
-            let to = vec![self.node as sys::CUgraphNode; from.len()];
+            let to = vec![to_node; from.len()];
             // SAFETY: `cap.graph` is the graph under capture; `from` are its nodes and `to` names
             // a node of the same graph, as many entries as `from`; default edges.
             let r = unsafe {
                 sys::cuGraphAddDependencies(cap.graph, from.as_ptr(), to.as_ptr(), to.len())
             };
             check(r, "adding dependencies to a captured node")?;
+            self.linked.extend(from.iter().map(|d| *d as usize));
         }
-        self.joined = cap.deps.iter().map(|d| *d as usize).collect();
+        let frontier: Vec<usize> = cap.deps.iter().map(|d| *d as usize).collect();
+        let stale: Vec<sys::CUgraphNode> = self
+            .linked
+            .iter()
+            .copied()
+            .filter(|n| covered.contains(n) && !frontier.contains(n))
+            .map(|n| n as sys::CUgraphNode)
+            .collect();
+        if !stale.is_empty() {
+            let to = vec![to_node; stale.len()];
+            // SAFETY: as above; every edge named exists (`linked`). Removing edges (not nodes) is
+            // allowed while the capture is in progress.
+            let r = unsafe {
+                sys::cuGraphRemoveDependencies(cap.graph, stale.as_ptr(), to.as_ptr(), to.len())
+            };
+            check(r, "removing dependencies of a captured node")?;
+            self.linked
+                .retain(|n| !stale.contains(&(*n as sys::CUgraphNode)));
+        }
         Ok(())
     }
 }
@@ -884,10 +908,11 @@ impl Stream {
         Ok(Capture { id, graph, deps })
     }
 
-    /// The unique id of the capture in progress on this stream (ids are never reused in a
-    /// process).
-    pub fn capture_id(&self) -> Result<u64, Error> {
-        self.capture().map(|c| c.id)
+    /// The capture in progress on this stream: its unique id (never reused in a process) and the
+    /// nodes the next captured node will depend on, as integers (for [`CaptureRecord::join`]).
+    pub fn capture_point(&self) -> Result<(u64, Vec<usize>), Error> {
+        self.capture()
+            .map(|c| (c.id, c.deps.iter().map(|d| *d as usize).collect()))
     }
 }
 
