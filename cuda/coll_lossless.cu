@@ -30,6 +30,7 @@ namespace fc {
 
 constexpr int kThreads = 512;
 constexpr int kFrameVecs = FC_FRAME_PAYLOAD / 16 / 32;  // 16-byte vectors per lane per frame
+constexpr int kBatch = kFrameVecs / 2;                  // vectors per source loaded together in a reduction
 
 __device__ __forceinline__ bool is_peer(const FcCollParams& p, uint32_t q, uint32_t mask) {
   return q != p.rank && ((mask >> q) & 1u);
@@ -238,9 +239,9 @@ __device__ __forceinline__ void frame_store_payload(char* frame, uint32_t fbytes
 
 __device__ __forceinline__ void blk_send(const FcCollParams& p, Ctx& c, const char* src, uint32_t len, uint64_t round,
                                          uint32_t region, uint32_t mask) {
-  const uint32_t lane = threadIdx.x & 31;
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const uint32_t nframes = (len + FC_FRAME_PAYLOAD - 1) / FC_FRAME_PAYLOAD;
-  for (uint32_t f = c.w; f < nframes; f += c.nw) {
+  for (uint32_t f = warp; f < nframes; f += nwarps) {
     const uint32_t fbytes = frame_len(len, f);
     uint4 d[kFrameVecs];
     frame_load(src + (uint64_t)f * FC_FRAME_PAYLOAD, fbytes, lane, d);
@@ -278,31 +279,46 @@ __device__ __forceinline__ void blk_clear_frames(const FcCollParams& p, Ctx& c, 
 template <typename T>
 __device__ __forceinline__ void blk_reduce(const FcCollParams& p, Ctx& c, const char* own, char* out, uint32_t len,
                                            uint64_t round, uint32_t region, uint32_t fwd_region, uint32_t fwd_mask) {
-  const uint32_t lane = threadIdx.x & 31;
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const uint32_t nframes = (len + FC_FRAME_PAYLOAD - 1) / FC_FRAME_PAYLOAD;
   const uint32_t others = ((1u << p.nranks) - 1u) & ~(1u << p.rank);
-  for (uint32_t f = c.w; f < nframes; f += c.nw) {
+  for (uint32_t f = warp; f < nframes; f += nwarps) {
     const uint32_t fbytes = frame_len(len, f);
     blk_wait_frames(p, c, f, round, region, others);
     uint4 r[kFrameVecs];
+    // kBatch vectors at a time: every source's kBatch loads are issued back to back before any
+    // is used, so a frame read across PCIe (the host transport) costs two round trips per source
+    // rather than one per vector; the sum stays in rank order.
 #pragma unroll
-    for (int i = 0; i < kFrameVecs; ++i) {
-      const uint32_t o = (i * 32 + lane) * 16;
-      if (o >= fbytes) {
-        r[i] = make_uint4(0, 0, 0, 0);
-        continue;
-      }
-      const uint4 mine = load_bytes16(own + (uint64_t)f * FC_FRAME_PAYLOAD + o, min(16u, fbytes - o));
-      Acc<T, 4> acc;
+    for (int i0 = 0; i0 < kFrameVecs; i0 += kBatch) {
+      Acc<T, 4> acc[kBatch];
       for (uint32_t s = 0; s < p.nranks; ++s) {
-        const uint4 v = s == p.rank ? mine : ld_cg_v4(frame_payload(frame_at(sub_slot(p, c, p.rank, region, s, round), f)) + o);
-        if (s == 0)
-          acc.init(reinterpret_cast<const uint32_t*>(&v));
-        else
-          acc.add(reinterpret_cast<const uint32_t*>(&v));
+        const char* src = frame_payload(frame_at(sub_slot(p, c, p.rank, region, s, round), f));
+        uint4 v[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          const uint32_t o = ((i0 + j) * 32 + lane) * 16;
+          if (o >= fbytes)
+            v[j] = make_uint4(0, 0, 0, 0);
+          else if (s == p.rank)
+            v[j] = load_bytes16(own + (uint64_t)f * FC_FRAME_PAYLOAD + o, min(16u, fbytes - o));
+          else
+            v[j] = ld_cg_v4(src + o);
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          if (s == 0)
+            acc[j].init(reinterpret_cast<const uint32_t*>(&v[j]));
+          else
+            acc[j].add(reinterpret_cast<const uint32_t*>(&v[j]));
+        }
       }
-      acc.out(reinterpret_cast<uint32_t*>(&r[i]));
-      store_bytes16(out + (uint64_t)f * FC_FRAME_PAYLOAD + o, r[i], min(16u, fbytes - o));
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const uint32_t o = ((i0 + j) * 32 + lane) * 16;
+        acc[j].out(reinterpret_cast<uint32_t*>(&r[i0 + j]));
+        if (o < fbytes) store_bytes16(out + (uint64_t)f * FC_FRAME_PAYLOAD + o, r[i0 + j], min(16u, fbytes - o));
+      }
     }
     if (fwd_mask != 0) {
 #pragma unroll 1
@@ -324,16 +340,23 @@ __device__ __forceinline__ void blk_reduce(const FcCollParams& p, Ctx& c, const 
 
 __device__ __forceinline__ void blk_copy(const FcCollParams& p, Ctx& c, uint32_t s, char* out, uint32_t len, uint64_t round,
                                          uint32_t region) {
-  const uint32_t lane = threadIdx.x & 31;
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const uint32_t nframes = (len + FC_FRAME_PAYLOAD - 1) / FC_FRAME_PAYLOAD;
-  for (uint32_t f = c.w; f < nframes; f += c.nw) {
+  for (uint32_t f = warp; f < nframes; f += nwarps) {
     const uint32_t fbytes = frame_len(len, f);
     blk_wait_frames(p, c, f, round, region, 1u << s);
     const char* payload = frame_payload(frame_at(sub_slot(p, c, p.rank, region, s, round), f));
+    // Every load of the frame first, then the stores: one round trip across PCIe per frame.
+    uint4 d[kFrameVecs];
 #pragma unroll
     for (int i = 0; i < kFrameVecs; ++i) {
       const uint32_t o = (i * 32 + lane) * 16;
-      if (o < fbytes) store_bytes16(out + (uint64_t)f * FC_FRAME_PAYLOAD + o, ld_cg_v4(payload + o), min(16u, fbytes - o));
+      d[i] = o < fbytes ? ld_cg_v4(payload + o) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kFrameVecs; ++i) {
+      const uint32_t o = (i * 32 + lane) * 16;
+      if (o < fbytes) store_bytes16(out + (uint64_t)f * FC_FRAME_PAYLOAD + o, d[i], min(16u, fbytes - o));
     }
     blk_clear_frames(p, c, f, round, region, 1u << s);
   }
@@ -378,37 +401,9 @@ __device__ __forceinline__ void begin_round(Ctx& c, uint64_t k, uint64_t round, 
   c.reuse = (k + 2ull * gridDim.x) * chunk < limit;
 }
 
-// A warp's part in a call (FC_FLAG_SPLIT_WARPS).
-constexpr int kBoth = 0, kSender = 1, kReceiver = 2;
-
-// With FC_FLAG_SPLIT_WARPS (the host sets it for BLOCK plans on the host transport) the block's
-// warps split into two halves for the whole call: the first half sends each round's frames while
-// the second receives them (waits, reduces, copies out), so that a link with two directions (PCIe:
-// device to host and host to device) carries bytes both ways at once instead of in turn; a
-// round's receiving never needs this rank's own sends (the own contribution is read from the user
-// buffer). Without it, or for LL, every warp sends, then receives. Sets c.w and c.nw to the warp's
-// index and number among the warps of its part.
-template <int PROTO>
-__device__ __forceinline__ int take_part(const FcCollParams& p, Ctx& c) {
-  const uint32_t warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  if (PROTO != FC_PROTO_BLOCK || (p.flags & FC_FLAG_SPLIT_WARPS) == 0u || nwarps < 2) return kBoth;
-  const uint32_t senders = nwarps / 2;
-  c.w = warp < senders ? warp : warp - senders;
-  c.nw = warp < senders ? senders : nwarps - senders;
-  return warp < senders ? kSender : kReceiver;
-}
-
-// The end of a round with split parts: the receivers' reads and clears of this round come before
-// the senders' writes of the next (whose begin_round fence, in every thread, then orders them at
-// system scope before any peer can see the next round: the condition of sub-slot reuse).
-__device__ __forceinline__ void end_round(int part) {
-  if (part != kBoth) __syncthreads();
-}
-
-// Copies `len` bytes on the GPU, spread over the warps of the current step (c.w of c.nw).
-__device__ __forceinline__ void copy_local(const Ctx& c, const char* src, char* dst, uint32_t len) {
+__device__ __forceinline__ void copy_local(const char* src, char* dst, uint32_t len) {
   if (src == dst) return;
-  for (uint32_t o = (c.w * 32 + (threadIdx.x & 31)) * 16; o < len; o += c.nw * 32 * 16)
+  for (uint32_t o = threadIdx.x * 16; o < len; o += blockDim.x * 16)
     store_bytes16(dst + o, load_bytes16(src + o, min(16u, len - o)), min(16u, len - o));
 }
 
@@ -432,7 +427,6 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
     }
   }
   Ctx c = begin_after_wait(p);
-  const int part = take_part<PROTO>(p, c);
   uint64_t round = 0;
   for (uint64_t k = blockIdx.x; k * p.chunk_bytes < bytes; k += gridDim.x, ++round) {
     begin_round(c, k, round, p.chunk_bytes, bytes);
@@ -441,9 +435,8 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
     if (PROTO == FC_PROTO_LL) {
       ll_oneshot_fused<T>(p, c, in + off, out + off, len, round, pre, have_pre && round == 0);
     } else {
-      if (part != kReceiver) send<PROTO>(p, c, in + off, len, round, 0, all);
-      if (part != kSender) reduce<PROTO, T>(p, c, in + off, out + off, len, round, 0, 0, 0);
-      end_round(part);
+      send<PROTO>(p, c, in + off, len, round, 0, all);
+      reduce<PROTO, T>(p, c, in + off, out + off, len, round, 0, 0, 0);
     }
   }
   finish(p, c);
@@ -452,7 +445,6 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
 template <typename T, int PROTO>
 __device__ void allreduce_twoshot(const FcCollParams& p) {
   Ctx c = begin(p);
-  const int part = take_part<PROTO>(p, c);
   const uint64_t shard_bytes = p.shard_elems * sizeof(T);
   const uint64_t total = p.count * sizeof(T);
   const uint32_t all = (1u << p.nranks) - 1u;
@@ -469,24 +461,21 @@ __device__ void allreduce_twoshot(const FcCollParams& p) {
       return start < end ? (uint32_t)min((uint64_t)p.chunk_bytes, end - start) : 0u;
     };
     // Step 1: chunk k of every other shard goes to its owner.
-    for (uint32_t j = 0; j < p.nranks && part != kReceiver; ++j) {
+    for (uint32_t j = 0; j < p.nranks; ++j) {
       const uint32_t lj = len_of(j);
       if (j != p.rank && lj > 0) send<PROTO>(p, c, in + (uint64_t)j * shard_bytes + off, lj, round, 0, 1u << j);
     }
-    if (part != kSender) {
-      // Step 2: reduce chunk k of the own shard, write it and push it to everyone.
-      const uint32_t li = len_of(p.rank);
-      if (li > 0) {
-        const uint64_t mine = (uint64_t)p.rank * shard_bytes + off;
-        reduce<PROTO, T>(p, c, in + mine, out + mine, li, round, 0, 1, all);
-      }
-      // Step 3: collect the other owners' reduced chunks.
-      for (uint32_t j = 0; j < p.nranks; ++j) {
-        const uint32_t lj = len_of(j);
-        if (j != p.rank && lj > 0) copy_from<PROTO>(p, c, j, out + (uint64_t)j * shard_bytes + off, lj, round, 1);
-      }
+    // Step 2: reduce chunk k of the own shard, write it and push it to everyone.
+    const uint32_t li = len_of(p.rank);
+    if (li > 0) {
+      const uint64_t mine = (uint64_t)p.rank * shard_bytes + off;
+      reduce<PROTO, T>(p, c, in + mine, out + mine, li, round, 0, 1, all);
     }
-    end_round(part);
+    // Step 3: collect the other owners' reduced chunks.
+    for (uint32_t j = 0; j < p.nranks; ++j) {
+      const uint32_t lj = len_of(j);
+      if (j != p.rank && lj > 0) copy_from<PROTO>(p, c, j, out + (uint64_t)j * shard_bytes + off, lj, round, 1);
+    }
   }
   finish(p, c);
 }
@@ -494,7 +483,6 @@ __device__ void allreduce_twoshot(const FcCollParams& p) {
 template <typename T, int PROTO>
 __device__ void reducescatter(const FcCollParams& p) {
   Ctx c = begin(p);
-  const int part = take_part<PROTO>(p, c);
   const uint64_t bytes = p.count * sizeof(T);  // recvcount elements per rank
   const char* in = reinterpret_cast<const char*>(p.send);
   char* out = reinterpret_cast<char*>(p.recv);
@@ -503,11 +491,10 @@ __device__ void reducescatter(const FcCollParams& p) {
     begin_round(c, k, round, p.chunk_bytes, bytes);
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
-    for (uint32_t j = 0; j < p.nranks && part != kReceiver; ++j) {
+    for (uint32_t j = 0; j < p.nranks; ++j) {
       if (j != p.rank) send<PROTO>(p, c, in + (uint64_t)j * bytes + off, len, round, 0, 1u << j);
     }
-    if (part != kSender) reduce<PROTO, T>(p, c, in + (uint64_t)p.rank * bytes + off, out + off, len, round, 0, 0, 0);
-    end_round(part);
+    reduce<PROTO, T>(p, c, in + (uint64_t)p.rank * bytes + off, out + off, len, round, 0, 0, 0);
   }
   finish(p, c);
 }
@@ -515,7 +502,6 @@ __device__ void reducescatter(const FcCollParams& p) {
 template <int PROTO>
 __device__ void allgather(const FcCollParams& p) {
   Ctx c = begin(p);
-  const int part = take_part<PROTO>(p, c);
   const uint64_t bytes = p.count * p.elem_bytes;  // sendcount elements
   const uint32_t all = (1u << p.nranks) - 1u;
   const char* in = reinterpret_cast<const char*>(p.send);
@@ -525,14 +511,11 @@ __device__ void allgather(const FcCollParams& p) {
     begin_round(c, k, round, p.chunk_bytes, bytes);
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
-    if (part != kReceiver) {
-      send<PROTO>(p, c, in + off, len, round, 0, all);
-      copy_local(c, in + off, out + (uint64_t)p.rank * bytes + off, len);
-    }
-    for (uint32_t s = 0; s < p.nranks && part != kSender; ++s) {
+    send<PROTO>(p, c, in + off, len, round, 0, all);
+    copy_local(in + off, out + (uint64_t)p.rank * bytes + off, len);
+    for (uint32_t s = 0; s < p.nranks; ++s) {
       if (s != p.rank) copy_from<PROTO>(p, c, s, out + (uint64_t)s * bytes + off, len, round, 0);
     }
-    end_round(part);
   }
   finish(p, c);
 }
@@ -545,7 +528,6 @@ __device__ void allgather(const FcCollParams& p) {
 template <int PROTO>
 __device__ void alltoall(const FcCollParams& p) {
   Ctx c = begin(p);
-  const int part = take_part<PROTO>(p, c);
   const uint64_t bytes = p.count * p.elem_bytes;  // per peer
   const char* in = reinterpret_cast<const char*>(p.send);
   char* out = reinterpret_cast<char*>(p.recv);
@@ -554,16 +536,13 @@ __device__ void alltoall(const FcCollParams& p) {
     begin_round(c, k, round, p.chunk_bytes, bytes);
     const uint64_t off = k * p.chunk_bytes;
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
-    if (part != kReceiver) {
-      for (uint32_t q = 0; q < p.nranks; ++q) {
-        if (q != p.rank) send<PROTO>(p, c, in + (uint64_t)q * bytes + off, len, round, 0, 1u << q);
-      }
-      copy_local(c, in + (uint64_t)p.rank * bytes + off, out + (uint64_t)p.rank * bytes + off, len);
+    for (uint32_t q = 0; q < p.nranks; ++q) {
+      if (q != p.rank) send<PROTO>(p, c, in + (uint64_t)q * bytes + off, len, round, 0, 1u << q);
     }
-    for (uint32_t s = 0; s < p.nranks && part != kSender; ++s) {
+    copy_local(in + (uint64_t)p.rank * bytes + off, out + (uint64_t)p.rank * bytes + off, len);
+    for (uint32_t s = 0; s < p.nranks; ++s) {
       if (s != p.rank) copy_from<PROTO>(p, c, s, out + (uint64_t)s * bytes + off, len, round, 0);
     }
-    end_round(part);
   }
   finish(p, c);
 }

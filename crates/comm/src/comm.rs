@@ -1296,20 +1296,6 @@ impl Communicator {
         }
     }
 
-    /// [`abi::FLAG_SPLIT_WARPS`] for a lossless BLOCK plan on the host transport: half of each
-    /// block's warps send while the other half receive, so that PCIe carries both directions at
-    /// once (docs/protocols.md, "Senders and receivers at once on the host transport").
-    fn split_warps_flag(&self, p: &Plan) -> u32 {
-        if self.local.transport() == Transport::Host
-            && p.proto == Protocol::Block
-            && p.quant.is_none()
-        {
-            abi::FLAG_SPLIT_WARPS
-        } else {
-            0
-        }
-    }
-
     /// The catalogue kernel of a plan: a few integer operations, no name and no lookup.
     fn kernel_for(p: &Plan, dtype: Option<DataType>) -> Result<Kernel<FcCollParams>, Error> {
         let (proto, algo) = (p.proto, p.algo);
@@ -1369,9 +1355,7 @@ impl Communicator {
             elem_bytes: elem as u32,
             area_offset: self.arena.area_offset(p.proto),
             own_slots: self.own_slots.as_ref().map_or(0, |m| m.as_ptr().addr()),
-            flags: call_signature(p, dtype) << abi::FLAG_SIG_SHIFT
-                | self.early_launch_flag(p)
-                | self.split_warps_flag(p),
+            flags: call_signature(p, dtype) << abi::FLAG_SIG_SHIFT | self.early_launch_flag(p),
             ..Default::default()
         };
         let mut params = params;

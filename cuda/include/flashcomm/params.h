@@ -49,11 +49,6 @@
 // the grid still fits the ranks' resident share, so the waiting blocks can never keep a peer's
 // kernel from being scheduled.
 #define FC_FLAG_EARLY_LAUNCH 4u
-// FcCollParams.flags: the lossless BLOCK kernels split each block's warps into senders and
-// receivers for the whole call, so that a link with two directions (the host transport's PCIe:
-// device to host and host to device) carries both at once instead of in turn. Set by the host for
-// BLOCK plans on the host transport.
-#define FC_FLAG_SPLIT_WARPS 8u
 // FcCollParams.flags: bits `FLAG_SIG_SHIFT..FLAG_SIG_SHIFT + 8` carry the call's signature
 // (collective and datatype), which every tag of the call carries too: ranks that run the same
 // sequence number with different collectives or datatypes see a foreign tag and report a mismatch

@@ -51,8 +51,6 @@ struct Ctx {
   bool reuse;  // this block's sub-slot of the current round is written again two rounds later in
                // this call (same tags): LL readers clear the lines they consumed
   bool dead;  // this thread gave up (or saw that another one did): skip every wait from now on
-  uint32_t w;   // BLOCK frames: this warp's index among the warps that share the current step
-  uint32_t nw;  // ... and their number (all of the block's, or half with split parts)
 };
 
 // The tag of call `seq` with signature `sig` (collective and datatype, FLAG_SIG_SHIFT of the
@@ -100,8 +98,6 @@ __device__ __forceinline__ Ctx begin_after_wait(const FcCollParams& p) {
   }
   c.reuse = false;
   c.dead = false;
-  c.w = threadIdx.x >> 5;
-  c.nw = blockDim.x >> 5;
   allow_next_launch(p);
   return c;
 }
