@@ -64,6 +64,15 @@ pub fn host_range(h: &HostArena) -> DevicePtr {
     unsafe { DevicePtr::from_raw(h.dev_ptr(), h.len() as u64) }
 }
 
+/// `len` bytes of a device-mapped host allocation from byte `offset` on, as a device range.
+pub fn host_part(h: &HostArena, offset: u64, len: u64) -> DevicePtr {
+    assert!(offset + len <= h.len() as u64, "host range out of bounds");
+    // SAFETY: a sub-range (checked above) of the device address range of a device-mapped host
+    // allocation, valid in every context of the process; the caller keeps `h` alive until the
+    // copies that use it have finished (rank 0 synchronizes after each job).
+    unsafe { DevicePtr::from_raw(h.dev_ptr() + offset, len) }
+}
+
 type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> nccl::ncclResult_t;
 type GetErrorStringFn = unsafe extern "C" fn(nccl::ncclResult_t) -> *const c_char;
 type CommInitAllFn =

@@ -33,6 +33,10 @@ pub enum Variant {
     /// pinned host memory and back (`--transport host`), the two PCIe crossings every byte of
     /// the host transport makes.
     Link,
+    /// The host link with both directions at once: the same bytes copied into pinned host
+    /// memory on one stream while as many are copied out of it on another (`--transport host`):
+    /// what the link carries when it is busy both ways, as the host transport keeps it.
+    LinkBoth,
 }
 
 impl Variant {
@@ -45,6 +49,7 @@ impl Variant {
             Variant::Quant(w) => format!("flashcomm-q{w}"),
             Variant::Reference => "reference".into(),
             Variant::Link => "link".into(),
+            Variant::LinkBoth => "link-both".into(),
         }
     }
 }
@@ -144,7 +149,7 @@ pub struct Row {
 impl Row {
     fn redop(&self) -> &'static str {
         match (self.variant, self.coll) {
-            (Variant::Copy | Variant::Link, _)
+            (Variant::Copy | Variant::Link | Variant::LinkBoth, _)
             | (_, Collective::AllGather | Collective::AlltoAll) => "none",
             _ => "sum",
         }
@@ -158,8 +163,11 @@ impl Row {
     /// busbw of a measurement of this row (N/A for the copy and link baselines: they are not
     /// collectives).
     pub fn busbw(&self, m: &Measure) -> Option<f64> {
-        (!matches!(self.variant, Variant::Copy | Variant::Link))
-            .then(|| busbw(self.coll, self.nranks, self.bytes, m.time.median_us))
+        (!matches!(
+            self.variant,
+            Variant::Copy | Variant::Link | Variant::LinkBoth
+        ))
+        .then(|| busbw(self.coll, self.nranks, self.bytes, m.time.median_us))
     }
 }
 

@@ -75,6 +75,7 @@ pub fn jobs(o: &Options) -> Vec<Job> {
                 }
                 if o.transport == TransportChoice::Host {
                     variants.push(Variant::Link);
+                    variants.push(Variant::LinkBoth);
                 }
                 if o.impls.contains(&Impl::Reference) {
                     variants.push(Variant::Reference);
@@ -313,6 +314,8 @@ struct Rank<'a> {
     reference: Option<Reference>,
     /// Rank 0's pinned host buffer of the link baseline (`--transport host`).
     link: Option<HostArena>,
+    /// Rank 0's second stream and fork/join events of the link-both baseline.
+    side: Option<SideStream>,
     v: Verifier,
     stream: Stream,
     send: DeviceMem,
@@ -325,6 +328,13 @@ struct Rank<'a> {
     threads: usize,
 }
 
+/// A second stream of rank 0, forked from its stream and joined back by two events.
+struct SideStream {
+    stream: Stream,
+    fork: Event,
+    join: Event,
+}
+
 fn e2s<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> String + '_ {
     move |e| format!("{what}: {e}")
 }
@@ -335,7 +345,7 @@ fn buffer_bytes(o: &Options, jobs: &[Job]) -> (u64, u64, u64) {
     for j in jobs {
         s = s.max(j.shape.send_bytes);
         r = r.max(j.shape.recv_bytes);
-        if matches!(j.variant, Variant::Copy | Variant::Link) {
+        if matches!(j.variant, Variant::Copy | Variant::Link | Variant::LinkBoth) {
             s = s.max(j.shape.bytes);
             r = r.max(j.shape.bytes);
         }
@@ -523,10 +533,12 @@ fn rank_main(
     let link = if o.transport == TransportChoice::Host && rank == 0 {
         let bytes = jobs
             .iter()
-            .filter(|j| j.variant == Variant::Link)
+            .filter(|j| matches!(j.variant, Variant::Link | Variant::LinkBoth))
             .map(|j| j.shape.bytes)
             .max()
             .unwrap_or(0);
+        // Two halves: link-both copies into one while it copies out of the other.
+        let bytes = bytes * 2;
         Some(
             HostArena::alloc(bytes as usize)
                 .map_err(e2s("allocating the link baseline's host buffer"))?,
@@ -600,6 +612,14 @@ fn rank_main(
         .map_or(1, |n| n.get())
         .max(1);
     let can_compare = o.mode == Mode::Virtual || team.link.is_some() || comm.is_some();
+    let side = match &link {
+        Some(_) => Some(SideStream {
+            stream: Stream::create().map_err(e2s("creating the link baseline's second stream"))?,
+            fork: Event::new(false).map_err(e2s("creating events"))?,
+            join: Event::new(false).map_err(e2s("creating events"))?,
+        }),
+        None => None,
+    };
     let mut r = Rank {
         o,
         team,
@@ -609,6 +629,7 @@ fn rank_main(
         nccl,
         reference,
         link,
+        side,
         v,
         stream,
         send,
@@ -710,6 +731,7 @@ impl Rank<'_> {
         match job.variant {
             Variant::Copy => self.copy_job(job),
             Variant::Link => self.link_job(job),
+            Variant::LinkBoth => self.link_both_job(job),
             Variant::Nccl | Variant::Lossless | Variant::Reference => self.lossless_job(job, salt),
             Variant::Quant(w) => self.quant_job(job, w),
         }
@@ -807,6 +829,25 @@ impl Rank<'_> {
         self.baseline_job(job, &|src, dst, b, s| {
             via.copy_from(src, b, s)?;
             dst.copy_from(via, b, s)
+        })
+    }
+
+    /// The host link busy both ways: rank 0 copies the job's bytes into one half of pinned host
+    /// memory on its stream while a second stream copies as many out of the other half, forked
+    /// from and joined back into its stream with events (the same in a graph capture).
+    fn link_both_job(&self, job: &Job) -> Result<RankOut, String> {
+        let (Some(host), Some(side)) = (&self.link, &self.side) else {
+            return Ok(RankOut::default());
+        };
+        let b = job.shape.bytes;
+        let (into, out_of) = (ffi::host_part(host, 0, b), ffi::host_part(host, b, b));
+        self.baseline_job(job, &|src, dst, b, s| {
+            side.fork.record(s)?;
+            side.fork.wait_on(side.stream)?;
+            into.copy_from(src, b, s)?;
+            dst.copy_from(out_of, b, side.stream)?;
+            side.join.record(side.stream)?;
+            side.join.wait_on(s)
         })
     }
 
@@ -1335,7 +1376,10 @@ impl WireAccuracy {
 fn merge(o: &Options, job: &Job, outs: &[RankOut]) -> Row {
     let first = outs.first().cloned().unwrap_or_default();
     let combine = |pick: &dyn Fn(&RankOut) -> Option<RankMeasure>| -> Option<Measure> {
-        let ms: Vec<RankMeasure> = if matches!(job.variant, Variant::Copy | Variant::Link) {
+        let ms: Vec<RankMeasure> = if matches!(
+            job.variant,
+            Variant::Copy | Variant::Link | Variant::LinkBoth
+        ) {
             pick(&first).into_iter().collect()
         } else {
             outs.iter().filter_map(pick).collect()
@@ -1513,10 +1557,20 @@ mod tests {
                 "-b 64K -e 512K -f 2 --coll {coll} --quant 8,4 --ranks 8 --transport host"
             ));
             let j = jobs(&o);
-            // Per size: the link baseline, lossless, q8, q4.
-            assert_eq!(j.len(), 4 * 4);
-            let v: Vec<String> = j[..4].iter().map(|j| j.variant.label()).collect();
-            assert_eq!(v, ["link", "flashcomm", "flashcomm-q8", "flashcomm-q4"]);
+            // Per size: the link baselines (one way after the other, both at once), lossless,
+            // q8, q4.
+            assert_eq!(j.len(), 4 * 5);
+            let v: Vec<String> = j[..5].iter().map(|j| j.variant.label()).collect();
+            assert_eq!(
+                v,
+                [
+                    "link",
+                    "link-both",
+                    "flashcomm",
+                    "flashcomm-q8",
+                    "flashcomm-q4"
+                ]
+            );
             // The inputs buffer holds a rank's send buffer of the largest call.
             let (s, r, q) = buffer_bytes(&o, &j);
             assert_eq!(q, send, "{coll}");
