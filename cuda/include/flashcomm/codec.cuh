@@ -961,35 +961,12 @@ __device__ __forceinline__ void decode_values(const uint8_t* blk, const Layout<T
     lo = Elem<T>::from_bits(r & 0xffffu);
     hi = Elem<T>::from_bits(r >> 16);
   }
-  const float maxc = (float)((1u << B) - 1u);
-  const float step = __fdiv_rn(__fsub_rn(hi, lo), maxc);
-  const bool poisoned = isnan(lo) || isnan(hi);
-  may_nan = !poisoned && (isinf(lo) || isinf(hi) || isinf(__fadd_rn(lo, __fmul_rn(maxc, step))));
-
-  if (FC_CODEC_ABLATE & 16) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) v[i] = __uint_as_float(words[i % B]);
-  } else if (FC_CODEC_ABLATE & 8) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) v[i] = __uint_as_float(get_code<B>(words, i) | kMagicBits);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const float fq = __fsub_rn(__uint_as_float(get_code<B>(words, i) | kMagicBits), kMagic);
-      v[i] = __fadd_rn(lo, __fmul_rn(fq, step));
-    }
-  }
-
-  // Spikes: slots s < ke with a position inside the group's valid values; the first slot wins on
-  // a repeated position (patches are applied last slot first).
+  // The spike slots' loads too, before any of the loaded words is used: every load of the block
+  // is then in flight at once (one round trip when the block is read across PCIe).
   const uint32_t k = L.spikes;
-  sp.owned = 0;
+  uint32_t pos4 = 0;
+  float sv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   if (k != 0) {
-    const int glen = (int)nvalues - (int)(j << L.glog2);
-    const uint32_t len = glen <= 0 ? 0u : min((uint32_t)glen, L.group);
-    const uint32_t ke = min(k, len);
-    uint32_t pos4 = 0;
-    float sv[4];
     if constexpr (Elem<T>::kBytes == 4) {
       if (k == 2) {
         pos4 = Ld::template load<uint16_t>(blk + L.spos_off + 2u * j);
@@ -1021,6 +998,33 @@ __device__ __forceinline__ void decode_values(const uint8_t* blk, const Layout<T
         sv[3] = Elem<T>::from_bits(a.y >> 16);
       }
     }
+  }
+  const float maxc = (float)((1u << B) - 1u);
+  const float step = __fdiv_rn(__fsub_rn(hi, lo), maxc);
+  const bool poisoned = isnan(lo) || isnan(hi);
+  may_nan = !poisoned && (isinf(lo) || isinf(hi) || isinf(__fadd_rn(lo, __fmul_rn(maxc, step))));
+
+  if (FC_CODEC_ABLATE & 16) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v[i] = __uint_as_float(words[i % B]);
+  } else if (FC_CODEC_ABLATE & 8) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v[i] = __uint_as_float(get_code<B>(words, i) | kMagicBits);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const float fq = __fsub_rn(__uint_as_float(get_code<B>(words, i) | kMagicBits), kMagic);
+      v[i] = __fadd_rn(lo, __fmul_rn(fq, step));
+    }
+  }
+
+  // Spikes: slots s < ke with a position inside the group's valid values; the first slot wins on
+  // a repeated position (patches are applied last slot first).
+  sp.owned = 0;
+  if (k != 0) {
+    const int glen = (int)nvalues - (int)(j << L.glog2);
+    const uint32_t len = glen <= 0 ? 0u : min((uint32_t)glen, L.group);
+    const uint32_t ke = min(k, len);
     uint32_t owned = 0;
 #pragma unroll
     for (int s = 0; s < 4; ++s) {

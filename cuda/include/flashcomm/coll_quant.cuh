@@ -109,7 +109,20 @@ __device__ __forceinline__ void store_spikes(char* out, uint64_t cb, uint32_t la
 
 // Copies `bytes` (a multiple of 16) of a frame payload to another frame payload (peer memory).
 __device__ __forceinline__ void copy_payload(const char* src, char* dst, uint32_t bytes, uint32_t lane) {
-  for (uint32_t o = lane * 16; o < bytes; o += 32 * 16) st_v4(dst + o, ld_cg_v4(src + o));
+  // Every load of the frame first, then the stores: one memory latency per frame rather than one
+  // per 16 bytes (each load and store is an ordered asm statement).
+  constexpr int kVecs = FC_FRAME_PAYLOAD / 16 / 32;
+  uint4 d[kVecs];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const uint32_t o = (i * 32 + lane) * 16;
+    if (o < bytes) d[i] = ld_cg_v4(src + o);
+  }
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const uint32_t o = (i * 32 + lane) * 16;
+    if (o < bytes) st_v4(dst + o, d[i]);
+  }
 }
 
 // The sub-slot that `src` writes into `owner`'s arena for this block and `round`, except this
