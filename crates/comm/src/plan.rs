@@ -386,6 +386,23 @@ pub const CODEC_BLOCK_VALUES: u64 = 1024;
 /// Threads per block of the quantized kernels.
 pub const QUANT_THREADS: u32 = 256;
 
+/// Grid, sub-slot and chunk bytes of a quantized launch of up to `grid` blocks whose chunks
+/// cover `frames` frames (per source: the codec blocks of the message, of a two-step shard, or of
+/// one peer's block): the frames cut evenly over the grid, at most what a sub-slot holds, and the
+/// grid trimmed to the chunks there are, so that every block has work. The quantized kernels take
+/// a chunk's codec blocks from the sub-slot size (`sub_bytes / FRAME_BYTES` frames); a sub-slot
+/// of a sub-slot's full capacity whatever the message left most of the grid idle below a few
+/// MiB (4 MiB, 4-bit, 2 ranks, host transport: 5 of 22 blocks had work; docs/perf.md,
+/// "Quantized chunks cut to the message").
+fn quant_chunking(arena: &Arena, grid: u32, frames: u64) -> (u32, u64, u64) {
+    let capacity = arena.chunking(Protocol::Block, grid).0 / FRAME_BYTES;
+    let per = frames
+        .div_ceil(grid.max(1) as u64)
+        .clamp(1, capacity.max(1));
+    let grid = frames.div_ceil(per).clamp(1, grid.max(1) as u64) as u32;
+    (grid, per * FRAME_BYTES, per * FRAME_PAYLOAD)
+}
+
 /// Plans a quantized AllReduce. The wire format is the codec's; readiness travels in BLOCK frames
 /// that carry whole codec blocks. Two-step needs every shard non-empty (at least `nranks` codec
 /// blocks); the cost model picks between one-shot and two-step from the bytes each moves after
@@ -444,7 +461,7 @@ pub fn plan_quant(
     let grid = frames
         .div_ceil((QUANT_THREADS / 32) as u64)
         .clamp(1, max_grid.min(arena.max_grid()).max(1) as u64) as u32;
-    let (sub_bytes, chunk_bytes) = arena.chunking(Protocol::Block, grid);
+    let (grid, sub_bytes, chunk_bytes) = quant_chunking(arena, grid, frames);
     Ok(Plan {
         coll: Collective::AllReduce,
         algo,
@@ -487,11 +504,12 @@ pub fn plan_quant_op(
     }
     let f = q.format(dtype, q.rs_bits)?;
     let per_frame = FRAME_PAYLOAD / f.block_bytes() as u64;
-    let frames = count.div_ceil(CODEC_BLOCK_VALUES).div_ceil(per_frame) * arena.nranks as u64;
+    let per_peer = count.div_ceil(CODEC_BLOCK_VALUES).div_ceil(per_frame);
+    let frames = per_peer * arena.nranks as u64;
     let grid = frames
         .div_ceil((QUANT_THREADS / 32) as u64)
         .clamp(1, max_grid.min(arena.max_grid()).max(1) as u64) as u32;
-    let (sub_bytes, chunk_bytes) = arena.chunking(Protocol::Block, grid);
+    let (grid, sub_bytes, chunk_bytes) = quant_chunking(arena, grid, per_peer);
     Ok(Plan {
         coll,
         algo: Algorithm::OneShot,
@@ -859,6 +877,56 @@ mod tests {
         assert!(QuantSpec::new(1, 1, 128, 2).is_err());
         assert!(QuantSpec::new(4, 4, 100, 2).is_err());
         assert!(QuantSpec::new(4, 4, 128, 3).is_err());
+    }
+
+    #[test]
+    fn quantized_chunks_give_every_block_work() {
+        // (ranks, values): the kernels cut a message (one-shot), a shard (two-step) or a peer's
+        // block (one-step collectives) into chunks of `sub_bytes / FRAME_BYTES` frames, and
+        // block b takes chunks b, b + grid, ...: every block must get one, and the chunks
+        // must cover the frames.
+        let q = QuantSpec::new(4, 4, 128, 2).unwrap();
+        let m = CostModel::default_for(2);
+        let per_frame = FRAME_PAYLOAD / q.format(DataType::Bf16, 4).unwrap().block_bytes() as u64;
+        for n in [2u32, 4, 8] {
+            let a = Arena::new(n, 64 << 20).unwrap();
+            for values in [1u64 << 15, 1 << 19, 1 << 21, 1 << 23, 1 << 27] {
+                for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+                    let p = plan_quant(&a, &m, values, DataType::Bf16, q, 66, Choice::Force(algo))
+                        .unwrap();
+                    let nb = values.div_ceil(CODEC_BLOCK_VALUES);
+                    let blocks = if p.algo == Algorithm::TwoShot {
+                        nb.div_ceil(n as u64)
+                    } else {
+                        nb
+                    };
+                    let frames = blocks.div_ceil(per_frame);
+                    let per = p.sub_bytes / FRAME_BYTES;
+                    let chunks = frames.div_ceil(per);
+                    assert!(
+                        chunks >= p.grid as u64,
+                        "{n} ranks, {values} values, {algo:?}: {p:?}"
+                    );
+                    assert!(per * FRAME_BYTES <= a.chunking(Protocol::Block, p.grid).0);
+                }
+                for coll in [
+                    Collective::AllGather,
+                    Collective::ReduceScatter,
+                    Collective::AlltoAll,
+                ] {
+                    let p =
+                        plan_quant_op(&a, coll, values / n as u64, DataType::Bf16, q, 66).unwrap();
+                    let frames = (values / n as u64)
+                        .div_ceil(CODEC_BLOCK_VALUES)
+                        .div_ceil(per_frame);
+                    let chunks = frames.div_ceil(p.sub_bytes / FRAME_BYTES);
+                    assert!(
+                        chunks >= p.grid as u64 || p.grid == 1,
+                        "{coll} {n} ranks, {values} values: {p:?}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
