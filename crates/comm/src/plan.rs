@@ -385,6 +385,12 @@ impl QuantSpec {
 pub const CODEC_BLOCK_VALUES: u64 = 1024;
 /// Threads per block of the quantized kernels.
 pub const QUANT_THREADS: u32 = 256;
+/// Codec blocks below which a quantized AllReduce is one-shot whatever the cost model says
+/// (256: 512 KiB of bf16). Two-step's three dependent steps cost more than one-shot's extra
+/// decoding there, and the model, which scales the lossless rows by the compressed bytes, picked
+/// two-step at 64 KiB now and then (host transport, 2 ranks, 4-bit: 78 us against one-shot's 44;
+/// docs/perf.md).
+pub const QUANT_TWO_STEP_MIN_BLOCKS: u64 = 256;
 
 /// Grid, sub-slot and chunk bytes of a quantized launch of up to `grid` blocks whose chunks
 /// cover `frames` frames (per source: the codec blocks of the message, of a two-step shard, or of
@@ -445,10 +451,14 @@ pub fn plan_quant(
     let algo = match algo_choice {
         Choice::Force(Algorithm::TwoShot) if two_ok => Algorithm::TwoShot,
         Choice::Force(_) => Algorithm::OneShot,
-        Choice::Auto if two_ok && n > 1 && t_two < t_one => Algorithm::TwoShot,
+        Choice::Auto if two_ok && n > 1 && nb >= QUANT_TWO_STEP_MIN_BLOCKS && t_two < t_one => {
+            Algorithm::TwoShot
+        }
         Choice::Auto => Algorithm::OneShot,
     };
-    // One warp per frame; a frame carries FRAME_PAYLOAD / block_bytes codec blocks.
+    // A frame carries FRAME_PAYLOAD / block_bytes codec blocks. Two-step: one warp per frame.
+    // One-shot: the warps of a block share its chunk's codec blocks, so the grid is sized for
+    // one codec block per warp.
     let per_frame = match algo {
         Algorithm::OneShot => FRAME_PAYLOAD / fr.block_bytes() as u64,
         Algorithm::TwoShot => FRAME_PAYLOAD / (fr.block_bytes().max(fa.block_bytes()) as u64),
@@ -458,7 +468,11 @@ pub fn plan_quant(
         Algorithm::TwoShot => nb.div_ceil(n),
     };
     let frames = blocks.div_ceil(per_frame);
-    let grid = frames
+    let per_warp = match algo {
+        Algorithm::OneShot => blocks,
+        Algorithm::TwoShot => frames,
+    };
+    let grid = per_warp
         .div_ceil((QUANT_THREADS / 32) as u64)
         .clamp(1, max_grid.min(arena.max_grid()).max(1) as u64) as u32;
     let (grid, sub_bytes, chunk_bytes) = quant_chunking(arena, grid, frames);
