@@ -386,11 +386,12 @@ pub const CODEC_BLOCK_VALUES: u64 = 1024;
 /// Threads per block of the quantized kernels.
 pub const QUANT_THREADS: u32 = 256;
 /// Codec blocks below which a quantized AllReduce is one-shot whatever the cost model says
-/// (256: 512 KiB of bf16). Two-step's three dependent steps cost more than one-shot's extra
+/// (64: 128 KiB of bf16). Two-step's three dependent steps cost more than one-shot's extra
 /// decoding there, and the model, which scales the lossless rows by the compressed bytes, picked
-/// two-step at 64 KiB now and then (host transport, 2 ranks, 4-bit: 78 us against one-shot's 44;
-/// docs/perf.md).
-pub const QUANT_TWO_STEP_MIN_BLOCKS: u64 = 256;
+/// two-step at 64 KiB now and then (host transport, 2 ranks, 4-bit: 78 us against one-shot's 44).
+/// At 256 KiB it is not so: 8 ranks on the host transport, one-shot took 1.5-3x two-step's time
+/// (docs/perf.md).
+pub const QUANT_TWO_STEP_MIN_BLOCKS: u64 = 64;
 
 /// Grid, sub-slot and chunk bytes of a quantized launch of up to `grid` blocks whose chunks
 /// cover `frames` frames (per source: the codec blocks of the message, of a two-step shard, or of

@@ -197,47 +197,86 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
     const uint64_t cb0 = k * K;
     const uint32_t ncb = (uint32_t)min(K, nb - cb0);
     const uint32_t nframes = (ncb + m - 1) / m;
-    // Encode once into the own slot: codec block j of the chunk goes to warp j % kWarps, so a
-    // chunk of a few frames keeps every warp busy (a warp per frame would encode its frame's m
-    // codec blocks one after the other while the other warps wait).
-    for (uint32_t j = warp; j < ncb; j += kWarps) {
-      const uint32_t f = j / m, i = j % m;
-      char* self = frame_payload(qslot(p, c, p.rank, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES);
-      Vals<T> x;
-      load_lane<T>(in, p.count, cb0 + j, lane, x);
-      codec::encode<T, B>(x, codec::block_nvalues(p.count, cb0 + j), L, reinterpret_cast<uint8_t*>(self) + (uint64_t)i * bb,
-                          HeaderMode::kZeroTag);
-    }
-    // Every frame is whole before warp f % kWarps copies frame f to every peer and publishes it
-    // (the barrier orders the other warps' encodings before its loads and its fence).
-    __syncthreads();
-    for (uint32_t f = warp; f < nframes; f += kWarps) {
-      const uint32_t nblk = min(m, ncb - f * m);
-      const char* self = frame_payload(qslot(p, c, p.rank, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES);
-      for (uint32_t q = 0; q < p.nranks; ++q) {
-        if (q != p.rank)
-          copy_payload(self, frame_payload(sub_slot(p, c, q, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES), nblk * bb, lane);
+    if (nframes >= kWarps) {
+      // A chunk of at least one frame per warp: each warp takes whole frames and never waits
+      // for another warp.
+      // Encode once into the own slot, then copy to every peer.
+      for (uint32_t f = warp; f < nframes; f += kWarps) {
+        const uint32_t nblk = min(m, ncb - f * m);
+        char* self = frame_payload(qslot(p, c, p.rank, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES);
+        for (uint32_t i = 0; i < nblk; ++i) {
+          const uint64_t cb = cb0 + (uint64_t)f * m + i;
+          Vals<T> x;
+          load_lane<T>(in, p.count, cb, lane, x);
+          codec::encode<T, B>(x, codec::block_nvalues(p.count, cb), L, reinterpret_cast<uint8_t*>(self) + (uint64_t)i * bb,
+                              HeaderMode::kZeroTag);
+        }
+        __syncwarp();
+        for (uint32_t q = 0; q < p.nranks; ++q) {
+          if (q != p.rank)
+            copy_payload(self, frame_payload(sub_slot(p, c, q, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES), nblk * bb, lane);
+        }
+        publish(p, c, 0, all, round, f);
       }
-      publish(p, c, 0, all, round, f);
+      // Decode all N encodings of every block in rank order.
+      for (uint32_t f = warp; f < nframes; f += kWarps) {
+        const uint32_t nblk = min(m, ncb - f * m);
+        wait_frames(p, c, 0, others, round, f);
+        for (uint32_t i = 0; i < nblk; ++i) {
+          const uint64_t cb = cb0 + (uint64_t)f * m + i;
+          const uint32_t nv = codec::block_nvalues(p.count, cb);
+          float acc[32];
+          bool may_nan = false;
+          codec::decode<T, B, codec::LoadCg>(block_in(p, c, 0, 0, round, f, i, bb), L, nv, acc, scratch, may_nan);
+          for (uint32_t s = 1; s < p.nranks; ++s)
+            codec::decode_accumulate<T, B, codec::LoadCg>(block_in(p, c, 0, s, round, f, i, bb), L, nv, acc, scratch);
+          store_lane<T>(out, p.count, cb, lane, acc, may_nan);
+        }
+        clear_frames(p, c, 0, others, round, f);
+      }
+    } else {
+      // Encode once into the own slot: codec block j of the chunk goes to warp j % kWarps, so a
+      // chunk of a few frames keeps every warp busy (a warp per frame would encode its frame's m
+      // codec blocks one after the other while the other warps wait).
+      for (uint32_t j = warp; j < ncb; j += kWarps) {
+        const uint32_t f = j / m, i = j % m;
+        char* self = frame_payload(qslot(p, c, p.rank, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES);
+        Vals<T> x;
+        load_lane<T>(in, p.count, cb0 + j, lane, x);
+        codec::encode<T, B>(x, codec::block_nvalues(p.count, cb0 + j), L, reinterpret_cast<uint8_t*>(self) + (uint64_t)i * bb,
+                            HeaderMode::kZeroTag);
+      }
+      // Every frame is whole before warp f % kWarps copies frame f to every peer and publishes it
+      // (the barrier orders the other warps' encodings before its loads and its fence).
+      __syncthreads();
+      for (uint32_t f = warp; f < nframes; f += kWarps) {
+        const uint32_t nblk = min(m, ncb - f * m);
+        const char* self = frame_payload(qslot(p, c, p.rank, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES);
+        for (uint32_t q = 0; q < p.nranks; ++q) {
+          if (q != p.rank)
+            copy_payload(self, frame_payload(sub_slot(p, c, q, 0, p.rank, round) + (uint64_t)f * FC_FRAME_BYTES), nblk * bb, lane);
+        }
+        publish(p, c, 0, all, round, f);
+      }
+      // Every peer's frames of the chunk, then (after the barrier) every warp decodes its codec
+      // blocks: all N encodings of a block in rank order.
+      for (uint32_t f = warp; f < nframes; f += kWarps) wait_frames(p, c, 0, others, round, f);
+      __syncthreads();
+      for (uint32_t j = warp; j < ncb; j += kWarps) {
+        const uint32_t f = j / m, i = j % m;
+        const uint64_t cb = cb0 + j;
+        const uint32_t nv = codec::block_nvalues(p.count, cb);
+        float acc[32];
+        bool may_nan = false;
+        codec::decode<T, B, codec::LoadCg>(block_in(p, c, 0, 0, round, f, i, bb), L, nv, acc, scratch, may_nan);
+        for (uint32_t s = 1; s < p.nranks; ++s)
+          codec::decode_accumulate<T, B, codec::LoadCg>(block_in(p, c, 0, s, round, f, i, bb), L, nv, acc, scratch);
+        store_lane<T>(out, p.count, cb, lane, acc, may_nan);
+      }
+      // The frames are read (every warp's decodes) before their tags are cleared.
+      __syncthreads();
+      for (uint32_t f = warp; f < nframes; f += kWarps) clear_frames(p, c, 0, others, round, f);
     }
-    // Every peer's frames of the chunk, then (after the barrier) every warp decodes its codec
-    // blocks: all N encodings of a block in rank order.
-    for (uint32_t f = warp; f < nframes; f += kWarps) wait_frames(p, c, 0, others, round, f);
-    __syncthreads();
-    for (uint32_t j = warp; j < ncb; j += kWarps) {
-      const uint32_t f = j / m, i = j % m;
-      const uint64_t cb = cb0 + j;
-      const uint32_t nv = codec::block_nvalues(p.count, cb);
-      float acc[32];
-      bool may_nan = false;
-      codec::decode<T, B, codec::LoadCg>(block_in(p, c, 0, 0, round, f, i, bb), L, nv, acc, scratch, may_nan);
-      for (uint32_t s = 1; s < p.nranks; ++s)
-        codec::decode_accumulate<T, B, codec::LoadCg>(block_in(p, c, 0, s, round, f, i, bb), L, nv, acc, scratch);
-      store_lane<T>(out, p.count, cb, lane, acc, may_nan);
-    }
-    // The frames are read (every warp's decodes) before their tags are cleared.
-    __syncthreads();
-    for (uint32_t f = warp; f < nframes; f += kWarps) clear_frames(p, c, 0, others, round, f);
   }
   finish(p, c);
 }
