@@ -2,15 +2,18 @@
 // instantiate them).
 //
 // Payload: codec blocks (docs/codec.md), 1024 values each. Readiness: the BLOCK protocol's frame
-// tag. A frame's 4096-byte payload carries m = 4096 / block_bytes whole codec blocks, so a warp
-// owns whole codec blocks and whole frames, and frame tags stay on the one 4112-byte grid that the
-// lossless BLOCK protocol uses: a stale codec block of another format can never sit where a tag is
-// expected. (The codec header's own tag word is therefore left at 0 by this transport.)
+// tag. A frame's 4096-byte payload carries m = 4096 / block_bytes whole codec blocks, so frame
+// tags stay on the one 4112-byte grid that the lossless BLOCK protocol uses: a stale codec block
+// of another format can never sit where a tag is expected. (The codec header's own tag word is
+// therefore left at 0 by this transport.)
 //
 // One-shot (small messages): every rank encodes its input once, into its own slot of its own arena
 // (a slot nobody else writes), copies those bytes to every peer, and then every rank decodes all N
 // encodings in rank order 0..N-1 with f32 accumulation, its own from its own slot: every rank
-// decodes the same bytes in the same order, so every rank's result is bitwise identical.
+// decodes the same bytes in the same order, so every rank's result is bitwise identical. In a
+// round whose chunk has fewer frames than the block has warps, the warps share the chunk's codec
+// blocks (block barriers between encoding and publishing, waiting and decoding, decoding and
+// clearing); a frame is still published, waited for and cleared by warp f mod kWarps.
 //
 // Two-step (large messages): codec blocks are sharded over ranks (shard j = blocks
 // [j*nb/N, (j+1)*nb/N)). Per chunk: (1) each rank encodes its part of every shard straight into
