@@ -469,11 +469,11 @@ pub fn plan_quant(
         Algorithm::TwoShot => nb.div_ceil(n),
     };
     let frames = blocks.div_ceil(per_frame);
-    let per_warp = match algo {
+    let warp_units = match algo {
         Algorithm::OneShot => blocks,
         Algorithm::TwoShot => frames,
     };
-    let grid = per_warp
+    let grid = warp_units
         .div_ceil((QUANT_THREADS / 32) as u64)
         .clamp(1, max_grid.min(arena.max_grid()).max(1) as u64) as u32;
     let (grid, sub_bytes, chunk_bytes) = quant_chunking(arena, grid, frames);
@@ -898,8 +898,8 @@ mod tests {
     fn quantized_chunks_give_every_block_work() {
         // (ranks, values): the kernels cut a message (one-shot), a shard (two-step) or a peer's
         // block (one-step collectives) into chunks of `sub_bytes / FRAME_BYTES` frames, and
-        // block b takes chunks b, b + grid, ...: every block must get one, and the chunks
-        // must cover the frames.
+        // block b takes chunks b, b + grid, ...: every block must get one, and a chunk must
+        // fit its sub-slot.
         let q = QuantSpec::new(4, 4, 128, 2).unwrap();
         let m = CostModel::default_for(2);
         let per_frame = FRAME_PAYLOAD / q.format(DataType::Bf16, 4).unwrap().block_bytes() as u64;
@@ -936,9 +936,10 @@ mod tests {
                         .div_ceil(per_frame);
                     let chunks = frames.div_ceil(p.sub_bytes / FRAME_BYTES);
                     assert!(
-                        chunks >= p.grid as u64 || p.grid == 1,
+                        chunks >= p.grid as u64,
                         "{coll} {n} ranks, {values} values: {p:?}"
                     );
+                    assert!(p.sub_bytes <= a.chunking(Protocol::Block, p.grid).0);
                 }
             }
         }
