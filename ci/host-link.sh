@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Builds the host link probes (cuda/bench/host_link.cu and host_schedules.cu) into <dir>:
+#
+#   ci/host-link.sh <dir>            # here (needs the CUDA toolchain of ci/setup.sh)
+#   <dir>/host_link [MiB...]         # on the GPU machine (no toolchain needed)
+#   <dir>/host_schedules [MiB...]
+#
+# FLASHCOMM_CUDA_ARCHS picks the architecture (default 90).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${1:?usage: ci/host-link.sh <dir>}
+mkdir -p "$out"
+"$root/ci/setup.sh" >/dev/null
+source "$root/.toolchain/env.sh"
+arch=${FLASHCOMM_CUDA_ARCHS:-90}
+arch=${arch%%;*}
+"$NVCC" -std=c++17 -O3 -arch="sm_$arch" -cudart static -L "$CUDA_HOME/lib" \
+  -o "$out/host_link" "$root/cuda/bench/host_link.cu"
+"$NVCC" -std=c++17 -O3 -arch="sm_$arch" -cudart static -L "$CUDA_HOME/lib" \
+  -o "$out/host_schedules" "$root/cuda/bench/host_schedules.cu"
