@@ -19,48 +19,13 @@
 //   sm_both_fence_G      that beside a loading kernel that acquires each frame's flag first
 //   ce_d2h+sm_ld_G       the copy engine writes host memory while the SMs read it
 //   sm_st_G+ce_h2d       the SMs write host memory while the copy engine reads it
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <string>
-#include <vector>
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
+#include "probe.cuh"
 
-constexpr int kFrameVecs = 256;  // 4 KiB of uint4 per frame
-constexpr int kPerLane = kFrameVecs / 32;
-
-__device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-__device__ __forceinline__ void st_relaxed_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Loads and stores of 16 bytes in program order (volatile asm is never reordered against other
-// volatile asm), so a lane's eight loads of a frame are all in flight before its first store.
-__device__ __forceinline__ uint4 ld_v4(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ void st_v4(void* p, uint4 v) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}
+using probe::kFrameVecs;
+using probe::kPerLane;
 
 // Copies `frames` 4 KiB frames src -> dst, one warp per frame, grid-stride. With `publish`, lane 0
 // fences at system scope after the warp's stores and stores `flag[f] = 1`; with `acquire`, lane 0
@@ -73,21 +38,19 @@ __global__ void frames_copy(const uint4* __restrict__ src, uint4* __restrict__ d
   for (size_t f = warp; f < frames; f += warps) {
     if (acquire) {
       if (lane == 0) {
-        for (uint32_t spins = 0; spins < (1u << 24) && ld_acquire_sys(flags + f) == 0; ++spins) {
+        for (uint32_t spins = 0; spins < (1u << 24) && fc::ld_acquire_sys_u32(flags + f) == 0; ++spins) {
         }
       }
       __syncwarp();
     }
     uint4 v[kPerLane];
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) v[i] = ld_v4(src + f * kFrameVecs + i * 32 + lane);
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) st_v4(dst + f * kFrameVecs + i * 32 + lane, v[i]);
+    probe::load_frame(v, src + f * kFrameVecs);
+    probe::store_frame(dst + f * kFrameVecs, v);
     if (publish) {
       __syncwarp();
       if (lane == 0) {
-        fence_sys();
-        st_relaxed_sys(flags + f, 1u);
+        fc::fence_sys();
+        fc::st_relaxed_sys_u32(flags + f, 1u);
       }
     }
   }
@@ -100,11 +63,6 @@ struct Bufs {
   uint4 *host_w_dev, *host_r_dev;
   uint32_t *flags, *flags_dev;  // one per frame, host memory
 };
-
-static float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 int main(int argc, char** argv) {
   std::vector<size_t> mib;
@@ -162,7 +120,7 @@ int main(int argc, char** argv) {
       CK(cudaEventElapsedTime(&ms, start, stop));
       if (rep >= 2) t.push_back(ms);
     }
-    const float ms = median(t);
+    const float ms = probe::median(t);
     std::printf("%-22s %6zu MiB  %10.1f us  %7.1f GB/s per direction\n", name, bytes >> 20, ms * 1e3,
                 bytes / (ms * 1e-3) / 1e9);
     std::fflush(stdout);

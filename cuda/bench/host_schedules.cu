@@ -29,37 +29,25 @@
 // Beside them: ce_both (the copy engine moving S bytes each way at once, two streams); the AllReduce
 // moves 2S each way, so its floor is twice that time.
 #include <cuda.h>
-#include <cuda_runtime.h>
 
-#include <algorithm>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <vector>
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
+#include "probe.cuh"
 
-constexpr int kFrameVecs = 256;  // float4 per 4 KiB frame
-constexpr int kPerLane = kFrameVecs / 32;
+using probe::kFrameVecs;
+using probe::kPerLane;
+
 constexpr uint32_t kSpinLimit = 1u << 26;  // about a second of polling across PCIe
 
 enum Schedule : int { kLockstep = 0, kSplit = 1, kCeSplit = 2 };
 
 struct RankArgs {
-  const float4* send;  // device, whole message
-  float4* recv;        // device, whole message
-  float4* out_rs;      // own outbox (device view of host memory), one shard
-  float4* out_ag;
-  const float4* peer_rs;  // peer's outbox
-  const float4* peer_ag;
+  const uint4* send;  // device, whole message (fp32)
+  uint4* recv;        // device, whole message
+  uint4* out_rs;      // own outbox (device view of host memory), one shard
+  uint4* out_ag;
+  const uint4* peer_rs;  // peer's outbox
+  const uint4* peer_ag;
   uint32_t* rs_flags;  // own flags (host memory)
   uint32_t* ag_flags;
   const uint32_t* peer_rs_flags;
@@ -72,21 +60,11 @@ struct RankArgs {
   int schedule;
 };
 
-__device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-__device__ __forceinline__ void st_relaxed_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Lane 0 waits for `*flag == epoch` (bounded; gives up at once when another wait failed).
 __device__ __forceinline__ void wait_flag(const RankArgs& a, const uint32_t* flag) {
   if ((threadIdx.x & 31) == 0) {
     uint32_t spins = 0;
-    while (ld_acquire_sys(flag) != a.epoch) {
+    while (fc::ld_acquire_sys_u32(flag) != a.epoch) {
       if ((++spins & 1023u) == 0 && (spins >= kSpinLimit || *(volatile uint32_t*)a.failed != 0)) {
         atomicExch_system(a.failed, 1u);
         break;
@@ -99,68 +77,47 @@ __device__ __forceinline__ void wait_flag(const RankArgs& a, const uint32_t* fla
 __device__ __forceinline__ void publish(uint32_t* flag, uint32_t epoch) {
   __syncwarp();
   if ((threadIdx.x & 31) == 0) {
-    fence_sys();
-    st_relaxed_sys(flag, epoch);
+    fc::fence_sys();
+    fc::st_relaxed_sys_u32(flag, epoch);
   }
-}
-
-// Loads and stores of 16 bytes in program order (volatile asm is never reordered against other
-// volatile asm), so a lane's eight loads of a frame are all in flight before its first store.
-__device__ __forceinline__ float4 ld_v4(const void* p) {
-  float4 v;
-  asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ void st_v4(void* p, float4 v) {
-  asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
-}
-
-__device__ __forceinline__ void load_frame(float4 (&v)[kPerLane], const float4* f) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) v[i] = ld_v4(f + i * 32 + lane);
-}
-__device__ __forceinline__ void store_frame(float4* f, const float4 (&v)[kPerLane]) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) st_v4(f + i * 32 + lane, v[i]);
 }
 
 // P: frame j of the peer's shard of this rank's input into the own outbox.
 __device__ __forceinline__ void part_p(const RankArgs& a, uint32_t j) {
   const uint32_t peer = 1 - a.rank;
-  float4 v[kPerLane];
-  load_frame(v, a.send + ((size_t)peer * a.shard_frames + j) * kFrameVecs);
-  store_frame(a.out_rs + (size_t)j * kFrameVecs, v);
+  uint4 v[kPerLane];
+  probe::load_frame(v, a.send + ((size_t)peer * a.shard_frames + j) * kFrameVecs);
+  probe::store_frame(a.out_rs + (size_t)j * kFrameVecs, v);
   publish(a.rs_flags + j, a.epoch);
 }
 
 // R: frame j of the own shard: the peer's part plus the own, into recv and the own outbox.
 __device__ __forceinline__ void part_r(const RankArgs& a, uint32_t j) {
-  float4 mine[kPerLane], theirs[kPerLane];
+  uint4 mine[kPerLane], theirs[kPerLane];
   const size_t own = ((size_t)a.rank * a.shard_frames + j) * kFrameVecs;
-  load_frame(mine, a.send + own);
+  probe::load_frame(mine, a.send + own);
   wait_flag(a, a.peer_rs_flags + j / a.rs_frames_per_flag);
-  load_frame(theirs, a.peer_rs + (size_t)j * kFrameVecs);
+  probe::load_frame(theirs, a.peer_rs + (size_t)j * kFrameVecs);
   // Rank order (rank 0's part first) so both ranks' sums are bitwise equal.
+  auto add = [](uint32_t x, uint32_t y) { return __float_as_uint(__fadd_rn(__uint_as_float(x), __uint_as_float(y))); };
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
-    const float4 x = a.rank == 0 ? mine[i] : theirs[i];
-    const float4 y = a.rank == 0 ? theirs[i] : mine[i];
-    mine[i] = make_float4(__fadd_rn(x.x, y.x), __fadd_rn(x.y, y.y), __fadd_rn(x.z, y.z), __fadd_rn(x.w, y.w));
+    const uint4 x = a.rank == 0 ? mine[i] : theirs[i];
+    const uint4 y = a.rank == 0 ? theirs[i] : mine[i];
+    mine[i] = make_uint4(add(x.x, y.x), add(x.y, y.y), add(x.z, y.z), add(x.w, y.w));
   }
-  store_frame(a.recv + own, mine);
-  store_frame(a.out_ag + (size_t)j * kFrameVecs, mine);
+  probe::store_frame(a.recv + own, mine);
+  probe::store_frame(a.out_ag + (size_t)j * kFrameVecs, mine);
   publish(a.ag_flags + j, a.epoch);
 }
 
 // G: frame j of the peer's reduced shard into recv.
 __device__ __forceinline__ void part_g(const RankArgs& a, uint32_t j) {
   const uint32_t peer = 1 - a.rank;
-  float4 v[kPerLane];
+  uint4 v[kPerLane];
   wait_flag(a, a.peer_ag_flags + j);
-  load_frame(v, a.peer_ag + (size_t)j * kFrameVecs);
-  store_frame(a.recv + ((size_t)peer * a.shard_frames + j) * kFrameVecs, v);
+  probe::load_frame(v, a.peer_ag + (size_t)j * kFrameVecs);
+  probe::store_frame(a.recv + ((size_t)peer * a.shard_frames + j) * kFrameVecs, v);
 }
 
 __global__ void __launch_bounds__(256) allreduce2(RankArgs a) {
@@ -192,13 +149,8 @@ __global__ void __launch_bounds__(256) allreduce2(RankArgs a) {
 typedef CUresult (*WriteValue32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
 __global__ void write_flag(uint32_t* flag, uint32_t v) {
-  fence_sys();
-  st_relaxed_sys(flag, v);
-}
-
-static float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  fc::fence_sys();
+  fc::st_relaxed_sys_u32(flag, v);
 }
 
 int main(int argc, char** argv) {
@@ -220,7 +172,7 @@ int main(int argc, char** argv) {
     write_value = nullptr;
 
   const size_t max_frames = maxb / (kFrameVecs * 16);
-  float4 *send[2], *recv[2], *out_rs[2], *out_ag[2], *out_rs_dev[2], *out_ag_dev[2];
+  uint4 *send[2], *recv[2], *out_rs[2], *out_ag[2], *out_rs_dev[2], *out_ag_dev[2];
   uint32_t *flags, *flags_dev;  // [rank][rs|ag][frame], then the failure word
   CK(cudaHostAlloc(&flags, (4 * max_frames + 1) * 4, cudaHostAllocMapped | cudaHostAllocPortable));
   CK(cudaHostGetDevicePointer(&flags_dev, flags, 0));
@@ -275,7 +227,7 @@ int main(int argc, char** argv) {
         CK(cudaEventElapsedTime(&ms, start, stop));
         if (rep >= 2) t.push_back(ms);
       }
-      const float us = median(t) * 1e3f;
+      const float us = probe::median(t) * 1e3f;
       std::printf("%-14s %4zu MiB  %10.1f us  %6.1f GB/s each way   AllReduce floor %.1f us\n", "ce_both", m, us,
                   bytes / (us * 1e-6) / 1e9, 2 * us);
     }
@@ -382,7 +334,7 @@ int main(int argc, char** argv) {
         std::printf("%-22s %4zu MiB  FAILED (a wait ran out)\n", label, m);
         continue;
       }
-      const float us = median(t) * 1e3f;
+      const float us = probe::median(t) * 1e3f;
       std::printf("%-22s %4zu MiB  %10.1f us  %6.1f GB/s each way  wrong %zu\n", label, m, us,
                   2.0 * bytes / (us * 1e-6) / 1e9, wrong);
       std::fflush(stdout);
