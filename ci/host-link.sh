@@ -14,7 +14,7 @@ mkdir -p "$out"
 source "$root/.toolchain/env.sh"
 arch=${FLASHCOMM_CUDA_ARCHS:-90}
 arch=${arch%%;*}
-"$NVCC" -std=c++17 -O3 -arch="sm_$arch" -I "$root/cuda/include" -cudart static -L "$CUDA_HOME/lib" \
-  -o "$out/host_link" "$root/cuda/bench/host_link.cu"
-"$NVCC" -std=c++17 -O3 -arch="sm_$arch" -I "$root/cuda/include" -cudart static -L "$CUDA_HOME/lib" \
-  -o "$out/host_schedules" "$root/cuda/bench/host_schedules.cu"
+for probe in host_link host_schedules; do
+  "$NVCC" -std=c++17 -O3 -arch="sm_$arch" -I "$root/cuda/include" -cudart static -L "$CUDA_HOME/lib" \
+    -o "$out/$probe" "$root/cuda/bench/$probe.cu"
+done
