@@ -570,7 +570,7 @@ struct Cli {
     /// Time the cost model when the communicator is created [1]
     #[arg(long, value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     calibrate: Option<bool>,
-    /// Order captured calls with eager ones through graph nodes (FLASHCOMM_GRAPH_MIXING) [0]
+    /// Order captured calls with eager ones through graph nodes (FLASHCOMM_GRAPH_MIXING) [1]
     #[arg(long = "graph-mixing", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     graph_mixing: Option<bool>,
     /// Let the next kernel launch as soon as a flashcomm kernel starts (FLASHCOMM_EARLY_LAUNCH) [1]
