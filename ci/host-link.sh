@@ -10,11 +10,15 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:?usage: ci/host-link.sh <dir>}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 "$root/ci/setup.sh" >/dev/null
 source "$root/.toolchain/env.sh"
 arch=${FLASHCOMM_CUDA_ARCHS:-90}
 arch=${arch%%;*}
+# From the repository root with relative paths, so that the probes' messages (__FILE__) name
+# cuda/bench/..., not the folder this was built in.
+cd "$root"
 for probe in host_link host_schedules; do
-  "$NVCC" -std=c++17 -O3 -arch="sm_$arch" -I "$root/cuda/include" -cudart static -L "$CUDA_HOME/lib" \
-    -o "$out/$probe" "$root/cuda/bench/$probe.cu"
+  "$NVCC" -std=c++17 -O3 -arch="sm_$arch" -I cuda/include -cudart static -L "$CUDA_HOME/lib" \
+    -o "$out/$probe" "cuda/bench/$probe.cu"
 done
