@@ -393,6 +393,13 @@ pub const QUANT_THREADS: u32 = 256;
 /// (docs/perf.md).
 pub const QUANT_TWO_STEP_MIN_BLOCKS: u64 = 64;
 
+/// Rounds per block beyond which a quantized AllReduce is never one-shot (forced or chosen): the
+/// quantized one-shot kernel gave wrong results, on both transports, whenever its blocks took a
+/// third round, which reuses the first round's sub-slot (measured on the H200 at 16-64 MiB,
+/// docs/perf.md, "The quantized one-shot's third round"). Until the cause is found, such messages
+/// run two-step, whose sub-slot reuse the tests cover up to 256 MiB.
+pub const QUANT_ONE_SHOT_MAX_ROUNDS: u64 = 2;
+
 /// Grid, sub-slot and chunk bytes of a quantized launch of up to `grid` blocks whose chunks
 /// cover `frames` frames (per source: the codec blocks of the message, of a two-step shard, or of
 /// one peer's block): the frames cut evenly over the grid, at most what a sub-slot holds, and the
@@ -457,26 +464,38 @@ pub fn plan_quant(
         }
         Choice::Auto => Algorithm::OneShot,
     };
-    // A frame carries FRAME_PAYLOAD / block_bytes codec blocks. Two-step: one warp per frame.
-    // One-shot: the warps of a block share its chunk's codec blocks, so the grid is sized for
-    // one codec block per warp.
-    let per_frame = match algo {
-        Algorithm::OneShot => FRAME_PAYLOAD / fr.block_bytes() as u64,
-        Algorithm::TwoShot => FRAME_PAYLOAD / (fr.block_bytes().max(fa.block_bytes()) as u64),
+    // Grid, sub-slot and chunk bytes of `algo`, and the rounds its busiest block takes.
+    let shape = |algo: Algorithm| {
+        // A frame carries FRAME_PAYLOAD / block_bytes codec blocks. Two-step: one warp per
+        // frame. One-shot: the warps of a block share its chunk's codec blocks, so the grid is
+        // sized for one codec block per warp.
+        let per_frame = match algo {
+            Algorithm::OneShot => FRAME_PAYLOAD / fr.block_bytes() as u64,
+            Algorithm::TwoShot => FRAME_PAYLOAD / (fr.block_bytes().max(fa.block_bytes()) as u64),
+        };
+        let blocks = match algo {
+            Algorithm::OneShot => nb,
+            Algorithm::TwoShot => nb.div_ceil(n),
+        };
+        let frames = blocks.div_ceil(per_frame);
+        let warp_units = match algo {
+            Algorithm::OneShot => blocks,
+            Algorithm::TwoShot => frames,
+        };
+        let grid = warp_units
+            .div_ceil((QUANT_THREADS / 32) as u64)
+            .clamp(1, max_grid.min(arena.max_grid()).max(1) as u64) as u32;
+        let (grid, sub_bytes, chunk_bytes) = quant_chunking(arena, grid, frames);
+        let chunks = frames.div_ceil((sub_bytes / FRAME_BYTES).max(1));
+        (grid, sub_bytes, chunk_bytes, chunks.div_ceil(grid as u64))
     };
-    let blocks = match algo {
-        Algorithm::OneShot => nb,
-        Algorithm::TwoShot => nb.div_ceil(n),
-    };
-    let frames = blocks.div_ceil(per_frame);
-    let warp_units = match algo {
-        Algorithm::OneShot => blocks,
-        Algorithm::TwoShot => frames,
-    };
-    let grid = warp_units
-        .div_ceil((QUANT_THREADS / 32) as u64)
-        .clamp(1, max_grid.min(arena.max_grid()).max(1) as u64) as u32;
-    let (grid, sub_bytes, chunk_bytes) = quant_chunking(arena, grid, frames);
+    let (mut grid, mut sub_bytes, mut chunk_bytes, rounds) = shape(algo);
+    let mut algo = algo;
+    if algo == Algorithm::OneShot && rounds > QUANT_ONE_SHOT_MAX_ROUNDS && two_ok && n > 1 {
+        // Forced or chosen, a one-shot whose blocks would reuse a sub-slot goes two-step.
+        algo = Algorithm::TwoShot;
+        (grid, sub_bytes, chunk_bytes, _) = shape(algo);
+    }
     Ok(Plan {
         coll: Collective::AllReduce,
         algo,
@@ -1031,5 +1050,47 @@ mod tests {
             CostModel::agree(&[a.to_bytes(), b.to_bytes()]).unwrap(),
             CostModel::agree(&[b.to_bytes(), a.to_bytes()]).unwrap()
         );
+    }
+
+    #[test]
+    fn a_quantized_one_shot_never_takes_a_third_round() {
+        for n in [2u32, 4, 8] {
+            let a = Arena::new(n, 64 << 20).unwrap();
+            let m = CostModel::default_for(n);
+            let max_grid = 132 / n;
+            for bits in 2..=8u8 {
+                let q = QuantSpec::new(bits, bits, 128, 2).unwrap();
+                let fr = q.format(DataType::Bf16, bits).unwrap();
+                let per_frame = FRAME_PAYLOAD / fr.block_bytes() as u64;
+                for shift in 16..=30 {
+                    let count = (1u64 << shift) / 2;
+                    for choice in [Choice::Auto, Choice::Force(Algorithm::OneShot)] {
+                        let p =
+                            plan_quant(&a, &m, count, DataType::Bf16, q, max_grid, choice).unwrap();
+                        if p.algo != Algorithm::OneShot {
+                            continue;
+                        }
+                        let frames = count.div_ceil(CODEC_BLOCK_VALUES).div_ceil(per_frame);
+                        let chunks = frames.div_ceil(p.sub_bytes / FRAME_BYTES);
+                        let rounds = chunks.div_ceil(p.grid as u64);
+                        assert!(
+                            rounds <= QUANT_ONE_SHOT_MAX_ROUNDS,
+                            "N={n} {bits}-bit {} bytes: one-shot of {rounds} rounds",
+                            count * 2
+                        );
+                    }
+                }
+            }
+        }
+        // The case measured wrong: 2 ranks, 8 bits, 16 MiB, one-shot forced: two-step instead.
+        let a = Arena::new(2, 64 << 20).unwrap();
+        let q = QuantSpec::new(8, 8, 128, 2).unwrap();
+        let m = CostModel::default_for(2);
+        let forced = Choice::Force(Algorithm::OneShot);
+        let p = plan_quant(&a, &m, 8 << 20, DataType::Bf16, q, 66, forced).unwrap();
+        assert_eq!(p.algo, Algorithm::TwoShot);
+        // At 4 MiB it fits two rounds and stays one-shot.
+        let p = plan_quant(&a, &m, 2 << 20, DataType::Bf16, q, 66, forced).unwrap();
+        assert_eq!(p.algo, Algorithm::OneShot);
     }
 }
