@@ -121,6 +121,9 @@ if [ -x "$here/bin/flashcomm-perf" ]; then
   # A plot of the quantized sweep of 8 virtual ranks (latency and algbw against size per width).
   # The host transport: every byte crosses the GPU's PCIe link twice, where quantization can pay.
   add "perf::host_transport_2_ranks" 300 "'$here/bin/flashcomm-perf' --mode virtual --ranks 2 --transport host -b 64K -e 64M -f 4 -d bfloat16 --quant 8,4 -G 5 --json '$res/perf-host.json'"
+  # The same with the library's choice (FLASHCOMM_QUANT_CHOICE=auto): quantized only where the
+  # cost model calibrated at set-up predicts it faster; the plan column names the kernels that ran.
+  add "perf::host_transport_2_ranks_quant_auto" 300 "'$here/bin/flashcomm-perf' --mode virtual --ranks 2 --transport host -b 64K -e 64M -f 4 -d bfloat16 --quant 8,4 --quant-choice auto -G 5 --json '$res/perf-host-auto.json'"
   add "perf::allreduce_quant_plot_8_virtual_ranks" 300 "'$here/bin/flashcomm-perf' --mode virtual --ranks 8 -b 4K -e 256M -f 4 -d bfloat16 --quant 8,6,4,3,2 -G 5 --copy-baseline --json '$res/perf-quant-graph.json' --svg '$res/perf-quant-graph.svg'"
 fi
 [ -x "$here/bin/codec_bench" ] && add "perf::codec_bench" 300 "'$here/bin/codec_bench' --quick '$res/codec-bench.json'"

@@ -487,6 +487,9 @@ def main():
             env["FLASHCOMM_QUANT_BITS"] = str(args.bits)
             env["FLASHCOMM_QUANT_GROUP"] = str(args.group)
             env["FLASHCOMM_QUANT_SPIKES"] = str(args.spikes)
+            # Every call quantized, whatever the calibrated cost model says of its size: this
+            # phase checks the quantized kernels' results.
+            env["FLASHCOMM_QUANT_CHOICE"] = "always"
             if args.ag_bits:
                 env["FLASHCOMM_QUANT_AG_BITS"] = str(args.ag_bits)
             if args.ops:

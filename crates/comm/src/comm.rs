@@ -30,7 +30,8 @@ use crate::gpu::{
     self, CaptureRecord, Device, DeviceMem, DevicePtr, Event, HostMapped, OwnStream, Stream,
 };
 use crate::plan::{
-    self, Algorithm, Arena, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantSpec,
+    self, Algorithm, Arena, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantChoice,
+    QuantModel, QuantSpec,
 };
 use crate::transport::{LocalArena, PeerMapping, Transport};
 
@@ -50,6 +51,11 @@ pub struct CommConfig {
     pub max_blocks: Option<u32>,
     /// Measure the cost model at set-up (otherwise use defaults).
     pub calibrate: bool,
+    /// Codec settings whose quantized AllReduce calibration also times (the settings the
+    /// communicator's calls will ask for; the same list on every rank).
+    pub quant_calibrate: Vec<QuantSpec>,
+    /// Whether a quantized AllReduce runs only where it pays (`FLASHCOMM_QUANT_CHOICE`).
+    pub quant_choice: QuantChoice,
     /// Where arenas live: automatic (the peer transport where every pair of ranks has peer
     /// access, the host transport otherwise), or forced.
     pub transport: Choice<Transport>,
@@ -77,6 +83,8 @@ impl Default for CommConfig {
             proto: Choice::Auto,
             max_blocks: None,
             calibrate: true,
+            quant_calibrate: Vec::new(),
+            quant_choice: QuantChoice::Auto,
             transport: Choice::Auto,
             graph_mixing: true,
             early_launch: true,
@@ -96,6 +104,28 @@ const HOST_BYTES: usize = 128;
 /// timeout is configured: every rank starts them right after the same exchange round, so only a
 /// rank that failed to launch keeps its peers waiting, and they must not wait for ever.
 pub const SETUP_WAIT: Duration = Duration::from_secs(60);
+
+/// The buffers, events and stream the calibration times its plans with.
+struct Timers<'a> {
+    send: &'a DeviceMem,
+    recv: &'a DeviceMem,
+    start: &'a Event,
+    end: &'a Event,
+    stream: Stream,
+}
+
+/// `bytes` of bf16 calibration inputs for `rank`: values spread over [-1, 1) in a pattern that
+/// differs between ranks and between codec groups, as activations do (an integer hash, so
+/// every run times the same data).
+fn calibration_inputs(bytes: usize, rank: u32) -> Vec<u8> {
+    let mut v = Vec::with_capacity(bytes);
+    for i in 0..(bytes / 2) as u32 {
+        let h = (i ^ rank.wrapping_mul(0x9e37_79b9)).wrapping_mul(0x85eb_ca6b);
+        let x = ((h >> 8) as f32 / (1u32 << 24) as f32) * 2.0 - 1.0;
+        v.extend_from_slice(&half::bf16::from_f32(x).to_le_bytes());
+    }
+    v
+}
 
 /// A local step's outcome as the verdict of the next round.
 fn verdict<T, E: std::fmt::Display>(r: Result<T, E>) -> Result<T, String> {
@@ -306,6 +336,9 @@ pub struct Communicator {
     kernels: Arc<Kernels>,
     max_grid: u32,
     model: CostModel,
+    /// The measured quantized AllReduce per codec setting of `cfg.quant_calibrate` (agreed by
+    /// every rank; empty without calibration).
+    quant_models: Vec<QuantModel>,
     cfg: CommConfig,
     last: LastLaunch,
     /// The scratch of [`Communicator::all_to_all_scattered`]: the last is in use; earlier, smaller
@@ -486,6 +519,7 @@ impl Communicator {
             kernels,
             max_grid,
             model: CostModel::default_for(nranks),
+            quant_models: Vec::new(),
             cfg: cfg.clone(),
             scratch: std::sync::Mutex::new(Vec::new()),
             last: LastLaunch {
@@ -706,6 +740,11 @@ impl Communicator {
         let buffers = injected(5).and_then(|()| {
             let send = DeviceMem::alloc_zeroed(&self.device, buf_bytes)?;
             let recv = DeviceMem::alloc_zeroed(&self.device, buf_bytes)?;
+            // Inputs of varied values, so that the quantized kernels' timed encoding does the
+            // work it does on activations (zeros would take its shortest path).
+            if !self.cfg.quant_calibrate.is_empty() {
+                send.upload(0, &calibration_inputs(buf_bytes, self.rank), stream)?;
+            }
             let events = (Event::new(true)?, Event::new(true)?);
             Ok((send, recv, events))
         });
@@ -721,31 +760,37 @@ impl Communicator {
         } else {
             configured.min(SETUP_WAIT)
         };
-        let measured = self.time_plans(ag, &send, &recv, &start, &end, stream, injected);
+        let timers = Timers {
+            send: &send,
+            recv: &recv,
+            start: &start,
+            end: &end,
+            stream,
+        };
+        let measured = self.time_plans(ag, &timers, injected).and_then(|m| {
+            let quant = self.time_quant(ag, &timers)?;
+            Ok((m, quant))
+        });
         self.cfg.timeout = configured;
         // A failure here was agreed in one of the timing rounds: every rank returns it there.
-        let measured = measured?;
+        let (measured, quant) = measured?;
         let all = ag.round(Ok(measured.to_bytes()))?;
         self.model = CostModel::agree(&all)?;
         tracing::info!(target: "flashcomm::tuning", rank = self.rank, model = ?self.model, "calibrated cost model");
+        if !self.cfg.quant_calibrate.is_empty() {
+            let all = ag.round(Ok(QuantModel::to_bytes(&quant)))?;
+            self.quant_models = QuantModel::agree(&self.cfg.quant_calibrate, &all)?;
+            tracing::info!(target: "flashcomm::tuning", rank = self.rank, models = ?self.quant_models, "calibrated quantized AllReduce");
+        }
         Ok(())
     }
 
-    /// The timed runs of [`Communicator::calibrate`]: this rank's measured table. Each point is
-    /// timed as a CUDA graph of `reps` calls, as decode loops run them (eager launches would
-    /// measure the host's launch spread across ranks, not the plan), between three checked rounds:
-    /// instantiation and destruction happen only while every rank is idle (with ranks sharing a
-    /// GPU they can wait for running kernels), and a rank whose step failed says so in the next
-    /// round, where every rank stops.
-    #[allow(clippy::too_many_arguments)]
+    /// The timed runs of [`Communicator::calibrate`]: this rank's measured table of the lossless
+    /// AllReduce, every (algorithm, protocol) at every size of [`plan::CALIB_SIZES`].
     fn time_plans(
         &self,
         ag: &mut Agreement<'_>,
-        send: &DeviceMem,
-        recv: &DeviceMem,
-        start: &Event,
-        end: &Event,
-        stream: Stream,
+        t: &Timers<'_>,
         injected: &dyn Fn(u32) -> Result<(), Error>,
     ) -> Result<CostModel, Error> {
         // A rank that cannot start says so before anything is launched: a launch its peers made
@@ -756,79 +801,133 @@ impl Communicator {
             for proto in Protocol::ALL {
                 let mut us = [0f64; plan::CALIB_SIZES.len()];
                 for (i, &bytes) in plan::CALIB_SIZES.iter().enumerate() {
-                    let count = bytes / 2;
                     let p = plan::plan(
                         &self.arena,
                         &self.model,
                         Collective::AllReduce,
-                        count,
+                        bytes / 2,
                         2,
                         self.max_grid,
                         Choice::Force(algo),
                         Choice::Force(proto),
                     );
-                    let launch = || {
-                        self.launch_plan(
-                            &p,
-                            send.as_ptr(),
-                            recv.as_ptr(),
-                            count,
-                            2,
-                            Some(DataType::Bf16),
-                            stream,
-                        )
-                    };
-                    // Warm-up, then every rank is idle.
-                    let warm = (|| {
-                        launch()?;
-                        launch()?;
-                        stream.synchronize()?;
-                        self.check_status()
-                    })();
-                    ag.check(verdict(warm))?;
-                    let reps = 16;
-                    let graph = (|| {
-                        stream.begin_capture()?;
-                        let mut captured = Ok(());
-                        for _ in 0..reps {
-                            captured = launch();
-                            if captured.is_err() {
-                                break;
-                            }
-                        }
-                        let graph = stream.end_capture();
-                        captured?;
-                        Ok::<_, Error>(graph?)
-                    })();
-                    ag.check(verdict(graph.as_ref().map(|_| ())))?;
-                    let graph =
-                        graph.map_err(|e| Error::Internal(format!("failed step passed: {e}")))?;
-                    // The fastest of a few replays: calibration should see what the plan costs,
-                    // not the noise of one replay, so that two calibrations agree.
-                    let timed = (|| {
-                        graph.launch(stream)?;
-                        let mut best = f64::INFINITY;
-                        for _ in 0..3 {
-                            start.record(stream)?;
-                            graph.launch(stream)?;
-                            end.record(stream)?;
-                            end.synchronize()?;
-                            self.check_status()?;
-                            best = best
-                                .min(end.elapsed_ms_since(start)? as f64 * 1000.0 / reps as f64);
-                        }
-                        stream.synchronize()?;
-                        Ok::<_, Error>(best)
-                    })();
-                    ag.check(verdict(timed.as_ref().map(|_| ())))?;
-                    drop(graph);
-                    us[i] =
-                        timed.map_err(|e| Error::Internal(format!("failed step passed: {e}")))?;
+                    us[i] = self.time_plan(ag, t, &p, bytes / 2)?;
                 }
                 model.set_measured(algo, proto, us);
             }
         }
         Ok(model)
+    }
+
+    /// The timed runs of the quantized AllReduce for every codec setting of
+    /// `cfg.quant_calibrate` (in that order): each algorithm at every size of
+    /// [`plan::CALIB_SIZES`] where the planner may choose it (two-step from
+    /// [`plan::QUANT_TWO_STEP_MIN_BLOCKS`] codec blocks and at least one per rank; 0 elsewhere).
+    /// A setting without kernels is left unmeasured (its calls go to NCCL).
+    fn time_quant(&self, ag: &mut Agreement<'_>, t: &Timers<'_>) -> Result<Vec<QuantModel>, Error> {
+        let mut models = Vec::with_capacity(self.cfg.quant_calibrate.len());
+        for &spec in &self.cfg.quant_calibrate {
+            let mut m = QuantModel {
+                spec,
+                table_us: [[0.0; plan::CALIB_SIZES.len()]; 2],
+            };
+            if spec.has_kernels() {
+                for algo in Algorithm::ALL {
+                    for (i, &bytes) in plan::CALIB_SIZES.iter().enumerate() {
+                        let count = bytes / 2;
+                        let blocks = count.div_ceil(plan::CODEC_BLOCK_VALUES);
+                        if algo == Algorithm::TwoShot
+                            && blocks < plan::QUANT_TWO_STEP_MIN_BLOCKS.max(self.nranks.into())
+                        {
+                            continue;
+                        }
+                        let p = plan::plan_quant(
+                            &self.arena,
+                            &self.model,
+                            None,
+                            count,
+                            DataType::Bf16,
+                            spec,
+                            self.max_grid,
+                            Choice::Force(algo),
+                        )?;
+                        m.table_us[algo.index()][i] = self.time_plan(ag, t, &p, count)?;
+                    }
+                }
+            }
+            models.push(m);
+        }
+        Ok(models)
+    }
+
+    /// Times one plan of a bf16 AllReduce of `count` values for calibration, in microseconds per
+    /// call. The plan is timed as a CUDA graph of `reps` calls, as decode loops run them (eager
+    /// launches would measure the host's launch spread across ranks, not the plan), between three
+    /// checked rounds: instantiation and destruction happen only while every rank is idle (with
+    /// ranks sharing a GPU they can wait for running kernels), and a rank whose step failed says
+    /// so in the next round, where every rank stops.
+    fn time_plan(
+        &self,
+        ag: &mut Agreement<'_>,
+        t: &Timers<'_>,
+        p: &Plan,
+        count: u64,
+    ) -> Result<f64, Error> {
+        let stream = t.stream;
+        let launch = || {
+            self.launch_plan(
+                p,
+                t.send.as_ptr(),
+                t.recv.as_ptr(),
+                count,
+                2,
+                Some(DataType::Bf16),
+                stream,
+            )
+        };
+        // Warm-up, then every rank is idle.
+        let warm = (|| {
+            launch()?;
+            launch()?;
+            stream.synchronize()?;
+            self.check_status()
+        })();
+        ag.check(verdict(warm))?;
+        let reps = 16;
+        let graph = (|| {
+            stream.begin_capture()?;
+            let mut captured = Ok(());
+            for _ in 0..reps {
+                captured = launch();
+                if captured.is_err() {
+                    break;
+                }
+            }
+            let graph = stream.end_capture();
+            captured?;
+            Ok::<_, Error>(graph?)
+        })();
+        ag.check(verdict(graph.as_ref().map(|_| ())))?;
+        let graph = graph.map_err(|e| Error::Internal(format!("failed step passed: {e}")))?;
+        // The fastest of a few replays: calibration should see what the plan costs, not the
+        // noise of one replay, so that two calibrations agree.
+        let timed = (|| {
+            graph.launch(stream)?;
+            let mut best = f64::INFINITY;
+            for _ in 0..3 {
+                t.start.record(stream)?;
+                graph.launch(stream)?;
+                t.end.record(stream)?;
+                t.end.synchronize()?;
+                self.check_status()?;
+                best = best.min(t.end.elapsed_ms_since(t.start)? as f64 * 1000.0 / reps as f64);
+            }
+            stream.synchronize()?;
+            Ok::<_, Error>(best)
+        })();
+        ag.check(verdict(timed.as_ref().map(|_| ())))?;
+        drop(graph);
+        timed.map_err(|e| Error::Internal(format!("failed step passed: {e}")))
     }
 
     /// Where the arenas live (the same on every rank).
@@ -928,12 +1027,13 @@ impl Communicator {
         q: QuantSpec,
         stream: Stream,
     ) -> Result<Plan, Error> {
-        let p = self.plan_quant(count, dtype, q, self.cfg.algo)?;
+        let p = self.plan_all_reduce_quant(count, dtype, q, self.cfg.algo)?;
         self.run(&p, send, recv, count, dtype.bytes(), Some(dtype), stream)?;
         Ok(p)
     }
 
-    /// The plan of a quantized AllReduce (algorithm forced or chosen by the cost model).
+    /// The plan of a quantized AllReduce (algorithm forced or chosen by the cost model, from
+    /// the calibrated times of `q` where measured).
     pub fn plan_quant(
         &self,
         count: u64,
@@ -944,12 +1044,45 @@ impl Communicator {
         plan::plan_quant(
             &self.arena,
             &self.model,
+            self.quant_model(q),
             count,
             dtype,
             q,
             self.max_grid,
             algo,
         )
+    }
+
+    /// The plan of an AllReduce asked to be quantized with `q`: the quantized plan
+    /// ([`Communicator::plan_quant`]) or, under [`QuantChoice::Auto`] where it does not pay
+    /// ([`plan::quant_pays`]), the lossless plan of the call (its `quant` is `None`). Pure and
+    /// identical on every rank (the models are agreed at set-up). Refuses what the quantized
+    /// kernels refuse (f32, widths without kernels) whichever it would choose.
+    pub fn plan_all_reduce_quant(
+        &self,
+        count: u64,
+        dtype: DataType,
+        q: QuantSpec,
+        algo: Choice<Algorithm>,
+    ) -> Result<Plan, Error> {
+        let quant = self.plan_quant(count, dtype, q, algo)?;
+        if self.cfg.quant_choice == QuantChoice::Always {
+            return Ok(quant);
+        }
+        let lossless = self.plan(Collective::AllReduce, count, dtype.bytes());
+        let bytes = count * dtype.bytes();
+        Ok(
+            if plan::quant_pays(&self.model, &lossless, self.quant_model(q), &quant, bytes) {
+                quant
+            } else {
+                lossless
+            },
+        )
+    }
+
+    /// The calibrated times of the quantized AllReduce with codec settings `q`, if measured.
+    pub fn quant_model(&self, q: QuantSpec) -> Option<&QuantModel> {
+        self.quant_models.iter().find(|m| m.spec == q)
     }
 
     /// The plan of a quantized AllGather, AllToAll or ReduceScatter of `count` values per block

@@ -26,6 +26,6 @@ pub use error::Error;
 pub use gpu::{DeviceMem, DevicePtr, Stream};
 pub use plan::{
     Algorithm, Choice, Collective, CostModel, DataType, KERNEL_COLLECTIVES, Plan, Protocol,
-    QuantSpec,
+    QuantChoice, QuantModel, QuantSpec,
 };
 pub use transport::Transport;

@@ -189,6 +189,36 @@ pub const CALIB_SIZES: [u64; 10] = [
 /// and the plan chosen is never more than this factor slower than the best one predicted.
 pub const TIE_FACTOR: f64 = 1.03;
 
+/// Whether a calibration table holds a measured time (positive and finite; 0: not measured).
+fn measured(t: f64) -> bool {
+    t > 0.0 && t.is_finite()
+}
+
+/// A time from a row measured at [`CALIB_SIZES`]: piecewise linear between the measured sizes,
+/// the last segment's slope (never negative) beyond the largest. A row may leave its smallest
+/// sizes unmeasured (0); from its first measured size on every entry must be measured. `None`
+/// below the first measured size (unless that is the smallest of all, whose time then holds
+/// below it too), or when fewer than two sizes are measured.
+fn interpolate(row: &[f64; CALIB_SIZES.len()], bytes: u64) -> Option<f64> {
+    let first = row.iter().position(|&t| measured(t))?;
+    let last = CALIB_SIZES.len() - 1;
+    if first == last || !row[first..].iter().all(|&t| measured(t)) {
+        return None;
+    }
+    if bytes <= CALIB_SIZES[first] {
+        return (first == 0 || bytes == CALIB_SIZES[first]).then_some(row[first]);
+    }
+    // The segment that holds `bytes` (the last one beyond the largest size).
+    let i = CALIB_SIZES
+        .iter()
+        .position(|&s| bytes <= s)
+        .unwrap_or(last)
+        .max(first + 1);
+    let (x0, x1) = (CALIB_SIZES[i - 1] as f64, CALIB_SIZES[i] as f64);
+    let slope = ((row[i] - row[i - 1]) / (x1 - x0)).max(0.0);
+    Some(row[i - 1] + slope * (bytes as f64 - x0))
+}
+
 /// The latency model per (algorithm, protocol), in microseconds for a message of `bytes` bytes
 /// per rank: the times measured at [`CALIB_SIZES`] when calibrated (piecewise linear between
 /// them, the last segment's slope beyond the largest, the smallest's time below it), otherwise
@@ -229,21 +259,10 @@ impl CostModel {
     /// Predicted microseconds.
     pub fn predict(&self, algo: Algorithm, proto: Protocol, bytes: u64) -> f64 {
         let row = &self.table_us[algo.index()][proto.index()];
-        if row.iter().all(|&t| t > 0.0 && t.is_finite()) {
-            let x = bytes as f64;
-            let last = CALIB_SIZES.len() - 1;
-            if bytes <= CALIB_SIZES[0] {
-                return row[0];
-            }
-            // The segment that holds `bytes` (the last one beyond the largest size).
-            let i = CALIB_SIZES
-                .iter()
-                .position(|&s| bytes <= s)
-                .unwrap_or(last)
-                .max(1);
-            let (x0, x1) = (CALIB_SIZES[i - 1] as f64, CALIB_SIZES[i] as f64);
-            let slope = ((row[i] - row[i - 1]) / (x1 - x0)).max(0.0);
-            return row[i - 1] + slope * (x - x0);
+        if row.iter().all(|&t| measured(t))
+            && let Some(t) = interpolate(row, bytes)
+        {
+            return t;
         }
         self.a_us[algo.index()][proto.index()]
             + self.b_us_per_byte[algo.index()][proto.index()] * bytes as f64
@@ -399,6 +418,109 @@ pub const QUANT_TWO_STEP_MIN_BLOCKS: u64 = 64;
 /// docs/perf.md, "The quantized one-shot's third round"). Until the cause is found, such messages
 /// run two-step, whose sub-slot reuse the tests cover up to 256 MiB.
 pub const QUANT_ONE_SHOT_MAX_ROUNDS: u64 = 2;
+/// Whether a quantized AllReduce runs where the lossless kernels are predicted to be faster
+/// (`FLASHCOMM_QUANT_CHOICE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum QuantChoice {
+    /// Quantize where it pays: a call asked to be quantized runs the quantized kernels only where
+    /// the calibrated model ([`QuantModel`]) predicts them faster than the lossless plan by more
+    /// than [`TIE_FACTOR`]; elsewhere it runs the lossless kernels, whose result is the exact sum
+    /// the quantized one approximates. Without a measurement for the call's codec settings (no
+    /// calibration, or settings changed after set-up) every call is quantized.
+    #[default]
+    Auto,
+    /// Every call asked to be quantized is.
+    Always,
+}
+
+/// The measured times of the quantized AllReduce with one codec setting: bf16 (f16 has the same
+/// wire format sizes) at [`CALIB_SIZES`], one row per algorithm (indexed by
+/// `Algorithm::index`); 0 where not measured (two-step below [`QUANT_TWO_STEP_MIN_BLOCKS`] or
+/// with fewer codec blocks than ranks, where it is never planned).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct QuantModel {
+    /// The codec setting measured.
+    pub spec: QuantSpec,
+    /// Microseconds, indexed [algorithm][size].
+    pub table_us: [[f64; CALIB_SIZES.len()]; 2],
+}
+
+/// Bytes of a serialized [`QuantModel`]'s table.
+const QUANT_MODEL_BYTES: usize = 8 * 2 * CALIB_SIZES.len();
+
+impl QuantModel {
+    /// Predicted microseconds of `algo` for a message of `bytes` bytes per rank, where measured
+    /// ([`interpolate`]).
+    pub fn predict(&self, algo: Algorithm, bytes: u64) -> Option<f64> {
+        interpolate(&self.table_us[algo.index()], bytes)
+    }
+
+    /// Serializes the tables of `models` (in their order) for the exchange between ranks.
+    pub fn to_bytes(models: &[QuantModel]) -> Vec<u8> {
+        let mut v = Vec::with_capacity(QUANT_MODEL_BYTES * models.len());
+        for m in models {
+            for row in &m.table_us {
+                for t in row {
+                    v.extend_from_slice(&t.to_le_bytes());
+                }
+            }
+        }
+        v
+    }
+
+    /// The element-wise maximum of every rank's tables for `specs` (every rank measured the same
+    /// settings in the same order): one set of models all ranks agree on.
+    pub fn agree(specs: &[QuantSpec], tables: &[Vec<u8>]) -> Result<Vec<QuantModel>, Error> {
+        let mut models: Vec<QuantModel> = specs
+            .iter()
+            .map(|&spec| QuantModel {
+                spec,
+                table_us: [[0.0; CALIB_SIZES.len()]; 2],
+            })
+            .collect();
+        for bytes in tables {
+            if bytes.len() != QUANT_MODEL_BYTES * specs.len() {
+                return Err(Error::Bootstrap(
+                    "malformed quantized cost model from a peer".into(),
+                ));
+            }
+            let f = |k: usize| f64::from_le_bytes(bytes[k * 8..k * 8 + 8].try_into().unwrap());
+            let mut k = 0;
+            for m in &mut models {
+                for row in &mut m.table_us {
+                    for t in row.iter_mut() {
+                        *t = t.max(f(k));
+                        k += 1;
+                    }
+                }
+            }
+        }
+        Ok(models)
+    }
+}
+
+/// Whether the quantized plan `quant` of a message of `bytes` bytes per rank pays against the
+/// lossless plan `lossless` of the same call ([`QuantChoice::Auto`]): predicted faster by more
+/// than [`TIE_FACTOR`]; a tie goes to the lossless plan (the same time, the exact sum). Without a
+/// calibrated model, or a measurement of the quantized plan's codec settings and algorithm at
+/// this size, it pays (the call is quantized, as asked). Pure: every rank, holding the agreed
+/// models, decides alike.
+pub fn quant_pays(
+    model: &CostModel,
+    lossless: &Plan,
+    measured: Option<&QuantModel>,
+    quant: &Plan,
+    bytes: u64,
+) -> bool {
+    let Some(tq) = measured.and_then(|m| m.predict(quant.algo, bytes)) else {
+        return true;
+    };
+    if !model.calibrated {
+        return true;
+    }
+    let tl = model.predict(lossless.algo, lossless.proto, bytes);
+    tq * TIE_FACTOR < tl
+}
 
 /// Grid, sub-slot and chunk bytes of a quantized launch of up to `grid` blocks whose chunks
 /// cover `frames` frames (per source: the codec blocks of the message, of a two-step shard, or of
@@ -421,9 +543,11 @@ fn quant_chunking(arena: &Arena, grid: u32, frames: u64) -> (u32, u64, u64) {
 /// that carry whole codec blocks. Two-step needs every shard non-empty (at least `nranks` codec
 /// blocks); the cost model picks between one-shot and two-step from the bytes each moves after
 /// compression and the decode work each does.
+#[allow(clippy::too_many_arguments)]
 pub fn plan_quant(
     arena: &Arena,
     model: &CostModel,
+    measured: Option<&QuantModel>,
     count: u64,
     dtype: DataType,
     q: QuantSpec,
@@ -456,10 +580,22 @@ pub fn plan_quant(
         + codec_us_per_byte * bytes as f64 * (1.0 + n as f64);
     let t_two = model.predict(Algorithm::TwoShot, Protocol::Block, wire_two as u64)
         + codec_us_per_byte * bytes as f64 * (1.0 + 2.0 / n as f64 + 1.0);
+    // Measured times of both algorithms at this size, where calibrated: they decide, a tie
+    // going to one-shot (the fixed order of TIE_FACTOR).
+    let timed = measured.and_then(|m| {
+        Some((
+            m.predict(Algorithm::OneShot, bytes)?,
+            m.predict(Algorithm::TwoShot, bytes)?,
+        ))
+    });
+    let two_faster = match timed {
+        Some((one, two)) => two * TIE_FACTOR < one,
+        None => t_two < t_one,
+    };
     let algo = match algo_choice {
         Choice::Force(Algorithm::TwoShot) if two_ok => Algorithm::TwoShot,
         Choice::Force(_) => Algorithm::OneShot,
-        Choice::Auto if two_ok && n > 1 && nb >= QUANT_TWO_STEP_MIN_BLOCKS && t_two < t_one => {
+        Choice::Auto if two_ok && n > 1 && nb >= QUANT_TWO_STEP_MIN_BLOCKS && two_faster => {
             Algorithm::TwoShot
         }
         Choice::Auto => Algorithm::OneShot,
@@ -890,6 +1026,7 @@ mod tests {
         let p = plan_quant(
             &a,
             &m,
+            None,
             4000,
             DataType::Bf16,
             q,
@@ -898,13 +1035,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(p.algo, Algorithm::OneShot);
-        let p = plan_quant(&a, &m, 64 << 20, DataType::Bf16, q, 16, Choice::Auto).unwrap();
+        let p = plan_quant(&a, &m, None, 64 << 20, DataType::Bf16, q, 16, Choice::Auto).unwrap();
         assert_eq!(
             (p.algo, p.proto, p.quant),
             (Algorithm::TwoShot, Protocol::Block, Some(q))
         );
         assert!(p.sub_bytes >= FRAME_BYTES);
-        assert!(plan_quant(&a, &m, 1000, DataType::F32, q, 16, Choice::Auto).is_err());
+        assert!(plan_quant(&a, &m, None, 1000, DataType::F32, q, 16, Choice::Auto).is_err());
         assert!(!QuantSpec::new(5, 8, 128, 2).unwrap().has_kernels());
         assert!(QuantSpec::new(4, 8, 128, 2).unwrap().has_kernels());
         assert!(QuantSpec::new(4, 6, 128, 2).is_err());
@@ -926,8 +1063,17 @@ mod tests {
             let a = Arena::new(n, 64 << 20).unwrap();
             for values in [1u64 << 15, 1 << 19, 1 << 21, 1 << 23, 1 << 27] {
                 for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
-                    let p = plan_quant(&a, &m, values, DataType::Bf16, q, 66, Choice::Force(algo))
-                        .unwrap();
+                    let p = plan_quant(
+                        &a,
+                        &m,
+                        None,
+                        values,
+                        DataType::Bf16,
+                        q,
+                        66,
+                        Choice::Force(algo),
+                    )
+                    .unwrap();
                     let nb = values.div_ceil(CODEC_BLOCK_VALUES);
                     let blocks = if p.algo == Algorithm::TwoShot {
                         nb.div_ceil(n as u64)
@@ -1066,7 +1212,8 @@ mod tests {
                     let count = (1u64 << shift) / 2;
                     for choice in [Choice::Auto, Choice::Force(Algorithm::OneShot)] {
                         let p =
-                            plan_quant(&a, &m, count, DataType::Bf16, q, max_grid, choice).unwrap();
+                            plan_quant(&a, &m, None, count, DataType::Bf16, q, max_grid, choice)
+                                .unwrap();
                         if p.algo != Algorithm::OneShot {
                             continue;
                         }
@@ -1087,10 +1234,161 @@ mod tests {
         let q = QuantSpec::new(8, 8, 128, 2).unwrap();
         let m = CostModel::default_for(2);
         let forced = Choice::Force(Algorithm::OneShot);
-        let p = plan_quant(&a, &m, 8 << 20, DataType::Bf16, q, 66, forced).unwrap();
+        let p = plan_quant(&a, &m, None, 8 << 20, DataType::Bf16, q, 66, forced).unwrap();
         assert_eq!(p.algo, Algorithm::TwoShot);
         // At 4 MiB it fits two rounds and stays one-shot.
-        let p = plan_quant(&a, &m, 2 << 20, DataType::Bf16, q, 66, forced).unwrap();
+        let p = plan_quant(&a, &m, None, 2 << 20, DataType::Bf16, q, 66, forced).unwrap();
         assert_eq!(p.algo, Algorithm::OneShot);
+    }
+
+    /// A calibrated lossless model of one row (one-shot LL at `lossless(bytes)` us; the other
+    /// combinations slower) and the quantized model of `q` at `one(bytes)` / `two(bytes)` us
+    /// (two-step measured from 128 KiB, as the calibration does).
+    fn models(
+        q: QuantSpec,
+        lossless: impl Fn(u64) -> f64,
+        one: impl Fn(u64) -> f64,
+        two: impl Fn(u64) -> f64,
+    ) -> (CostModel, QuantModel) {
+        let mut m = CostModel::default_for(2);
+        m.set_measured(Algorithm::OneShot, Protocol::Ll, CALIB_SIZES.map(&lossless));
+        let slow = CALIB_SIZES.map(|s| 2.0 * lossless(s));
+        m.set_measured(Algorithm::OneShot, Protocol::Block, slow);
+        m.set_measured(Algorithm::TwoShot, Protocol::Ll, slow);
+        m.set_measured(Algorithm::TwoShot, Protocol::Block, slow);
+        m.calibrated = true;
+        let mut qm = QuantModel {
+            spec: q,
+            table_us: [CALIB_SIZES.map(&one), CALIB_SIZES.map(&two)],
+        };
+        for (i, &s) in CALIB_SIZES.iter().enumerate() {
+            if s / 2 / CODEC_BLOCK_VALUES < QUANT_TWO_STEP_MIN_BLOCKS {
+                qm.table_us[Algorithm::TwoShot.index()][i] = 0.0;
+            }
+        }
+        (m, qm)
+    }
+
+    #[test]
+    fn rows_measured_from_a_size_on_interpolate_there_only() {
+        let mut row = CALIB_SIZES.map(|s| s as f64 / 1000.0);
+        assert_eq!(interpolate(&row, 1), Some(row[0]));
+        row[0] = 0.0;
+        row[1] = 0.0;
+        // Below the first measured size: not measured; at it and beyond: the table's values.
+        assert_eq!(interpolate(&row, CALIB_SIZES[1]), None);
+        assert_eq!(interpolate(&row, CALIB_SIZES[2]), Some(row[2]));
+        let mid = (CALIB_SIZES[2] + CALIB_SIZES[3]) / 2;
+        let t = interpolate(&row, mid).unwrap();
+        assert!(t > row[2] && t < row[3]);
+        // Beyond the largest: the last slope.
+        let last = CALIB_SIZES.len() - 1;
+        let far = interpolate(&row, 2 * CALIB_SIZES[last]).unwrap();
+        assert!((far - 2.0 * row[last]).abs() < 1e-9);
+        // A hole after the first measured size, or one measured size: not used.
+        row[5] = 0.0;
+        assert_eq!(interpolate(&row, CALIB_SIZES[6]), None);
+        let mut one = [0.0; CALIB_SIZES.len()];
+        one[last] = 3.0;
+        assert_eq!(interpolate(&one, CALIB_SIZES[last]), None);
+        assert_eq!(interpolate(&[0.0; CALIB_SIZES.len()], 4096), None);
+    }
+
+    #[test]
+    fn quantized_calls_run_lossless_where_quantizing_does_not_pay() {
+        let a = Arena::new(2, 64 << 20).unwrap();
+        let q = QuantSpec::new(4, 4, 128, 2).unwrap();
+        // The shape measured on the host transport (docs/perf.md): lossless cheaper below about
+        // 512 KiB, quantized cheaper beyond; two-step cheaper than one-shot from 1 MiB.
+        let (m, qm) = models(
+            q,
+            |s| 30.0 + s as f64 / 5000.0,
+            |s| 70.0 + s as f64 / 12000.0,
+            |s| 90.0 + s as f64 / 16000.0,
+        );
+        let choose = |bytes: u64, measured: Option<&QuantModel>, model: &CostModel| {
+            let count = bytes / 2;
+            let quant = plan_quant(
+                &a,
+                model,
+                measured,
+                count,
+                DataType::Bf16,
+                q,
+                66,
+                Choice::Auto,
+            )
+            .unwrap();
+            let lossless = plan(
+                &a,
+                model,
+                Collective::AllReduce,
+                count,
+                2,
+                66,
+                Choice::Auto,
+                Choice::Auto,
+            );
+            let pays = quant_pays(model, &lossless, measured, &quant, bytes);
+            (pays, quant.algo)
+        };
+        assert_eq!(choose(64 << 10, Some(&qm), &m), (false, Algorithm::OneShot));
+        assert_eq!(
+            choose(256 << 10, Some(&qm), &m),
+            (false, Algorithm::OneShot)
+        );
+        assert_eq!(choose(4 << 20, Some(&qm), &m), (true, Algorithm::TwoShot));
+        assert_eq!(choose(64 << 20, Some(&qm), &m), (true, Algorithm::TwoShot));
+        // Without a measurement of these settings, or without calibration: quantized as asked,
+        // the algorithm from the lossless model's scaled bytes.
+        assert!(choose(64 << 10, None, &m).0);
+        let mut uncalibrated = m;
+        uncalibrated.calibrated = false;
+        assert!(choose(64 << 10, Some(&qm), &uncalibrated).0);
+        // A tie (within TIE_FACTOR) goes to lossless, and between the quantized algorithms to
+        // one-shot.
+        let (m, qm) = models(
+            q,
+            |s| 50.0 + s as f64 / 1e4,
+            |s| 49.0 + s as f64 / 1e4,
+            |s| 48.5 + s as f64 / 1e4,
+        );
+        assert_eq!(choose(1 << 20, Some(&qm), &m), (false, Algorithm::OneShot));
+        // The measured times decide between the algorithms, not the lossless model's scaled
+        // bytes (which, at two ranks, see the same bytes for both and keep one-shot).
+        let (m, qm) = models(
+            q,
+            |s| 1e3 + s as f64,
+            |s| 20.0 + s as f64 / 1e4,
+            |s| 10.0 + s as f64 / 1e6,
+        );
+        assert_eq!(choose(64 << 20, Some(&qm), &m), (true, Algorithm::TwoShot));
+        assert_eq!(choose(64 << 20, None, &m), (true, Algorithm::OneShot));
+    }
+
+    #[test]
+    fn quantized_models_agree_as_the_elementwise_max() {
+        let q4 = QuantSpec::new(4, 4, 128, 2).unwrap();
+        let q8 = QuantSpec::new(8, 8, 128, 2).unwrap();
+        let (_, a4) = models(q4, |_| 1.0, |s| s as f64 / 1e3, |s| s as f64 / 2e3);
+        let (_, b4) = models(q4, |_| 1.0, |s| s as f64 / 1e3 + 1.0, |s| s as f64 / 4e3);
+        let (_, a8) = models(q8, |_| 1.0, |s| s as f64 / 5e2, |s| s as f64 / 5e2);
+        let specs = [q4, q8];
+        let agreed = QuantModel::agree(
+            &specs,
+            &[
+                QuantModel::to_bytes(&[a4, a8]),
+                QuantModel::to_bytes(&[b4, a8]),
+            ],
+        )
+        .unwrap();
+        assert_eq!(agreed.len(), 2);
+        assert_eq!((agreed[0].spec, agreed[1].spec), (q4, q8));
+        assert_eq!(agreed[0].table_us[0], b4.table_us[0]);
+        assert_eq!(agreed[0].table_us[1], a4.table_us[1]);
+        assert_eq!(agreed[1].table_us, a8.table_us);
+        // No settings: nothing to agree on; a peer's table of another length is refused.
+        assert_eq!(QuantModel::agree(&[], &[Vec::new()]).unwrap(), Vec::new());
+        assert!(QuantModel::agree(&specs, &[QuantModel::to_bytes(&[a4])]).is_err());
     }
 }

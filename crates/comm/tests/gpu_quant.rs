@@ -12,7 +12,10 @@ use std::sync::Mutex;
 
 use common::*;
 use flashcomm_codec::reference;
-use flashcomm_comm::{Algorithm, Bootstrap, Choice, DataType, DevicePtr, QuantSpec};
+use flashcomm_comm::{
+    Algorithm, Bootstrap, Choice, Collective, CommConfig, DataType, DevicePtr, QuantChoice,
+    QuantSpec, plan,
+};
 use half::{bf16, f16};
 
 /// Deterministic activation-like values: a Gaussian-ish bulk with a few large spikes.
@@ -391,6 +394,195 @@ fn quantized_graph_replay() {
             }
             r.sync();
             r.assert_clean(&format!("100 replays of {q:?} {algo:?}"));
+        }
+    });
+}
+
+/// `FLASHCOMM_QUANT_CHOICE=auto` on 2 virtual ranks: set-up times the quantized AllReduce of both
+/// settings asked for (one-shot at every calibration size, two-step from 64 codec blocks); every
+/// call asked to be quantized runs the plan the agreed models choose, the same plan on every
+/// rank; a call that runs quantized gives the CPU reference's bytes, one that runs lossless the
+/// exact sum (two bf16 values add exactly in f32). Under `always` every call is quantized.
+#[test]
+fn quantized_where_it_pays() {
+    let n = 2;
+    let specs = [
+        QuantSpec::new(4, 4, 128, 2).unwrap(),
+        QuantSpec::new(8, 8, 128, 2).unwrap(),
+    ];
+    let counts: Vec<usize> = (0..7).map(|i| 2048usize << (2 * i)).collect(); // 4 KiB .. 16 MiB
+    let max_count = *counts.iter().max().unwrap();
+    let chosen = Mutex::new(Vec::<(u32, String)>::new());
+    let errors = Mutex::new(Vec::<String>::new());
+    let cfg = CommConfig {
+        calibrate: true,
+        quant_calibrate: specs.to_vec(),
+        quant_choice: QuantChoice::Auto,
+        ..test_config()
+    };
+    run_ranks(n, cfg, |r| {
+        let c = &r.comm;
+        for q in specs {
+            let m = c.quant_model(q).expect("the settings were timed at set-up");
+            for (i, &size) in plan::CALIB_SIZES.iter().enumerate() {
+                let one = m.table_us[Algorithm::OneShot.index()][i];
+                let two = m.table_us[Algorithm::TwoShot.index()][i];
+                assert!(
+                    one > 0.0 && one.is_finite(),
+                    "{q:?} one-shot at {size}: {one}"
+                );
+                let blocks = size / 2 / plan::CODEC_BLOCK_VALUES;
+                if blocks >= plan::QUANT_TWO_STEP_MIN_BLOCKS {
+                    assert!(
+                        two > 0.0 && two.is_finite(),
+                        "{q:?} two-step at {size}: {two}"
+                    );
+                } else {
+                    assert_eq!(two, 0.0, "{q:?} two-step at {size} is never planned");
+                }
+            }
+        }
+        assert!(c.cost_model().calibrated);
+        let send = r.alloc(max_count * 2);
+        let recv = r.alloc(max_count * 2);
+        r.shared.addrs.lock().unwrap()[r.rank() as usize] = recv.addr();
+        r.sync();
+        let rank0 = r.shared.addrs.lock().unwrap()[0];
+        for (qi, &q) in specs.iter().enumerate() {
+            for (ci, &count) in counts.iter().enumerate() {
+                let case = Case {
+                    q,
+                    dtype: DataType::Bf16,
+                    count,
+                    algo: Choice::Auto,
+                };
+                let all: Vec<Vec<f32>> = (0..n)
+                    .map(|rk| inputs(((qi as u64) << 16) | ((ci as u64) << 8) | rk as u64, count))
+                    .collect();
+                let bytes = count * 2;
+                let p = c
+                    .plan_all_reduce_quant(count as u64, DataType::Bf16, q, Choice::Auto)
+                    .unwrap();
+                // The rule, from the agreed models.
+                let quant = c
+                    .plan_quant(count as u64, DataType::Bf16, q, Choice::Auto)
+                    .unwrap();
+                let lossless = c.plan(Collective::AllReduce, count as u64, 2);
+                let pays = plan::quant_pays(
+                    c.cost_model(),
+                    &lossless,
+                    c.quant_model(q),
+                    &quant,
+                    bytes as u64,
+                );
+                assert_eq!(p, if pays { quant } else { lossless }, "{q:?} {count}");
+                let what = format!(
+                    "{q:?} count={count}: {}",
+                    match p.quant {
+                        Some(_) => format!("quantized {:?} grid {}", p.algo, p.grid),
+                        None => format!("lossless {:?} {:?} grid {}", p.algo, p.proto, p.grid),
+                    }
+                );
+                chosen.lock().unwrap().push((r.rank(), what.clone()));
+                send.upload(
+                    0,
+                    &to_bytes(DataType::Bf16, &all[r.rank() as usize]),
+                    r.stream,
+                )
+                .unwrap();
+                recv.fill(0xA5, r.stream).unwrap();
+                let ran = c
+                    .all_reduce_quant(
+                        send.slice(0, bytes),
+                        recv.slice(0, bytes),
+                        count as u64,
+                        DataType::Bf16,
+                        q,
+                        r.stream,
+                    )
+                    .unwrap();
+                assert_eq!(ran, p, "the call runs the plan chosen: {what}");
+                r.sync();
+                if r.rank() != 0 {
+                    // SAFETY: rank 0's buffer lives until the group ends; the barrier below
+                    // keeps it from being overwritten before every rank has compared.
+                    let theirs = unsafe { DevicePtr::from_raw(rank0, bytes as u64) };
+                    r.v.compare(recv.as_ptr(), theirs, bytes as u64, r.stream)
+                        .unwrap();
+                    r.stream.synchronize().unwrap();
+                    r.assert_clean(&format!("bitwise identity with rank 0: {what}"));
+                } else {
+                    let mut got = vec![0u8; bytes];
+                    recv.download(0, &mut got, r.stream).unwrap();
+                    match p.quant {
+                        Some(_) => {
+                            let worst = check_against_reference(
+                                &what,
+                                DataType::Bf16,
+                                0,
+                                &got,
+                                reference_of(&case, p.algo, &all),
+                                &errors,
+                            );
+                            println!(
+                                "ok {what}: bit-identical to the CPU reference, worst {worst:.2} of its bound"
+                            );
+                        }
+                        None => {
+                            let typed: Vec<Vec<bf16>> = all
+                                .iter()
+                                .map(|v| v.iter().map(|&x| bf16::from_f32(x)).collect())
+                                .collect();
+                            let wrong = (0..count).find(|&i| {
+                                let sum = typed[0][i].to_f32() + typed[1][i].to_f32();
+                                let g = bf16::from_le_bytes([got[2 * i], got[2 * i + 1]]);
+                                g.to_bits() != bf16::from_f32(sum).to_bits()
+                            });
+                            if let Some(i) = wrong {
+                                errors
+                                    .lock()
+                                    .unwrap()
+                                    .push(format!("{what}: element {i} is not the exact sum"));
+                            } else {
+                                println!("ok {what}: the exact sum");
+                            }
+                        }
+                    }
+                }
+                r.boot.barrier().unwrap();
+            }
+        }
+    });
+    let errors = errors.into_inner().unwrap();
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+    // Every rank chose the same plans.
+    let chosen = chosen.into_inner().unwrap();
+    let of = |rank: u32| -> Vec<&String> {
+        chosen
+            .iter()
+            .filter(|(r, _)| *r == rank)
+            .map(|(_, w)| w)
+            .collect()
+    };
+    assert_eq!(of(0), of(1), "every rank plans alike");
+    for w in of(0) {
+        println!("chosen: {w}");
+    }
+
+    // `always`: every call quantized, whatever the models say.
+    let cfg = CommConfig {
+        calibrate: true,
+        quant_calibrate: specs[..1].to_vec(),
+        quant_choice: QuantChoice::Always,
+        ..test_config()
+    };
+    run_ranks(n, cfg, |r| {
+        for &count in &counts {
+            let p = r
+                .comm
+                .plan_all_reduce_quant(count as u64, DataType::Bf16, specs[0], Choice::Auto)
+                .unwrap();
+            assert!(p.quant.is_some(), "always quantized: count {count}");
         }
     });
 }

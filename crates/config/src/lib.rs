@@ -20,7 +20,7 @@ use std::fmt;
 pub use flashcomm_codec::{Collective, DType};
 pub use values::{
     Algo, Bounded, Bytes, DebugLevel, FunctionName, GIB, KERNEL_OPS, KIB, LibPath, MIB, OneOf,
-    Proto, QuantBits, Set, Subsystems, Text, Transport, Value,
+    Proto, QuantBits, QuantChoice, Set, Subsystems, Text, Transport, Value,
 };
 
 /// The largest `FLASHCOMM_TIMEOUT_MS`: its nanoseconds still fit in the 64-bit timeout the
@@ -298,6 +298,18 @@ variables! {
         name: "FLASHCOMM_QUANT_DTYPES",
         kind: "list",
         allowed: "comma list of `bf16`, `f16`, `f32`",
+        strict: true,
+    }
+    /// Which AllReduce calls that ask to be quantized run the quantized kernels: `auto` only
+    /// those whose size the cost model, calibrated at communicator set-up with the quantized
+    /// kernels too, predicts faster quantized than lossless (by more than 3%); the others run the
+    /// lossless kernels (the exact sum, at least as fast; on a fast link that can be every size).
+    /// `always`: every one. Settings given by `flashcommCommSetQuant` that differ from the
+    /// environment's were not timed at set-up and are always quantized.
+    quant_choice: QuantChoice = QuantChoice::Auto => {
+        name: "FLASHCOMM_QUANT_CHOICE",
+        kind: "keyword",
+        allowed: "`auto`, `always`",
         strict: true,
     }
     /// Folder of the kernel images (`<module>.fatbin`) for a library built without embedded

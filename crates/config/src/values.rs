@@ -232,6 +232,16 @@ keyword_enum! {
 }
 
 keyword_enum! {
+    /// Whether a quantized AllReduce runs where the lossless kernels are faster.
+    QuantChoice {
+        /// Quantize where the calibrated cost model predicts it faster than lossless.
+        Auto = "auto",
+        /// Quantize every call that asks for it.
+        Always = "always",
+    }
+}
+
+keyword_enum! {
     /// The algorithm of our all-reduce.
     Algo {
         /// Chosen per call by the cost model.

@@ -428,6 +428,7 @@ fn run_at<F: FnOnce() -> ncclResult_t>(
             None => serve::execute(st, call, &d),
         } {
             Executed::Done(r) => (d.route, r, None),
+            Executed::Unquantized(r) => (Route::Lossless, r, None),
             Executed::Refused(why) => (Route::Nccl, forward(forward_real), Some(why)),
         },
         _ => (Route::Nccl, forward(forward_real), None),
@@ -478,6 +479,12 @@ fn announce(
         Some(r) => format!(
             "flashcomm's {} kernels refused it ({r}; every rank refuses it alike)",
             d.route.name()
+        ),
+        None if d.route == Route::Quantized && route == Route::Lossless => format!(
+            "asked to be quantized, it ran on the lossless kernels: the cost model calibrated at \
+             set-up predicts them faster than the quantized ones at {} bytes \
+             (FLASHCOMM_QUANT_CHOICE=auto; `always` quantizes every such call)",
+            call.bytes
         ),
         None => {
             let why_not = state.and_then(CommState::why_not);

@@ -136,9 +136,21 @@ fn serves(config: &Config) -> String {
         Some(_) => {
             let _ = write!(
                 out,
-                "; quantizes {} of {} ({quant})",
+                "; quantizes {} of {} ({quant}){}",
                 s.quant_ops.show(),
-                s.quant_dtypes.show()
+                s.quant_dtypes.show(),
+                if s.quant_ops
+                    .contains(&flashcomm_config::Collective::AllReduce)
+                {
+                    match s.quant_choice {
+                        flashcomm_config::QuantChoice::Auto => {
+                            ", allreduce where the calibrated cost model predicts it faster"
+                        }
+                        flashcomm_config::QuantChoice::Always => ", allreduce always",
+                    }
+                } else {
+                    ""
+                }
             );
         }
         None => out.push_str("; quantization off (lossless)"),
@@ -374,10 +386,21 @@ mod tests {
         assert!(
             q.ends_with(
                 "; quantizes allreduce of bf16,f16 (rs 4 bits, ag 4 bits, allgather 4 bits, \
-                 reducescatter 4 bits, alltoall 4 bits, group 128, spikes 2, window [0, 1G])"
+                 reducescatter 4 bits, alltoall 4 bits, group 128, spikes 2, window [0, 1G]), \
+                 allreduce where the calibrated cost model predicts it faster"
             ),
             "{q}"
         );
+        let q = serves(&cfg(&[
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_CHOICE", "always"),
+        ]));
+        assert!(q.ends_with(", allreduce always"), "{q}");
+        let q = serves(&cfg(&[
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_OPS", "alltoall"),
+        ]));
+        assert!(q.ends_with("window [0, 1G])"), "{q}");
         assert!(serves(&cfg(&[("FLASHCOMM_DISABLE", "1")])).contains("FLASHCOMM_DISABLE"));
         assert!(serves(&cfg(&[("FLASHCOMM_OPS", "none")])).contains("takes nothing"));
         assert!(serves(&cfg(&[("FLASHCOMM_PROTO", "fast")])).contains("invalid"));

@@ -28,9 +28,12 @@ use std::time::Duration;
 
 use flashcomm_comm::{
     Agreement, Algorithm, Bootstrap, Choice, CommConfig, Communicator, Error as CommError,
-    Protocol, Stream, ThreadGroup, Transport,
+    Protocol, QuantChoice, QuantSpec, Stream, ThreadGroup, Transport,
 };
-use flashcomm_config::{Algo, Config, Proto, Transport as ConfigTransport};
+use flashcomm_config::{
+    Algo, Collective as ConfigCollective, Config, Proto, QuantChoice as ConfigQuantChoice,
+    Transport as ConfigTransport,
+};
 use flashcomm_nccl_sys::ncclResult_t;
 
 use crate::bootstrap::NcclBootstrap;
@@ -69,10 +72,37 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
             ConfigTransport::Host => Choice::Force(Transport::Host),
         },
         calibrate: true,
+        quant_calibrate: allreduce_quant_spec(config).into_iter().collect(),
+        quant_choice: match s.quant_choice {
+            ConfigQuantChoice::Auto => QuantChoice::Auto,
+            ConfigQuantChoice::Always => QuantChoice::Always,
+        },
         graph_mixing: s.graph_mixing,
         early_launch: s.early_launch,
         ..CommConfig::default()
     }
+}
+
+/// The codec settings the environment asks of a quantized AllReduce, if it asks for one the
+/// kernels take (the settings the calibration times at set-up).
+fn allreduce_quant_spec(config: &Config) -> Option<QuantSpec> {
+    let s = &config.settings;
+    let halves = [flashcomm_config::DType::Bf16, flashcomm_config::DType::F16];
+    if !s.quant_ops.contains(&ConfigCollective::AllReduce)
+        || !halves.iter().any(|t| s.quant_dtypes.contains(t))
+    {
+        return None;
+    }
+    let q = config.quant_settings();
+    let (rs, ag) = q.widths()?;
+    let spec = QuantSpec::new(
+        rs,
+        ag,
+        u16::try_from(q.group).ok()?,
+        u8::try_from(q.spikes).ok()?,
+    )
+    .ok()?;
+    spec.has_kernels().then_some(spec)
 }
 
 /// Whether this rank can take part in the set-up exchange at all; `Ok`: the real library's
@@ -493,6 +523,10 @@ pub(crate) fn forward_group_call(h: &Held) -> ncclResult_t {
 pub(crate) enum Executed {
     /// flashcomm ran it (or refused it with an error): this is the result.
     Done(ncclResult_t),
+    /// Asked to be quantized, flashcomm ran it on the lossless kernels, which the calibrated
+    /// cost model predicts faster at this size (`FLASHCOMM_QUANT_CHOICE=auto`): this is the
+    /// result.
+    Unquantized(ncclResult_t),
     /// flashcomm's kernels do not support this call: it goes to NCCL (the reason is logged the
     /// first time; static where flashcomm itself refuses, so that refusing allocates nothing).
     Refused(Cow<'static, str>),
@@ -561,6 +595,9 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
         _ => return Executed::Refused(Cow::Borrowed("not a call flashcomm's kernels take")),
     };
     match r {
+        Ok(p) if d.quant.is_some() && p.quant.is_none() => {
+            Executed::Unquantized(ncclResult_t::ncclSuccess)
+        }
         Ok(_) => Executed::Done(ncclResult_t::ncclSuccess),
         Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
         Err(e) => Executed::Done(report(call, e)),
@@ -729,5 +766,47 @@ mod tests {
             ns <= u128::from(u64::MAX),
             "fits the kernels' 64-bit timeout: {ns}"
         );
+    }
+
+    #[test]
+    fn calibration_times_the_quantized_allreduce_the_environment_asks_for() {
+        let cfg = |vars: &[(&str, &str)]| comm_config(&Config::from_vars(vars.iter().copied()));
+        let none = cfg(&[]);
+        assert!(none.quant_calibrate.is_empty());
+        assert_eq!(none.quant_choice, QuantChoice::Auto);
+        let q4 = cfg(&[
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_GROUP", "64"),
+        ]);
+        assert_eq!(
+            q4.quant_calibrate,
+            vec![QuantSpec::new(4, 4, 64, 2).unwrap()]
+        );
+        let pair = cfg(&[
+            ("FLASHCOMM_QUANT_BITS", "3"),
+            ("FLASHCOMM_QUANT_AG_BITS", "8"),
+            ("FLASHCOMM_QUANT_CHOICE", "always"),
+        ]);
+        assert_eq!(
+            pair.quant_calibrate,
+            vec![QuantSpec::new(3, 8, 128, 2).unwrap()]
+        );
+        assert_eq!(pair.quant_choice, QuantChoice::Always);
+        // Not for AllReduce, or a pair without kernels (it goes to NCCL): nothing to time.
+        let ops = cfg(&[
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_OPS", "alltoall"),
+        ]);
+        assert!(ops.quant_calibrate.is_empty());
+        let bad = cfg(&[
+            ("FLASHCOMM_QUANT_BITS", "6"),
+            ("FLASHCOMM_QUANT_AG_BITS", "8"),
+        ]);
+        assert!(bad.quant_calibrate.is_empty());
+        let f32_only = cfg(&[
+            ("FLASHCOMM_QUANT_BITS", "4"),
+            ("FLASHCOMM_QUANT_DTYPES", "f32"),
+        ]);
+        assert!(f32_only.quant_calibrate.is_empty());
     }
 }

@@ -72,6 +72,7 @@ fn one_engagement_line_and_a_summary_when_quantization_is_asked_for() {
         "takes allreduce,reducescatter,allgather,alltoall of [0, 1G] bytes per rank",
         "quantizes allreduce of bf16,f16 (rs 4 bits, ag 4 bits, allgather 4 bits, reducescatter 4 \
          bits, alltoall 4 bits, group 128, spikes 2",
+        "allreduce where the calibrated cost model predicts it faster",
     ] {
         assert!(on[0].contains(part), "{part}: {}", on[0]);
     }

@@ -107,6 +107,17 @@ pub enum TransportChoice {
     Host,
 }
 
+/// Whether a quantized AllReduce row runs the quantized kernels at sizes where they are slower
+/// (`FLASHCOMM_QUANT_CHOICE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum QuantChoiceArg {
+    /// Every call of a quantized row is quantized: the row times that width's kernels.
+    Always,
+    /// As the library does by default: quantized only where the calibrated cost model predicts
+    /// it faster than lossless, otherwise the lossless kernels (the row's plan says which).
+    Auto,
+}
+
 /// One quantized width: bits of the reduce-scatter step (the only step of one-shot) and of the
 /// all-gather step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -193,6 +204,8 @@ pub struct Options {
     pub group: u16,
     /// `--spikes`: extreme values kept exactly per group.
     pub spikes: u8,
+    /// `--quant-choice`: quantized AllReduce rows quantize every call, or only where it pays.
+    pub quant_choice: QuantChoiceArg,
     /// `--algo`.
     pub algo: AlgoChoice,
     /// `--proto`.
@@ -248,6 +261,7 @@ impl Default for Options {
             quant: Vec::new(),
             group: 128,
             spikes: 2,
+            quant_choice: QuantChoiceArg::Always,
             algo: AlgoChoice::Auto,
             proto: ProtoChoice::Auto,
             transport: TransportChoice::Auto,
@@ -536,6 +550,12 @@ struct Cli {
     /// Extreme values kept exactly per group: 0 | 2 | 4 [2]
     #[arg(long, value_name = "k", help_heading = FLASHCOMM)]
     spikes: Option<u8>,
+    /// Quantized AllReduce rows: always (every call quantized, timing the width's kernels) |
+    /// auto (quantized only where the cost model calibrated at set-up predicts it faster than
+    /// lossless, as FLASHCOMM_QUANT_CHOICE=auto does; a row that ran the lossless kernels has
+    /// the plan lossless:<plan> and is checked as a lossless row) [always]
+    #[arg(long = "quant-choice", value_name = "c", help_heading = FLASHCOMM)]
+    quant_choice: Option<QuantChoiceArg>,
     /// Forced AllReduce algorithm [auto]
     #[arg(long, value_name = "a", help_heading = FLASHCOMM)]
     algo: Option<AlgoChoice>,
@@ -690,6 +710,7 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
     set(&mut o.quant, cli.quant.map(|l| l.0));
     set(&mut o.group, cli.group);
     set(&mut o.spikes, cli.spikes);
+    set(&mut o.quant_choice, cli.quant_choice);
     set(&mut o.algo, cli.algo);
     set(&mut o.proto, cli.proto);
     set(&mut o.transport, cli.transport);
@@ -958,6 +979,13 @@ mod tests {
         let o = run("--coll alltoall --impl reference,flashcomm --quant 8,4 --ranks 8");
         assert_eq!(o.quant, vec![w(8), w(4)]);
         assert!(usage().contains("single widths"));
+        // Quantized AllReduce rows time the width's kernels unless asked to route as the library.
+        assert_eq!(run("--quant 4").quant_choice, QuantChoiceArg::Always);
+        assert_eq!(
+            run("--quant 4 --quant-choice auto").quant_choice,
+            QuantChoiceArg::Auto
+        );
+        assert!(fails("--quant 4 --quant-choice sometimes").contains("--quant-choice"));
     }
 
     #[test]

@@ -31,7 +31,7 @@ use flashcomm_codec::{Element, Format, bf16, f16};
 use flashcomm_comm::gpu::{Event, HostArena, IpcMapping};
 use flashcomm_comm::{
     Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DeviceMem, DevicePtr, Plan,
-    Protocol, QuantSpec, Stream, ThreadGroup, Transport,
+    Protocol, QuantChoice, QuantSpec, Stream, ThreadGroup, Transport,
 };
 use flashcomm_testkit::FileBootstrap;
 use flashcomm_testkit::reference::Reference;
@@ -40,7 +40,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::accuracy::{self, AccuracyStats, QuantAlgo, QuantOp};
 use crate::args::{
-    AlgoChoice, Dtype, Impl, Launch, Mode, Options, ProtoChoice, TransportChoice, Width,
+    AlgoChoice, Dtype, Impl, Launch, Mode, Options, ProtoChoice, QuantChoiceArg, TransportChoice,
+    Width,
 };
 use crate::ffi::{self, Nccl, NcclComm};
 use crate::inputs;
@@ -476,6 +477,25 @@ pub fn run_process(
     result
 }
 
+/// The codec settings of the run's quantized AllReduce rows that have kernels (each once, in
+/// the order of `--quant`): what the communicator's calibration times, as the library's does for
+/// the environment's settings.
+fn allreduce_quant_specs(o: &Options) -> Vec<QuantSpec> {
+    let mut specs = Vec::new();
+    if o.coll != Collective::AllReduce {
+        return specs;
+    }
+    for w in &o.quant {
+        if let Ok(q) = QuantSpec::new(w.rs, w.ag, o.group, o.spikes)
+            && q.has_kernels()
+            && !specs.contains(&q)
+        {
+            specs.push(q);
+        }
+    }
+    specs
+}
+
 fn rank_main(
     o: &Options,
     jobs: &[Job],
@@ -496,6 +516,11 @@ fn rank_main(
             TransportChoice::Host => Choice::Force(Transport::Host),
         },
         calibrate: o.calibrate,
+        quant_calibrate: allreduce_quant_specs(o),
+        quant_choice: match o.quant_choice {
+            QuantChoiceArg::Always => QuantChoice::Always,
+            QuantChoiceArg::Auto => QuantChoice::Auto,
+        },
         early_launch: o.early_launch,
         graph_mixing: o.graph_mixing,
         ..CommConfig::default()
@@ -733,7 +758,7 @@ impl Rank<'_> {
             Variant::Link => self.link_job(job),
             Variant::LinkBoth => self.link_both_job(job),
             Variant::Nccl | Variant::Lossless | Variant::Reference => self.lossless_job(job, salt),
-            Variant::Quant(w) => self.quant_job(job, w),
+            Variant::Quant(w) => self.quant_job(job, w, salt),
         }
     }
 
@@ -895,7 +920,7 @@ impl Rank<'_> {
         let sh = &job.shape;
         let elem = job.dtype.bytes();
         match (job.variant, plan, &self.comm, &self.nccl) {
-            (Variant::Lossless, Some(p), Some(c), _) => c
+            (Variant::Lossless | Variant::Quant(_), Some(p), Some(c), _) => c
                 .run(p, send, recv, sh.call_count, elem, Some(job.dtype), s)
                 .map_err(|e| e.to_string()),
             (Variant::Reference, _, _, _) => match (&self.reference, self.o.coll) {
@@ -1068,7 +1093,7 @@ impl Rank<'_> {
         Ok(res)
     }
 
-    fn quant_job(&mut self, job: &Job, w: Width) -> Result<RankOut, String> {
+    fn quant_job(&mut self, job: &Job, w: Width, salt: u32) -> Result<RankOut, String> {
         let skipped = |why: String| {
             Ok(RankOut {
                 skipped: Some(why),
@@ -1087,13 +1112,27 @@ impl Rank<'_> {
         // The same verdict on every rank: planning is pure.
         let plan = match (self.comm.as_ref(), op) {
             (None, _) => return skipped("flashcomm is not set up".into()),
-            (Some(c), None) => c.plan_quant(count, dt, spec, algo_choice(self.o.algo)),
+            (Some(c), None) => c.plan_all_reduce_quant(count, dt, spec, algo_choice(self.o.algo)),
             (Some(c), Some(_)) => c.plan_quant_op(self.o.coll, count, dt, spec),
         };
         let plan = match plan {
             Err(e) => return skipped(e.to_string()),
             Ok(p) => p,
         };
+        if plan.quant.is_none() {
+            // `--quant-choice auto` where quantizing does not pay: the call runs the lossless
+            // kernels, timed and checked as a lossless row (the plan column says so).
+            let out = self.lossless_measure(job, Some(&plan), salt, false)?;
+            return Ok(RankOut {
+                skipped: None,
+                plan: Some(format!("lossless:{}", plan_label(&plan))),
+                out: Some(out),
+                inplace: self
+                    .o
+                    .inplace
+                    .then(|| Err("in-place quantized calls are not measured".into())),
+            });
+        }
         let seed = quant_seed(self.o.seed, job.dtype, count);
         // The send buffer: the whole vector of AllReduce, one block of AllGather, every peer's
         // block of AllToAll and every shard of ReduceScatter.
