@@ -530,7 +530,8 @@ impl Communicator {
                 capture: std::sync::Mutex::new(CaptureMark::default()),
             },
         };
-        // Steps 5 and 6 (rounds 6 and 7), the same on every rank since `cfg` is.
+        // Steps 5 and 6 (rounds 6, 7 and, with codec settings to time, 7q), the same on every
+        // rank since `cfg` is.
         if cfg.calibrate && nranks > 1 {
             comm.calibrate(ag, stream.stream(), &injected)?;
         }
@@ -725,11 +726,14 @@ impl Communicator {
         ))
     }
 
-    /// Times each (algorithm, protocol) at every size of [`plan::CALIB_SIZES`] and agrees on one
-    /// model with every rank (the element-wise maximum, so every rank plans alike): the rounds
-    /// after set-up step 4. The timed kernels wait at most [`SETUP_WAIT`] (or the configured
-    /// timeout, if shorter) for their peers: a rank whose launch failed here cannot leave its
-    /// peers' kernels waiting for ever.
+    /// Times each (algorithm, protocol) at every size of [`plan::CALIB_SIZES`], then the
+    /// quantized AllReduce of every codec setting of `cfg.quant_calibrate`, and agrees on one
+    /// model with every rank (the element-wise maximum, so every rank plans alike; one round for
+    /// the lossless table, one more for the quantized tables when there are settings to time):
+    /// the rounds after set-up step 4. The timed kernels wait at most [`SETUP_WAIT`] (or the
+    /// configured timeout, if shorter) for their peers: a rank whose launch failed here cannot
+    /// leave its peers' kernels waiting for ever. A failure of any timed kernel, quantized ones
+    /// included, fails set-up on every rank (the shim then leaves the communicator to NCCL).
     fn calibrate(
         &mut self,
         ag: &mut Agreement<'_>,
@@ -767,20 +771,23 @@ impl Communicator {
             end: &end,
             stream,
         };
+        let began = std::time::Instant::now();
         let measured = self.time_plans(ag, &timers, injected).and_then(|m| {
+            let lossless_ms = began.elapsed().as_millis();
             let quant = self.time_quant(ag, &timers)?;
-            Ok((m, quant))
+            Ok((m, quant, lossless_ms))
         });
         self.cfg.timeout = configured;
         // A failure here was agreed in one of the timing rounds: every rank returns it there.
-        let (measured, quant) = measured?;
+        let (measured, quant, lossless_ms) = measured?;
         let all = ag.round(Ok(measured.to_bytes()))?;
         self.model = CostModel::agree(&all)?;
-        tracing::info!(target: "flashcomm::tuning", rank = self.rank, model = ?self.model, "calibrated cost model");
+        tracing::info!(target: "flashcomm::tuning", rank = self.rank, ms = lossless_ms, model = ?self.model, "calibrated cost model");
         if !self.cfg.quant_calibrate.is_empty() {
             let all = ag.round(Ok(QuantModel::to_bytes(&quant)))?;
             self.quant_models = QuantModel::agree(&self.cfg.quant_calibrate, &all)?;
-            tracing::info!(target: "flashcomm::tuning", rank = self.rank, models = ?self.quant_models, "calibrated quantized AllReduce");
+            let ms = began.elapsed().as_millis() - lossless_ms;
+            tracing::info!(target: "flashcomm::tuning", rank = self.rank, ms, models = ?self.quant_models, "calibrated quantized AllReduce");
         }
         Ok(())
     }
@@ -1018,6 +1025,10 @@ impl Communicator {
     /// Sum AllReduce of `count` f16 or bf16 elements with a quantized wire format. Every rank's
     /// result is bitwise identical (each rank decodes the same bytes in the same order); the error
     /// against the exact sum is bounded as docs/codec.md states for one or two quantization steps.
+    /// Under [`QuantChoice::Auto`], where quantizing does not pay and `lossless_allowed` (the
+    /// caller's windows let the lossless kernels take this size), the lossless kernels run
+    /// instead ([`Communicator::plan_all_reduce_quant`]); the returned plan says which ran.
+    #[allow(clippy::too_many_arguments)]
     pub fn all_reduce_quant(
         &self,
         send: DevicePtr,
@@ -1025,9 +1036,10 @@ impl Communicator {
         count: u64,
         dtype: DataType,
         q: QuantSpec,
+        lossless_allowed: bool,
         stream: Stream,
     ) -> Result<Plan, Error> {
-        let p = self.plan_all_reduce_quant(count, dtype, q, self.cfg.algo)?;
+        let p = self.plan_all_reduce_quant(count, dtype, q, self.cfg.algo, lossless_allowed)?;
         self.run(&p, send, recv, count, dtype.bytes(), Some(dtype), stream)?;
         Ok(p)
     }
@@ -1055,18 +1067,22 @@ impl Communicator {
 
     /// The plan of an AllReduce asked to be quantized with `q`: the quantized plan
     /// ([`Communicator::plan_quant`]) or, under [`QuantChoice::Auto`] where it does not pay
-    /// ([`plan::quant_pays`]), the lossless plan of the call (its `quant` is `None`). Pure and
-    /// identical on every rank (the models are agreed at set-up). Refuses what the quantized
-    /// kernels refuse (f32, widths without kernels) whichever it would choose.
+    /// ([`plan::quant_pays`]) and `lossless_allowed`, the lossless plan of the call (its `quant`
+    /// is `None`). `lossless_allowed` false (the shim: the size lies outside the lossless
+    /// kernels' window, `FLASHCOMM_MIN_BYTES`..`FLASHCOMM_MAX_BYTES`) keeps the quantized plan, as
+    /// asked. Pure and identical on every rank (the models are agreed at set-up, the windows are
+    /// the same everywhere). Refuses what the quantized kernels refuse (f32, widths without
+    /// kernels) whichever it would choose.
     pub fn plan_all_reduce_quant(
         &self,
         count: u64,
         dtype: DataType,
         q: QuantSpec,
         algo: Choice<Algorithm>,
+        lossless_allowed: bool,
     ) -> Result<Plan, Error> {
         let quant = self.plan_quant(count, dtype, q, algo)?;
-        if self.cfg.quant_choice == QuantChoice::Always {
+        if self.cfg.quant_choice == QuantChoice::Always || !lossless_allowed {
             return Ok(quant);
         }
         let lossless = self.plan(Collective::AllReduce, count, dtype.bytes());

@@ -424,9 +424,9 @@ pub const QUANT_ONE_SHOT_MAX_ROUNDS: u64 = 2;
 pub enum QuantChoice {
     /// Quantize where it pays: a call asked to be quantized runs the quantized kernels only where
     /// the calibrated model ([`QuantModel`]) predicts them faster than the lossless plan by more
-    /// than [`TIE_FACTOR`]; elsewhere it runs the lossless kernels, whose result is the exact sum
-    /// the quantized one approximates. Without a measurement for the call's codec settings (no
-    /// calibration, or settings changed after set-up) every call is quantized.
+    /// than [`TIE_FACTOR`]; elsewhere it runs the lossless kernels, whose result carries no
+    /// quantization error. Without a measurement for the call's codec settings (no calibration,
+    /// or settings changed after set-up) every call is quantized.
     #[default]
     Auto,
     /// Every call asked to be quantized is.
@@ -501,7 +501,8 @@ impl QuantModel {
 
 /// Whether the quantized plan `quant` of a message of `bytes` bytes per rank pays against the
 /// lossless plan `lossless` of the same call ([`QuantChoice::Auto`]): predicted faster by more
-/// than [`TIE_FACTOR`]; a tie goes to the lossless plan (the same time, the exact sum). Without a
+/// than [`TIE_FACTOR`]; a tie goes to the lossless plan (about the same time, no quantization
+/// error). Without a
 /// calibrated model, or a measurement of the quantized plan's codec settings and algorithm at
 /// this size, it pays (the call is quantized, as asked). Pure: every rank, holding the agreed
 /// models, decides alike.
@@ -580,17 +581,20 @@ pub fn plan_quant(
         + codec_us_per_byte * bytes as f64 * (1.0 + n as f64);
     let t_two = model.predict(Algorithm::TwoShot, Protocol::Block, wire_two as u64)
         + codec_us_per_byte * bytes as f64 * (1.0 + 2.0 / n as f64 + 1.0);
-    // Measured times of both algorithms at this size, where calibrated: they decide, a tie
-    // going to one-shot (the fixed order of TIE_FACTOR).
-    let timed = measured.and_then(|m| {
-        Some((
-            m.predict(Algorithm::OneShot, bytes)?,
-            m.predict(Algorithm::TwoShot, bytes)?,
-        ))
+    // Measured times, where these settings were calibrated: they decide, a tie going to
+    // one-shot (the fixed order of TIE_FACTOR), and a size where two-step was not measured (just
+    // above QUANT_TWO_STEP_MIN_BLOCKS, below the first calibration size it was timed at) stays
+    // one-shot, so that no calibrated choice rests on the scaled lossless model.
+    let timed = measured.map(|m| {
+        (
+            m.predict(Algorithm::OneShot, bytes),
+            m.predict(Algorithm::TwoShot, bytes),
+        )
     });
     let two_faster = match timed {
-        Some((one, two)) => two * TIE_FACTOR < one,
-        None => t_two < t_one,
+        Some((Some(one), Some(two))) => two * TIE_FACTOR < one,
+        Some((Some(_), None)) => false,
+        _ => t_two < t_one,
     };
     let algo = match algo_choice {
         Choice::Force(Algorithm::TwoShot) if two_ok => Algorithm::TwoShot,
@@ -1298,8 +1302,8 @@ mod tests {
     fn quantized_calls_run_lossless_where_quantizing_does_not_pay() {
         let a = Arena::new(2, 64 << 20).unwrap();
         let q = QuantSpec::new(4, 4, 128, 2).unwrap();
-        // The shape measured on the host transport (docs/perf.md): lossless cheaper below about
-        // 512 KiB, quantized cheaper beyond; two-step cheaper than one-shot from 1 MiB.
+        // The shape measured on the host transport (docs/perf.md): lossless cheaper at the small
+        // sizes (64 KiB, 256 KiB), quantized cheaper from 1 MiB; two-step cheaper at large sizes.
         let (m, qm) = models(
             q,
             |s| 30.0 + s as f64 / 5000.0,
@@ -1364,6 +1368,12 @@ mod tests {
         );
         assert_eq!(choose(64 << 20, Some(&qm), &m), (true, Algorithm::TwoShot));
         assert_eq!(choose(64 << 20, None, &m), (true, Algorithm::OneShot));
+        // Two-step's smallest message (64 codec blocks, the last one partial), below the first
+        // size it was timed at: one-shot, even where two-step would be faster beyond.
+        let just_above = ((QUANT_TWO_STEP_MIN_BLOCKS - 1) * CODEC_BLOCK_VALUES + 1) * 2;
+        assert!(just_above < 128 << 10);
+        assert_eq!(choose(just_above, Some(&qm), &m).1, Algorithm::OneShot);
+        assert_eq!(choose(128 << 10, Some(&qm), &m).1, Algorithm::TwoShot);
     }
 
     #[test]

@@ -74,7 +74,7 @@ fn served_calls_do_not_allocate() {
         };
         let arq = || {
             r.comm
-                .all_reduce_quant(send.as_ptr(), recv.as_ptr(), n, DataType::Bf16, q, s)
+                .all_reduce_quant(send.as_ptr(), recv.as_ptr(), n, DataType::Bf16, q, true, s)
                 .unwrap();
         };
         let rs = || {

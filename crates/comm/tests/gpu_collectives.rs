@@ -179,7 +179,7 @@ fn one_rank_in_place_and_quantized_are_exact() {
                 let dt = ty.dtype().unwrap();
                 if quant {
                     r.comm
-                        .all_reduce_quant(send.as_ptr(), out.as_ptr(), count, dt, q, r.stream)
+                        .all_reduce_quant(send.as_ptr(), out.as_ptr(), count, dt, q, true, r.stream)
                         .unwrap();
                 } else {
                     r.comm

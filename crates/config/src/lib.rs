@@ -303,9 +303,10 @@ variables! {
     /// Which AllReduce calls that ask to be quantized run the quantized kernels: `auto` only
     /// those whose size the cost model, calibrated at communicator set-up with the quantized
     /// kernels too, predicts faster quantized than lossless (by more than 3%); the others run the
-    /// lossless kernels (the exact sum, at least as fast; on a fast link that can be every size).
-    /// `always`: every one. Settings given by `flashcommCommSetQuant` that differ from the
-    /// environment's were not timed at set-up and are always quantized.
+    /// lossless kernels (no quantization error, predicted at most 3% slower; on a fast link that
+    /// can be every size), unless the size lies outside `FLASHCOMM_MIN_BYTES`..`FLASHCOMM_MAX_BYTES`,
+    /// where they stay quantized. `always`: every one. Settings given by `flashcommCommSetQuant`
+    /// that differ from the environment's were not timed at set-up and are always quantized.
     quant_choice: QuantChoice = QuantChoice::Auto => {
         name: "FLASHCOMM_QUANT_CHOICE",
         kind: "keyword",
@@ -914,6 +915,7 @@ mod tests {
             ("FLASHCOMM_TIMEOUT_MS", "1000"),
             ("FLASHCOMM_ARENA_BYTES", "32M"),
             ("FLASHCOMM_OPS", "allreduce"),
+            ("FLASHCOMM_QUANT_CHOICE", "always"),
         ] {
             let mut vars = vec![
                 ("FLASHCOMM_QUANT_BITS", "4"),

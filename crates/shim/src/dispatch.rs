@@ -422,13 +422,17 @@ fn run_at<F: FnOnce() -> ncclResult_t>(
     let view = state.as_deref().map(|s| s.view(config));
     let d = decide(call, config, view.as_ref(), depth);
     let forward = |f: F| serve::forward_in_order(state.as_deref(), call, in_real_group, f);
+    let mut unquantized = false;
     let (route, result, refused) = match (d.route, state.as_deref()) {
         (Route::Lossless | Route::Quantized, Some(st)) => match match grouped {
             Some(g) => serve::execute_grouped(st, g, &d),
             None => serve::execute(st, call, &d),
         } {
             Executed::Done(r) => (d.route, r, None),
-            Executed::Unquantized(r) => (Route::Lossless, r, None),
+            Executed::Unquantized(r) => {
+                unquantized = true;
+                (Route::Lossless, r, None)
+            }
             Executed::Refused(why) => (Route::Nccl, forward(forward_real), Some(why)),
         },
         _ => (Route::Nccl, forward(forward_real), None),
@@ -438,7 +442,11 @@ fn run_at<F: FnOnce() -> ncclResult_t>(
     let first = match state.as_deref() {
         Some(st) => {
             st.counters.add(route, call.kind, call.bytes);
-            st.announced.first_time(call.kind, route)
+            if unquantized {
+                st.announced.first_unquantized()
+            } else {
+                st.announced.first_time(call.kind, route)
+            }
         }
         None => UNKNOWN_ANNOUNCED.first_time(call.kind, route),
     };
@@ -482,7 +490,7 @@ fn announce(
         ),
         None if d.route == Route::Quantized && route == Route::Lossless => format!(
             "asked to be quantized, it ran on the lossless kernels: the cost model calibrated at \
-             set-up predicts them faster than the quantized ones at {} bytes \
+             set-up predicts the quantized ones no more than 3% faster at {} bytes \
              (FLASHCOMM_QUANT_CHOICE=auto; `always` quantizes every such call)",
             call.bytes
         ),

@@ -139,9 +139,7 @@ fn serves(config: &Config) -> String {
                 "; quantizes {} of {} ({quant}){}",
                 s.quant_ops.show(),
                 s.quant_dtypes.show(),
-                if s.quant_ops
-                    .contains(&flashcomm_config::Collective::AllReduce)
-                {
+                if crate::policy::allreduce_quant_spec(config).is_some() {
                     match s.quant_choice {
                         flashcomm_config::QuantChoice::Auto => {
                             ", allreduce where the calibrated cost model predicts it faster"

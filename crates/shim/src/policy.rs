@@ -410,6 +410,30 @@ pub(crate) fn explain(
     }
 }
 
+/// The codec settings the environment asks of a quantized AllReduce, if it asks for one the
+/// kernels take (the settings the calibration times at set-up).
+pub(crate) fn allreduce_quant_spec(config: &Config) -> Option<QuantSpec> {
+    let s = &config.settings;
+    let halves = [flashcomm_config::DType::Bf16, flashcomm_config::DType::F16];
+    if !s
+        .quant_ops
+        .contains(&flashcomm_config::Collective::AllReduce)
+        || !halves.iter().any(|t| s.quant_dtypes.contains(t))
+    {
+        return None;
+    }
+    let q = config.quant_settings();
+    let (rs, ag) = q.widths()?;
+    let spec = QuantSpec::new(
+        rs,
+        ag,
+        u16::try_from(q.group).ok()?,
+        u8::try_from(q.spikes).ok()?,
+    )
+    .ok()?;
+    spec.has_kernels().then_some(spec)
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     //! The decision table, and helpers the registry's and the dispatch's tests share.

@@ -28,11 +28,10 @@ use std::time::Duration;
 
 use flashcomm_comm::{
     Agreement, Algorithm, Bootstrap, Choice, CommConfig, Communicator, Error as CommError,
-    Protocol, QuantChoice, QuantSpec, Stream, ThreadGroup, Transport,
+    Protocol, QuantChoice, Stream, ThreadGroup, Transport,
 };
 use flashcomm_config::{
-    Algo, Collective as ConfigCollective, Config, Proto, QuantChoice as ConfigQuantChoice,
-    Transport as ConfigTransport,
+    Algo, Config, Proto, QuantChoice as ConfigQuantChoice, Transport as ConfigTransport,
 };
 use flashcomm_nccl_sys::ncclResult_t;
 
@@ -72,7 +71,7 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
             ConfigTransport::Host => Choice::Force(Transport::Host),
         },
         calibrate: true,
-        quant_calibrate: allreduce_quant_spec(config).into_iter().collect(),
+        quant_calibrate: policy::allreduce_quant_spec(config).into_iter().collect(),
         quant_choice: match s.quant_choice {
             ConfigQuantChoice::Auto => QuantChoice::Auto,
             ConfigQuantChoice::Always => QuantChoice::Always,
@@ -81,28 +80,6 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
         early_launch: s.early_launch,
         ..CommConfig::default()
     }
-}
-
-/// The codec settings the environment asks of a quantized AllReduce, if it asks for one the
-/// kernels take (the settings the calibration times at set-up).
-fn allreduce_quant_spec(config: &Config) -> Option<QuantSpec> {
-    let s = &config.settings;
-    let halves = [flashcomm_config::DType::Bf16, flashcomm_config::DType::F16];
-    if !s.quant_ops.contains(&ConfigCollective::AllReduce)
-        || !halves.iter().any(|t| s.quant_dtypes.contains(t))
-    {
-        return None;
-    }
-    let q = config.quant_settings();
-    let (rs, ag) = q.widths()?;
-    let spec = QuantSpec::new(
-        rs,
-        ag,
-        u16::try_from(q.group).ok()?,
-        u8::try_from(q.spikes).ok()?,
-    )
-    .ok()?;
-    spec.has_kernels().then_some(spec)
 }
 
 /// Whether this rank can take part in the set-up exchange at all; `Ok`: the real library's
@@ -569,7 +546,11 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
     let dtype = policy::float_type(call.datatype);
     let r = match (call.kind, dtype, d.quant) {
         (Collective::AllReduce, Some(t), Some(q)) => {
-            c.all_reduce_quant(send, recv, count, t, q, stream)
+            // Outside the lossless kernels' window a call asked to be quantized stays quantized
+            // whatever the cost model says: the window says the lossless kernels must not take it.
+            let s = &crate::init::state().config.settings;
+            let lossless_allowed = (s.min_bytes.0..=s.max_bytes.0).contains(&call.bytes);
+            c.all_reduce_quant(send, recv, count, t, q, lossless_allowed, stream)
         }
         (Collective::AllReduce, Some(t), None) => c.all_reduce(send, recv, count, t, stream),
         (Collective::ReduceScatter, Some(t), Some(q)) => {
@@ -770,6 +751,7 @@ mod tests {
 
     #[test]
     fn calibration_times_the_quantized_allreduce_the_environment_asks_for() {
+        use flashcomm_comm::QuantSpec;
         let cfg = |vars: &[(&str, &str)]| comm_config(&Config::from_vars(vars.iter().copied()));
         let none = cfg(&[]);
         assert!(none.quant_calibrate.is_empty());

@@ -81,8 +81,10 @@ pub(crate) fn totals() -> Snapshot {
 #[derive(Debug, Default)]
 pub(crate) struct Announced(AtomicU32);
 
-// One bit per pair must fit.
-const _: () = assert!(Collective::COUNT * Route::COUNT <= 32);
+// One bit per pair must fit, and one more: an AllReduce asked to be quantized that ran on the
+// lossless kernels (`Announced::first_unquantized`).
+const _: () = assert!(Collective::COUNT * Route::COUNT < 32);
+const UNQUANTIZED_BIT: u32 = 1 << 31;
 
 impl Announced {
     /// None announced yet.
@@ -94,6 +96,13 @@ impl Announced {
     pub(crate) fn first_time(&self, kind: Collective, route: Route) -> bool {
         let bit = 1u32 << (kind as usize * Route::COUNT + route as usize);
         self.0.fetch_or(bit, Ordering::Relaxed) & bit == 0
+    }
+
+    /// Whether this is the first AllReduce asked to be quantized that ran on the lossless
+    /// kernels (`FLASHCOMM_QUANT_CHOICE=auto`; and marks it taken): announced apart from the
+    /// lossless route's own first call, whose reason differs.
+    pub(crate) fn first_unquantized(&self) -> bool {
+        self.0.fetch_or(UNQUANTIZED_BIT, Ordering::Relaxed) & UNQUANTIZED_BIT == 0
     }
 }
 
@@ -109,6 +118,10 @@ mod tests {
         assert!(a.first_time(Collective::AllReduce, Route::Lossless));
         assert!(a.first_time(Collective::Recv, Route::Quantized));
         assert!(!a.first_time(Collective::Recv, Route::Quantized));
+        // A call asked to be quantized that ran lossless is announced once, apart.
+        assert!(a.first_unquantized());
+        assert!(!a.first_unquantized());
+        assert!(a.first_time(Collective::AllGather, Route::Lossless));
     }
 
     #[test]

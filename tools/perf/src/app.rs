@@ -407,6 +407,9 @@ pub fn header_lines(o: &Options, gpus: &[String], nccl: Option<&Nccl>) -> Vec<St
             o.seed,
             o.check_values
         ));
+        if o.quant_choice == args::QuantChoiceArg::Auto {
+            v.push("# --quant-choice auto: a quantized row whose plan reads lossless:<plan> ran the lossless kernels (the cost model timed at set-up predicts quantizing no more than 3% faster at that size); it is timed and checked as a lossless row, and its relL2, maxerr and effbits are N/A".into());
+        }
     }
     if o.check {
         v.push("# lossless rows: #wrong = elements differing from the exact result (integer-valued inputs, checked on the device) + bytes differing from rank 0's result".into());

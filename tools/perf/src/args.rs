@@ -779,6 +779,12 @@ fn validate(o: &Options) -> Result<(), ArgError> {
     if ![32, 64, 128, 256].contains(&o.group) {
         return err(format!("--group {}: 32, 64, 128 or 256", o.group));
     }
+    if o.quant_choice == QuantChoiceArg::Auto && !o.calibrate {
+        return err(
+            "--quant-choice auto needs --calibrate 1: the choice comes from the quantized \
+             AllReduce timed at set-up (without it every call is quantized)",
+        );
+    }
     if ![0, 2, 4].contains(&o.spikes) {
         return err(format!("--spikes {}: 0, 2 or 4", o.spikes));
     }
@@ -986,6 +992,7 @@ mod tests {
             QuantChoiceArg::Auto
         );
         assert!(fails("--quant 4 --quant-choice sometimes").contains("--quant-choice"));
+        assert!(fails("--quant 4 --quant-choice auto --calibrate 0").contains("--calibrate 1"));
     }
 
     #[test]

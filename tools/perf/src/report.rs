@@ -335,7 +335,15 @@ pub fn format_row(layout: &Layout, row: &Row) -> String {
         let (l2, mx) = acc.map_or(("N/A".to_string(), "N/A".to_string()), |a| {
             (fmt_sci(a.rel_l2), fmt_sci(a.max_err))
         });
-        let eff = row.quant.as_ref().map_or("N/A".to_string(), fmt_effbits);
+        // A row of `--quant-choice auto` that ran the lossless kernels moved no quantized bytes.
+        let lossless = row
+            .plan
+            .as_deref()
+            .is_some_and(|p| p.starts_with("lossless:"));
+        let eff = match row.quant.as_ref() {
+            Some(q) if !lossless => fmt_effbits(q),
+            _ => "N/A".to_string(),
+        };
         s.push_str(&format!("  {l2:>W_SCI$} {mx:>W_SCI$} {eff:>W_EFF$}"));
     }
     let ratio = |r: Option<f64>| r.map_or("N/A".to_string(), |v| format!("{v:.3}"));

@@ -1112,7 +1112,9 @@ impl Rank<'_> {
         // The same verdict on every rank: planning is pure.
         let plan = match (self.comm.as_ref(), op) {
             (None, _) => return skipped("flashcomm is not set up".into()),
-            (Some(c), None) => c.plan_all_reduce_quant(count, dt, spec, algo_choice(self.o.algo)),
+            (Some(c), None) => {
+                c.plan_all_reduce_quant(count, dt, spec, algo_choice(self.o.algo), true)
+            }
             (Some(c), Some(_)) => c.plan_quant_op(self.o.coll, count, dt, spec),
         };
         let plan = match plan {
