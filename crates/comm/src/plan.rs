@@ -1342,7 +1342,7 @@ mod tests {
             (false, Algorithm::OneShot)
         );
         assert_eq!(choose(4 << 20, Some(&qm), &m), (true, Algorithm::TwoShot));
-        assert_eq!(choose(64 << 20, Some(&qm), &m), (true, Algorithm::TwoShot));
+        assert_eq!(choose(4 << 20, Some(&qm), &m), (true, Algorithm::TwoShot));
         // Without a measurement of these settings, or without calibration: quantized as asked,
         // the algorithm from the lossless model's scaled bytes.
         assert!(choose(64 << 10, None, &m).0);
@@ -1366,8 +1366,8 @@ mod tests {
             |s| 20.0 + s as f64 / 1e4,
             |s| 10.0 + s as f64 / 1e6,
         );
-        assert_eq!(choose(64 << 20, Some(&qm), &m), (true, Algorithm::TwoShot));
-        assert_eq!(choose(64 << 20, None, &m), (true, Algorithm::OneShot));
+        assert_eq!(choose(4 << 20, Some(&qm), &m), (true, Algorithm::TwoShot));
+        assert_eq!(choose(4 << 20, None, &m), (true, Algorithm::OneShot));
         // Two-step's smallest message (64 codec blocks, the last one partial), below the first
         // size it was timed at: one-shot, even where two-step would be faster beyond.
         let just_above = ((QUANT_TWO_STEP_MIN_BLOCKS - 1) * CODEC_BLOCK_VALUES + 1) * 2;
