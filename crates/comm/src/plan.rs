@@ -415,8 +415,12 @@ pub const QUANT_TWO_STEP_MIN_BLOCKS: u64 = 64;
 /// Rounds per block beyond which a quantized AllReduce is never one-shot (forced or chosen): the
 /// quantized one-shot kernel gave wrong results, on both transports, whenever its blocks took a
 /// third round, which reuses the first round's sub-slot (measured on the H200 at 16-64 MiB,
-/// docs/perf.md, "The quantized one-shot's third round"). Until the cause is found, such messages
-/// run two-step, whose sub-slot reuse the tests cover up to 256 MiB.
+/// docs/perf.md, "The quantized one-shot's third round"). The cause: in the last round of the
+/// block whose last chunk has fewer frames than warps, the warps shared that chunk's codec blocks
+/// and encoded into own frames that a slower warp could still be reading from round r - 2 (the
+/// kernel now has a block barrier there). Until the GPU test of the fix
+/// (`quantized_oneshot_past_two_rounds_*`) has passed, such messages run two-step, whose sub-slot
+/// reuse the tests cover up to 256 MiB.
 pub const QUANT_ONE_SHOT_MAX_ROUNDS: u64 = 2;
 /// Whether a quantized AllReduce runs where the lossless kernels are predicted to be faster
 /// (`FLASHCOMM_QUANT_CHOICE`).
@@ -604,39 +608,52 @@ pub fn plan_quant(
         }
         Choice::Auto => Algorithm::OneShot,
     };
-    // Grid, sub-slot and chunk bytes of `algo`, and the rounds its busiest block takes.
-    let shape = |algo: Algorithm| {
-        // A frame carries FRAME_PAYLOAD / block_bytes codec blocks. Two-step: one warp per
-        // frame. One-shot: the warps of a block share its chunk's codec blocks, so the grid is
-        // sized for one codec block per warp.
-        let per_frame = match algo {
-            Algorithm::OneShot => FRAME_PAYLOAD / fr.block_bytes() as u64,
-            Algorithm::TwoShot => FRAME_PAYLOAD / (fr.block_bytes().max(fa.block_bytes()) as u64),
-        };
-        let blocks = match algo {
-            Algorithm::OneShot => nb,
-            Algorithm::TwoShot => nb.div_ceil(n),
-        };
-        let frames = blocks.div_ceil(per_frame);
-        let warp_units = match algo {
-            Algorithm::OneShot => blocks,
-            Algorithm::TwoShot => frames,
-        };
-        let grid = warp_units
-            .div_ceil((QUANT_THREADS / 32) as u64)
-            .clamp(1, max_grid.min(arena.max_grid()).max(1) as u64) as u32;
-        let (grid, sub_bytes, chunk_bytes) = quant_chunking(arena, grid, frames);
-        let chunks = frames.div_ceil((sub_bytes / FRAME_BYTES).max(1));
-        (grid, sub_bytes, chunk_bytes, chunks.div_ceil(grid as u64))
-    };
-    let (mut grid, mut sub_bytes, mut chunk_bytes, rounds) = shape(algo);
-    let mut algo = algo;
+    let (mut plan, rounds) = quant_shape(arena, count, dtype, q, max_grid, algo)?;
     if algo == Algorithm::OneShot && rounds > QUANT_ONE_SHOT_MAX_ROUNDS && two_ok && n > 1 {
         // Forced or chosen, a one-shot whose blocks would reuse a sub-slot goes two-step.
-        algo = Algorithm::TwoShot;
-        (grid, sub_bytes, chunk_bytes, _) = shape(algo);
+        plan = quant_shape(arena, count, dtype, q, max_grid, Algorithm::TwoShot)?.0;
     }
-    Ok(Plan {
+    Ok(plan)
+}
+
+/// The quantized AllReduce of `algo`, whatever the cost model or [`QUANT_ONE_SHOT_MAX_ROUNDS`]
+/// say: its grid, sub-slot and chunk bytes, and the rounds its busiest block takes. [`plan_quant`]
+/// shapes its plans here; tests run a one-shot of more than two rounds with it (every rank must
+/// run the same plan). Two-step needs at least `nranks` codec blocks.
+pub fn quant_shape(
+    arena: &Arena,
+    count: u64,
+    dtype: DataType,
+    q: QuantSpec,
+    max_grid: u32,
+    algo: Algorithm,
+) -> Result<(Plan, u64), Error> {
+    let n = arena.nranks as u64;
+    let fr = q.format(dtype, q.rs_bits)?;
+    let fa = q.format(dtype, q.ag_bits)?;
+    let nb = count.div_ceil(CODEC_BLOCK_VALUES);
+    // A frame carries FRAME_PAYLOAD / block_bytes codec blocks. Two-step: one warp per frame.
+    // One-shot: the warps of a block share its chunk's codec blocks, so the grid is sized for
+    // one codec block per warp.
+    let per_frame = match algo {
+        Algorithm::OneShot => FRAME_PAYLOAD / fr.block_bytes() as u64,
+        Algorithm::TwoShot => FRAME_PAYLOAD / (fr.block_bytes().max(fa.block_bytes()) as u64),
+    };
+    let blocks = match algo {
+        Algorithm::OneShot => nb,
+        Algorithm::TwoShot => nb.div_ceil(n),
+    };
+    let frames = blocks.div_ceil(per_frame);
+    let warp_units = match algo {
+        Algorithm::OneShot => blocks,
+        Algorithm::TwoShot => frames,
+    };
+    let grid = warp_units
+        .div_ceil((QUANT_THREADS / 32) as u64)
+        .clamp(1, max_grid.min(arena.max_grid()).max(1) as u64) as u32;
+    let (grid, sub_bytes, chunk_bytes) = quant_chunking(arena, grid, frames);
+    let chunks = frames.div_ceil((sub_bytes / FRAME_BYTES).max(1));
+    let plan = Plan {
         coll: Collective::AllReduce,
         algo,
         proto: Protocol::Block,
@@ -646,7 +663,8 @@ pub fn plan_quant(
         chunk_bytes,
         shard_elems: 0,
         quant: Some(q),
-    })
+    };
+    Ok((plan, chunks.div_ceil(grid as u64)))
 }
 
 /// Plans a quantized AllGather, AllToAll or ReduceScatter: one quantization step at `q.rs_bits`
@@ -1400,5 +1418,32 @@ mod tests {
         // No settings: nothing to agree on; a peer's table of another length is refused.
         assert_eq!(QuantModel::agree(&[], &[Vec::new()]).unwrap(), Vec::new());
         assert!(QuantModel::agree(&specs, &[QuantModel::to_bytes(&[a4])]).is_err());
+    }
+
+    #[test]
+    fn quant_shape_is_the_plan_before_the_round_rule() {
+        // plan_quant's plans are quant_shape's; at 16 MiB, 8-bit, 2 ranks on 66 blocks, the
+        // one-shot (which the GPU test runs through quant_shape) takes 4 rounds of 11-frame
+        // chunks (33 codec blocks) and its last chunk, on block 50 in round 3, has 8 codec
+        // blocks in 3 frames: the case that gave wrong values before the kernel's barrier.
+        let a = Arena::new(2, 64 << 20).unwrap();
+        let q = QuantSpec::new(8, 8, 128, 2).unwrap();
+        let m = CostModel::default_for(2);
+        for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+            for count in [1000, 2 << 20, 8 << 20] {
+                let forced = Choice::Force(algo);
+                let p = plan_quant(&a, &m, None, count, DataType::Bf16, q, 66, forced).unwrap();
+                let (s, _) = quant_shape(&a, count, DataType::Bf16, q, 66, p.algo).unwrap();
+                assert_eq!(p, s, "{algo:?} {count}");
+            }
+        }
+        let (p, rounds) =
+            quant_shape(&a, 8 << 20, DataType::Bf16, q, 66, Algorithm::OneShot).unwrap();
+        assert_eq!(p.algo, Algorithm::OneShot);
+        assert_eq!((p.grid, p.sub_bytes / FRAME_BYTES, rounds), (66, 11, 4));
+        let k = p.sub_bytes / FRAME_BYTES * 3;
+        let nb = (8u64 << 20) / CODEC_BLOCK_VALUES;
+        let last = nb.div_ceil(k) - 1;
+        assert_eq!((last % 66, last / 66, nb - last * k), (50, 3, 8));
     }
 }

@@ -124,17 +124,17 @@ fn check_against_reference(
     dtype: DataType,
     first: usize,
     got: &[u8],
-    (want, bound, exact): (Vec<u8>, Vec<f64>, Vec<f64>),
+    (want, bound, exact): &(Vec<u8>, Vec<f64>, Vec<f64>),
     errors: &Mutex<Vec<String>>,
 ) -> f64 {
-    if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
         errors.lock().unwrap().push(format!(
             "{what}: byte {} differs from the CPU reference",
             2 * first + i
         ));
     }
     let mut worst = 0f64;
-    for (i, (e, b)) in exact.iter().zip(&bound).enumerate() {
+    for (i, (e, b)) in exact.iter().zip(bound).enumerate() {
         let raw = u16::from_le_bytes([got[2 * i], got[2 * i + 1]]);
         let v = match dtype {
             DataType::F16 => f16::from_bits(raw).to_f32(),
@@ -213,7 +213,7 @@ fn quantized(n: u32) {
                     case.dtype,
                     0,
                     &got,
-                    reference_of(case, p.algo, &all),
+                    &reference_of(case, p.algo, &all),
                     &errors,
                 );
                 println!(
@@ -309,7 +309,7 @@ fn quantized_large(n: u32, q: QuantSpec, dtype: DataType) {
                     dtype,
                     w0,
                     &got,
-                    reference_of(&case, p.algo, &part),
+                    &reference_of(&case, p.algo, &part),
                     &errors,
                 ));
             }
@@ -539,7 +539,7 @@ fn quantized_where_it_pays() {
                                 DataType::Bf16,
                                 0,
                                 &got,
-                                reference_of(&case, p.algo, &all),
+                                &reference_of(&case, p.algo, &all),
                                 &errors,
                             );
                             println!(
@@ -610,4 +610,195 @@ fn quantized_where_it_pays() {
             assert!(p.quant.is_some(), "always quantized: count {count}");
         }
     });
+}
+
+/// A quantized one-shot that takes more than two rounds per block, run on a plan of
+/// `plan::quant_shape` (which `plan_quant` would have turned into two-step through its rule
+/// `QUANT_ONE_SHOT_MAX_ROUNDS`): the case that gave wrong values on the GPU (8-bit from 16 MiB,
+/// 4-bit from 32 MiB, 2 and 8 ranks, both transports). The block whose last chunk has fewer
+/// frames than warps shares that chunk's codec blocks among its warps in its last round, and
+/// without a block barrier there its faster warps overwrote the own frames of round r - 2 that
+/// a slower warp was still decoding or copying. The count is adjusted (by whole codec blocks) so
+/// that such a last chunk exists in the fourth round or later. Each call's output must be bitwise
+/// identical on every rank and, on rank 0, equal the CPU reference bit for bit, within its bound.
+fn quantized_oneshot_rounds(n: u32, max_blocks: u32, specs: &[(QuantSpec, usize)]) {
+    use flashcomm_comm::abi::{FRAME_BYTES, FRAME_PAYLOAD};
+    use flashcomm_comm::plan::{self, Arena};
+    use flashcomm_comm::{CommConfig, Transport};
+    const CALLS: usize = 8;
+    let transports = match test_transport() {
+        Choice::Force(t) => vec![t],
+        Choice::Auto => vec![Transport::P2p, Transport::Host],
+    };
+    let dtype = DataType::Bf16;
+    // Rank 0's CPU reference of each (spec, count), computed once for every transport.
+    type Reference = std::sync::Arc<(Vec<u8>, Vec<f64>, Vec<f64>)>;
+    let references = Mutex::new(Vec::<(usize, usize, Reference)>::new());
+    for transport in transports {
+        let cfg = CommConfig {
+            transport: Choice::Force(transport),
+            max_blocks: Some(max_blocks),
+            ..test_config()
+        };
+        let arena = Arena::new(n, cfg.arena_bytes).unwrap();
+        let errors = Mutex::new(Vec::<String>::new());
+        run_ranks(n, cfg.clone(), |r| {
+            // The plan and the count, the same on every rank (same arena and agreed grid).
+            let shape = |count: usize, q: QuantSpec| {
+                plan::quant_shape(
+                    &arena,
+                    count as u64,
+                    dtype,
+                    q,
+                    r.comm.max_grid(),
+                    Algorithm::OneShot,
+                )
+                .unwrap()
+            };
+            // (count, plan, rounds, last chunk's block, round and frames) of each spec.
+            let picked: Vec<_> = specs
+                .iter()
+                .map(|&(q, bytes)| {
+                    let fr = q.format(dtype, q.rs_bits).unwrap();
+                    let m = (FRAME_PAYLOAD / fr.block_bytes() as u64) as usize;
+                    (0..4096usize)
+                        .find_map(|extra| {
+                            let count = bytes / 2 + extra * 1024;
+                            let (p, rounds) = shape(count, q);
+                            let k = (p.sub_bytes / FRAME_BYTES) as usize * m;
+                            let nb = count.div_ceil(1024);
+                            let last = nb.div_ceil(k) - 1;
+                            let frames = (nb - last * k).div_ceil(m);
+                            let round = last / p.grid as usize;
+                            let per = (p.sub_bytes / FRAME_BYTES) as usize;
+                            (per >= 8 && frames < 8 && round >= 3).then_some((
+                                count,
+                                p,
+                                rounds,
+                                last % p.grid as usize,
+                                round,
+                                frames,
+                            ))
+                        })
+                        .unwrap_or_else(|| {
+                            panic!("N={n} {q:?}: no count near {bytes} bytes ends in a chunk of fewer frames than warps in round 3 or later")
+                        })
+                })
+                .collect();
+            let max_count = picked.iter().map(|x| x.0).max().unwrap();
+            let send = r.alloc(max_count * 2 + 64);
+            let recv = r.alloc(max_count * 2 + 64);
+            r.shared.addrs.lock().unwrap()[r.rank() as usize] = recv.addr();
+            r.sync();
+            let rank0 = r.shared.addrs.lock().unwrap()[0];
+            for (si, (&(q, _), &(count, p, rounds, block, round, frames))) in
+                specs.iter().zip(&picked).enumerate()
+            {
+                assert_eq!(p.algo, Algorithm::OneShot);
+                let bytes = count * 2;
+                let seed = |rk: u32| (0x05u64 << 16) | ((si as u64) << 8) | rk as u64;
+                let mine = inputs(seed(r.rank()), count);
+                send.upload(0, &to_bytes(dtype, &mine), r.stream).unwrap();
+                drop(mine);
+                let case = Case {
+                    q,
+                    dtype,
+                    count,
+                    algo: Choice::Force(Algorithm::OneShot),
+                };
+                let reference = (r.rank() == 0).then(|| {
+                    let mut refs = references.lock().unwrap();
+                    if let Some((_, _, x)) = refs.iter().find(|x| (x.0, x.1) == (si, count)) {
+                        return x.clone();
+                    }
+                    let all: Vec<Vec<f32>> = (0..n).map(|rk| inputs(seed(rk), count)).collect();
+                    let x = Reference::new(reference_of(&case, Algorithm::OneShot, &all));
+                    refs.push((si, count, x.clone()));
+                    x
+                });
+                let what = format!(
+                    "N={n} {transport:?} {q:?} {dtype:?} count={count} one-shot grid={} sub={} frames, {rounds} rounds, last chunk on block {block} in round {round} with {frames} frames",
+                    p.grid,
+                    p.sub_bytes / FRAME_BYTES
+                );
+                for call in 0..CALLS {
+                    recv.fill(0xA5, r.stream).unwrap();
+                    r.sync();
+                    r.comm
+                        .run(
+                            &p,
+                            send.slice(0, bytes),
+                            recv.slice(0, bytes),
+                            count as u64,
+                            2,
+                            Some(dtype),
+                            r.stream,
+                        )
+                        .unwrap();
+                    r.sync();
+                    if r.rank() != 0 {
+                        // SAFETY: rank 0's buffer lives until the group ends; the barrier below
+                        // keeps it from being overwritten before every rank has compared.
+                        let theirs = unsafe { DevicePtr::from_raw(rank0, bytes as u64) };
+                        r.v.compare(recv.as_ptr(), theirs, bytes as u64, r.stream)
+                            .unwrap();
+                        r.stream.synchronize().unwrap();
+                        let (wrong, first) = r.v.errors().unwrap();
+                        r.v.reset().unwrap();
+                        if wrong != 0 {
+                            errors.lock().unwrap().push(format!(
+                                "rank {}: {what}, call {call}: {wrong} bytes differ from rank 0's, the first at byte {first} (element {}, codec block {})",
+                                r.rank(),
+                                first / 2,
+                                first / 2 / 1024
+                            ));
+                        }
+                    } else {
+                        let mut got = vec![0u8; bytes];
+                        recv.download(0, &mut got, r.stream).unwrap();
+                        let worst = check_against_reference(
+                            &format!("{what}, call {call}"),
+                            dtype,
+                            0,
+                            &got,
+                            reference.as_deref().unwrap(),
+                            &errors,
+                        );
+                        println!(
+                            "{what}, call {call}: rank 0 checked against the CPU reference, worst error {worst:.2} of its bound"
+                        );
+                    }
+                    r.boot.barrier().unwrap();
+                }
+            }
+        });
+        let errors = errors.into_inner().unwrap();
+        assert!(errors.is_empty(), "{}", errors.join("\n"));
+    }
+}
+
+/// 2 ranks, 66 blocks (the H200's grid of 2 virtual ranks): 8-bit from 16 MiB, 4-bit from 32 MiB.
+#[test]
+fn quantized_oneshot_past_two_rounds_2_ranks() {
+    quantized_oneshot_rounds(
+        2,
+        66,
+        &[
+            (QuantSpec::new(8, 8, 128, 2).unwrap(), 16 << 20),
+            (QuantSpec::new(4, 4, 128, 2).unwrap(), 32 << 20),
+        ],
+    );
+}
+
+/// 8 ranks, 16 blocks (the H200's grid of 8 virtual ranks): 8-bit and 4-bit at 16 MiB.
+#[test]
+fn quantized_oneshot_past_two_rounds_8_ranks() {
+    quantized_oneshot_rounds(
+        8,
+        16,
+        &[
+            (QuantSpec::new(8, 8, 128, 2).unwrap(), 16 << 20),
+            (QuantSpec::new(4, 4, 128, 2).unwrap(), 16 << 20),
+        ],
+    );
 }

@@ -12,8 +12,9 @@
 // encodings in rank order 0..N-1 with f32 accumulation, its own from its own slot: every rank
 // decodes the same bytes in the same order, so every rank's result is bitwise identical. In a
 // round whose chunk has fewer frames than the block has warps, the warps share the chunk's codec
-// blocks (block barriers between encoding and publishing, waiting and decoding, decoding and
-// clearing); a frame is still published, waited for and cleared by warp f mod kWarps.
+// blocks (block barriers before encoding from round 2 on, between encoding and publishing, waiting
+// and decoding, decoding and clearing); a frame is still published, waited for and cleared by
+// warp f mod kWarps.
 //
 // Two-step (large messages): codec blocks are sharded over ranks (shard j = blocks
 // [j*nb/N, (j+1)*nb/N)). Per chunk: (1) each rank encodes its part of every shard straight into
@@ -238,6 +239,17 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
         clear_frames(p, c, 0, others, round, f);
       }
     } else {
+      // The own slot's sub-slot of this round was last used two rounds ago, when warp f % kWarps
+      // alone encoded, copied and decoded its frame f, in a round of at least one frame per warp
+      // (no block barrier): here any warp encodes into any frame, so every warp must be past that
+      // round first. Without this barrier a warp with fewer frames per round (11 frames over 8
+      // warps: warps 3-7 have one, 0-2 two) ran two rounds ahead and overwrote the own frames that
+      // a slower warp was still decoding or copying to the peers (wrong values on that rank, or
+      // on the peers), in the last round of the one block whose last chunk has fewer frames than
+      // warps: 8-bit 16 MiB and 4-bit 32 MiB at 2 ranks. (Round 1 writes the other sub-slot, which
+      // no earlier round of this call used; and where a full chunk has fewer frames than warps,
+      // every round takes this branch, whose barriers already order round r - 2 before round r.)
+      if (round >= 2 && p.sub_bytes / FC_FRAME_BYTES >= kWarps) __syncthreads();
       // Encode once into the own slot: codec block j of the chunk goes to warp j % kWarps, so a
       // chunk of a few frames keeps every warp busy (a warp per frame would encode its frame's m
       // codec blocks one after the other while the other warps wait).
