@@ -412,16 +412,6 @@ pub const QUANT_THREADS: u32 = 256;
 /// (docs/perf.md).
 pub const QUANT_TWO_STEP_MIN_BLOCKS: u64 = 64;
 
-/// Rounds per block beyond which a quantized AllReduce is never one-shot (forced or chosen): the
-/// quantized one-shot kernel gave wrong results, on both transports, whenever its blocks took a
-/// third round, which reuses the first round's sub-slot (measured on the H200 at 16-64 MiB,
-/// docs/perf.md, "The quantized one-shot's third round"). The cause: in the last round of the
-/// block whose last chunk has fewer frames than warps, the warps shared that chunk's codec blocks
-/// and encoded into own frames that a slower warp could still be reading from round r - 2 (the
-/// kernel now has a block barrier there). Until the GPU test of the fix
-/// (`quantized_oneshot_past_two_rounds_*`) has passed, such messages run two-step, whose sub-slot
-/// reuse the tests cover up to 256 MiB.
-pub const QUANT_ONE_SHOT_MAX_ROUNDS: u64 = 2;
 /// Whether a quantized AllReduce runs where the lossless kernels are predicted to be faster
 /// (`FLASHCOMM_QUANT_CHOICE`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -608,18 +598,13 @@ pub fn plan_quant(
         }
         Choice::Auto => Algorithm::OneShot,
     };
-    let (mut plan, rounds) = quant_shape(arena, count, dtype, q, max_grid, algo)?;
-    if algo == Algorithm::OneShot && rounds > QUANT_ONE_SHOT_MAX_ROUNDS && two_ok && n > 1 {
-        // Forced or chosen, a one-shot whose blocks would reuse a sub-slot goes two-step.
-        plan = quant_shape(arena, count, dtype, q, max_grid, Algorithm::TwoShot)?.0;
-    }
-    Ok(plan)
+    Ok(quant_shape(arena, count, dtype, q, max_grid, algo)?.0)
 }
 
-/// The quantized AllReduce of `algo`, whatever the cost model or [`QUANT_ONE_SHOT_MAX_ROUNDS`]
-/// say: its grid, sub-slot and chunk bytes, and the rounds its busiest block takes. [`plan_quant`]
-/// shapes its plans here; tests run a one-shot of more than two rounds with it (every rank must
-/// run the same plan). Two-step needs at least `nranks` codec blocks.
+/// The quantized AllReduce of `algo`, whatever the cost model says: its grid, sub-slot and chunk
+/// bytes, and the rounds its busiest block takes. [`plan_quant`] shapes its plans here; tests run
+/// a one-shot of more than two rounds with it (every rank must run the same plan). Two-step needs
+/// at least `nranks` codec blocks.
 pub fn quant_shape(
     arena: &Arena,
     count: u64,
@@ -1221,46 +1206,17 @@ mod tests {
     }
 
     #[test]
-    fn a_quantized_one_shot_never_takes_a_third_round() {
-        for n in [2u32, 4, 8] {
-            let a = Arena::new(n, 64 << 20).unwrap();
-            let m = CostModel::default_for(n);
-            let max_grid = 132 / n;
-            for bits in 2..=8u8 {
-                let q = QuantSpec::new(bits, bits, 128, 2).unwrap();
-                let fr = q.format(DataType::Bf16, bits).unwrap();
-                let per_frame = FRAME_PAYLOAD / fr.block_bytes() as u64;
-                for shift in 16..=30 {
-                    let count = (1u64 << shift) / 2;
-                    for choice in [Choice::Auto, Choice::Force(Algorithm::OneShot)] {
-                        let p =
-                            plan_quant(&a, &m, None, count, DataType::Bf16, q, max_grid, choice)
-                                .unwrap();
-                        if p.algo != Algorithm::OneShot {
-                            continue;
-                        }
-                        let frames = count.div_ceil(CODEC_BLOCK_VALUES).div_ceil(per_frame);
-                        let chunks = frames.div_ceil(p.sub_bytes / FRAME_BYTES);
-                        let rounds = chunks.div_ceil(p.grid as u64);
-                        assert!(
-                            rounds <= QUANT_ONE_SHOT_MAX_ROUNDS,
-                            "N={n} {bits}-bit {} bytes: one-shot of {rounds} rounds",
-                            count * 2
-                        );
-                    }
-                }
-            }
-        }
-        // The case measured wrong: 2 ranks, 8 bits, 16 MiB, one-shot forced: two-step instead.
+    fn a_forced_quantized_one_shot_stays_one_shot_past_two_rounds() {
+        // From the kernel's block barrier before a shared round (docs/perf.md, "The quantized
+        // one-shot's third round"), a one-shot of any number of rounds is planned as asked.
         let a = Arena::new(2, 64 << 20).unwrap();
         let q = QuantSpec::new(8, 8, 128, 2).unwrap();
         let m = CostModel::default_for(2);
         let forced = Choice::Force(Algorithm::OneShot);
-        let p = plan_quant(&a, &m, None, 8 << 20, DataType::Bf16, q, 66, forced).unwrap();
-        assert_eq!(p.algo, Algorithm::TwoShot);
-        // At 4 MiB it fits two rounds and stays one-shot.
-        let p = plan_quant(&a, &m, None, 2 << 20, DataType::Bf16, q, 66, forced).unwrap();
-        assert_eq!(p.algo, Algorithm::OneShot);
+        for count in [2u64 << 20, 8 << 20, 32 << 20] {
+            let p = plan_quant(&a, &m, None, count, DataType::Bf16, q, 66, forced).unwrap();
+            assert_eq!(p.algo, Algorithm::OneShot, "{count}");
+        }
     }
 
     /// A calibrated lossless model of one row (one-shot LL at `lossless(bytes)` us; the other

@@ -613,8 +613,7 @@ fn quantized_where_it_pays() {
 }
 
 /// A quantized one-shot that takes more than two rounds per block, run on a plan of
-/// `plan::quant_shape` (which `plan_quant` would have turned into two-step through its rule
-/// `QUANT_ONE_SHOT_MAX_ROUNDS`): the case that gave wrong values on the GPU (8-bit from 16 MiB,
+/// `plan::quant_shape` (one-shot whatever the cost model prefers): the case that gave wrong values on the GPU (8-bit from 16 MiB,
 /// 4-bit from 32 MiB, 2 and 8 ranks, both transports). The block whose last chunk has fewer
 /// frames than warps shares that chunk's codec blocks among its warps in its last round, and
 /// without a block barrier there its faster warps overwrote the own frames of round r - 2 that
