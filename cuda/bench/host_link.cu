@@ -19,6 +19,13 @@
 //   sm_both_fence_G      that beside a loading kernel that acquires each frame's flag first
 //   ce_d2h+sm_ld_G       the copy engine writes host memory while the SMs read it
 //   sm_st_G+ce_h2d       the SMs write host memory while the copy engine reads it
+//   ce_*+poll_sys_W      the copy engine beside a kernel of W warps (132 blocks: 1056) whose lane 0s
+//                        spin with ld.acquire.sys on one flag word in host memory until the copy
+//                        stream writes it (cuStreamWriteValue32) after the copy; poll_dev_1056 spins
+//                        on a device-memory word instead. Shows what a polling kernel costs the copy
+//                        engine (ce+split in host_schedules.cu was slow for this; docs/perf.md).
+#include <cuda.h>
+
 #include <functional>
 #include <string>
 
@@ -56,6 +63,19 @@ __global__ void frames_copy(const uint4* __restrict__ src, uint4* __restrict__ d
   }
 }
 
+// Lane 0 of each of the first `warps` warps spins until `*flag == v` (at most 2 s): with
+// ld.acquire.sys (host or device memory) or, with `dev`, ld.volatile (device memory).
+__global__ void poll_flag(const uint32_t* flag, uint32_t v, uint32_t warps, int dev) {
+  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if ((threadIdx.x & 31) != 0 || warp >= warps) return;
+  const uint64_t t0 = fc::globaltimer_ns();
+  while ((dev ? fc::ld_volatile_u32(flag) : fc::ld_acquire_sys_u32(flag)) != v &&
+         fc::globaltimer_ns() - t0 < 2000000000ull) {
+  }
+}
+
+typedef CUresult (*WriteValue32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
 struct Bufs {
   size_t bytes;
   uint4 *dev_a, *dev_b;    // device sources / destinations
@@ -85,9 +105,22 @@ int main(int argc, char** argv) {
   CK(cudaHostGetDevicePointer(&b.host_w_dev, b.host_w, 0));
   CK(cudaHostGetDevicePointer(&b.host_r_dev, b.host_r, 0));
   const size_t max_frames = maxb / (kFrameVecs * 16);
-  CK(cudaHostAlloc(&b.flags, max_frames * 4, cudaHostAllocMapped | cudaHostAllocPortable));
+  CK(cudaHostAlloc(&b.flags, (max_frames + 1) * 4, cudaHostAllocMapped | cudaHostAllocPortable));
   CK(cudaHostGetDevicePointer(&b.flags_dev, b.flags, 0));
 
+  WriteValue32 write_value = nullptr;
+  {
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", (void**)&write_value, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      write_value = nullptr;
+  }
+  // The polling cases' flag: one word past the frame flags (host), or a device word.
+  uint32_t* poll_dev;
+  CK(cudaMalloc(&poll_dev, 4));
+  CK(cudaMemset(poll_dev, 0, 4));
+  uint32_t poll_epoch = 0;
   cudaStream_t s0, s1, s2;
   CK(cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking));
   CK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
@@ -175,6 +208,34 @@ int main(int argc, char** argv) {
     run("sm_both_fence_132", bytes, st(132, 1), ld(132, 1), flags_set);
     run("ce_d2h+sm_ld_132", bytes, d2h, ld(132, 0), nullptr);
     run("sm_st_132+ce_h2d", bytes, st(132, 0), h2d, nullptr);
+    if (write_value) {
+      // The copy, then a flag write that ends the poller.
+      auto then_flag = [&](Work w, bool dev) {
+        return [&, w, dev](cudaStream_t s) {
+          w(s);
+          uint32_t* f = dev ? poll_dev : b.flags_dev + max_frames;
+          if (write_value((CUstream)s, (CUdeviceptr)f, poll_epoch, 0) != CUDA_SUCCESS) {
+            std::fprintf(stderr, "cuStreamWriteValue32 failed\n");
+            std::exit(1);
+          }
+        };
+      };
+      auto poll = [&](uint32_t warps, bool dev) {
+        return [&, warps, dev](cudaStream_t s) {
+          poll_flag<<<132, 256, 0, s>>>(dev ? poll_dev : b.flags_dev + max_frames, poll_epoch, warps, dev ? 1 : 0);
+          CK(cudaGetLastError());
+        };
+      };
+      auto next = [&]() { ++poll_epoch; };
+      // The poller on stream 1 (launched first, so resident before the copy starts), the copy on 2.
+      run("ce_d2h+poll_sys_1", bytes, poll(1, false), then_flag(d2h, false), next);
+      run("ce_d2h+poll_sys_32", bytes, poll(32, false), then_flag(d2h, false), next);
+      run("ce_d2h+poll_sys_1056", bytes, poll(1056, false), then_flag(d2h, false), next);
+      run("ce_d2h+poll_dev_1056", bytes, poll(1056, true), then_flag(d2h, true), next);
+      run("ce_h2d+poll_sys_1056", bytes, poll(1056, false), then_flag(h2d, false), next);
+      run("ce_both_1M+poll_sys_32", bytes, poll(32, false),
+          then_flag([&](cudaStream_t s) { chunked(true)(s); chunked(false)(s); }, false), next);
+    }
   }
   return 0;
 }
