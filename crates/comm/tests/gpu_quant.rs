@@ -152,15 +152,30 @@ fn check_against_reference(
     worst
 }
 
-/// This rank's `bytes` of output at `out` against rank 0's buffer at address `rank0`: bitwise
-/// identical. The caller keeps rank 0's buffer alive and unchanged until every rank has compared.
-fn assert_same_as_rank0(r: &Rank<'_>, out: DevicePtr, rank0: u64, bytes: usize, what: &str) {
+/// This rank's `bytes` of output at `out` against rank 0's buffer at address `rank0`: the bytes
+/// that differ and the first of them (0 and whatever when identical); the verifier's count is
+/// cleared again. The caller keeps rank 0's buffer alive and unchanged until every rank has
+/// compared.
+fn differences_from_rank0(r: &Rank<'_>, out: DevicePtr, rank0: u64, bytes: usize) -> (u64, u64) {
     // SAFETY: rank 0's buffer holds at least `bytes` (every rank allocates the same sizes) and
     // outlives the comparison (the caller's contract).
     let theirs = unsafe { DevicePtr::from_raw(rank0, bytes as u64) };
     r.v.compare(out, theirs, bytes as u64, r.stream).unwrap();
     r.stream.synchronize().unwrap();
-    r.assert_clean(&format!("bitwise identity with rank 0: {what}"));
+    let (wrong, first) = r.v.errors().unwrap();
+    r.v.reset().unwrap();
+    (wrong, first)
+}
+
+/// [`differences_from_rank0`], asserting that there are none.
+fn assert_same_as_rank0(r: &Rank<'_>, out: DevicePtr, rank0: u64, bytes: usize, what: &str) {
+    let (wrong, first) = differences_from_rank0(r, out, rank0, bytes);
+    assert_eq!(
+        wrong,
+        0,
+        "rank {}: bitwise identity with rank 0: {what}: {wrong} bytes differ, the first at {first}",
+        r.rank()
+    );
 }
 
 fn quantized(n: u32) {
@@ -736,14 +751,9 @@ fn quantized_oneshot_rounds(n: u32, max_blocks: u32, specs: &[(QuantSpec, usize)
                         .unwrap();
                     r.sync();
                     if r.rank() != 0 {
-                        // SAFETY: rank 0's buffer lives until the group ends; the barrier below
-                        // keeps it from being overwritten before every rank has compared.
-                        let theirs = unsafe { DevicePtr::from_raw(rank0, bytes as u64) };
-                        r.v.compare(recv.as_ptr(), theirs, bytes as u64, r.stream)
-                            .unwrap();
-                        r.stream.synchronize().unwrap();
-                        let (wrong, first) = r.v.errors().unwrap();
-                        r.v.reset().unwrap();
+                        // Rank 0's buffer lives until the group ends; the barrier below keeps it
+                        // from being overwritten before every rank has compared.
+                        let (wrong, first) = differences_from_rank0(r, recv.as_ptr(), rank0, bytes);
                         if wrong != 0 {
                             errors.lock().unwrap().push(format!(
                                 "rank {}: {what}, call {call}: {wrong} bytes differ from rank 0's, the first at byte {first} (element {}, codec block {})",
