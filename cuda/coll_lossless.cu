@@ -1,5 +1,6 @@
 // Lossless collectives on the self-synchronizing transport: AllReduce (one-shot and two-shot),
-// ReduceScatter, AllGather and AllToAll, each with the LL and the BLOCK protocol.
+// ReduceScatter, AllGather and AllToAll, each with the LL and the BLOCK protocol; AllReduce also
+// with the PULL protocol, staged and direct (flashcomm/pull.cuh).
 //
 // Work decomposition (identical on every rank, so every rank's block b talks to every peer's
 // block b): a message is cut into chunks of `chunk_bytes`; chunk k is handled by block
@@ -23,6 +24,7 @@
 #include <stdint.h>
 
 #include "flashcomm/params.h"
+#include "flashcomm/pull.cuh"
 #include "flashcomm/reduce.cuh"
 #include "flashcomm/transport.cuh"
 
@@ -408,7 +410,7 @@ __device__ __forceinline__ void copy_local(const char* src, char* dst, uint32_t 
 }
 
 template <typename T, int PROTO>
-__device__ void allreduce_oneshot(const FcCollParams& p) {
+__device__ void allreduce_oneshot_push(const FcCollParams& p) {
   wait_for_previous_work();
   const uint64_t bytes = p.count * sizeof(T);
   const uint32_t all = (1u << p.nranks) - 1u;
@@ -443,7 +445,7 @@ __device__ void allreduce_oneshot(const FcCollParams& p) {
 }
 
 template <typename T, int PROTO>
-__device__ void allreduce_twoshot(const FcCollParams& p) {
+__device__ void allreduce_twoshot_push(const FcCollParams& p) {
   Ctx c = begin(p);
   const uint64_t shard_bytes = p.shard_elems * sizeof(T);
   const uint64_t total = p.count * sizeof(T);
@@ -545,6 +547,23 @@ __device__ void alltoall(const FcCollParams& p) {
     }
   }
   finish(p, c);
+}
+
+// AllReduce of either family: the push protocols above, or PULL (flashcomm/pull.cuh).
+template <typename T, int PROTO>
+__device__ void allreduce_oneshot(const FcCollParams& p) {
+  if constexpr (PROTO == FC_PROTO_PULL || PROTO == FC_PROTO_DIRECT)
+    pull_oneshot<T, PROTO == FC_PROTO_DIRECT>(p);
+  else
+    allreduce_oneshot_push<T, PROTO>(p);
+}
+
+template <typename T, int PROTO>
+__device__ void allreduce_twoshot(const FcCollParams& p) {
+  if constexpr (PROTO == FC_PROTO_PULL || PROTO == FC_PROTO_DIRECT)
+    pull_twoshot<T, PROTO == FC_PROTO_DIRECT>(p);
+  else
+    allreduce_twoshot_push<T, PROTO>(p);
 }
 
 }  // namespace fc

@@ -41,8 +41,11 @@ pub struct CommConfig {
     /// Bound on every device-side wait; zero (the default): no time limit, as in NCCL (a wait
     /// lasts until the peer arrives or [`Communicator::abort`] is called).
     pub timeout: Duration,
-    /// Cap on the arena each rank allocates.
+    /// Cap on the arena each rank allocates (its push protocols' part).
     pub arena_bytes: u64,
+    /// Bytes of the pull area each rank allocates beside it (two staging halves; the PULL
+    /// protocols take AllReduce calls up to half of it; 0: no PULL protocols).
+    pub pull_bytes: u64,
     /// AllReduce algorithm override.
     pub algo: Choice<Algorithm>,
     /// Protocol override.
@@ -79,6 +82,7 @@ impl Default for CommConfig {
         CommConfig {
             timeout: Duration::ZERO,
             arena_bytes: 64 << 20,
+            pull_bytes: DEFAULT_PULL_BYTES,
             algo: Choice::Auto,
             proto: Choice::Auto,
             max_blocks: None,
@@ -92,6 +96,10 @@ impl Default for CommConfig {
         }
     }
 }
+
+/// The pull area's default size: two staging halves of 16 MiB, so the PULL protocols take
+/// AllReduce calls up to 16 MiB.
+pub const DEFAULT_PULL_BYTES: u64 = 32 << 20;
 
 const INFO_MAGIC: u32 = 0x4643_4f4d; // "FCOM"
 const INFO_BYTES: usize = 160;
@@ -434,6 +442,16 @@ impl Communicator {
             Ok((peers, mappings, colocated)) => (peers, mappings, (my_grid / colocated).max(1)),
             Err(e) => return Err(Error::Internal(format!("failed set-up step passed: {e}"))),
         };
+        // The direct PULL protocol loads peers' user buffers at the addresses they publish: only
+        // where every rank is a thread of this process on this device (every device pointer of
+        // a rank is then one of its peers'). The records are the same on every rank, so every
+        // rank decides alike.
+        let mut arena = arena;
+        arena.direct = transport == Transport::P2p
+            && all.iter().all(|b| {
+                PeerInfo::decode(b)
+                    .is_ok_and(|p| p.pid == info.pid && p.host == info.host && p.uuid == info.uuid)
+            });
 
         // Step 2 (round 3): probe: every rank writes into every arena. The stream is this
         // set-up's own and is destroyed when set-up ends.
@@ -613,7 +631,7 @@ impl Communicator {
         cfg: &CommConfig,
         transport: Transport,
     ) -> Result<LocalSetup, Error> {
-        let arena = Arena::new(nranks, cfg.arena_bytes)?;
+        let arena = Arena::with_pull(nranks, cfg.arena_bytes, cfg.pull_bytes)?;
         let dev = Device::open(device)?;
         let _ctx = dev.activate()?;
         let kernels = Kernels::for_context(dev.context())?;
@@ -635,6 +653,8 @@ impl Communicator {
             Kernel::allreduce(Algorithm::TwoShot, Protocol::Block, DataType::F32),
             Kernel::allreduce(Algorithm::OneShot, Protocol::Ll, DataType::F32),
             Kernel::allreduce(Algorithm::TwoShot, Protocol::Ll, DataType::Bf16),
+            Kernel::allreduce(Algorithm::OneShot, Protocol::Pull, DataType::F32),
+            Kernel::allreduce(Algorithm::TwoShot, Protocol::Direct, DataType::Bf16),
         ] {
             per_sm = per_sm.min(kernels.get(k).max_active_blocks_per_sm(THREADS, 0)?);
         }
@@ -806,6 +826,26 @@ impl Communicator {
         let mut model = CostModel::default_for(self.nranks);
         for algo in Algorithm::ALL {
             for proto in Protocol::ALL {
+                // A PULL protocol is timed only where it can serve every calibration size (the
+                // same on every rank: the arena is); otherwise its row keeps the defaults, which
+                // the planner never picks.
+                let servable = plan::CALIB_SIZES.iter().all(|&bytes| {
+                    let count = bytes / 2;
+                    let shard = plan::shard_elems(count, self.nranks, 2);
+                    self.arena.pull_fits(
+                        proto,
+                        count,
+                        2,
+                        if algo == Algorithm::TwoShot {
+                            shard
+                        } else {
+                            None
+                        },
+                    )
+                });
+                if !servable {
+                    continue;
+                }
                 let mut us = [0f64; plan::CALIB_SIZES.len()];
                 for (i, &bytes) in plan::CALIB_SIZES.iter().enumerate() {
                     let p = plan::plan(
@@ -900,7 +940,8 @@ impl Communicator {
             self.check_status()
         })();
         ag.check(verdict(warm))?;
-        let reps = 16;
+        // Large messages need fewer calls to time well (and calibration stays short).
+        let reps = if count * 2 > 1 << 20 { 4 } else { 16 };
         let graph = (|| {
             stream.begin_capture()?;
             let mut captured = Ok(());
@@ -1445,6 +1486,20 @@ impl Communicator {
         }
     }
 
+    /// Whether a direct PULL kernel must stage this rank's input rather than let its peers read
+    /// it in place (rank-local: it changes the address this rank publishes, never the protocol
+    /// its peers run): a send buffer that is not 16-byte aligned (peers load 16-byte vectors),
+    /// and, one-shot, an input that overlaps the output (this rank writes its result while its
+    /// peers may still be reading its input).
+    fn direct_staging(p: &Plan, send: DevicePtr, recv: DevicePtr, bytes: u64) -> u32 {
+        let overlaps = send.addr() < recv.addr() + bytes && recv.addr() < send.addr() + bytes;
+        if !send.addr().is_multiple_of(16) || (p.algo == Algorithm::OneShot && overlaps) {
+            abi::FLAG_PULL_STAGE_SEND
+        } else {
+            0
+        }
+    }
+
     /// The catalogue kernel of a plan: a few integer operations, no name and no lookup.
     fn kernel_for(p: &Plan, dtype: Option<DataType>) -> Result<Kernel<FcCollParams>, Error> {
         let (proto, algo) = (p.proto, p.algo);
@@ -1459,17 +1514,24 @@ impl Communicator {
                 (Some(op), Some(q)) => Kernel::quant_op(op, t, q.rs_bits),
                 _ => None,
             },
-            (Collective::AllGather, _) if p.quant.is_none() => Some(Kernel::allgather(proto)),
-            (Collective::AlltoAll, _) if p.quant.is_none() => Some(Kernel::alltoall(proto)),
+            (Collective::AllGather, _) if p.quant.is_none() => Kernel::allgather(proto),
+            (Collective::AlltoAll, _) if p.quant.is_none() => Kernel::alltoall(proto),
             (Collective::AllReduce, Some(t)) => match p.quant {
                 Some(q) if algo == Algorithm::OneShot => Kernel::quant_oneshot(t, q.rs_bits),
                 Some(q) => Kernel::quant_twostep(t, q.rs_bits, q.ag_bits),
                 None => Some(Kernel::allreduce(algo, proto, t)),
             },
-            (Collective::ReduceScatter, Some(t)) => Some(Kernel::reducescatter(proto, t)),
+            (Collective::ReduceScatter, Some(t)) => Kernel::reducescatter(proto, t),
             _ => return Err(Error::InvalidArgument("missing datatype".into())),
         };
-        k.ok_or_else(|| Error::Unsupported("no kernel for these codec widths".into()))
+        k.ok_or_else(|| {
+            Error::Unsupported(format!(
+                "no {} kernel for this plan ({} protocol, codec {:?})",
+                p.coll,
+                proto.name(),
+                p.quant
+            ))
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1508,6 +1570,9 @@ impl Communicator {
             ..Default::default()
         };
         let mut params = params;
+        if p.proto == Protocol::Direct {
+            params.flags |= Self::direct_staging(p, send, recv, count * elem);
+        }
         let threads = p.threads;
         if let (Some(q), Some(d)) = (p.quant, dtype) {
             params.q_bits_rs = q.rs_bits as u32;

@@ -3,7 +3,8 @@
 //! from the same inputs, and everything here is unit-tested on the CPU.
 
 use crate::abi::{
-    ARENA_HEADER_BYTES, FRAME_BYTES, FRAME_PAYLOAD, LL_LINE, LL_PAYLOAD, MAX_RANKS, THREADS,
+    ARENA_HEADER_BYTES, FRAME_BYTES, FRAME_PAYLOAD, LL_LINE, LL_PAYLOAD, MAX_RANKS,
+    PULL_FLAG_BYTES, PULL_MAX_BLOCKS, THREADS,
 };
 use crate::error::Error;
 
@@ -37,8 +38,10 @@ pub enum Choice<T> {
 
 /// The arena every rank allocates: a header, then two halves (collective parity), each with two
 /// regions (A: first step, B: second step) of one slot per source rank. A slot has one area per
-/// protocol (LL first, a quarter of the slot; then BLOCK), so neither protocol ever reads what the
-/// other left behind.
+/// push protocol (LL first, a quarter of the slot; then BLOCK), so neither protocol ever reads
+/// what the other left behind. After the halves, the pull area (when the communicator has one):
+/// the PULL protocol's flag lines ([`PULL_FLAG_BYTES`]), then two staging halves, disjoint from
+/// everything the push protocols write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Arena {
     /// Ranks.
@@ -51,6 +54,14 @@ pub struct Arena {
     pub region_bytes: u64,
     /// Bytes per half (two regions).
     pub half_bytes: u64,
+    /// Where the pull area starts (its flag lines; the staging halves follow them).
+    pub pull_offset: u64,
+    /// Bytes of one staging half of the pull area (0: no pull area, the PULL protocols are off).
+    pub pull_half_bytes: u64,
+    /// Whether every rank's user buffers are readable by its peers at the same address (ranks
+    /// of one process on one device): the direct PULL protocol is possible. Set by the
+    /// communicator after set-up, the same on every rank.
+    pub direct: bool,
     /// Total bytes including the header.
     pub total_bytes: u64,
 }
@@ -78,8 +89,23 @@ impl Arena {
             ll_bytes: slot / 4,
             region_bytes: region,
             half_bytes: 2 * region,
+            pull_offset: ARENA_HEADER_BYTES + 4 * region,
+            pull_half_bytes: 0,
+            direct: false,
             total_bytes: ARENA_HEADER_BYTES + 4 * region,
         })
+    }
+
+    /// [`Arena::new`] followed by a pull area of about `pull_bytes` (two staging halves, each a
+    /// multiple of 64 KiB, plus the flag lines); `pull_bytes` below 128 KiB gives no pull area.
+    pub fn with_pull(nranks: u32, cap: u64, pull_bytes: u64) -> Result<Arena, Error> {
+        let mut a = Arena::new(nranks, cap)?;
+        let half = (pull_bytes / 2) & !(64 * 1024 - 1);
+        if half > 0 {
+            a.pull_half_bytes = half;
+            a.total_bytes = a.pull_offset + PULL_FLAG_BYTES + 2 * half;
+        }
+        Ok(a)
     }
 
     /// Bytes of the BLOCK area of every slot.
@@ -87,11 +113,29 @@ impl Arena {
         self.slot_bytes - self.ll_bytes
     }
 
-    /// Offset of `proto`'s area inside every slot.
+    /// Offset of `proto`'s area inside every slot; for the PULL protocols, the offset of the pull
+    /// area inside every arena.
     pub fn area_offset(&self, proto: Protocol) -> u64 {
         match proto {
             Protocol::Ll => 0,
             Protocol::Block => self.ll_bytes,
+            Protocol::Pull | Protocol::Direct => self.pull_offset,
+        }
+    }
+
+    /// Whether a PULL plan of `proto` exists for an AllReduce of `count` elements of `elem`
+    /// bytes: the communicator has a pull area that holds the message (two-shot: `nranks`
+    /// shards of `shard` elements), and for `Direct`, user buffers readable by peers.
+    pub fn pull_fits(&self, proto: Protocol, count: u64, elem: u64, shard: Option<u64>) -> bool {
+        let need = match shard {
+            Some(s) => s * elem * self.nranks as u64,
+            None => (count * elem).next_multiple_of(16),
+        };
+        let ok = self.pull_half_bytes > 0 && need <= self.pull_half_bytes;
+        match proto {
+            Protocol::Pull => ok,
+            Protocol::Direct => ok && self.direct,
+            Protocol::Ll | Protocol::Block => true,
         }
     }
 
@@ -100,9 +144,11 @@ impl Arena {
         (self.block_bytes() / (2 * FRAME_BYTES)).min(u32::MAX as u64) as u32
     }
 
-    /// Sub-slot bytes and payload bytes per chunk for `proto` with `grid` blocks.
+    /// Sub-slot bytes and payload bytes per chunk for `proto` with `grid` blocks (PULL: the
+    /// staging half; its chunks are cut by [`pull_shape`]).
     pub fn chunking(&self, proto: Protocol, grid: u32) -> (u64, u64) {
         match proto {
+            Protocol::Pull | Protocol::Direct => (self.pull_half_bytes, self.pull_half_bytes),
             Protocol::Ll => {
                 let sub = (self.ll_bytes / (2 * grid as u64)) & !(LL_LINE - 1);
                 (sub, sub / LL_LINE * LL_PAYLOAD)
@@ -133,6 +179,23 @@ pub const LL_THREAD_BYTES: u64 = LL_PAYLOAD;
 /// latency").
 pub const LL_BLOCK_THREADS: u32 = 256;
 
+/// Bytes of the message a one-shot PULL block takes: one 16-byte vector per thread of a block of
+/// [`THREADS`] (8 KiB: one block; 64 KiB: eight).
+pub const PULL_ONESHOT_BLOCK_BYTES: u64 = 16 * THREADS as u64;
+/// Bytes of a shard a two-shot PULL block takes (it loads this from every rank, then copies this
+/// from every owner).
+pub const PULL_TWOSHOT_BLOCK_BYTES: u64 = 8 * THREADS as u64;
+
+/// Grid and per-block bytes of a PULL launch over `bytes` (the message, one-shot; a shard,
+/// two-shot): `target` bytes per block, at most `max_grid` and [`PULL_MAX_BLOCKS`] blocks, every
+/// block with work (a multiple of 16 bytes each).
+pub fn pull_shape(bytes: u64, target: u64, max_grid: u32) -> (u32, u64) {
+    let cap = max_grid.clamp(1, PULL_MAX_BLOCKS) as u64;
+    let grid = bytes.div_ceil(target).clamp(1, cap);
+    let chunk = bytes.div_ceil(grid).next_multiple_of(16).max(16);
+    (bytes.div_ceil(chunk).max(1) as u32, chunk)
+}
+
 /// Blocks and threads per block of a launch that moves `bytes` per source with `proto`.
 /// LL: one 8-byte unit per thread in blocks of [`LL_BLOCK_THREADS`] threads, as many blocks as
 /// that takes up to `max_grid`; a capped grid gets larger blocks (up to [`THREADS`]) before its
@@ -144,7 +207,7 @@ pub fn shape_for(proto: Protocol, bytes: u64, max_grid: u32) -> (u32, u32) {
             let per_block = bytes.div_ceil(grid as u64).div_ceil(LL_THREAD_BYTES);
             (per_block.next_multiple_of(32) as u32).clamp(LL_BLOCK_THREADS, THREADS)
         }
-        Protocol::Block => THREADS,
+        Protocol::Block | Protocol::Pull | Protocol::Direct => THREADS,
     };
     (grid, threads)
 }
@@ -154,6 +217,7 @@ pub fn grid_for(proto: Protocol, bytes: u64, max_grid: u32) -> u32 {
     let per_block = match proto {
         Protocol::Ll => LL_BLOCK_THREADS as u64 * LL_THREAD_BYTES,
         Protocol::Block => (THREADS as u64 / 32) * FRAME_PAYLOAD,
+        Protocol::Pull | Protocol::Direct => PULL_ONESHOT_BLOCK_BYTES,
     };
     bytes.div_ceil(per_block).clamp(1, max_grid.max(1) as u64) as u32
 }
@@ -169,8 +233,9 @@ pub fn chunk_for(bytes: u64, grid: u32, capacity: u64) -> u64 {
 }
 
 /// Message sizes (bytes of one rank) at which calibration times every (algorithm, protocol):
-/// the decode range by factors of 2, then two larger points for the slope beyond it.
-pub const CALIB_SIZES: [u64; 10] = [
+/// the decode range by factors of 2, then larger points up to the pull area's default reach
+/// (16 MiB), where the protocols' bandwidths decide.
+pub const CALIB_SIZES: [u64; 11] = [
     4 << 10,
     8 << 10,
     16 << 10,
@@ -181,6 +246,7 @@ pub const CALIB_SIZES: [u64; 10] = [
     512 << 10,
     1 << 20,
     4 << 20,
+    16 << 20,
 ];
 
 /// Candidates whose predicted time is within this factor of the fastest count as ties, and a
@@ -219,6 +285,9 @@ fn interpolate(row: &[f64; CALIB_SIZES.len()], bytes: u64) -> Option<f64> {
     Some(row[i - 1] + slope * (bytes as f64 - x0))
 }
 
+/// Protocols the cost model has a row for (every one of [`Protocol::ALL`]).
+const NPROTO: usize = Protocol::ALL.len();
+
 /// The latency model per (algorithm, protocol), in microseconds for a message of `bytes` bytes
 /// per rank: the times measured at [`CALIB_SIZES`] when calibrated (piecewise linear between
 /// them, the last segment's slope beyond the largest, the smallest's time below it), otherwise
@@ -226,32 +295,33 @@ fn interpolate(row: &[f64; CALIB_SIZES.len()], bytes: u64) -> Option<f64> {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CostModel {
     /// Fixed cost in microseconds, indexed [algorithm][protocol].
-    pub a_us: [[f64; 2]; 2],
+    pub a_us: [[f64; NPROTO]; 2],
     /// Cost per byte in microseconds, indexed [algorithm][protocol].
-    pub b_us_per_byte: [[f64; 2]; 2],
+    pub b_us_per_byte: [[f64; NPROTO]; 2],
     /// Measured microseconds at [`CALIB_SIZES`], indexed [algorithm][protocol][size]; a row
     /// with any entry that is not positive is not used (the linear model applies).
-    pub table_us: [[[f64; CALIB_SIZES.len()]; 2]; 2],
+    pub table_us: [[[f64; CALIB_SIZES.len()]; NPROTO]; 2],
     /// Whether the constants were measured on this machine (false: defaults).
     pub calibrated: bool,
 }
 
 /// Bytes of a serialized [`CostModel`].
-const MODEL_BYTES: usize = 8 * (2 * 2 * 2 + 2 * 2 * CALIB_SIZES.len());
+const MODEL_BYTES: usize = 8 * (2 * NPROTO * 2 + 2 * NPROTO * CALIB_SIZES.len());
 
 impl CostModel {
     /// Defaults for `nranks` ranks, used until calibration runs (or when it is disabled). They
     /// encode the structure: LL halves the density but saves a fence per frame; two-shot moves
-    /// 2(N-1)/N of the message per rank instead of N-1 but takes two steps.
+    /// 2(N-1)/N of the message per rank instead of N-1 but takes two steps. The PULL protocols
+    /// get a fixed cost no push plan reaches: they are chosen by measurement only.
     pub fn default_for(nranks: u32) -> CostModel {
         let n = nranks.max(1) as f64;
         let link = 150_000.0; // bytes per microsecond a rank can push (150 GB/s)
         let one = (n - 1.0).max(1.0) / link;
         let two = 2.0 * (n - 1.0).max(1.0) / n / link;
         CostModel {
-            a_us: [[3.0, 6.0], [5.0, 10.0]],
-            b_us_per_byte: [[2.0 * one, one], [2.0 * two, two]],
-            table_us: [[[0.0; CALIB_SIZES.len()]; 2]; 2],
+            a_us: [[3.0, 6.0, 1e6, 1e6], [5.0, 10.0, 1e6, 1e6]],
+            b_us_per_byte: [[2.0 * one, one, one, one], [2.0 * two, two, two, two]],
+            table_us: [[[0.0; CALIB_SIZES.len()]; NPROTO]; 2],
             calibrated: false,
         }
     }
@@ -293,13 +363,13 @@ impl CostModel {
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(MODEL_BYTES);
         for i in 0..2 {
-            for j in 0..2 {
+            for j in 0..NPROTO {
                 v.extend_from_slice(&self.a_us[i][j].to_le_bytes());
                 v.extend_from_slice(&self.b_us_per_byte[i][j].to_le_bytes());
             }
         }
         for i in 0..2 {
-            for j in 0..2 {
+            for j in 0..NPROTO {
                 for t in self.table_us[i][j] {
                     v.extend_from_slice(&t.to_le_bytes());
                 }
@@ -311,9 +381,9 @@ impl CostModel {
     /// The element-wise maximum of every rank's model: one model all ranks agree on.
     pub fn agree(models: &[Vec<u8>]) -> Result<CostModel, Error> {
         let mut m = CostModel {
-            a_us: [[0.0; 2]; 2],
-            b_us_per_byte: [[0.0; 2]; 2],
-            table_us: [[[0.0; CALIB_SIZES.len()]; 2]; 2],
+            a_us: [[0.0; NPROTO]; 2],
+            b_us_per_byte: [[0.0; NPROTO]; 2],
+            table_us: [[[0.0; CALIB_SIZES.len()]; NPROTO]; 2],
             calibrated: true,
         };
         for bytes in models {
@@ -322,11 +392,11 @@ impl CostModel {
             }
             let f = |k: usize| f64::from_le_bytes(bytes[k * 8..k * 8 + 8].try_into().unwrap());
             for i in 0..2 {
-                for j in 0..2 {
-                    let k = (i * 2 + j) * 2;
+                for j in 0..NPROTO {
+                    let k = (i * NPROTO + j) * 2;
                     m.a_us[i][j] = m.a_us[i][j].max(f(k));
                     m.b_us_per_byte[i][j] = m.b_us_per_byte[i][j].max(f(k + 1));
-                    let base = 8 + (i * 2 + j) * CALIB_SIZES.len();
+                    let base = 2 * NPROTO * 2 + (i * NPROTO + j) * CALIB_SIZES.len();
                     for (s, t) in m.table_us[i][j].iter_mut().enumerate() {
                         *t = t.max(f(base + s));
                     }
@@ -782,31 +852,77 @@ pub fn plan(
         Collective::ReduceScatter => TWO_SHOT,
         _ => ONE_SHOT,
     };
+    // The PULL protocols exist for AllReduce only, and only where the pull area holds the call
+    // (for two-shot: its shards; for `Direct`: where peers can read the user's buffers). A
+    // forced PULL protocol that does not apply to a call leaves the choice among the push
+    // protocols to the model; a forced push protocol is taken as asked.
+    let pull_ok = |a: Algorithm, p: Protocol| -> bool {
+        !p.pulls()
+            || (coll == Collective::AllReduce
+                && arena.pull_fits(
+                    p,
+                    count,
+                    elem,
+                    if a == Algorithm::TwoShot { shard } else { None },
+                ))
+    };
+    // Direct asked for where peers cannot read the user's buffers: the staged PULL protocol.
+    let proto_choice = match proto_choice {
+        Choice::Force(Protocol::Direct) if !arena.direct => Choice::Force(Protocol::Pull),
+        other => other,
+    };
     let forced = [match proto_choice {
         Choice::Force(p) => p,
         Choice::Auto => Protocol::Ll,
     }];
     let protos: &[Protocol] = match proto_choice {
-        Choice::Force(_) => &forced,
-        Choice::Auto => &Protocol::ALL,
+        Choice::Force(p) if algos.iter().any(|&a| pull_ok(a, p)) => &forced,
+        Choice::Force(_) => &Protocol::PUSH,
+        Choice::Auto if coll == Collective::AllReduce => &Protocol::ALL,
+        Choice::Auto => &Protocol::PUSH,
     };
     // The fastest prediction, then the first candidate (in the fixed order of the slices) within
     // TIE_FACTOR of it: see TIE_FACTOR.
     let mut fastest = f64::INFINITY;
     for &a in algos {
         for &p in protos {
-            fastest = fastest.min(model.predict(a, p, bytes));
+            if pull_ok(a, p) {
+                fastest = fastest.min(model.predict(a, p, bytes));
+            }
         }
     }
     let mut best: Option<(Algorithm, Protocol)> = None;
     for &a in algos {
         for &p in protos {
-            if best.is_none() && model.predict(a, p, bytes) <= fastest * TIE_FACTOR {
+            if best.is_none() && pull_ok(a, p) && model.predict(a, p, bytes) <= fastest * TIE_FACTOR
+            {
                 best = Some((a, p));
             }
         }
     }
-    let (algo, proto) = best.unwrap_or((algos[0], protos[0]));
+    let (algo, proto) = best.unwrap_or((algos[0], Protocol::Ll));
+    if proto.pulls() {
+        let (target, over) = match algo {
+            Algorithm::OneShot => (PULL_ONESHOT_BLOCK_BYTES, bytes),
+            Algorithm::TwoShot => (PULL_TWOSHOT_BLOCK_BYTES, shard.unwrap_or(count) * elem),
+        };
+        let (grid, chunk_bytes) = pull_shape(over, target, max_grid);
+        return Plan {
+            coll,
+            algo,
+            proto,
+            grid,
+            threads: THREADS,
+            sub_bytes: arena.pull_half_bytes,
+            chunk_bytes,
+            shard_elems: if algo == Algorithm::TwoShot {
+                shard.unwrap_or(0)
+            } else {
+                0
+            },
+            quant: None,
+        };
+    }
     let per_block_bytes = match (coll, algo) {
         (Collective::AllReduce, Algorithm::TwoShot) => shard.unwrap_or(count) * elem,
         (Collective::ReduceScatter | Collective::AlltoAll, _) => count * elem,
@@ -1401,5 +1517,157 @@ mod tests {
         let nb = (8u64 << 20) / CODEC_BLOCK_VALUES;
         let last = nb.div_ceil(k) - 1;
         assert_eq!((last % 66, last / 66, nb - last * k), (50, 3, 8));
+    }
+
+    #[test]
+    fn pull_plans_are_forced_or_measured_and_cover_the_message() {
+        let mut a = Arena::with_pull(4, 64 << 20, 32 << 20).unwrap();
+        assert_eq!(a.pull_half_bytes, 16 << 20);
+        assert_eq!(a.total_bytes, a.pull_offset + PULL_FLAG_BYTES + (32 << 20));
+        let m = CostModel::default_for(4);
+        let ar = |a: &Arena, m: &CostModel, bytes: u64, algo, proto| {
+            plan(a, m, Collective::AllReduce, bytes / 2, 2, 64, algo, proto)
+        };
+        // The default model never picks a PULL protocol.
+        for bytes in [8u64 << 10, 1 << 20, 16 << 20] {
+            assert!(!ar(&a, &m, bytes, Choice::Auto, Choice::Auto).proto.pulls());
+        }
+        // Forced: taken where the pull area holds the call, with every block working.
+        for bytes in [16u64, 8 << 10, 100_002, 1 << 20, 16 << 20] {
+            for algo in Algorithm::ALL {
+                let p = ar(
+                    &a,
+                    &m,
+                    bytes,
+                    Choice::Force(algo),
+                    Choice::Force(Protocol::Pull),
+                );
+                assert_eq!(p.proto, Protocol::Pull, "{bytes} {algo:?}");
+                assert!(p.grid >= 1 && p.grid <= PULL_MAX_BLOCKS && p.grid <= 64);
+                assert_eq!(p.chunk_bytes % 16, 0);
+                assert_eq!(p.sub_bytes, a.pull_half_bytes);
+                let over = if p.algo == Algorithm::TwoShot {
+                    p.shard_elems * 2
+                } else {
+                    bytes
+                };
+                assert!(p.chunk_bytes * p.grid as u64 >= over, "{p:?}");
+                assert!(p.chunk_bytes * (p.grid as u64 - 1) < over, "{p:?}");
+            }
+        }
+        // Too large for the pull area: the push protocols take it.
+        let big = ar(
+            &a,
+            &m,
+            32 << 20,
+            Choice::Auto,
+            Choice::Force(Protocol::Pull),
+        );
+        assert!(!big.proto.pulls());
+        // Other collectives have no PULL kernels.
+        let ag = plan(
+            &a,
+            &m,
+            Collective::AllGather,
+            4096,
+            2,
+            64,
+            Choice::Auto,
+            Choice::Force(Protocol::Pull),
+        );
+        assert!(!ag.proto.pulls());
+        // Direct only where peers can read the user's buffers; elsewhere it is the staged PULL.
+        let d = ar(
+            &a,
+            &m,
+            64 << 10,
+            Choice::Auto,
+            Choice::Force(Protocol::Direct),
+        );
+        assert_eq!(d.proto, Protocol::Pull);
+        a.direct = true;
+        let d = ar(
+            &a,
+            &m,
+            64 << 10,
+            Choice::Auto,
+            Choice::Force(Protocol::Direct),
+        );
+        assert_eq!(d.proto, Protocol::Direct);
+        // Without a pull area, no PULL protocol at all.
+        let none = Arena::with_pull(4, 64 << 20, 0).unwrap();
+        assert_eq!(
+            none.total_bytes,
+            Arena::new(4, 64 << 20).unwrap().total_bytes
+        );
+        assert!(
+            !ar(
+                &none,
+                &m,
+                8 << 10,
+                Choice::Auto,
+                Choice::Force(Protocol::Pull)
+            )
+            .proto
+            .pulls()
+        );
+    }
+
+    #[test]
+    fn measured_pull_wins_where_it_is_faster() {
+        let mut a = Arena::with_pull(8, 64 << 20, 32 << 20).unwrap();
+        a.direct = true;
+        let mut m = CostModel::default_for(8);
+        // LL fastest small, direct two-shot fastest large, staged pull in between.
+        let row = |f: &dyn Fn(f64) -> f64| CALIB_SIZES.map(|s| f(s as f64));
+        m.set_measured(Algorithm::OneShot, Protocol::Ll, row(&|s| 3.0 + s / 2e4));
+        m.set_measured(Algorithm::OneShot, Protocol::Block, row(&|s| 6.0 + s / 4e4));
+        m.set_measured(Algorithm::TwoShot, Protocol::Ll, row(&|s| 5.0 + s / 3e4));
+        m.set_measured(Algorithm::TwoShot, Protocol::Block, row(&|s| 8.0 + s / 8e4));
+        m.set_measured(Algorithm::OneShot, Protocol::Pull, row(&|s| 4.0 + s / 6e4));
+        m.set_measured(Algorithm::TwoShot, Protocol::Pull, row(&|s| 9.0 + s / 1e5));
+        m.set_measured(
+            Algorithm::OneShot,
+            Protocol::Direct,
+            row(&|s| 6.0 + s / 6e4),
+        );
+        m.set_measured(
+            Algorithm::TwoShot,
+            Protocol::Direct,
+            row(&|s| 7.0 + s / 2e5),
+        );
+        m.calibrated = true;
+        let pick = |bytes: u64| {
+            let p = plan(
+                &a,
+                &m,
+                Collective::AllReduce,
+                bytes / 2,
+                2,
+                64,
+                Choice::Auto,
+                Choice::Auto,
+            );
+            (p.algo, p.proto)
+        };
+        assert_eq!(pick(4 << 10), (Algorithm::OneShot, Protocol::Ll));
+        assert_eq!(pick(256 << 10), (Algorithm::OneShot, Protocol::Pull));
+        assert_eq!(pick(16 << 20), (Algorithm::TwoShot, Protocol::Direct));
+        // Direct is not a candidate where peers cannot read the user's buffers.
+        a.direct = false;
+        let p = plan(
+            &a,
+            &m,
+            Collective::AllReduce,
+            8 << 20,
+            2,
+            64,
+            Choice::Auto,
+            Choice::Auto,
+        );
+        assert_ne!(p.proto, Protocol::Direct);
+        // The model round-trips its PULL rows through the exchange.
+        let back = CostModel::agree(&[m.to_bytes()]).unwrap();
+        assert_eq!(back.table_us, m.table_us);
     }
 }

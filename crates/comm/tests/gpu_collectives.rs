@@ -126,17 +126,17 @@ fn sweep_on(n: u32, cfg: CommConfig, max: u64) {
                     cover(Collective::AllReduce, ty, algo, proto);
                 }
             }
-            for proto in Protocol::ALL {
+            for proto in Protocol::PUSH {
                 cover(Collective::ReduceScatter, ty, Algorithm::OneShot, proto);
             }
         }
         for ty in [TestType::U8, TestType::Bf16] {
-            for proto in Protocol::ALL {
+            for proto in Protocol::PUSH {
                 cover(Collective::AllGather, ty, Algorithm::OneShot, proto);
             }
         }
         for ty in [TestType::U8, TestType::F32] {
-            for proto in Protocol::ALL {
+            for proto in Protocol::PUSH {
                 cover(Collective::AlltoAll, ty, Algorithm::OneShot, proto);
             }
         }
@@ -427,6 +427,88 @@ fn in_place_and_misaligned() {
     });
 }
 
+/// The PULL protocols where ranks' buffers differ: on some ranks in place, on others not, some
+/// misaligned (so a direct rank stages what its peers would otherwise read from its buffers:
+/// a rank-local choice that must not change what its peers run), sizes across one-shot and
+/// two-shot, every result exact and the same on every rank.
+#[test]
+fn pull_with_rank_local_buffers() {
+    run_ranks(4, test_config(), |r| {
+        let send = r.alloc(8 << 20);
+        let recv = r.alloc(8 << 20);
+        // Each rank's result, copied to the start of a buffer of its own for the comparison.
+        let result = r.alloc(8 << 20);
+        r.shared.addrs.lock().unwrap()[r.rank() as usize] = result.addr();
+        r.sync();
+        let rank0_result = r.shared.addrs.lock().unwrap()[0];
+        let mut salt = 5000;
+        for count in [1u64, 7, 1000, 4099, 65536, 300_001] {
+            for proto in [Protocol::Pull, Protocol::Direct] {
+                for algo in Algorithm::ALL {
+                    for layout in 0..4u32 {
+                        salt += 1;
+                        let ty = TestType::Bf16;
+                        let bytes = (count * 2) as usize;
+                        // Rank-local layouts: rank r is in place when (r + layout) is odd, and
+                        // misaligned by 2 bytes when (r + layout) / 2 is odd.
+                        let k = r.rank() + layout;
+                        let off = if (k / 2) % 2 == 1 { 2 } else { 0 };
+                        let input = send.slice(off, bytes);
+                        let output = if k % 2 == 1 {
+                            input
+                        } else {
+                            recv.slice(off, bytes)
+                        };
+                        r.v.fill(input, count, ty, r.rank(), salt, r.stream)
+                            .unwrap();
+                        let p = r.comm.plan_forced(
+                            Collective::AllReduce,
+                            count,
+                            2,
+                            Choice::Force(algo),
+                            Choice::Force(proto),
+                        );
+                        r.comm
+                            .run(&p, input, output, count, 2, ty.dtype(), r.stream)
+                            .unwrap();
+                        r.v.check(
+                            output,
+                            count,
+                            count,
+                            Collective::AllReduce,
+                            ty,
+                            r.n(),
+                            r.rank(),
+                            salt,
+                            r.stream,
+                        )
+                        .unwrap();
+                        r.sync();
+                        r.assert_clean(&format!("{p:?} layout {layout} count={count}"));
+                        // Bitwise identity: every rank copies its result to the start of its
+                        // result buffer, rank 0's is compared by the others.
+                        result
+                            .as_ptr()
+                            .copy_from(output, bytes as u64, r.stream)
+                            .unwrap();
+                        r.sync();
+                        if r.rank() != 0 {
+                            // SAFETY: rank 0's result buffer lives until the group finishes
+                            // (the barrier below keeps rank 0 from reusing it first).
+                            let theirs = unsafe { DevicePtr::from_raw(rank0_result, bytes as u64) };
+                            r.v.compare(result.as_ptr(), theirs, bytes as u64, r.stream)
+                                .unwrap();
+                            r.stream.synchronize().unwrap();
+                            r.assert_clean(&format!("identity with rank 0: {p:?} layout {layout}"));
+                        }
+                        r.boot.barrier().unwrap();
+                    }
+                }
+            }
+        }
+    });
+}
+
 /// The same collectives captured into a CUDA graph on every rank and replayed 1,000 times, with
 /// the verification kernels inside the graph so every replay is checked.
 #[test]
@@ -618,6 +700,24 @@ fn stress_words() -> impl Iterator<Item = u64> {
     })
 }
 
+/// The plan of one stress call: AllReduce calls take a protocol and an algorithm from the word
+/// (the PULL protocols included, which the default cost model never picks), the others the
+/// communicator's plan.
+fn stress_plan(r: &Rank, x: u64, coll: Collective, ty: TestType, count: u64) -> Plan {
+    if coll != Collective::AllReduce {
+        return r.comm.plan(coll, count, ty.bytes());
+    }
+    let proto = Protocol::ALL[((x >> 40) % 4) as usize];
+    let algo = Algorithm::ALL[((x >> 44) % 2) as usize];
+    r.comm.plan_forced(
+        coll,
+        count,
+        ty.bytes(),
+        Choice::Force(algo),
+        Choice::Force(proto),
+    )
+}
+
 /// One call of the stress sequence from a random word: the collective (AllReduce twice as often
 /// as each of AllGather, ReduceScatter and AllToAll), the type and the count (mostly up to 64 KiB,
 /// one in 64 up to 2 MiB).
@@ -653,14 +753,13 @@ fn stress_sequence_graph_replayed_1000_times() {
         let send = r.alloc(4 << 20);
         let recv = r.alloc(32 << 20);
         r.sync();
-        let seq: Vec<_> = stress_words()
-            .take(calls as usize)
-            .map(|x| stress_call(x, n))
-            .collect();
+        let words: Vec<u64> = stress_words().take(calls as usize).collect();
+        let seq: Vec<_> = words.iter().map(|&x| stress_call(x, n)).collect();
         // Plans are made (and any first use of a kernel happens) before the capture.
-        let plans: Vec<_> = seq
+        let plans: Vec<_> = words
             .iter()
-            .map(|&(coll, ty, count)| r.comm.plan(coll, count, ty.bytes()))
+            .zip(&seq)
+            .map(|(&x, &(coll, ty, count))| stress_plan(r, x, coll, ty, count))
             .collect();
         r.stream.begin_capture().unwrap();
         for (i, (&(coll, ty, count), p)) in seq.iter().zip(&plans).enumerate() {
@@ -700,7 +799,7 @@ fn stress_100k_random_collectives() {
         r.sync();
         for (i, x) in (0..100_000u32).zip(stress_words()) {
             let (coll, ty, count) = stress_call(x, n);
-            let p = r.comm.plan(coll, count, ty.bytes());
+            let p = stress_plan(r, x, coll, ty, count);
             fill_run_check(r, &p, coll, ty, count, i % 1024, &send, &recv);
             if i % 10_000 == 9_999 {
                 r.sync();

@@ -144,7 +144,7 @@ variables! {
     proto: Proto = Proto::Auto => {
         name: "FLASHCOMM_PROTO",
         kind: "keyword",
-        allowed: "`auto`, `ll`, `block`",
+        allowed: "`auto`, `ll`, `block`, `pull`, `direct`",
         strict: true,
     }
     /// Where the communicators' arenas live: device memory reached through peer access or CUDA
@@ -190,6 +190,15 @@ variables! {
     /// Peer-visible memory flashcomm may allocate per communicator and rank.
     arena_bytes: Bytes = Bytes(64 * MIB) => {
         name: "FLASHCOMM_ARENA_BYTES",
+        kind: "size",
+        allowed: "bytes, with optional suffix `K`, `M`, `G` (powers of 1024)",
+        strict: true,
+    }
+    /// Memory of the pull protocol per communicator and rank, beside the arena: two staging
+    /// halves, so the pull protocol takes AllReduce calls up to half of it (`0`: no pull
+    /// protocol).
+    pull_bytes: Bytes = Bytes(32 * MIB) => {
+        name: "FLASHCOMM_PULL_BYTES",
         kind: "size",
         allowed: "bytes, with optional suffix `K`, `M`, `G` (powers of 1024)",
         strict: true,

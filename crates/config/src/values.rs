@@ -228,6 +228,11 @@ keyword_enum! {
         Ll = "ll",
         /// Block protocol: payload blocks followed by a readiness tag.
         Block = "block",
+        /// Pull protocol (AllReduce): inputs staged in each rank's own arena, loaded by peers.
+        Pull = "pull",
+        /// Pull protocol (AllReduce), loads straight from the peers' buffers where ranks share a
+        /// process and device; elsewhere as `pull`.
+        Direct = "direct",
     }
 }
 

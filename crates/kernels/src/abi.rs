@@ -37,6 +37,21 @@ pub const THREADS: u32 = 512;
 pub const PROTO_LL: u32 = 0;
 /// Protocol BLOCK: frames of payload with one tag in a 16-byte header, written last.
 pub const PROTO_BLOCK: u32 = 1;
+/// Protocol PULL (staged): each rank copies its input into its own arena's pull area, publishes
+/// one flag line per (peer, block, stage), and every rank loads its peers' data from there.
+pub const PROTO_PULL: u32 = 2;
+/// Protocol PULL (direct): as PULL, but peers load straight from the user's buffers (ranks of one
+/// process on one device), and every block ends with a "done" flag exchange.
+pub const PROTO_DIRECT: u32 = 3;
+/// Blocks a PULL kernel may have (the flag slots of the pull area).
+pub const PULL_MAX_BLOCKS: u32 = 256;
+/// Flag stages of the PULL protocol: data ready, reduced shard ready, done (direct).
+pub const PULL_STAGES: u32 = 3;
+/// Bytes of the pull area's flag lines at its start: LL lines indexed
+/// `[parity 2][stage PULL_STAGES][block PULL_MAX_BLOCKS][source MAX_RANKS]`; the two staging
+/// halves follow. A PULL kernel finds the pull area at `FcCollParams::area_offset` of every arena
+/// and the bytes of one staging half in `FcCollParams::sub_bytes`.
+pub const PULL_FLAG_BYTES: u64 = 196_608;
 /// FcCollParams.flags: the send buffer is 16-byte aligned.
 pub const FLAG_SEND_ALIGNED: u32 = 1;
 /// FcCollParams.flags: the receive buffer is 16-byte aligned.
@@ -48,6 +63,11 @@ pub const FLAG_RECV_ALIGNED: u32 = 2;
 /// where twice the grid still fits the ranks' resident share, so the waiting blocks can never
 /// keep a peer's kernel from being scheduled.
 pub const FLAG_EARLY_LAUNCH: u32 = 4;
+/// FcCollParams.flags, direct PULL only: this rank's peers read its input from its staging area
+/// rather than from its send buffer (the send buffer is not 16-byte aligned, or the one-shot call
+/// is in place, where the kernel overwrites what its peers read). Rank-local: it changes the
+/// address this rank publishes, not the protocol.
+pub const FLAG_PULL_STAGE_SEND: u32 = 16;
 /// FcCollParams.flags: bits `FLAG_SIG_SHIFT..FLAG_SIG_SHIFT + 8` carry the call's signature
 /// (collective and datatype), which every tag of the call carries too: ranks that run the same
 /// sequence number with different collectives or datatypes see a foreign tag and report a
@@ -114,9 +134,10 @@ pub struct FcCollParams {
     pub region_bytes: u64,
     /// Bytes per source rank inside a region (LL area, then BLOCK area).
     pub slot_bytes: u64,
-    /// Bytes per (block, round parity) inside a slot.
+    /// Bytes per (block, round parity) inside a slot. PULL: bytes of one staging half.
     pub sub_bytes: u64,
-    /// Payload bytes carried per (block, round) per source.
+    /// Payload bytes carried per (block, round) per source. PULL: bytes of the message (one-shot)
+    /// or of a shard (two-shot) that one block takes.
     pub chunk_bytes: u64,
     /// Two-shot: elements per shard (the last shard may be shorter).
     pub shard_elems: u64,
@@ -140,7 +161,8 @@ pub struct FcCollParams {
     pub q_block_bytes_rs: u32,
     /// Encoded bytes per 1024-value block, second step.
     pub q_block_bytes_ag: u32,
-    /// Where this protocol's area starts inside every slot.
+    /// Where this protocol's area starts inside every slot. PULL: where the pull area starts in
+    /// every arena.
     pub area_offset: u64,
     /// Host transport: device memory that stands in for this rank's own slots (regions A and B,
     /// `2 * slot_bytes`), which only this rank's kernels write and read (the quantized kernels
@@ -177,6 +199,10 @@ const _: () = {
     assert!(offset_of!(FcCollParams, area_offset) == 208);
     assert!(offset_of!(FcCollParams, own_slots) == 216);
     assert!(size_of::<FcProbeParams>() == 80);
+    assert!(
+        PULL_FLAG_BYTES
+            == 2 * PULL_STAGES as u64 * PULL_MAX_BLOCKS as u64 * MAX_RANKS as u64 * LL_LINE
+    );
 };
 
 /// The parameter structs that kernels take by value (sealed: only the `#[repr(C)]` mirrors of

@@ -20,25 +20,43 @@ pub const fn cuda_type(t: DType) -> &'static str {
 /// Element types of the reducing kernels, in table order (`DType::code`).
 pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
 
-/// How readiness travels with the data.
+/// How readiness travels with the data (and, for the two push protocols against PULL, who moves
+/// it: the sender stores into its peers' arenas, or the receiver loads from its peers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Protocol {
-    /// 16-byte lines with a tag beside every 4 bytes of data: lowest latency, half the payload
-    /// density.
+    /// Push: 16-byte lines with a tag beside every 4 bytes of data: lowest latency, half the
+    /// payload density.
     Ll,
-    /// Frames with one tag written after a fence: full density, one fence per frame.
+    /// Push: frames with one tag written after a fence: full density, one fence per frame.
     Block,
+    /// Pull, staged: each rank copies its input into its own arena and publishes one flag line
+    /// per (peer, block, stage); peers load from there. AllReduce only.
+    Pull,
+    /// Pull, direct: peers load straight from the user's buffers (ranks of one process on one
+    /// device), and each block ends with a "done" flag exchange. AllReduce only.
+    Direct,
 }
 
 impl Protocol {
-    /// Both protocols, in table order.
-    pub const ALL: [Protocol; 2] = [Protocol::Ll, Protocol::Block];
+    /// Every protocol, in table order.
+    pub const ALL: [Protocol; 4] = [
+        Protocol::Ll,
+        Protocol::Block,
+        Protocol::Pull,
+        Protocol::Direct,
+    ];
 
-    /// Kernel-name fragment.
+    /// The push protocols, the ones every collective has kernels of (ReduceScatter, AllGather
+    /// and AllToAll have no PULL kernels).
+    pub const PUSH: [Protocol; 2] = [Protocol::Ll, Protocol::Block];
+
+    /// Kernel-name fragment (also the protocol's name in settings and tables).
     pub const fn name(self) -> &'static str {
         match self {
             Protocol::Ll => "ll",
             Protocol::Block => "block",
+            Protocol::Pull => "pull",
+            Protocol::Direct => "direct",
         }
     }
 
@@ -47,7 +65,14 @@ impl Protocol {
         match self {
             Protocol::Ll => 0,
             Protocol::Block => 1,
+            Protocol::Pull => 2,
+            Protocol::Direct => 3,
         }
+    }
+
+    /// Whether this is a pull protocol (AllReduce only).
+    pub const fn pulls(self) -> bool {
+        matches!(self, Protocol::Pull | Protocol::Direct)
     }
 }
 
@@ -105,8 +130,8 @@ pub const QUANT_TWOSTEP_BITS: [(u8, u8); 10] = [
 
 /// Index of the lossless AllReduce kernels (algorithm x protocol x type).
 const AR: usize = 0;
-/// Index of the lossless ReduceScatter kernels (protocol x type).
-const RS: usize = AR + 2 * 2 * 3;
+/// Index of the lossless ReduceScatter kernels (push protocol x type).
+const RS: usize = AR + 2 * Protocol::ALL.len() * 3;
 /// Index of the lossless AllGather kernels (protocol).
 const AG: usize = RS + 2 * 3;
 /// The set-up probe.
@@ -166,22 +191,40 @@ impl QuantOp {
 
 /// Table index of the lossless AllReduce kernel.
 pub const fn allreduce(algo: Algorithm, proto: Protocol, t: DType) -> usize {
-    AR + (algo.index() * 2 + proto.index()) * 3 + t.code() as usize
+    AR + (algo.index() * Protocol::ALL.len() + proto.index()) * 3 + t.code() as usize
 }
 
-/// Table index of the lossless ReduceScatter kernel.
-pub const fn reducescatter(proto: Protocol, t: DType) -> usize {
-    RS + proto.index() * 3 + t.code() as usize
+/// Position of a push protocol in [`Protocol::PUSH`]; `None` for the pull protocols.
+const fn push_index(proto: Protocol) -> Option<usize> {
+    match proto {
+        Protocol::Ll => Some(0),
+        Protocol::Block => Some(1),
+        Protocol::Pull | Protocol::Direct => None,
+    }
 }
 
-/// Table index of the AllGather kernel (any type: it moves bytes).
-pub const fn allgather(proto: Protocol) -> usize {
-    AG + proto.index()
+/// Table index of the lossless ReduceScatter kernel (push protocols only).
+pub const fn reducescatter(proto: Protocol, t: DType) -> Option<usize> {
+    match push_index(proto) {
+        Some(p) => Some(RS + p * 3 + t.code() as usize),
+        None => None,
+    }
 }
 
-/// Table index of the AllToAll kernel (any type: it moves bytes).
-pub const fn alltoall(proto: Protocol) -> usize {
-    A2A + proto.index()
+/// Table index of the AllGather kernel (any type: it moves bytes; push protocols only).
+pub const fn allgather(proto: Protocol) -> Option<usize> {
+    match push_index(proto) {
+        Some(p) => Some(AG + p),
+        None => None,
+    }
+}
+
+/// Table index of the AllToAll kernel (any type: it moves bytes; push protocols only).
+pub const fn alltoall(proto: Protocol) -> Option<usize> {
+    match push_index(proto) {
+        Some(p) => Some(A2A + p),
+        None => None,
+    }
 }
 
 /// Table index of the set-up probe (`fc_probe_write`).
@@ -246,7 +289,8 @@ pub fn name(index: usize, out: &mut String) {
     out.clear();
     let _ = match index {
         i if i < RS => {
-            let (a, r) = ((i - AR) / 6, (i - AR) % 6);
+            let per_algo = Protocol::ALL.len() * 3;
+            let (a, r) = ((i - AR) / per_algo, (i - AR) % per_algo);
             let algo = Algorithm::ALL[a];
             let (p, t) = (Protocol::ALL[r / 3], DTYPES[r % 3]);
             write!(
@@ -259,10 +303,10 @@ pub fn name(index: usize, out: &mut String) {
         }
         i if i < AG => {
             let r = i - RS;
-            let (p, t) = (Protocol::ALL[r / 3], DTYPES[r % 3]);
+            let (p, t) = (Protocol::PUSH[r / 3], DTYPES[r % 3]);
             write!(out, "fc_reducescatter_{}_{}", p.name(), t.suffix())
         }
-        i if i < PROBE => write!(out, "fc_allgather_{}", Protocol::ALL[i - AG].name()),
+        i if i < PROBE => write!(out, "fc_allgather_{}", Protocol::PUSH[i - AG].name()),
         PROBE => write!(out, "fc_probe_write"),
         i if i < Q2 => {
             let r = i - Q1;
@@ -276,7 +320,7 @@ pub fn name(index: usize, out: &mut String) {
             let (rs, ag) = QUANT_TWOSTEP_BITS[r % QUANT_TWOSTEP_BITS.len()];
             write!(out, "fc_allreduce_q2_block_{}_r{rs}_a{ag}", t.suffix())
         }
-        i if i < QOPS => write!(out, "fc_alltoall_{}", Protocol::ALL[i - A2A].name()),
+        i if i < QOPS => write!(out, "fc_alltoall_{}", Protocol::PUSH[i - A2A].name()),
         i if i < COUNT => {
             let r = i - QOPS;
             let per_op = QUANT_DTYPES.len() * QUANT_OP_BITS.len();
@@ -328,10 +372,17 @@ mod tests {
         }
         for p in Protocol::ALL {
             for t in DTYPES {
-                seen[reducescatter(p, t)] += 1;
+                if let Some(i) = reducescatter(p, t) {
+                    seen[i] += 1;
+                }
             }
-            seen[allgather(p)] += 1;
-            seen[alltoall(p)] += 1;
+            if let Some(i) = allgather(p) {
+                seen[i] += 1;
+            }
+            if let Some(i) = alltoall(p) {
+                seen[i] += 1;
+            }
+            assert_eq!(allgather(p).is_none(), p.pulls());
         }
         seen[probe()] += 1;
         for t in DTYPES {
@@ -362,11 +413,21 @@ mod tests {
             &mut s,
         );
         assert_eq!(s, "fc_allreduce_twoshot_ll_bf16");
-        name(reducescatter(Protocol::Block, DType::F16), &mut s);
+        name(
+            allreduce(Algorithm::OneShot, Protocol::Direct, DType::F32),
+            &mut s,
+        );
+        assert_eq!(s, "fc_allreduce_oneshot_direct_f32");
+        name(
+            allreduce(Algorithm::TwoShot, Protocol::Pull, DType::F16),
+            &mut s,
+        );
+        assert_eq!(s, "fc_allreduce_twoshot_pull_f16");
+        name(reducescatter(Protocol::Block, DType::F16).unwrap(), &mut s);
         assert_eq!(s, "fc_reducescatter_block_f16");
-        name(allgather(Protocol::Ll), &mut s);
+        name(allgather(Protocol::Ll).unwrap(), &mut s);
         assert_eq!(s, "fc_allgather_ll");
-        name(alltoall(Protocol::Block), &mut s);
+        name(alltoall(Protocol::Block).unwrap(), &mut s);
         assert_eq!(s, "fc_alltoall_block");
         name(quant_oneshot(DType::Bf16, 3).unwrap(), &mut s);
         assert_eq!(s, "fc_allreduce_q1_block_bf16_b3");

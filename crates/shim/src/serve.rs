@@ -55,6 +55,7 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
             .timeout_ms
             .map_or(Duration::ZERO, |ms| Duration::from_millis(ms.0)),
         arena_bytes: s.arena_bytes.0,
+        pull_bytes: s.pull_bytes.0,
         algo: match s.algo {
             Algo::Auto => Choice::Auto,
             Algo::Oneshot => Choice::Force(Algorithm::OneShot),
@@ -64,6 +65,8 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
             Proto::Auto => Choice::Auto,
             Proto::Ll => Choice::Force(Protocol::Ll),
             Proto::Block => Choice::Force(Protocol::Block),
+            Proto::Pull => Choice::Force(Protocol::Pull),
+            Proto::Direct => Choice::Force(Protocol::Direct),
         },
         transport: match s.transport {
             ConfigTransport::Auto => Choice::Auto,

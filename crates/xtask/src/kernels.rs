@@ -318,7 +318,7 @@ pub fn instances_header() -> String {
             }
         }
     }
-    for p in Protocol::ALL {
+    for p in Protocol::PUSH {
         for t in DTYPES {
             let _ = write!(
                 out,
@@ -330,7 +330,7 @@ pub fn instances_header() -> String {
             );
         }
     }
-    for p in Protocol::ALL {
+    for p in Protocol::PUSH {
         let _ = write!(
             out,
             " \\\n  FC_AG({}, FC_PROTO_{})",
@@ -338,7 +338,7 @@ pub fn instances_header() -> String {
             p.name().to_uppercase()
         );
     }
-    for p in Protocol::ALL {
+    for p in Protocol::PUSH {
         let _ = write!(
             out,
             " \\\n  FC_A2A({}, FC_PROTO_{})",

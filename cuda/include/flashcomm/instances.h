@@ -13,12 +13,24 @@
   FC_AR(oneshot, block, FC_PROTO_BLOCK, float, f32) \
   FC_AR(oneshot, block, FC_PROTO_BLOCK, __half, f16) \
   FC_AR(oneshot, block, FC_PROTO_BLOCK, __nv_bfloat16, bf16) \
+  FC_AR(oneshot, pull, FC_PROTO_PULL, float, f32) \
+  FC_AR(oneshot, pull, FC_PROTO_PULL, __half, f16) \
+  FC_AR(oneshot, pull, FC_PROTO_PULL, __nv_bfloat16, bf16) \
+  FC_AR(oneshot, direct, FC_PROTO_DIRECT, float, f32) \
+  FC_AR(oneshot, direct, FC_PROTO_DIRECT, __half, f16) \
+  FC_AR(oneshot, direct, FC_PROTO_DIRECT, __nv_bfloat16, bf16) \
   FC_AR(twoshot, ll, FC_PROTO_LL, float, f32) \
   FC_AR(twoshot, ll, FC_PROTO_LL, __half, f16) \
   FC_AR(twoshot, ll, FC_PROTO_LL, __nv_bfloat16, bf16) \
   FC_AR(twoshot, block, FC_PROTO_BLOCK, float, f32) \
   FC_AR(twoshot, block, FC_PROTO_BLOCK, __half, f16) \
   FC_AR(twoshot, block, FC_PROTO_BLOCK, __nv_bfloat16, bf16) \
+  FC_AR(twoshot, pull, FC_PROTO_PULL, float, f32) \
+  FC_AR(twoshot, pull, FC_PROTO_PULL, __half, f16) \
+  FC_AR(twoshot, pull, FC_PROTO_PULL, __nv_bfloat16, bf16) \
+  FC_AR(twoshot, direct, FC_PROTO_DIRECT, float, f32) \
+  FC_AR(twoshot, direct, FC_PROTO_DIRECT, __half, f16) \
+  FC_AR(twoshot, direct, FC_PROTO_DIRECT, __nv_bfloat16, bf16) \
   FC_RS(ll, FC_PROTO_LL, float, f32) \
   FC_RS(ll, FC_PROTO_LL, __half, f16) \
   FC_RS(ll, FC_PROTO_LL, __nv_bfloat16, bf16) \
@@ -90,4 +102,4 @@
   FC_QOP(__nv_bfloat16, bf16, 7) \
   FC_QOP(__nv_bfloat16, bf16, 8)
 
-#define FC_CATALOGUE_KERNELS 99
+#define FC_CATALOGUE_KERNELS 111

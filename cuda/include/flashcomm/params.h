@@ -38,6 +38,21 @@
 #define FC_PROTO_LL 0u
 // Protocol BLOCK: frames of payload with one tag in a 16-byte header, written last.
 #define FC_PROTO_BLOCK 1u
+// Protocol PULL (staged): each rank copies its input into its own arena's pull area, publishes one
+// flag line per (peer, block, stage), and every rank loads its peers' data from there.
+#define FC_PROTO_PULL 2u
+// Protocol PULL (direct): as PULL, but peers load straight from the user's buffers (ranks of one
+// process on one device), and every block ends with a "done" flag exchange.
+#define FC_PROTO_DIRECT 3u
+// Blocks a PULL kernel may have (the flag slots of the pull area).
+#define FC_PULL_MAX_BLOCKS 256u
+// Flag stages of the PULL protocol: data ready, reduced shard ready, done (direct).
+#define FC_PULL_STAGES 3u
+// Bytes of the pull area's flag lines at its start: LL lines indexed `[parity 2][stage
+// PULL_STAGES][block PULL_MAX_BLOCKS][source MAX_RANKS]`; the two staging halves follow. A PULL
+// kernel finds the pull area at `FcCollParams::area_offset` of every arena and the bytes of one
+// staging half in `FcCollParams::sub_bytes`.
+#define FC_PULL_FLAG_BYTES 196608
 // FcCollParams.flags: the send buffer is 16-byte aligned.
 #define FC_FLAG_SEND_ALIGNED 1u
 // FcCollParams.flags: the receive buffer is 16-byte aligned.
@@ -49,6 +64,11 @@
 // the grid still fits the ranks' resident share, so the waiting blocks can never keep a peer's
 // kernel from being scheduled.
 #define FC_FLAG_EARLY_LAUNCH 4u
+// FcCollParams.flags, direct PULL only: this rank's peers read its input from its staging area
+// rather than from its send buffer (the send buffer is not 16-byte aligned, or the one-shot call is
+// in place, where the kernel overwrites what its peers read). Rank-local: it changes the address
+// this rank publishes, not the protocol.
+#define FC_FLAG_PULL_STAGE_SEND 16u
 // FcCollParams.flags: bits `FLAG_SIG_SHIFT..FLAG_SIG_SHIFT + 8` carry the call's signature
 // (collective and datatype), which every tag of the call carries too: ranks that run the same
 // sequence number with different collectives or datatypes see a foreign tag and report a mismatch
@@ -92,8 +112,8 @@ struct FcCollParams {
   uint64_t half_bytes;               // Bytes of one call-parity half.
   uint64_t region_bytes;             // Bytes of one region (region B starts this far into a half).
   uint64_t slot_bytes;               // Bytes per source rank inside a region (LL area, then BLOCK area).
-  uint64_t sub_bytes;                // Bytes per (block, round parity) inside a slot.
-  uint64_t chunk_bytes;              // Payload bytes carried per (block, round) per source.
+  uint64_t sub_bytes;                // Bytes per (block, round parity) inside a slot. PULL: bytes of one staging half.
+  uint64_t chunk_bytes;              // Payload bytes carried per (block, round) per source. PULL: bytes of the message (one-shot) or of a shard (two-shot) that one block takes.
   uint64_t shard_elems;              // Two-shot: elements per shard (the last shard may be shorter).
   uint32_t rank;                     // This rank.
   uint32_t nranks;                   // Ranks.
@@ -105,7 +125,7 @@ struct FcCollParams {
   uint32_t q_spikes;                 // Codec spikes per group.
   uint32_t q_block_bytes_rs;         // Encoded bytes per 1024-value block, first step.
   uint32_t q_block_bytes_ag;         // Encoded bytes per 1024-value block, second step.
-  uint64_t area_offset;              // Where this protocol's area starts inside every slot.
+  uint64_t area_offset;              // Where this protocol's area starts inside every slot. PULL: where the pull area starts in every arena.
   uint64_t own_slots;                // Host transport: device memory that stands in for this rank's own slots (regions A and B, `2 * slot_bytes`), which only this rank's kernels write and read (the quantized kernels encode into them and copy or decode from there), so those bytes never cross PCIe. 0: the own slots are in the arena.
 };
 

@@ -94,6 +94,10 @@ pub enum ProtoChoice {
     Ll,
     /// 4 KiB frames.
     Block,
+    /// Pull (AllReduce): inputs staged in each rank's arena, loaded by the peers.
+    Pull,
+    /// Pull (AllReduce) straight from the peers' buffers (ranks of one process and device).
+    Direct,
 }
 
 /// Where flashcomm's arenas live (`FLASHCOMM_TRANSPORT`).

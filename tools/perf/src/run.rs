@@ -141,6 +141,8 @@ fn proto_choice(p: ProtoChoice) -> Choice<Protocol> {
         ProtoChoice::Auto => Choice::Auto,
         ProtoChoice::Ll => Choice::Force(Protocol::Ll),
         ProtoChoice::Block => Choice::Force(Protocol::Block),
+        ProtoChoice::Pull => Choice::Force(Protocol::Pull),
+        ProtoChoice::Direct => Choice::Force(Protocol::Direct),
     }
 }
 

@@ -1,0 +1,314 @@
+// The PULL protocol (docs/protocols.md, "PULL: flags per block, loads from the peers"): every rank
+// makes its data readable, says so with one flag line per (peer, block, stage), and every rank
+// LOADS what it needs from its peers, instead of every rank storing into its peers' arenas.
+//
+// * Where the data lives. `FC_PROTO_PULL` (staged): each rank copies its input into the pull area
+//   of its own arena (a local copy), and peers load from there; the reduced shard of two-shot is
+//   written there too. `FC_PROTO_DIRECT` (ranks of one process on one device, where every device
+//   pointer of a rank is a valid pointer of its peers): peers load straight from the user's send
+//   buffer, and two-shot owners store the reduced shard straight into every rank's receive
+//   buffer; a rank whose send buffer is not 16-byte aligned, or whose one-shot call is in place
+//   (its peers would read what it overwrites), stages its input instead (FLAG_PULL_STAGE_SEND:
+//   rank-local, it changes only which address the rank publishes, not the protocol its peers
+//   run).
+// * Readiness. A flag line is an LL line {addr_lo, ll0, addr_hi, ll1} in the READER's arena
+//   (pull flag area, slot [parity][stage][block][source]): the two 8-byte halves each carry the
+//   call's 32-bit epoch tag, so a line is complete when both tags match, and the payload is the
+//   address the source's data of this stage has in this process (direct) or 0 (staged: the
+//   reader knows where a peer's pull area is). Data the source's kernel wrote (staging, reduced
+//   shards): the source's block synchronizes (bar.sync), its threads 0..N-1 issue a
+//   system-scope fence and store the lines, one per peer (a release), with bit 63 of the address
+//   set; the reader's thread s polls source s's line with volatile loads and, seeing bit 63,
+//   issues a system-scope fence (an acquire). Data written before the kernel (the user's send
+//   buffer) and "done" lines need no fence on either side. The block synchronizes, and the data
+//   is read through L2 (ld.global.cg).
+// * Reuse without a barrier. Staged: the pull area and the flag slots have two halves by call
+//   parity (seq & 1), like the push arena: a rank writes half h again at call e + 2 only after
+//   it received data of call e + 1 from every peer, sent after that peer finished call e. Direct:
+//   the user's buffers are reused by the application as soon as the kernel ends, so every block
+//   ends with one more flag exchange: it returns only when every peer's block has finished with
+//   this rank's buffers ("done", one-shot; "written", two-shot).
+// * Every wait is bounded and checks the abort words (Waiter), like every other wait; a block in
+//   which any thread gave up skips its data phase and finishes, so the kernel always ends.
+// * Results are summed in rank order in f32 (Acc): bitwise identical on every rank.
+#pragma once
+#include <stdint.h>
+
+#include "flashcomm/params.h"
+#include "flashcomm/reduce.cuh"
+#include "flashcomm/transport.cuh"
+
+namespace fc {
+
+// Bit 63 of a flag line's address: the data it announces was written by the source's kernel.
+constexpr uint64_t kPullFenced = 1ull << 63;
+
+// The flag line of (half, stage, block, src) in `owner`'s arena.
+__device__ __forceinline__ char* pull_flag(const FcCollParams& p, uint32_t owner, uint32_t half, uint32_t stage,
+                                           uint32_t src) {
+  const uint64_t idx = (((uint64_t)half * FC_PULL_STAGES + stage) * FC_PULL_MAX_BLOCKS + blockIdx.x) * FC_MAX_RANKS + src;
+  return reinterpret_cast<char*>(p.peer_base[owner]) + p.area_offset + idx * FC_LL_LINE;
+}
+
+// `owner`'s staging half `half`, as mapped in this process.
+__device__ __forceinline__ char* pull_stage(const FcCollParams& p, uint32_t owner, uint32_t half) {
+  return reinterpret_cast<char*>(p.peer_base[owner]) + p.area_offset + FC_PULL_FLAG_BYTES + (uint64_t)half * p.sub_bytes;
+}
+
+// Publishes stage `stage` of this block to every peer, carrying `addr` (16-byte aligned, or 0).
+// `fenced`: the data this stage announces was written by this kernel, so the line is a release
+// (a system-scope fence before it) and says so in bit 63 of its address (device addresses never
+// reach it), which makes the reader acquire. Data written before this kernel started (the user's send buffer) needs neither: the
+// previous kernel's completion made it visible, so such a line, and a "done" line (which
+// announces no data), are plain stores. Every thread calls it.
+__device__ __forceinline__ void pull_publish(const FcCollParams& p, const Ctx& c, uint32_t stage, uint64_t addr,
+                                             bool fenced) {
+  __syncthreads();
+  const uint32_t q = threadIdx.x;
+  if (q < p.nranks && q != p.rank) {
+    if (fenced) fence_sys();
+    const uint64_t a = addr | (fenced ? kPullFenced : 0ull);
+    st_volatile_v4(pull_flag(p, q, c.half, stage, p.rank), make_uint4((uint32_t)a, c.ll0, (uint32_t)(a >> 32), c.ll1));
+  }
+}
+
+// Waits for stage `stage` of this block from every peer; `addr[s]` receives what source s
+// published (bit 63 cleared). A line whose bit 63 is set announces data written by the source's
+// kernel: the reader issues a system-scope fence after it (an acquire). Every thread calls it; on
+// return the whole block agrees on c.dead.
+__device__ __forceinline__ void pull_wait(const FcCollParams& p, Ctx& c, uint32_t stage, uint64_t* addr) {
+  const uint32_t s = threadIdx.x;
+  if (s < p.nranks && s != p.rank && !c.dead) {
+    const char* line = pull_flag(p, p.rank, c.half, stage, s);
+    Waiter w;
+    while (true) {
+      const uint4 l = ld_volatile_v4(line);
+      if (ll_ready(l, c)) {
+        const uint64_t a = (uint64_t)l.z << 32 | l.x;
+        if (a & kPullFenced) fence_sys();
+        addr[s] = a & ~kPullFenced;
+        break;
+      }
+      if (w.slow_next()) {
+        const uint32_t foreign = ll_foreign(l, c);
+        if (w.confirm_foreign(foreign != 0)) {
+          give_up(p, c, FC_STATUS_MISMATCH, s, foreign);
+          break;
+        }
+      }
+      if (w.stop(p, c, s)) break;
+    }
+  }
+  if (__syncthreads_or(c.dead)) c.dead = true;
+}
+
+// Loads `n` (<= 16, even) bytes of peer-written memory at a 16-byte aligned `src` through L2.
+__device__ __forceinline__ uint4 ld_cg_bytes(const char* src, uint32_t n) {
+  if (n == 16) return ld_cg_v4(src);
+  uint4 v = make_uint4(0, 0, 0, 0);
+  uint16_t* d = reinterpret_cast<uint16_t*>(&v);
+#pragma unroll
+  for (uint32_t i = 0; i < 8; ++i) {
+    if (2 * i < n) {
+      unsigned short x;
+      asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(x) : "l"(src + 2 * i) : "memory");
+      d[i] = x;
+    }
+  }
+  return v;
+}
+
+// Sums `len` bytes at offset `off` of every rank's data in rank order (this rank's from `own`,
+// user memory of any alignment; source s's from src[s] + off, 16-byte aligned) and stores the sum
+// at offset `off` of every destination in `dst` (`ndst` of them, any alignment).
+template <typename T>
+__device__ __forceinline__ void pull_reduce(const FcCollParams& p, char* const* src, const char* own, uint64_t off,
+                                            uint32_t len, char* const* dst, uint32_t ndst) {
+  constexpr int kU = 2;  // vectors per thread in flight
+  const uint32_t step = blockDim.x * 16;
+  for (uint32_t o0 = threadIdx.x * 16; o0 < len; o0 += kU * step) {
+    uint4 v[kU][FC_MAX_RANKS];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint32_t o = o0 + u * step;
+      const uint32_t n = o < len ? min(16u, len - o) : 0u;
+#pragma unroll
+      for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
+        if (s < p.nranks && n != 0)
+          v[u][s] = s == p.rank ? load_bytes16(own + off + o, n) : ld_cg_bytes(src[s] + off + o, n);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint32_t o = o0 + u * step;
+      if (o >= len) continue;
+      const uint32_t n = min(16u, len - o);
+      Acc<T, 4> acc;
+      acc.init(reinterpret_cast<const uint32_t*>(&v[u][0]));
+#pragma unroll
+      for (uint32_t s = 1; s < FC_MAX_RANKS; ++s) {
+        if (s < p.nranks) acc.add(reinterpret_cast<const uint32_t*>(&v[u][s]));
+      }
+      uint4 r;
+      acc.out(reinterpret_cast<uint32_t*>(&r));
+#pragma unroll
+      for (uint32_t d = 0; d < FC_MAX_RANKS; ++d) {
+        if (d < ndst) store_bytes16(dst[d] + off + o, r, n);
+      }
+    }
+  }
+}
+
+// Copies `len` bytes at offset `off` of peer-written, 16-byte aligned `src` into `out`.
+__device__ __forceinline__ void pull_copy(const char* src, uint64_t off, uint32_t len, char* out) {
+  constexpr int kU = 4;
+  const uint32_t step = blockDim.x * 16;
+  for (uint32_t o0 = threadIdx.x * 16; o0 < len; o0 += kU * step) {
+    uint4 v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint32_t o = o0 + u * step;
+      if (o < len) v[u] = ld_cg_bytes(src + off + o, min(16u, len - o));
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint32_t o = o0 + u * step;
+      if (o < len) store_bytes16(out + off + o, v[u], min(16u, len - o));
+    }
+  }
+}
+
+// Copies `len` bytes of user memory at `src + off` to the 16-byte aligned `dst + off`.
+__device__ __forceinline__ void pull_stage_copy(const char* src, char* dst, uint64_t off, uint32_t len) {
+  for (uint32_t o = threadIdx.x * 16; o < len; o += blockDim.x * 16)
+    st_v4(dst + off + o, load_bytes16(src + off + o, min(16u, len - o)));
+}
+
+// One-shot: block b takes chunk b of the message (the host cuts the message into one chunk per
+// block); it makes its chunk readable, waits for every peer's, sums all N in rank order. Direct
+// ends with "done": every peer's block b has finished loading from this rank's send buffer.
+template <typename T, bool DIRECT>
+__device__ void pull_oneshot(const FcCollParams& p) {
+  __shared__ uint64_t addr[FC_MAX_RANKS];
+  Ctx c = begin(p);
+  const uint64_t bytes = p.count * sizeof(T);
+  const char* in = reinterpret_cast<const char*>(p.send);
+  char* out = reinterpret_cast<char*>(p.recv);
+  const uint64_t off = (uint64_t)blockIdx.x * p.chunk_bytes;
+  const uint32_t len = off < bytes ? (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off) : 0u;
+  char* mine = pull_stage(p, p.rank, c.half);
+  const bool stage = !DIRECT || (p.flags & FC_FLAG_PULL_STAGE_SEND);
+  if (stage) pull_stage_copy(in, mine, off, len);
+  pull_publish(p, c, 0, !DIRECT ? 0ull : stage ? reinterpret_cast<uint64_t>(mine) : p.send, stage);
+  pull_wait(p, c, 0, addr);
+  if (!c.dead) {
+    char* src[FC_MAX_RANKS];
+#pragma unroll
+    for (uint32_t s = 0; s < FC_MAX_RANKS; ++s)
+      src[s] = s < p.nranks ? (DIRECT ? reinterpret_cast<char*>(addr[s]) : pull_stage(p, s, c.half)) : nullptr;
+    pull_reduce<T>(p, src, in, off, len, &out, 1);
+  }
+  if (DIRECT) {
+    pull_publish(p, c, 1, 0, false);
+    pull_wait(p, c, 1, addr);
+  }
+  finish(p, c);
+}
+
+// Two-shot, staged: block b takes piece b of every shard (the host cuts a shard into one piece
+// per block). Reduce-scatter by loads: the owner of shard i sums piece b of shard i from every
+// rank's pull area and writes it to its output and to its own pull area; all-gather by loads:
+// every rank copies piece b of every other shard from its owner's pull area.
+template <typename T>
+__device__ void pull_twoshot_staged(const FcCollParams& p) {
+  __shared__ uint64_t addr[FC_MAX_RANKS];
+  Ctx c = begin(p);
+  const uint64_t shard = p.shard_elems * sizeof(T);
+  const uint64_t total = p.count * sizeof(T);
+  const char* in = reinterpret_cast<const char*>(p.send);
+  char* out = reinterpret_cast<char*>(p.recv);
+  const uint64_t poff = (uint64_t)blockIdx.x * p.chunk_bytes;
+  auto len_of = [&](uint32_t j) -> uint32_t {
+    const uint64_t start = (uint64_t)j * shard + poff;
+    const uint64_t end = min((uint64_t)j * shard + shard, total);
+    return start < end ? (uint32_t)min((uint64_t)p.chunk_bytes, end - start) : 0u;
+  };
+  char* mine = pull_stage(p, p.rank, c.half);
+  for (uint32_t j = 0; j < p.nranks; ++j)
+    if (j != p.rank) pull_stage_copy(in, mine, (uint64_t)j * shard + poff, len_of(j));
+  pull_publish(p, c, 0, 0, true);
+  pull_wait(p, c, 0, addr);
+  if (!c.dead) {
+    char* src[FC_MAX_RANKS];
+#pragma unroll
+    for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) src[s] = s < p.nranks ? pull_stage(p, s, c.half) : nullptr;
+    char* dst[2] = {out, mine};
+    pull_reduce<T>(p, src, in, (uint64_t)p.rank * shard + poff, len_of(p.rank), dst, 2);
+  }
+  pull_publish(p, c, 1, 0, true);
+  pull_wait(p, c, 1, addr);
+  if (!c.dead) {
+    for (uint32_t j = 0; j < p.nranks; ++j)
+      if (j != p.rank) pull_copy(pull_stage(p, j, c.half), (uint64_t)j * shard + poff, len_of(j), out);
+  }
+  finish(p, c);
+}
+
+// Two-shot, direct: reduce by loads, broadcast by stores. Every rank publishes where its send
+// and receive buffers are (stage 0 and stage 2, plain lines: the data was written before the
+// kernel); the owner of shard i loads piece b of shard i from every rank's send buffer, sums in
+// rank order and stores the sum straight into every rank's receive buffer; then it tells every
+// rank so (stage 1, a release). A block returns once every owner has written its piece b here,
+// which each did after loading this rank's piece b of its shard: nothing reads or writes this
+// rank's buffers after its kernel ends. In place is safe: owner j writes shard j of this rank's
+// buffer after it alone has read it, and the other owners read other shards. Each byte is loaded
+// once and stored once per rank: about 2 N S bytes of traffic for a message of S bytes.
+template <typename T>
+__device__ void pull_twoshot_direct(const FcCollParams& p) {
+  __shared__ uint64_t sends[FC_MAX_RANKS];
+  __shared__ uint64_t recvs[FC_MAX_RANKS];
+  Ctx c = begin(p);
+  const uint64_t shard = p.shard_elems * sizeof(T);
+  const uint64_t total = p.count * sizeof(T);
+  const char* in = reinterpret_cast<const char*>(p.send);
+  char* out = reinterpret_cast<char*>(p.recv);
+  const uint64_t poff = (uint64_t)blockIdx.x * p.chunk_bytes;
+  auto len_of = [&](uint32_t j) -> uint32_t {
+    const uint64_t start = (uint64_t)j * shard + poff;
+    const uint64_t end = min((uint64_t)j * shard + shard, total);
+    return start < end ? (uint32_t)min((uint64_t)p.chunk_bytes, end - start) : 0u;
+  };
+  char* mine = pull_stage(p, p.rank, c.half);
+  const bool stage_in = (p.flags & FC_FLAG_PULL_STAGE_SEND) != 0;
+  if (stage_in) {
+    for (uint32_t j = 0; j < p.nranks; ++j)
+      if (j != p.rank) pull_stage_copy(in, mine, (uint64_t)j * shard + poff, len_of(j));
+  }
+  pull_publish(p, c, 0, stage_in ? reinterpret_cast<uint64_t>(mine) : p.send, stage_in);
+  pull_publish(p, c, 2, p.recv, false);
+  pull_wait(p, c, 0, sends);
+  pull_wait(p, c, 2, recvs);
+  if (!c.dead) {
+    char* src[FC_MAX_RANKS];
+    char* dst[FC_MAX_RANKS];
+#pragma unroll
+    for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
+      src[s] = s < p.nranks ? reinterpret_cast<char*>(sends[s]) : nullptr;
+      dst[s] = s < p.nranks ? (s == p.rank ? out : reinterpret_cast<char*>(recvs[s])) : nullptr;
+    }
+    pull_reduce<T>(p, src, in, (uint64_t)p.rank * shard + poff, len_of(p.rank), dst, p.nranks);
+  }
+  pull_publish(p, c, 1, 0, true);
+  pull_wait(p, c, 1, sends);
+  finish(p, c);
+}
+
+template <typename T, bool DIRECT>
+__device__ void pull_twoshot(const FcCollParams& p) {
+  if constexpr (DIRECT)
+    pull_twoshot_direct<T>(p);
+  else
+    pull_twoshot_staged<T>(p);
+}
+
+}  // namespace fc
