@@ -110,6 +110,10 @@ done
 [ -f "$here/python/torch_quant.py" ] && add "python::torch_quant_ws1_twostep_4_8" 600 "python3 '$here/python/torch_quant.py' --lib '$lib' --world-size 1 --algo twoshot --bits 4 --ag-bits 8"
 if [ -x "$here/bin/flashcomm-perf" ]; then
   add "perf::latency_8_virtual_ranks" 300 "'$here/bin/flashcomm-perf' --preset latency --json '$res/perf-latency.json'"
+  # The reference kernels (plain and pull, launched per rank and as one grid) beside flashcomm at
+  # sizes that end in a partial 16-byte vector (6 B, 30 B, ... by factors of 5), every type, eager
+  # and graph, each row checked (#wrong makes the tool exit 1).
+  add "perf::references_odd_sizes_3_and_8_virtual_ranks" 300 "for n in 3 8; do '$here/bin/flashcomm-perf' --mode virtual --ranks \$n --impl reference,pull-reference,flashcomm --ref-launch per-rank,single -d all -b 6 -e 4M -f 5 -n 3 -w 1 -G 2 --launch both --timeout 20 --json '$res/perf-references-n'\$n'.json' || exit 1; done"
   add "perf::allreduce_quant_sweep_8_virtual_ranks" 300 "'$here/bin/flashcomm-perf' --mode virtual --ranks 8 -b 4K -e 64M -f 4 -d bfloat16 --quant sweep --copy-baseline --json '$res/perf-quant.json'"
   # One process per rank: 4 rank processes on one GPU under CUDA MPS (lossless and quantized,
   # checked, with a plot), and one rank process side by side with the real NCCL.

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The decode-latency measurements (docs/perf.md, "Decode-size latency"): flashcomm's AllReduce
-# against the plain reference kernel at 2, 4 and 8 virtual ranks, bf16, 8 KiB..1 MiB by factors
-# of 2, under CUDA graphs: the selector's plan with the reference rows of the same run, then every
-# forced plan (one-shot/two-shot x LL/BLOCK) for the "best forced plan" column; and the one-rank
-# communicator against a device copy, out of place and in place.
+# against the plain reference kernel and the pull reference (1-stage, 2-stage) at 2, 4 and 8
+# virtual ranks, bf16, 8 KiB..1 MiB by factors of 2, under CUDA graphs: the selector's plan with
+# the reference rows of the same run, then every forced plan (one-shot/two-shot x LL/BLOCK) for
+# the "best forced plan" column; and the one-rank communicator against a device copy, out of
+# place and in place.
 #
 #   ci/perf-decode.sh <bundle-dir> <results-dir> [ranks ...]     # on the GPU machine
 #
@@ -25,7 +26,7 @@ status=0
 runs=${PERF_RUNS:-3}
 for n in "${ranks[@]}"; do
   for i in $(seq 1 "$runs"); do
-    "$perf" --ranks "$n" --impl reference,flashcomm "${common[@]}" --json "$res/ref-n$n-r$i.json" \
+    "$perf" --ranks "$n" --impl reference,pull-reference,flashcomm "${common[@]}" --json "$res/ref-n$n-r$i.json" \
       > "$res/ref-n$n-r$i.txt" 2>&1 || status=1
   done
   for a in oneshot twoshot; do

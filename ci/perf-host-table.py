@@ -7,7 +7,10 @@
 The first form prints, for each file and launch mode, one markdown table: per size the time of
 the link busy both ways (the `link-both` row, present with `--transport host`), the lossless
 time, its share of the link's floor, and every quantized row's time with lossless time over it
-in brackets (with `--plans`, then the plan of every row). The floor is the time the link needs for the bytes the
+in brackets (with `--plans`, then the plan of every row); in runs with the reference kernels
+(`--impl reference,pull-reference`), also the plain reference's time, pull-best's (the faster of
+the pull reference's two kernels) and the lossless row's vs_best (its time over the fastest
+competitor of the run). The floor is the time the link needs for the bytes the
 lossless plan moves each way at the link-both rate measured in the same run: N virtual ranks
 share the GPU's one link, so a two-shot AllReduce of S bytes moves 2(N - 1) S each way, a
 one-shot one N(N - 1) S, an AllGather or ReduceScatter (S = the whole buffer) (N - 1) S. A
@@ -77,7 +80,10 @@ def host_tables(doc, launches, plans):
         by = {(r["impl"], r["size_bytes"]): r for r in mine}
         nranks = s["ranks"]
         coll = s["collective"]
+        impls = {r["impl"] for r in mine}
+        refs = [c for c in ("reference", "pull-best") if c in impls]
         head = ["size", "link-both (us)", "lossless (us)", "of floor"]
+        head += [f"{c} (us)" for c in refs] + (["vs best"] if refs else [])
         head += [f"{q[len('flashcomm-q'):]}-bit (us, x)" for q in quant]
         if plans:
             head += ["plans (lossless" + "".join(f", {q[len('flashcomm-q'):]}-bit" for q in quant) + ")"]
@@ -87,7 +93,8 @@ def host_tables(doc, launches, plans):
         )
         out.append("")
         out.append("| " + " | ".join(head) + " |")
-        out.append("|" + "|".join(["---:"] * (4 + len(quant)) + ["---"] * plans) + "|")
+        width = 4 + len(refs) + (1 if refs else 0) + len(quant)
+        out.append("|" + "|".join(["---:"] * width + ["---"] * plans) + "|")
         for b in sizes:
             link = by.get(("link-both", b))
             loss = by.get(("flashcomm", b))
@@ -97,6 +104,11 @@ def host_tables(doc, launches, plans):
             if tl and tb:
                 share = f"{100.0 * tb * floor_factor(coll, nranks, loss['plan']) / tl:.0f}%"
             cells = [size_label(b), fmt_us(tb), fmt_us(tl), share]
+            for c in refs:
+                cells.append(fmt_us(time_of(by[(c, b)]) if (c, b) in by else None))
+            if refs:
+                vb = (loss or {}).get("vs_best")
+                cells.append("-" if vb is None else f"{vb:.2f}")
             for q in quant:
                 r = by.get((q, b))
                 t = time_of(r) if r else None
@@ -144,6 +156,9 @@ def wrong_lines(docs):
     bad = []
     for name, doc in docs:
         for r in doc["rows"]:
+            # pull-best repeats a measured row: its #wrong is counted there.
+            if r["impl"].startswith("pull-best"):
+                continue
             w = wrong_of(r)
             if w:
                 bad.append(f"{name}: {r['impl']} {r['launch']} {size_label(r['size_bytes'])}: #wrong {w}")

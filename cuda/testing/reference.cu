@@ -210,3 +210,75 @@ extern "C" __global__ void __launch_bounds__(FC_REF_THREADS) fc_test_reference_a
   __syncthreads();
   if (threadIdx.x == 0) epochs[blockIdx.x] = e;
 }
+
+// The AllReduce above with every rank in one grid (flashcomm-perf --ref-launch single), launched
+// by one thread, so that what launching per rank costs shows beside it: rank r runs as blocks
+// r * FC_REF_BLOCKS .. (r + 1) * FC_REF_BLOCKS - 1 of the grid, each as block b = blockIdx.x mod
+// FC_REF_BLOCKS of that rank's launch above (the same lines, thread mapping, epochs and inbox
+// halves: a rank's epochs are the same words whichever kernel runs it). One failure flag serves
+// the whole grid. Written out again on purpose, like the AllToAll: the AllReduce's text is frozen.
+// Every block of the grid waits for blocks of the other ranks, so the whole grid must be resident
+// at once (nranks * FC_REF_BLOCKS blocks; the host checks).
+struct FcRefGridParams {
+  uint64_t send[FC_REF_MAX_RANKS];    // every rank's input
+  uint64_t recv[FC_REF_MAX_RANKS];    // every rank's output
+  uint64_t inbox[FC_REF_MAX_RANKS];   // every rank's inbox
+  uint64_t epochs[FC_REF_MAX_RANKS];  // every rank's u32[FC_REF_BLOCKS]
+  uint64_t bytes;                     // message bytes
+  uint64_t half_bytes;                // bytes of one inbox half
+  uint64_t fail;                      // the grid's u32 failure flag
+  uint64_t timeout_ns;                // bound on every wait
+  uint32_t nranks;
+  uint32_t dtype;                     // 0 f32, 1 f16, 2 bf16
+};
+static_assert(sizeof(FcRefGridParams) == 296, "FcRefGridParams layout");
+
+extern "C" __global__ void __launch_bounds__(FC_REF_THREADS) fc_test_reference_allreduce_grid(const __grid_constant__ FcRefGridParams p) {
+  __shared__ uint32_t epoch_s;
+  const uint32_t rank = blockIdx.x / FC_REF_BLOCKS;
+  const uint32_t block = blockIdx.x % FC_REF_BLOCKS;
+  volatile uint32_t* epochs = reinterpret_cast<volatile uint32_t*>(p.epochs[rank]);
+  volatile uint32_t* fail = reinterpret_cast<volatile uint32_t*>(p.fail);
+  if (threadIdx.x == 0) epoch_s = epochs[block] + 1u;
+  __syncthreads();
+  const uint32_t e = epoch_s;
+  const uint64_t half = (uint64_t)(e & 1u) * p.half_bytes;
+  const uint64_t lines = (p.bytes + 7) / 8;
+  const uint64_t stride = (uint64_t)FC_REF_BLOCKS * blockDim.x;
+  const uint64_t first = (uint64_t)block * blockDim.x + threadIdx.x;
+  const unsigned char* in = reinterpret_cast<const unsigned char*>(p.send[rank]);
+  unsigned char* out = reinterpret_cast<unsigned char*>(p.recv[rank]);
+  for (uint64_t l = first; l < lines; l += stride) {
+    const uint32_t n = (uint32_t)min((uint64_t)8, p.bytes - l * 8);
+    const uint2 d = fc_ref_load8(in + l * 8, n);
+    for (uint32_t q = 0; q < p.nranks; ++q) {
+      char* line = reinterpret_cast<char*>(p.inbox[q]) + half + ((uint64_t)rank * lines + l) * 16;
+      fc_ref_st(line, make_uint4(d.x, e, d.y, e));
+    }
+  }
+  const uint64_t deadline = fc_ref_now() + p.timeout_ns;
+  bool dead = false;
+  for (uint64_t l = first; l < lines; l += stride) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (uint32_t s = 0; s < p.nranks; ++s) {
+      const char* line = reinterpret_cast<const char*>(p.inbox[rank]) + half + ((uint64_t)s * lines + l) * 16;
+      uint4 v = fc_ref_ld(line);
+      uint32_t spins = 0;
+      while (!dead && (v.y != e || v.w != e)) {
+        if ((++spins & 1023u) == 0 && (*fail != 0 || fc_ref_now() > deadline)) {
+          *fail = 1u;
+          dead = true;
+          break;
+        }
+        v = fc_ref_ld(line);
+      }
+      float x[4] = {0.f, 0.f, 0.f, 0.f};
+      fc_ref_unpack(p.dtype, make_uint2(v.x, v.z), x);
+      for (int i = 0; i < 4; ++i) acc[i] = s == 0 ? x[i] : __fadd_rn(acc[i], x[i]);
+    }
+    const uint32_t n = (uint32_t)min((uint64_t)8, p.bytes - l * 8);
+    fc_ref_store8(out + l * 8, fc_ref_pack(p.dtype, acc), n);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) epochs[block] = e;
+}

@@ -5,6 +5,9 @@
 //!   into a context beside the product's modules by [`TestKernels`]. The shipped `libnccl.so`
 //!   links `flashcomm-kernels` only, so it embeds none of them.
 //! * [`reference`]: the plain reference AllReduce that decode-size latency is measured against.
+//! * [`pull_reference`]: the pull reference AllReduce (the design of vLLM's and SGLang's custom
+//!   all-reduce, written clean-room), a competitor measured beside flashcomm; [`peer_buffers`]:
+//!   the buffers its ranks registered with each other.
 //! * [`verify`]: integer-valued inputs and their exact collective results, checked on the device.
 //! * [`codec`]: launchers of the codec kernels over device buffers, for the codec's GPU tests and
 //!   its benchmark.
@@ -16,6 +19,8 @@
 pub mod codec;
 mod codec_launch;
 mod file_bootstrap;
+pub mod peer_buffers;
+pub mod pull_reference;
 pub mod reference;
 pub mod verify;
 

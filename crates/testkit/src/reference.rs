@@ -7,6 +7,12 @@
 //! Ranks are threads of one process whose devices can read and write each other's memory (virtual
 //! ranks on one GPU, or GPUs with peer access enabled): every rank allocates an inbox, publishes
 //! its address, and takes every peer's with [`Reference::set_peers`] before the first call.
+//!
+//! With every rank on one GPU, [`Reference::all_reduce_grid`] runs the same AllReduce for every
+//! rank in one grid launched by one thread (flashcomm-perf `--ref-launch single`): what launching
+//! per rank costs then shows beside the per-rank rows. It needs every rank's epochs
+//! ([`Reference::set_grid_peers`]) and every buffer it reads or writes registered with every
+//! rank's address of it ([`Reference::register`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +22,7 @@ use flashcomm_comm::{DataType, Error};
 use flashcomm_gpu::Function;
 
 use crate::TestKernels as Kernels;
+use crate::peer_buffers::PeerBuffers;
 
 /// Blocks per rank.
 pub const BLOCKS: u32 = 16;
@@ -45,17 +52,42 @@ const _: () = assert!(std::mem::size_of::<FcRefParams>() == 136);
 
 impl crate::codec_launch::TestParams for FcRefParams {}
 
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct FcRefGridParams {
+    send: [u64; MAX_RANKS],
+    recv: [u64; MAX_RANKS],
+    inbox: [u64; MAX_RANKS],
+    epochs: [u64; MAX_RANKS],
+    bytes: u64,
+    half_bytes: u64,
+    fail: u64,
+    timeout_ns: u64,
+    nranks: u32,
+    dtype: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<FcRefGridParams>() == 296);
+
+impl crate::codec_launch::TestParams for FcRefGridParams {}
+
 /// One rank's reference AllReduce.
 pub struct Reference {
     device: Arc<Device>,
     function: Function,
     alltoall: Function,
+    grid: Function,
     inbox: DeviceMem,
     /// Per-block epochs (u32 each), then the failure flag.
     state: DeviceMem,
     half_bytes: u64,
     max_bytes: u64,
     peers: [u64; MAX_RANKS],
+    /// Every rank's epochs (one grid for every rank).
+    epochs: [u64; MAX_RANKS],
+    buffers: PeerBuffers,
+    one_gpu: bool,
+    sms: u32,
     rank: u32,
     nranks: u32,
     timeout: Duration,
@@ -92,6 +124,9 @@ impl Reference {
         let kernels = Kernels::for_context(device.context())?;
         let function = kernels.function("fc_test_reference_allreduce")?;
         let alltoall = kernels.function("fc_test_reference_alltoall")?;
+        let grid = kernels.function("fc_test_reference_allreduce_grid")?;
+        // Blocks of the one-grid launch that fit on the GPU at once.
+        let sms = device.sm_count() * grid.max_active_blocks_per_sm(THREADS, 0)?;
         let lines = max_bytes.div_ceil(8).max(1);
         let half_bytes = nranks as u64 * lines * 16;
         let inbox = DeviceMem::alloc_zeroed(&device, (2 * half_bytes) as usize)?;
@@ -100,11 +135,16 @@ impl Reference {
             device,
             function,
             alltoall,
+            grid,
             inbox,
             state,
             half_bytes,
             max_bytes,
             peers: [0; MAX_RANKS],
+            epochs: [0; MAX_RANKS],
+            buffers: PeerBuffers::new(nranks as usize),
+            one_gpu: devices.iter().all(|&d| d == devices[0]),
+            sms,
             rank,
             nranks,
             timeout,
@@ -127,6 +167,106 @@ impl Reference {
         }
         self.peers[..inboxes.len()].copy_from_slice(inboxes);
         Ok(())
+    }
+
+    /// This rank's epochs, for every rank's [`Reference::set_grid_peers`].
+    pub fn epochs_addr(&self) -> u64 {
+        self.state.addr()
+    }
+
+    /// Every rank's [`Reference::epochs_addr`], in rank order (for [`Reference::all_reduce_grid`]).
+    pub fn set_grid_peers(&mut self, epochs: &[u64]) -> Result<(), Error> {
+        if epochs.len() != self.nranks as usize {
+            return Err(Error::InvalidArgument(format!(
+                "reference: {} epoch addresses for {} ranks",
+                epochs.len(),
+                self.nranks
+            )));
+        }
+        self.epochs[..epochs.len()].copy_from_slice(epochs);
+        Ok(())
+    }
+
+    /// Registers `buffer` (this rank's), whose counterpart on rank r starts at `all[r]`, for
+    /// [`Reference::all_reduce_grid`]. Only while every rank is idle.
+    pub fn register(&mut self, buffer: DevicePtr, all: &[u64]) -> Result<(), Error> {
+        self.buffers
+            .register(buffer.addr(), buffer.len(), all)
+            .map_err(|e| Error::InvalidArgument(format!("reference: {e}")))
+    }
+
+    /// One AllReduce of `count` elements of `dtype` for every rank, in one grid of
+    /// `nranks * BLOCKS` blocks launched on `stream` by this rank alone (every rank on one GPU):
+    /// from every rank's range of `send`'s registered buffer into every rank's range of `recv`'s.
+    /// The other ranks launch nothing; a timeout raises this rank's flag ([`Reference::failed`]).
+    pub fn all_reduce_grid(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        dtype: DataType,
+        stream: Stream,
+    ) -> Result<(), Error> {
+        let bytes = count * dtype.bytes();
+        if !self.one_gpu {
+            return Err(Error::Unsupported(
+                "reference: one grid for every rank needs every rank on one GPU".into(),
+            ));
+        }
+        if self.nranks * BLOCKS > self.sms {
+            return Err(Error::Unsupported(format!(
+                "reference: one grid of {} blocks cannot be resident at once ({} fit)",
+                self.nranks * BLOCKS,
+                self.sms
+            )));
+        }
+        if bytes > self.max_bytes || send.len() < bytes || recv.len() < bytes {
+            return Err(Error::InvalidArgument(format!(
+                "reference: {bytes} bytes (set up for {}, buffers {} and {})",
+                self.max_bytes,
+                send.len(),
+                recv.len()
+            )));
+        }
+        let find = |p: DevicePtr, what: &str| {
+            self.buffers.lookup(p.addr(), bytes).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "reference: the {what} {:#x} is not in a registered buffer",
+                    p.addr()
+                ))
+            })
+        };
+        let (sends, recvs) = (find(send, "input")?, find(recv, "output")?);
+        if bytes == 0 {
+            return Ok(());
+        }
+        let p = FcRefGridParams {
+            send: sends,
+            recv: recvs,
+            inbox: self.peers,
+            epochs: self.epochs,
+            bytes,
+            half_bytes: self.half_bytes,
+            fail: self.state.addr() + BLOCKS as u64 * 4,
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            nranks: self.nranks,
+            dtype: match dtype {
+                DataType::F32 => 0,
+                DataType::F16 => 1,
+                DataType::Bf16 => 2,
+            },
+        };
+        let _ctx = self.device.activate()?;
+        crate::codec_launch::launch_test(
+            self.grid,
+            LaunchConfig {
+                grid: self.nranks * BLOCKS,
+                block: THREADS,
+                smem: 0,
+            },
+            stream,
+            &p,
+        )
     }
 
     /// One AllReduce of `count` elements of `dtype` from `send` into `recv` on `stream`.

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::args::{self, Command, Impl, Launch, Mode, Options, Preset, TransportChoice};
+use crate::args::{self, Command, Impl, Launch, Mode, Options, Preset, RefLaunch, TransportChoice};
 use crate::ffi::Nccl;
 use crate::report::{self, Layout, Table};
 use crate::run;
@@ -225,6 +225,7 @@ pub struct Settings {
     graph_replays: u32,
     launches: Vec<&'static str>,
     impls: Vec<&'static str>,
+    ref_launches: Vec<&'static str>,
     quant: Vec<String>,
     group: u16,
     spikes: u8,
@@ -274,15 +275,8 @@ pub fn settings(o: &Options, gpus: &[String], nccl: Option<&Nccl>, argv: &[Strin
         check: o.check,
         graph_replays: o.graph_replays,
         launches: o.launches.iter().map(|l| l.name()).collect(),
-        impls: o
-            .impls
-            .iter()
-            .map(|i| match i {
-                Impl::Flashcomm => "flashcomm",
-                Impl::Nccl => "nccl",
-                Impl::Reference => "reference",
-            })
-            .collect(),
+        impls: o.impls.iter().map(|i| i.name()).collect(),
+        ref_launches: o.ref_launches.iter().map(|l| l.name()).collect(),
         quant: o.quant.iter().map(|w| w.to_string()).collect(),
         group: o.group,
         spikes: o.spikes,
@@ -332,11 +326,7 @@ pub fn header_lines(o: &Options, gpus: &[String], nccl: Option<&Nccl>) -> Vec<St
                 .join(","),
             o.impls
                 .iter()
-                .map(|i| match i {
-                    Impl::Flashcomm => "flashcomm",
-                    Impl::Nccl => "nccl",
-                    Impl::Reference => "reference",
-                })
+                .map(|i| i.name())
                 .collect::<Vec<_>>()
                 .join(",")
         ),
@@ -387,6 +377,7 @@ pub fn header_lines(o: &Options, gpus: &[String], nccl: Option<&Nccl>) -> Vec<St
     for t in timing_text(o) {
         v.push(format!("# timing: {t}"));
     }
+    v.extend(reference_notes(o));
     if let Some(n) = nccl {
         v.push(format!(
             "# NCCL: {} (version {})",
@@ -413,6 +404,50 @@ pub fn header_lines(o: &Options, gpus: &[String], nccl: Option<&Nccl>) -> Vec<St
     }
     if o.check {
         v.push("# lossless rows: #wrong = elements differing from the exact result (integer-valued inputs, checked on the device) + bytes differing from rank 0's result".into());
+    }
+    v
+}
+
+/// The header lines that say what the competitor rows are (with `--impl reference` or
+/// `pull-reference`, and `--ref-launch single`), and what `vs_best` takes.
+pub fn reference_notes(o: &Options) -> Vec<String> {
+    let mut v = Vec::new();
+    if o.impls.contains(&Impl::PullReference) {
+        v.push(
+            "# pull-reference: the pull design of vLLM's and SGLang's custom all-reduce (clean-room): \
+             peers' inputs loaded in place, flag barriers; pull-1stage loads and sums every input, \
+             pull-2stage reduce-scatters and all-gathers by loads, pull-best repeats the faster of \
+             the two (plan: kernel/blocks per rank of 512 threads)"
+                .to_string(),
+        );
+    }
+    if o.ref_launches.contains(&RefLaunch::Single) {
+        v.push(
+            "# -1grid rows: every rank of the reference kernel in one grid launched by rank 0's \
+             thread (replayed from its one graph under -G), timed on rank 0's stream; vs_ref is \
+             over the reference launched per rank"
+                .to_string(),
+        );
+    }
+    let competitors: Vec<&str> = o
+        .impls
+        .iter()
+        .filter(|i| **i != Impl::Flashcomm)
+        .map(|i| match i {
+            Impl::PullReference => "pull-1stage, pull-2stage",
+            other => other.name(),
+        })
+        .collect();
+    if o.impls.contains(&Impl::Flashcomm) && !competitors.is_empty() {
+        v.push(format!(
+            "# vs_best: flashcomm's time / the fastest of {} at the same size, type and launch mode{}",
+            competitors.join(", "),
+            if o.impls.iter().any(|i| i.is_reference()) {
+                " (references launched per rank)"
+            } else {
+                ""
+            }
+        ));
     }
     v
 }
@@ -450,6 +485,8 @@ fn layout(o: &Options) -> Layout {
         vs_copy: o.copy_baseline,
         vs_ref: o.impls.contains(&Impl::Reference),
         vs_link: o.transport == TransportChoice::Host,
+        vs_best: o.impls.contains(&Impl::Flashcomm)
+            && o.impls.iter().any(|i| *i != Impl::Flashcomm),
     }
 }
 
@@ -675,6 +712,48 @@ mod tests {
         .unwrap();
         assert_eq!(s["collective"], args::Collective::AlltoAll.name());
         assert_eq!(s["quant"], json!(["8", "4"]));
+    }
+
+    #[test]
+    fn competitors_are_described_and_recorded() {
+        let o = opts("--impl flashcomm,reference,pull-reference --ref-launch per-rank,single");
+        let h = header_lines(&o, &["NVIDIA H100".into()], None);
+        assert!(h[0].ends_with("impl flashcomm,reference,pull-reference"));
+        assert!(
+            h.iter()
+                .any(|l| l.starts_with("# pull-reference: the pull design"))
+        );
+        assert!(h.iter().any(|l| l.starts_with("# -1grid rows")));
+        let best = h.iter().find(|l| l.starts_with("# vs_best")).unwrap();
+        assert!(
+            best.contains("reference, pull-1stage, pull-2stage")
+                && best.ends_with("(references launched per rank)"),
+            "{best}"
+        );
+        let lay = layout(&o);
+        assert!(lay.vs_ref && lay.vs_best);
+        let s = serde_json::to_value(settings(&o, &["G".into()], None, &[])).unwrap();
+        assert_eq!(
+            s["impls"],
+            json!(["flashcomm", "reference", "pull-reference"])
+        );
+        assert_eq!(s["ref_launches"], json!(["per-rank", "single"]));
+        // NCCL alone is a competitor too; without flashcomm there is no vs_best.
+        let n = opts("--impl flashcomm,nccl --mode gpus --ranks 2");
+        assert!(layout(&n).vs_best);
+        let nb = header_lines(&n, &["G".into(), "G".into()], None);
+        assert!(
+            nb.iter()
+                .any(|l| l.ends_with("the fastest of nccl at the same size, type and launch mode"))
+        );
+        let r = opts("--impl reference,pull-reference");
+        assert!(!layout(&r).vs_best);
+        assert!(
+            !header_lines(&r, &["G".into()], None)
+                .iter()
+                .any(|l| l.starts_with("# vs_best"))
+        );
+        assert!(!layout(&opts("")).vs_best);
     }
 
     #[test]

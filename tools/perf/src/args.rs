@@ -63,6 +63,48 @@ pub enum Impl {
     Nccl,
     /// The plain reference AllReduce (an LL one-shot kernel, the yardstick of decode latency).
     Reference,
+    /// The pull reference AllReduce: the design of vLLM's and SGLang's custom all-reduce
+    /// (peers' inputs loaded in place, flag barriers), written clean-room; 1-stage and 2-stage.
+    PullReference,
+}
+
+impl Impl {
+    /// The name on the command line and in the JSON file.
+    pub fn name(self) -> &'static str {
+        match self {
+            Impl::Flashcomm => "flashcomm",
+            Impl::Nccl => "nccl",
+            Impl::Reference => "reference",
+            Impl::PullReference => "pull-reference",
+        }
+    }
+
+    /// Whether this is one of the reference kernels of the test kit.
+    pub fn is_reference(self) -> bool {
+        matches!(self, Impl::Reference | Impl::PullReference)
+    }
+}
+
+/// How the reference kernels' ranks are launched (`--ref-launch`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RefLaunch {
+    /// One launch per rank, on the rank's stream, from the rank's thread (as every
+    /// implementation runs: an application's ranks launch their own kernels).
+    PerRank,
+    /// Every rank in one grid, launched by rank 0's thread on its stream (and under `-G`
+    /// replayed from its one graph): what launching per rank costs shows beside the per-rank
+    /// rows. Virtual ranks only.
+    Single,
+}
+
+impl RefLaunch {
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            RefLaunch::PerRank => "per-rank",
+            RefLaunch::Single => "single",
+        }
+    }
 }
 
 /// Element types: the tree's one datatype enum (printed with nccl-tests' names, `long_name`).
@@ -200,6 +242,8 @@ pub struct Options {
     pub mode: Mode,
     /// `--impl`.
     pub impls: Vec<Impl>,
+    /// `--ref-launch`: how the reference kernels' ranks are launched (one set of rows each).
+    pub ref_launches: Vec<RefLaunch>,
     /// `--nccl-lib` (or `FLASHCOMM_NCCL_LIB`, filled in by the caller).
     pub nccl_lib: Option<PathBuf>,
     /// `--quant`: quantized widths to run besides lossless.
@@ -261,6 +305,7 @@ impl Default for Options {
             ranks: 8,
             mode: Mode::Virtual,
             impls: vec![Impl::Flashcomm],
+            ref_launches: vec![RefLaunch::PerRank],
             nccl_lib: None,
             quant: Vec::new(),
             group: 128,
@@ -416,10 +461,32 @@ fn parse_impls(v: &str) -> Result<Vec<Impl>, ArgError> {
             "flashcomm" | "fc" => Impl::Flashcomm,
             "nccl" => Impl::Nccl,
             "reference" | "ref" => Impl::Reference,
-            other => return err(format!("--impl: '{other}' (flashcomm, nccl, reference)")),
+            "pull-reference" | "pull" => Impl::PullReference,
+            other => {
+                return err(format!(
+                    "--impl: '{other}' (flashcomm, nccl, reference, pull-reference)"
+                ));
+            }
         };
         if !out.contains(&i) {
             out.push(i);
+        }
+    }
+    Ok(out)
+}
+
+/// Parses `--ref-launch`: `per-rank`, `single`, or both as a comma list (one set of reference
+/// rows each, in the order given).
+pub fn parse_ref_launches(v: &str) -> Result<Vec<RefLaunch>, ArgError> {
+    let mut out = Vec::new();
+    for part in v.split(',') {
+        let l = match part.trim().to_ascii_lowercase().as_str() {
+            "per-rank" | "perrank" => RefLaunch::PerRank,
+            "single" | "one-grid" => RefLaunch::Single,
+            other => return err(format!("--ref-launch: '{other}' (per-rank, single)")),
+        };
+        if !out.contains(&l) {
+            out.push(l);
         }
     }
     Ok(out)
@@ -448,6 +515,10 @@ fn dtypes_value(v: &str) -> Result<List<Dtype>, String> {
 
 fn impls_value(v: &str) -> Result<List<Impl>, String> {
     parse_impls(v).map(List).map_err(|e| e.0)
+}
+
+fn ref_launches_value(v: &str) -> Result<List<RefLaunch>, String> {
+    parse_ref_launches(v).map(List).map_err(|e| e.0)
 }
 
 fn quant_value(v: &str) -> Result<List<Width>, String> {
@@ -534,9 +605,17 @@ struct Cli {
     #[arg(long, value_name = "d", allow_negative_numbers = true, help_heading = FLASHCOMM)]
     device: Option<i32>,
     /// flashcomm, nccl, reference (the plain LL one-shot AllReduce that decode latency is
-    /// measured against; --mode virtual or gpus), or a comma list side by side [flashcomm]
+    /// measured against), pull-reference (the pull design of vLLM's and SGLang's custom
+    /// all-reduce, clean-room: rows pull-1stage, pull-2stage and the better of the two,
+    /// pull-best; AllReduce only), or a comma list side by side; the references need --mode
+    /// virtual or gpus [flashcomm]
     #[arg(long = "impl", value_name = "list", value_parser = impls_value, help_heading = FLASHCOMM)]
     impls: Option<List<Impl>>,
+    /// How the reference kernels' ranks are launched: per-rank (each rank's thread on its
+    /// stream) | single (every rank in one grid launched by one thread; rows <impl>-1grid;
+    /// --mode virtual, AllReduce) | per-rank,single [per-rank]
+    #[arg(long = "ref-launch", value_name = "list", value_parser = ref_launches_value, help_heading = FLASHCOMM)]
+    ref_launches: Option<List<RefLaunch>>,
     /// The real libnccl.so.2 for --impl nccl [$FLASHCOMM_NCCL_LIB]
     #[arg(long, value_name = "path", help_heading = FLASHCOMM)]
     nccl_lib: Option<PathBuf>,
@@ -710,6 +789,7 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
     set(&mut o.mode, cli.mode);
     set(&mut o.device, cli.device);
     set(&mut o.impls, cli.impls.map(|l| l.0));
+    set(&mut o.ref_launches, cli.ref_launches.map(|l| l.0));
     o.nccl_lib = cli.nccl_lib.or(o.nccl_lib);
     set(&mut o.quant, cli.quant.map(|l| l.0));
     set(&mut o.group, cli.group);
@@ -829,6 +909,38 @@ fn validate(o: &Options) -> Result<(), ArgError> {
             return err(
                 "--impl reference needs --mode virtual or gpus (its ranks are threads of one process)",
             );
+        }
+    }
+    if o.impls.contains(&Impl::PullReference) {
+        if o.coll != Collective::AllReduce {
+            return err("--impl pull-reference: the pull reference kernels are an AllReduce");
+        }
+        if !matches!(o.mode, Mode::Virtual | Mode::Gpus) {
+            return err(
+                "--impl pull-reference needs --mode virtual or gpus (its ranks are threads of one \
+                 process that read each other's buffers)",
+            );
+        }
+    }
+    if o.ref_launches.is_empty() {
+        return err("--ref-launch: no launch mode");
+    }
+    if o.ref_launches.contains(&RefLaunch::Single) {
+        if !o.impls.iter().any(|i| i.is_reference()) {
+            return err(
+                "--ref-launch single launches the reference kernels: add --impl reference or \
+                 pull-reference",
+            );
+        }
+        if o.mode != Mode::Virtual {
+            return err(format!(
+                "--ref-launch single: one grid for every rank needs every rank on one GPU \
+                 (--mode virtual), not --mode {}",
+                o.mode.name()
+            ));
+        }
+        if o.coll != Collective::AllReduce {
+            return err("--ref-launch single: the one-grid kernels are AllReduces");
         }
     }
     if o.inplace && matches!(o.coll, Collective::ReduceScatter | Collective::AlltoAll) {
@@ -1082,6 +1194,63 @@ mod tests {
         assert!(fails("-f 1 -i 0 -b 1K -e 2K").contains("-i"));
         let e = ArgError("x".into()).to_string();
         assert!(e.contains("--help"));
+    }
+
+    #[test]
+    fn pull_reference_and_one_grid_launches() {
+        let o = run("--impl flashcomm,reference,pull-reference --ranks 4");
+        assert_eq!(
+            o.impls,
+            vec![Impl::Flashcomm, Impl::Reference, Impl::PullReference]
+        );
+        assert_eq!(o.ref_launches, vec![RefLaunch::PerRank], "the default");
+        assert_eq!(run("--impl pull").impls, vec![Impl::PullReference]);
+        assert_eq!(
+            run("--impl pull-reference --mode gpus --ranks 2").mode,
+            Mode::Gpus
+        );
+        assert_eq!(Impl::PullReference.name(), "pull-reference");
+        assert!(Impl::PullReference.is_reference() && !Impl::Nccl.is_reference());
+        // AllReduce only; threads of one process only.
+        for coll in ["alltoall", "allgather", "reducescatter"] {
+            let e = fails(&format!("--impl pull-reference --coll {coll}"));
+            assert!(e.contains("pull reference kernels are an AllReduce"), "{e}");
+        }
+        for mode in ["procs", "procs-one-gpu"] {
+            let e = fails(&format!("--impl pull-reference --mode {mode} --ranks 2"));
+            assert!(e.contains("--mode virtual or gpus"), "{e}");
+        }
+        assert!(fails("--impl pullish").contains("pull-reference"));
+        // --ref-launch: per-rank, single, or both (one set of rows each, in the order given).
+        let o = run("--impl reference,pull-reference --ref-launch single");
+        assert_eq!(o.ref_launches, vec![RefLaunch::Single]);
+        let o = run("--impl pull-reference --ref-launch per-rank,single,per-rank");
+        assert_eq!(o.ref_launches, vec![RefLaunch::PerRank, RefLaunch::Single]);
+        assert_eq!(
+            parse_ref_launches("single,per-rank").unwrap(),
+            vec![RefLaunch::Single, RefLaunch::PerRank]
+        );
+        assert_eq!(
+            run("--ref-launch per-rank").ref_launches,
+            vec![RefLaunch::PerRank]
+        );
+        assert!(fails("--ref-launch sometimes").contains("--ref-launch: 'sometimes'"));
+        // Refusals: nothing to launch, ranks on several GPUs, a collective without a grid kernel.
+        assert!(fails("--ref-launch single").contains("--impl reference or pull-reference"));
+        assert!(
+            fails("--impl flashcomm,nccl --mode gpus --ranks 2 --ref-launch single")
+                .contains("--impl reference or pull-reference")
+        );
+        let e = fails("--impl reference --mode gpus --ranks 2 --ref-launch single");
+        assert!(e.contains("every rank on one GPU (--mode virtual)"), "{e}");
+        assert!(e.contains("not --mode gpus"), "{e}");
+        assert!(
+            fails("--impl reference --coll alltoall --ref-launch single")
+                .contains("one-grid kernels are AllReduces")
+        );
+        assert_eq!(RefLaunch::Single.name(), "single");
+        let help = usage();
+        assert!(help.contains("--ref-launch") && help.contains("pull-reference"));
     }
 
     #[test]

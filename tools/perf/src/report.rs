@@ -5,15 +5,19 @@
 //! in-place), so scripts written for nccl-tests read them. flashcomm's columns follow: the error
 //! columns of quantized rows (`relL2 maxerr effbits`), time ratios (`vs_nccl`, `vs_copy`,
 //! `vs_ref`: over the plain reference AllReduce of the same run, `vs_link`: over the PCIe link's
-//! time for the same bytes, with `--transport host`), and
+//! time for the same bytes, with `--transport host`, `vs_best`: flashcomm's rows over the fastest
+//! competitor of the same run), and
 //! three labels (`impl launch plan`). Columns that do not apply print `N/A`, as nccl-tests does.
+//!
+//! The `pull-best` rows are derived, not measured: once both pull reference rows of a size are
+//! in ([`Table::add`]), the faster one is repeated under that name.
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 
 use crate::accuracy::AccuracyStats;
-use crate::args::{Collective, Dtype, Launch, Width};
+use crate::args::{Collective, Dtype, Launch, RefLaunch, Width};
 use crate::sweep::{TimeStats, algbw, busbw};
 
 /// What a row measures.
@@ -27,8 +31,11 @@ pub enum Variant {
     Lossless,
     /// flashcomm, quantized (AllReduce, or the one-step AllGather, ReduceScatter, AllToAll).
     Quant(Width),
-    /// The plain reference AllReduce (`--impl reference`).
-    Reference,
+    /// The plain reference AllReduce (`--impl reference`), launched per rank or as one grid.
+    Reference(RefLaunch),
+    /// The pull reference AllReduce (`--impl pull-reference`): one of its two kernels, or the
+    /// better of the two at that size (derived).
+    Pull(PullRow, RefLaunch),
     /// The host link's ceiling for the same bytes on one rank's GPU: a copy-engine copy into
     /// pinned host memory and back (`--transport host`), the two PCIe crossings every byte of
     /// the host transport makes.
@@ -39,18 +46,76 @@ pub enum Variant {
     LinkBoth,
 }
 
+/// Which row of the pull reference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PullRow {
+    /// The 1-stage kernel (every rank loads and sums all inputs).
+    OneStage,
+    /// The 2-stage kernel (reduce-scatter and all-gather by loads).
+    TwoStage,
+    /// The faster of the two at that size, type and launch mode, as measured in the same run.
+    Best,
+}
+
+impl PullRow {
+    /// `1stage`, `2stage`, `best`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PullRow::OneStage => "1stage",
+            PullRow::TwoStage => "2stage",
+            PullRow::Best => "best",
+        }
+    }
+}
+
 impl Variant {
     /// The `impl` column.
     pub fn label(&self) -> String {
+        let grid = |l: &RefLaunch| match l {
+            RefLaunch::PerRank => "",
+            RefLaunch::Single => "-1grid",
+        };
         match self {
             Variant::Copy => "copy".into(),
             Variant::Nccl => "nccl".into(),
             Variant::Lossless => "flashcomm".into(),
             Variant::Quant(w) => format!("flashcomm-q{w}"),
-            Variant::Reference => "reference".into(),
+            Variant::Reference(l) => format!("reference{}", grid(l)),
+            Variant::Pull(r, l) => format!("pull-{}{}", r.name(), grid(l)),
             Variant::Link => "link".into(),
             Variant::LinkBoth => "link-both".into(),
         }
+    }
+
+    /// Whether the row is flashcomm's (lossless or quantized).
+    pub fn is_flashcomm(&self) -> bool {
+        matches!(self, Variant::Lossless | Variant::Quant(_))
+    }
+
+    /// Whether the row times every rank in one grid launched by one thread.
+    pub fn single_grid(&self) -> bool {
+        matches!(
+            self,
+            Variant::Reference(RefLaunch::Single) | Variant::Pull(_, RefLaunch::Single)
+        )
+    }
+
+    /// Whether the row repeats another row's measurement (`pull-best`): not counted in the
+    /// footer's `#wrong` total.
+    pub fn derived(&self) -> bool {
+        matches!(self, Variant::Pull(PullRow::Best, _))
+    }
+
+    /// Whether the row is a competitor that `vs_best` takes: NCCL and the reference kernels
+    /// launched per rank, as an application's ranks launch (one-grid rows measure what per-rank
+    /// launching costs; `pull-best` repeats a measured row).
+    pub fn competitor(&self) -> bool {
+        matches!(
+            self,
+            Variant::Nccl
+                | Variant::Reference(RefLaunch::PerRank)
+                | Variant::Pull(PullRow::OneStage | PullRow::TwoStage, RefLaunch::PerRank)
+        )
     }
 }
 
@@ -144,6 +209,9 @@ pub struct Row {
     pub vs_ref: Option<f64>,
     /// Out-of-place time over the host link's for the same bytes, type and launch mode.
     pub vs_link: Option<f64>,
+    /// flashcomm's rows: out-of-place time over the fastest competitor's (NCCL, the reference
+    /// kernels launched per rank) at the same size, type and launch mode.
+    pub vs_best: Option<f64>,
 }
 
 impl Row {
@@ -186,6 +254,8 @@ pub struct Layout {
     pub vs_ref: bool,
     /// vs_link.
     pub vs_link: bool,
+    /// vs_best.
+    pub vs_best: bool,
 }
 
 /// nccl-tests-like time: two decimals below 1 ms, one below 100 ms, none above.
@@ -311,6 +381,10 @@ pub fn header(layout: &Layout) -> Vec<String> {
         names.push_str(&format!(" {:>W_RATIO$}", "vs_link"));
         units.push_str(&format!(" {:>W_RATIO$}", "(time)"));
     }
+    if layout.vs_best {
+        names.push_str(&format!(" {:>W_RATIO$}", "vs_best"));
+        units.push_str(&format!(" {:>W_RATIO$}", "(time)"));
+    }
     names.push_str("  impl               launch  plan");
     vec![top, names, units]
 }
@@ -359,6 +433,9 @@ pub fn format_row(layout: &Layout, row: &Row) -> String {
     if layout.vs_link {
         s.push_str(&format!(" {:>W_RATIO$}", ratio(row.vs_link)));
     }
+    if layout.vs_best {
+        s.push_str(&format!(" {:>W_RATIO$}", ratio(row.vs_best)));
+    }
     s.push_str(&format!(
         "  {:<17}  {:<6}  {}",
         row.variant.label(),
@@ -379,32 +456,69 @@ pub struct Table {
 
 impl Table {
     /// Adds a row and returns the lines to print for it: the row, or a one-time note for a
-    /// skipped one.
-    pub fn add(&mut self, layout: &Layout, mut row: Row) -> Vec<String> {
-        let t = row.out.measure().map(|m| m.time.median_us);
-        let base = |v: Variant| {
-            self.rows
-                .iter()
-                .find(|r| {
-                    r.variant == v
-                        && r.dtype == row.dtype
-                        && r.bytes == row.bytes
-                        && r.launch == row.launch
-                })
-                .and_then(|r| r.out.measure())
-                .map(|m| m.time.median_us)
+    /// skipped one. A pull reference row whose partner (the other kernel, same size, type and
+    /// launch mode) is already in also adds the derived `pull-best` row after it.
+    pub fn add(&mut self, layout: &Layout, row: Row) -> Vec<String> {
+        let best = match row.variant {
+            Variant::Pull(r @ (PullRow::OneStage | PullRow::TwoStage), l) => {
+                let partner = Variant::Pull(
+                    if r == PullRow::OneStage {
+                        PullRow::TwoStage
+                    } else {
+                        PullRow::OneStage
+                    },
+                    l,
+                );
+                self.find(partner, row.dtype, row.bytes, row.launch)
+                    .map(|p| best_of(&row, p, l))
+            }
+            _ => None,
         };
+        let mut lines = self.add_one(layout, row);
+        if let Some(b) = best {
+            lines.extend(self.add_one(layout, b));
+        }
+        lines
+    }
+
+    /// The row of `v` at this type, size and launch mode.
+    fn find(&self, v: Variant, dtype: Dtype, bytes: u64, launch: Launch) -> Option<&Row> {
+        self.rows
+            .iter()
+            .find(|r| r.variant == v && r.dtype == dtype && r.bytes == bytes && r.launch == launch)
+    }
+
+    fn add_one(&mut self, layout: &Layout, mut row: Row) -> Vec<String> {
+        let t = row.out.measure().map(|m| m.time.median_us);
+        let time = |r: &Row| r.out.measure().map(|m| m.time.median_us);
+        let (dtype, bytes, launch) = (row.dtype, row.bytes, row.launch);
+        let base = |v: Variant| self.find(v, dtype, bytes, launch).and_then(time);
         if row.variant != Variant::Nccl {
             row.vs_nccl = t.zip(base(Variant::Nccl)).map(|(a, b)| a / b);
         }
         if row.variant != Variant::Copy {
             row.vs_copy = t.zip(base(Variant::Copy)).map(|(a, b)| a / b);
         }
-        if !matches!(row.variant, Variant::Copy | Variant::Reference) {
-            row.vs_ref = t.zip(base(Variant::Reference)).map(|(a, b)| a / b);
+        let yardstick = Variant::Reference(RefLaunch::PerRank);
+        if !matches!(row.variant, Variant::Copy) && row.variant != yardstick {
+            row.vs_ref = t.zip(base(yardstick)).map(|(a, b)| a / b);
         }
         if !matches!(row.variant, Variant::Copy | Variant::Link) {
             row.vs_link = t.zip(base(Variant::Link)).map(|(a, b)| a / b);
+        }
+        if row.variant.is_flashcomm() {
+            let best = self
+                .rows
+                .iter()
+                .filter(|r| {
+                    r.variant.competitor()
+                        && r.dtype == dtype
+                        && r.bytes == bytes
+                        && r.launch == launch
+                })
+                .filter_map(time)
+                .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.min(x))));
+            row.vs_best = t.zip(best).map(|(a, b)| a / b);
         }
         let lines = match &row.out {
             Outcome::Done(_) => vec![format_row(layout, &row)],
@@ -426,10 +540,11 @@ impl Table {
         lines
     }
 
-    /// Total of `#wrong` over every measurement.
+    /// Total of `#wrong` over every measurement (derived rows repeat a measured row's).
     pub fn wrong_total(&self) -> u64 {
         self.rows
             .iter()
+            .filter(|r| !r.variant.derived())
             .flat_map(|r| std::iter::once(&r.out).chain(r.inplace.iter()))
             .filter_map(|o| o.measure().and_then(Measure::wrong_total))
             .sum()
@@ -462,6 +577,31 @@ impl Table {
         }
         out
     }
+}
+
+/// The `pull-best` row of two pull reference rows of one size, type and launch mode: the faster
+/// measured one under the derived name (its plan says which kernel it was), with the ratios left
+/// for [`Table::add`] to fill in.
+fn best_of(a: &Row, b: &Row, launch: RefLaunch) -> Row {
+    let t = |r: &Row| r.out.measure().map(|m| m.time.median_us);
+    let pick = match (t(a), t(b)) {
+        (Some(x), Some(y)) => Some(if y < x { b } else { a }),
+        (Some(_), None) => Some(a),
+        (None, Some(_)) => Some(b),
+        (None, None) => None,
+    };
+    let mut row = pick.unwrap_or(a).clone();
+    if pick.is_none() {
+        row.out = Outcome::Skipped("neither pull reference kernel was measured".into());
+        row.plan = None;
+    }
+    row.variant = Variant::Pull(PullRow::Best, launch);
+    row.vs_nccl = None;
+    row.vs_copy = None;
+    row.vs_ref = None;
+    row.vs_link = None;
+    row.vs_best = None;
+    row
 }
 
 /// One line of the latency table (`--preset latency`).
@@ -630,6 +770,7 @@ pub struct RowJson<'a> {
     vs_copy: Option<f64>,
     vs_ref: Option<f64>,
     vs_link: Option<f64>,
+    vs_best: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     quant: Option<QuantJson>,
 }
@@ -664,6 +805,7 @@ pub fn row_json(row: &Row) -> RowJson<'_> {
         vs_copy: row.vs_copy,
         vs_ref: row.vs_ref,
         vs_link: row.vs_link,
+        vs_best: row.vs_best,
         quant: row.quant.map(|q| QuantJson {
             rs_bits: q.width.rs,
             ag_bits: q.width.ag,
@@ -768,6 +910,7 @@ pub(crate) mod tests {
             vs_copy: None,
             vs_ref: None,
             vs_link: None,
+            vs_best: None,
         }
     }
 
@@ -778,6 +921,7 @@ pub(crate) mod tests {
         vs_copy: false,
         vs_ref: false,
         vs_link: false,
+        vs_best: false,
     };
 
     #[test]
@@ -833,6 +977,7 @@ pub(crate) mod tests {
             vs_copy: true,
             vs_ref: false,
             vs_link: false,
+            vs_best: false,
         };
         let h = header(&layout);
         assert!(h[0].contains("out-of-place") && h[0].contains("in-place"));
@@ -981,7 +1126,15 @@ pub(crate) mod tests {
         };
         assert!(header(&layout)[1].contains("vs_ref"));
         let mut t = Table::default();
-        t.add(&layout, row(Variant::Reference, Launch::Graph, 8192, 4.0));
+        t.add(
+            &layout,
+            row(
+                Variant::Reference(RefLaunch::PerRank),
+                Launch::Graph,
+                8192,
+                4.0,
+            ),
+        );
         t.add(&layout, row(Variant::Lossless, Launch::Graph, 8192, 3.0));
         t.add(&layout, row(Variant::Lossless, Launch::Graph, 16384, 3.0));
         assert_eq!(
@@ -992,6 +1145,158 @@ pub(crate) mod tests {
         assert_eq!(t.rows[2].vs_ref, None, "no reference row of that size");
         assert!(format_row(&layout, &t.rows[1]).contains("0.750"));
         assert_eq!(row_json(&t.rows[1]).vs_ref, Some(0.75));
+    }
+
+    #[test]
+    fn competitor_labels() {
+        use RefLaunch::{PerRank, Single};
+        let labels: Vec<String> = [
+            Variant::Reference(PerRank),
+            Variant::Reference(Single),
+            Variant::Pull(PullRow::OneStage, PerRank),
+            Variant::Pull(PullRow::TwoStage, PerRank),
+            Variant::Pull(PullRow::Best, PerRank),
+            Variant::Pull(PullRow::TwoStage, Single),
+            Variant::Pull(PullRow::Best, Single),
+        ]
+        .iter()
+        .map(Variant::label)
+        .collect();
+        assert_eq!(
+            labels,
+            [
+                "reference",
+                "reference-1grid",
+                "pull-1stage",
+                "pull-2stage",
+                "pull-best",
+                "pull-2stage-1grid",
+                "pull-best-1grid"
+            ]
+        );
+        // Every label fits the impl column.
+        assert!(labels.iter().all(|l| l.len() <= 17));
+        assert!(Variant::Pull(PullRow::Best, Single).derived());
+        assert!(!Variant::Pull(PullRow::OneStage, Single).derived());
+        assert!(Variant::Reference(Single).single_grid());
+        assert!(!Variant::Pull(PullRow::OneStage, PerRank).single_grid());
+        for v in [
+            Variant::Nccl,
+            Variant::Reference(PerRank),
+            Variant::Pull(PullRow::OneStage, PerRank),
+            Variant::Pull(PullRow::TwoStage, PerRank),
+        ] {
+            assert!(v.competitor(), "{v:?}");
+        }
+        for v in [
+            Variant::Copy,
+            Variant::Lossless,
+            Variant::Reference(Single),
+            Variant::Pull(PullRow::Best, PerRank),
+            Variant::Pull(PullRow::OneStage, Single),
+        ] {
+            assert!(!v.competitor(), "{v:?}");
+        }
+    }
+
+    #[test]
+    fn pull_best_is_the_faster_kernel_and_counted_once() {
+        let layout = Layout {
+            vs_ref: true,
+            vs_best: true,
+            ..PLAIN
+        };
+        let h = header(&layout);
+        assert!(h[1].contains("vs_ref") && h[1].contains("vs_best"));
+        let one = Variant::Pull(PullRow::OneStage, RefLaunch::PerRank);
+        let two = Variant::Pull(PullRow::TwoStage, RefLaunch::PerRank);
+        let mut t = Table::default();
+        t.add(
+            &layout,
+            row(
+                Variant::Reference(RefLaunch::PerRank),
+                Launch::Graph,
+                8192,
+                8.0,
+            ),
+        );
+        let mut a = row(one, Launch::Graph, 8192, 5.0);
+        a.plan = Some("1stage/g1".into());
+        a.out = Outcome::Done(measure(5.0, 2));
+        assert_eq!(t.add(&layout, a).len(), 1, "no partner yet");
+        let mut b = row(two, Launch::Graph, 8192, 6.0);
+        b.plan = Some("2stage/g1".into());
+        let lines = t.add(&layout, b);
+        assert_eq!(lines.len(), 2, "the 2-stage row, then pull-best");
+        let best = &t.rows[3];
+        assert_eq!(
+            best.variant,
+            Variant::Pull(PullRow::Best, RefLaunch::PerRank)
+        );
+        assert_eq!(best.plan.as_deref(), Some("1stage/g1"), "the faster kernel");
+        assert_eq!(best.out.measure().unwrap().time.median_us, 5.0);
+        assert_eq!(best.vs_ref, Some(0.625));
+        assert!(lines[1].contains("pull-best") && lines[1].contains("1stage/g1"));
+        // The 1-stage row's 2 wrong elements count once, not again through pull-best.
+        assert_eq!(t.wrong_total(), 2);
+        // flashcomm's rows: vs_best over the fastest competitor (the 1-stage's 5 us).
+        t.add(&layout, row(Variant::Lossless, Launch::Graph, 8192, 4.0));
+        let fc = t.rows.last().unwrap();
+        assert_eq!(fc.vs_best, Some(0.8));
+        assert_eq!(fc.vs_ref, Some(0.5));
+        assert!(format_row(&layout, fc).contains("0.800"));
+        assert_eq!(row_json(fc).vs_best, Some(0.8));
+        // Competitors have no vs_best; a flashcomm row without competitors neither.
+        assert!(t.rows[..4].iter().all(|r| r.vs_best.is_none()));
+        t.add(&layout, row(Variant::Lossless, Launch::Eager, 8192, 4.0));
+        assert_eq!(t.rows.last().unwrap().vs_best, None);
+        // The footer averages pull-best like the others.
+        assert!(t.footer().iter().any(|l| l.ends_with("(pull-best, graph)")));
+    }
+
+    #[test]
+    fn pull_best_with_a_skipped_kernel_and_one_grid_rows() {
+        let layout = Layout {
+            vs_best: true,
+            ..PLAIN
+        };
+        let mut t = Table::default();
+        let mut a = row(
+            Variant::Pull(PullRow::TwoStage, RefLaunch::Single),
+            Launch::Eager,
+            4096,
+            3.0,
+        );
+        a.out = Outcome::Skipped("too small".into());
+        t.add(&layout, a);
+        t.add(
+            &layout,
+            row(
+                Variant::Pull(PullRow::OneStage, RefLaunch::Single),
+                Launch::Eager,
+                4096,
+                7.0,
+            ),
+        );
+        let best = t.rows.last().unwrap();
+        assert_eq!(best.variant.label(), "pull-best-1grid");
+        assert_eq!(best.out.measure().unwrap().time.median_us, 7.0);
+        // One-grid rows are no competitor of vs_best: a flashcomm row finds none.
+        t.add(&layout, row(Variant::Nccl, Launch::Graph, 4096, 9.0));
+        t.add(&layout, row(Variant::Lossless, Launch::Eager, 4096, 4.0));
+        assert_eq!(t.rows.last().unwrap().vs_best, None);
+        // NCCL alone is the best competitor where it is the only one.
+        t.add(&layout, row(Variant::Lossless, Launch::Graph, 4096, 4.5));
+        assert_eq!(t.rows.last().unwrap().vs_best, Some(0.5));
+        // Neither kernel measured: pull-best says so.
+        let mut u = Table::default();
+        for r in [PullRow::OneStage, PullRow::TwoStage] {
+            let mut x = row(Variant::Pull(r, RefLaunch::PerRank), Launch::Eager, 64, 1.0);
+            x.out = Outcome::Skipped("no".into());
+            u.add(&layout, x);
+        }
+        assert_eq!(u.rows.len(), 3);
+        assert!(matches!(&u.rows[2].out, Outcome::Skipped(w) if w.contains("neither")));
     }
 
     #[test]
@@ -1056,6 +1361,7 @@ pub(crate) mod tests {
             "in_place",
             "vs_nccl",
             "vs_copy",
+            "vs_best",
         ] {
             assert!(r.get(key).is_some(), "row key {key}");
         }

@@ -34,18 +34,19 @@ use flashcomm_comm::{
     Protocol, QuantChoice, QuantSpec, Stream, ThreadGroup, Transport,
 };
 use flashcomm_testkit::FileBootstrap;
+use flashcomm_testkit::pull_reference::{PullReference, Stages};
 use flashcomm_testkit::reference::Reference;
 use flashcomm_testkit::verify::{TestType, Verifier};
 use serde::{Deserialize, Serialize};
 
 use crate::accuracy::{self, AccuracyStats, QuantAlgo, QuantOp};
 use crate::args::{
-    AlgoChoice, Dtype, Impl, Launch, Mode, Options, ProtoChoice, QuantChoiceArg, TransportChoice,
-    Width,
+    AlgoChoice, Dtype, Impl, Launch, Mode, Options, ProtoChoice, QuantChoiceArg, RefLaunch,
+    TransportChoice, Width,
 };
 use crate::ffi::{self, Nccl, NcclComm};
 use crate::inputs;
-use crate::report::{Measure, Outcome, QuantInfo, Row, Variant};
+use crate::report::{Measure, Outcome, PullRow, QuantInfo, Row, Variant};
 use crate::sweep::{self, Shape, TimeStats};
 
 /// One measurement to make (every rank runs the same list).
@@ -61,9 +62,10 @@ pub struct Job {
     pub launch: Launch,
 }
 
-/// The jobs of a run, in order: per type, per size, per launch mode: the copy baseline, NCCL,
-/// flashcomm lossless, then each quantized width (baselines first, so that ratios can be
-/// printed with each flashcomm row).
+/// The jobs of a run, in order: per type, per size, per launch mode: the copy baseline (and the
+/// link baselines), the reference kernels (per `--ref-launch`: the plain reference, the pull
+/// reference's 1-stage and 2-stage), NCCL, flashcomm lossless, then each quantized width
+/// (baselines and competitors first, so that ratios can be printed with each flashcomm row).
 pub fn jobs(o: &Options) -> Vec<Job> {
     let sizes = sweep::sizes(o.min_bytes, o.max_bytes, o.step_factor, o.step_bytes);
     let mut out = Vec::new();
@@ -78,8 +80,14 @@ pub fn jobs(o: &Options) -> Vec<Job> {
                     variants.push(Variant::Link);
                     variants.push(Variant::LinkBoth);
                 }
-                if o.impls.contains(&Impl::Reference) {
-                    variants.push(Variant::Reference);
+                for &l in &o.ref_launches {
+                    if o.impls.contains(&Impl::Reference) {
+                        variants.push(Variant::Reference(l));
+                    }
+                    if o.impls.contains(&Impl::PullReference) {
+                        variants.push(Variant::Pull(PullRow::OneStage, l));
+                        variants.push(Variant::Pull(PullRow::TwoStage, l));
+                    }
                 }
                 if o.impls.contains(&Impl::Nccl) {
                     variants.push(Variant::Nccl);
@@ -204,6 +212,8 @@ struct Team {
     recv0: Mutex<Option<DevicePtr>>,
     /// Every rank's inbox of the reference AllReduce (threads of one process only).
     inboxes: Mutex<Vec<u64>>,
+    /// What every rank published with [`Team::publish`] (threads of one process only).
+    published: Mutex<Vec<Vec<u64>>>,
     link: Option<FileBootstrap>,
 }
 
@@ -227,6 +237,7 @@ impl Team {
             slots: Mutex::new(vec![None; n]),
             recv0: Mutex::new(None),
             inboxes: Mutex::new(vec![0; n]),
+            published: Mutex::new(vec![Vec::new(); n]),
             link: None,
         }
     }
@@ -250,6 +261,24 @@ impl Team {
             self.fail(msg.clone());
             msg
         })
+    }
+
+    /// All-gathers `mine` across the rank threads of this process (addresses of the reference
+    /// kernels' buffers): every rank's list, in rank order. Collective; the lists may be read
+    /// only after every rank has published, and published again only after every rank has read.
+    fn publish(&self, rank: u32, mine: Vec<u64>) -> Result<Vec<Vec<u64>>, String> {
+        if self.link.is_some() {
+            return Err("rank processes cannot share device addresses".into());
+        }
+        self.published.lock().unwrap_or_else(|e| e.into_inner())[rank as usize] = mine;
+        self.wait()?;
+        let all = self
+            .published
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        self.wait()?;
+        Ok(all)
     }
 
     fn wait(&self) -> Result<(), String> {
@@ -315,6 +344,7 @@ struct Rank<'a> {
     comm: Option<Communicator>,
     nccl: Option<(&'a Nccl, NcclComm)>,
     reference: Option<Reference>,
+    pull: Option<PullReference>,
     /// Rank 0's pinned host buffer of the link baseline (`--transport host`).
     link: Option<HostArena>,
     /// Rank 0's second stream and fork/join events of the link-both baseline.
@@ -573,10 +603,13 @@ fn rank_main(
     } else {
         None
     };
-    let reference = if o.impls.contains(&Impl::Reference) {
+    let reference_grid = jobs
+        .iter()
+        .any(|j| j.variant == Variant::Reference(RefLaunch::Single));
+    let mut reference = if o.impls.contains(&Impl::Reference) {
         let max = jobs
             .iter()
-            .filter(|j| j.variant == Variant::Reference)
+            .filter(|j| matches!(j.variant, Variant::Reference(_)))
             .map(|j| j.shape.bytes)
             .max()
             .unwrap_or(0);
@@ -590,7 +623,37 @@ fn rank_main(
             .unwrap_or_else(|e| e.into_inner())
             .clone();
         rf.set_peers(&all).map_err(|e| e.to_string())?;
+        if reference_grid {
+            let all = team.publish(rank, vec![rf.epochs_addr()])?;
+            let epochs: Vec<u64> = all
+                .iter()
+                .map(|v| v.first().copied().unwrap_or(0))
+                .collect();
+            rf.set_grid_peers(&epochs).map_err(|e| e.to_string())?;
+        }
         Some(rf)
+    } else {
+        None
+    };
+    // The pull reference: set up (it allocates) before any collective runs; every rank takes
+    // every peer's signal area, scratch and epochs.
+    let mut pull = if o.impls.contains(&Impl::PullReference) {
+        let max = jobs
+            .iter()
+            .filter(|j| matches!(j.variant, Variant::Pull(..)))
+            .map(|j| j.shape.bytes)
+            .max()
+            .unwrap_or(0);
+        let mut p = PullReference::new(&devices(o), rank, max, Duration::from_secs(o.timeout_s))
+            .map_err(e2s(&format!("rank {rank}: pull reference set-up")))?;
+        let all = team.publish(rank, p.addrs().to_vec())?;
+        let peers = all
+            .iter()
+            .map(|v| <[u64; 3]>::try_from(v.as_slice()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| "pull reference: a rank published no addresses".to_string())?;
+        p.set_peers(&peers).map_err(|e| e.to_string())?;
+        Some(p)
     } else {
         None
     };
@@ -602,6 +665,23 @@ fn rank_main(
     };
     let send = alloc(sb)?;
     let recv = alloc(rb)?;
+    // Kernels that reach into peers' buffers (the pull reference; the one-grid reference, which
+    // runs every rank's part) register every rank's send and receive buffers, while every rank
+    // is idle.
+    if pull.is_some() || reference_grid {
+        let all = team.publish(rank, vec![send.addr(), recv.addr()])?;
+        for (k, buf) in [send.as_ptr(), recv.as_ptr()].into_iter().enumerate() {
+            let addrs: Vec<u64> = all.iter().map(|v| v.get(k).copied().unwrap_or(0)).collect();
+            if let Some(p) = pull.as_mut() {
+                p.register(buf, &addrs)
+                    .map_err(e2s(&format!("rank {rank}: registering buffers")))?;
+            }
+            if let (Some(r), true) = (reference.as_mut(), reference_grid) {
+                r.register(buf, &addrs)
+                    .map_err(e2s(&format!("rank {rank}: registering buffers")))?;
+            }
+        }
+    }
     let fp = if qb > 0 { Some(alloc(qb)?) } else { None };
     let nev = o.iters.max(o.graph_replays).max(1) as usize;
     let mut starts = Vec::with_capacity(nev);
@@ -655,6 +735,7 @@ fn rank_main(
         comm,
         nccl,
         reference,
+        pull,
         link,
         side,
         v,
@@ -709,6 +790,15 @@ impl Rank<'_> {
                 self.rank
             ));
         }
+        if let Some(p) = &self.pull
+            && p.failed(self.stream)
+                .map_err(e2s("pull reference status"))?
+        {
+            return Err(format!(
+                "rank {}: the pull reference kernel timed out waiting for a peer",
+                self.rank
+            ));
+        }
         Ok(())
     }
 
@@ -759,18 +849,32 @@ impl Rank<'_> {
             Variant::Copy => self.copy_job(job),
             Variant::Link => self.link_job(job),
             Variant::LinkBoth => self.link_both_job(job),
-            Variant::Nccl | Variant::Lossless | Variant::Reference => self.lossless_job(job, salt),
+            Variant::Nccl | Variant::Lossless | Variant::Reference(_) | Variant::Pull(..) => {
+                self.lossless_job(job, salt)
+            }
             Variant::Quant(w) => self.quant_job(job, w, salt),
         }
     }
 
     /// Times `call` as the module documentation says; returns per-call microseconds of this rank.
+    /// A rank that is not `active` (one grid for every rank, launched by rank 0) issues nothing
+    /// and times nothing, but meets the others at the same barriers.
     fn time_calls(
         &self,
         launch: Launch,
         collective: bool,
+        active: bool,
         call: &dyn Fn(Stream) -> Result<(), String>,
     ) -> Result<Vec<f64>, String> {
+        if !active {
+            if launch == Launch::Graph && collective {
+                // Before the capture, before the first replay, after the replays.
+                for _ in 0..3 {
+                    self.barrier()?;
+                }
+            }
+            return Ok(Vec::new());
+        }
         let s = self.stream;
         let ev = |r: Result<(), flashcomm_comm::gpu::Error>| r.map_err(e2s("timing event"));
         // Under graphs at least one eager call comes first, so that one-time set-up (module
@@ -900,7 +1004,7 @@ impl Rank<'_> {
             self.recv.slice(0, b as usize),
         );
         let call = |s: Stream| copy(src, dst, b, s).map_err(e2s("baseline copy"));
-        let times = self.time_calls(job.launch, false, &call)?;
+        let times = self.time_calls(job.launch, false, true, &call)?;
         Ok(RankOut {
             out: Some(RankMeasure {
                 times,
@@ -925,15 +1029,33 @@ impl Rank<'_> {
             (Variant::Lossless | Variant::Quant(_), Some(p), Some(c), _) => c
                 .run(p, send, recv, sh.call_count, elem, Some(job.dtype), s)
                 .map_err(|e| e.to_string()),
-            (Variant::Reference, _, _, _) => match (&self.reference, self.o.coll) {
-                (Some(r), Collective::AlltoAll) => r
+            (Variant::Reference(l), _, _, _) => match (&self.reference, self.o.coll, l) {
+                (Some(r), Collective::AlltoAll, _) => r
                     .all_to_all(send, recv, sh.call_count, elem, s)
                     .map_err(|e| e.to_string()),
-                (Some(r), _) => r
+                (Some(r), _, RefLaunch::PerRank) => r
                     .all_reduce(send, recv, sh.call_count, job.dtype, s)
                     .map_err(|e| e.to_string()),
-                (None, _) => Err("the reference is not set up on this rank".into()),
+                // One grid for every rank: rank 0 launches it, the others issue nothing.
+                (Some(_), _, RefLaunch::Single) if self.rank != 0 => Ok(()),
+                (Some(r), _, RefLaunch::Single) => r
+                    .all_reduce_grid(send, recv, sh.call_count, job.dtype, s)
+                    .map_err(|e| e.to_string()),
+                (None, _, _) => Err("the reference is not set up on this rank".into()),
             },
+            (Variant::Pull(row, l), _, _, _) => {
+                let stages = pull_stages(row).ok_or("pull-best is derived, not run")?;
+                match (&self.pull, l) {
+                    (Some(p), RefLaunch::PerRank) => p
+                        .all_reduce(stages, send, recv, sh.call_count, job.dtype, s)
+                        .map_err(|e| e.to_string()),
+                    (Some(_), RefLaunch::Single) if self.rank != 0 => Ok(()),
+                    (Some(p), RefLaunch::Single) => p
+                        .all_reduce_grid(stages, send, recv, sh.call_count, job.dtype, s)
+                        .map_err(|e| e.to_string()),
+                    (None, _) => Err("the pull reference is not set up on this rank".into()),
+                }
+            }
             (Variant::Nccl, _, _, Some((lib, nc))) => {
                 let t = job.dtype;
                 match self.o.coll {
@@ -968,15 +1090,27 @@ impl Rank<'_> {
             )),
             _ => None,
         };
+        // The pull reference's plan: its kernel and blocks per rank.
+        let pull_plan = match (job.variant, &self.pull) {
+            (Variant::Pull(row, _), Some(p)) => pull_stages(row)
+                .map(|st| pull_plan_label(st, p.blocks(st, job.shape.call_count, job.dtype))),
+            _ => None,
+        };
         let out = self.lossless_measure(job, plan.as_ref(), salt, false)?;
-        let inplace = if self.o.inplace {
-            Some(Ok(self.lossless_measure(job, plan.as_ref(), salt, true)?))
-        } else {
+        let inplace = if !self.o.inplace {
             None
+        } else if matches!(job.variant, Variant::Pull(..)) {
+            // Peers load a rank's input while it writes its output: in place, a rank could
+            // overwrite input a slower peer has yet to read.
+            Some(Err(
+                "the pull reference reads peers' inputs in place: out-of-place only".into(),
+            ))
+        } else {
+            Some(Ok(self.lossless_measure(job, plan.as_ref(), salt, true)?))
         };
         Ok(RankOut {
             skipped: None,
-            plan: plan.as_ref().map(plan_label),
+            plan: plan.as_ref().map(plan_label).or(pull_plan),
             out: Some(out),
             inplace,
         })
@@ -1021,7 +1155,13 @@ impl Rank<'_> {
         self.sync()?;
         self.barrier()?;
         let call = |st: Stream| self.lossless_call(job, plan, send, recv, st);
-        let times = self.time_calls(job.launch, true, &call)?;
+        // One grid for every rank: rank 0 issues and times every call; the others meet it, and
+        // touch their buffers again only once its calls are over.
+        let single = job.variant.single_grid();
+        let times = self.time_calls(job.launch, true, !single || self.rank == 0, &call)?;
+        if single {
+            self.barrier()?;
+        }
         let (wrong, mismatch) = if self.o.check {
             // A fresh, checked call: inputs refilled (in-place calls overwrote them), output
             // cleared.
@@ -1035,6 +1175,11 @@ impl Rank<'_> {
             self.sync()?;
             self.barrier()?;
             call(s)?;
+            if single {
+                // Rank 0's grid wrote every rank's output.
+                self.sync()?;
+                self.barrier()?;
+            }
             v.check(
                 recv,
                 out_elems,
@@ -1166,7 +1311,7 @@ impl Rank<'_> {
         };
         self.sync()?;
         self.barrier()?;
-        let times = self.time_calls(job.launch, true, &call)?;
+        let times = self.time_calls(job.launch, true, true, &call)?;
         let mut m = RankMeasure {
             times,
             ..RankMeasure::default()
@@ -1309,6 +1454,21 @@ enum Check {
     },
 }
 
+/// The pull reference kernel of a measured row (`None` for the derived `pull-best`).
+fn pull_stages(row: PullRow) -> Option<Stages> {
+    match row {
+        PullRow::OneStage => Some(Stages::One),
+        PullRow::TwoStage => Some(Stages::Two),
+        PullRow::Best => None,
+    }
+}
+
+/// The `plan` column of a pull reference row: `1stage/g16`, `2stage/g36` (blocks per rank, of
+/// 512 threads).
+pub fn pull_plan_label(stages: Stages, blocks: u32) -> String {
+    format!("{}/g{blocks}", stages.name())
+}
+
 /// Rank 0's output as a range of `len` bytes (its buffer is at least as long as ours: every
 /// rank allocates the same sizes).
 fn theirs_slice(p: DevicePtr, len: u64) -> Result<DevicePtr, String> {
@@ -1430,7 +1590,13 @@ fn merge(o: &Options, job: &Job, outs: &[RankOut]) -> Row {
         if ms.is_empty() {
             return None;
         }
-        let times: Vec<Vec<f64>> = ms.iter().map(|m| m.times.clone()).collect();
+        // One grid for every rank: rank 0 timed it alone (the others report their checks only).
+        let timed = if job.variant.single_grid() {
+            &ms[..1]
+        } else {
+            &ms[..]
+        };
+        let times: Vec<Vec<f64>> = timed.iter().map(|m| m.times.clone()).collect();
         let sum = |f: &dyn Fn(&RankMeasure) -> Option<u64>| -> Option<u64> {
             ms.iter().filter_map(f).reduce(|a, b| a + b)
         };
@@ -1479,6 +1645,7 @@ fn merge(o: &Options, job: &Job, outs: &[RankOut]) -> Row {
         vs_copy: None,
         vs_ref: None,
         vs_link: None,
+        vs_best: None,
     }
 }
 
@@ -1509,6 +1676,75 @@ mod tests {
         );
         assert!(j[..5].iter().all(|x| x.shape.bytes == 4096));
         assert_eq!(j[14].shape.bytes, 16384);
+    }
+
+    #[test]
+    fn competitor_jobs_per_reference_launch() {
+        let o = opts("-b 8K -e 16K -f 2 --impl flashcomm,reference,pull-reference --ranks 2");
+        let j = jobs(&o);
+        let v: Vec<String> = j[..4].iter().map(|j| j.variant.label()).collect();
+        assert_eq!(v, ["reference", "pull-1stage", "pull-2stage", "flashcomm"]);
+        assert_eq!(j.len(), 2 * 4);
+        let o = opts(
+            "-b 8K -e 8K --impl pull-reference,reference,flashcomm --ref-launch per-rank,single",
+        );
+        let v: Vec<String> = jobs(&o).iter().map(|j| j.variant.label()).collect();
+        assert_eq!(
+            v,
+            [
+                "reference",
+                "pull-1stage",
+                "pull-2stage",
+                "reference-1grid",
+                "pull-1stage-1grid",
+                "pull-2stage-1grid",
+                "flashcomm"
+            ]
+        );
+        // pull-best is derived by the table, never run.
+        assert!(jobs(&o).iter().all(|j| !j.variant.derived()));
+        assert_eq!(pull_plan_label(Stages::Two, 36), "2stage/g36");
+        assert_eq!(pull_stages(PullRow::Best), None);
+        assert_eq!(pull_stages(PullRow::OneStage), Some(Stages::One));
+    }
+
+    #[test]
+    fn one_grid_rows_take_rank_zeros_times_and_every_ranks_checks() {
+        let o = opts("-b 4K -e 4K --impl pull-reference --ref-launch single --ranks 3");
+        let job = jobs(&o)[0];
+        assert_eq!(
+            job.variant,
+            Variant::Pull(PullRow::OneStage, RefLaunch::Single)
+        );
+        let m = |t: Vec<f64>, w| RankMeasure {
+            times: t,
+            wrong: Some(w),
+            mismatch: Some(0),
+            accuracy: None,
+        };
+        let outs = vec![
+            RankOut {
+                plan: Some("1stage/g1".into()),
+                out: Some(m(vec![2.0, 3.0, 4.0], 0)),
+                ..RankOut::default()
+            },
+            RankOut {
+                out: Some(m(Vec::new(), 1)),
+                ..RankOut::default()
+            },
+            RankOut {
+                out: Some(m(Vec::new(), 2)),
+                ..RankOut::default()
+            },
+        ];
+        let row = merge(&o, &job, &outs);
+        let me = row.out.measure().unwrap();
+        assert_eq!((me.time.samples, me.time.median_us), (3, 3.0));
+        assert_eq!(me.wrong_total(), Some(3));
+        // Launched per rank, a rank without times would leave no sample: every rank times.
+        let per_rank = opts("-b 4K -e 4K --impl pull-reference --ranks 3");
+        let row = merge(&per_rank, &jobs(&per_rank)[0], &outs);
+        assert_eq!(row.out.measure().unwrap().time.samples, 0);
     }
 
     #[test]

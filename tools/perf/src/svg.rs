@@ -26,6 +26,10 @@ pub fn series_from_rows(rows: &[Row]) -> Vec<Series> {
     let mut out: Vec<Series> = Vec::new();
     for r in rows {
         let Some(m) = r.out.measure() else { continue };
+        // pull-best repeats a measured row.
+        if r.variant.derived() {
+            continue;
+        }
         let mut label = r.variant.label();
         if r.variant == Variant::Lossless {
             label.push_str(" lossless");
