@@ -8,10 +8,12 @@
 //   passes every rank's address of its input at the same offset), as under CUDA graphs in vLLM.
 // * Readiness by flags, not data: each rank owns a signal area in device memory. A block signals
 //   barrier k by storing its epoch into slot [parity][k][block][own rank] of every rank's area
-//   (thread q stores to rank q: __syncthreads first, then st.release.sys, so every write the
-//   block made before is visible to whoever acquires the flag), and waits until slot
-//   [parity][k][block][q] of its own area holds the epoch (thread q, ld.acquire.sys), then
-//   __syncthreads. Peers' data is then loaded through L2 (ld.global.cg: L1 is not coherent with
+//   (thread q stores to rank q after __syncthreads), and waits until slot [parity][k][block][q]
+//   of its own area holds the epoch (thread q), then __syncthreads. Only the 2-stage's middle
+//   barrier orders data written in the call (the scratch): its flag is st.release.sys and its
+//   read ld.acquire.sys, so every write the block made before is visible to whoever acquires it.
+//   The start barrier (the inputs were written before the kernel) and the end barriers (which
+//   only say "done reading") use volatile flags, as the serving stacks' kernels do. Peers' data is then loaded through L2 (ld.global.cg: L1 is not coherent with
 //   peers' writes).
 // * 1-stage: start barrier; every rank loads all N inputs at its elements (16-byte vectors), sums
 //   them in rank order in f32 (acc = x_0, acc += x_s for s = 1..N-1; f16 and bf16 rounded once at
@@ -90,6 +92,16 @@ __device__ __forceinline__ void fc_pull_st_release_sys(uint32_t* p, uint32_t v) 
 __device__ __forceinline__ uint32_t fc_pull_ld_acquire_sys(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void fc_pull_st_volatile(uint32_t* p, uint32_t v) {
+  asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t fc_pull_ld_volatile(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
@@ -214,17 +226,24 @@ __device__ __forceinline__ uint64_t fc_pull_slot(uint32_t parity, uint32_t k, ui
 }
 
 // Barrier k of this call for block s.block: thread q (q < nranks) signals rank q and waits for
-// rank q's signal.
+// rank q's signal. FENCED: the block wrote data in this call that peers read after the barrier
+// (the 2-stage's scratch), so the flag is a release and its read an acquire; otherwise (the data
+// was written before the kernel, or the barrier only says "done reading") plain volatile flags
+// suffice, as in the serving stacks' kernels.
+template <bool FENCED>
 __device__ __forceinline__ void fc_pull_barrier(const FcPullParams& p, FcPullSync& s, uint32_t k) {
   __syncthreads();
   if (threadIdx.x < p.nranks) {
     const uint32_t q = threadIdx.x;
     const uint32_t parity = s.epoch & 1u;
     uint32_t* to = reinterpret_cast<uint32_t*>(p.signal[q]) + fc_pull_slot(parity, k, s.block, s.rank);
-    fc_pull_st_release_sys(to, s.epoch);
+    if (FENCED)
+      fc_pull_st_release_sys(to, s.epoch);
+    else
+      fc_pull_st_volatile(to, s.epoch);
     const uint32_t* from = reinterpret_cast<const uint32_t*>(p.signal[s.rank]) + fc_pull_slot(parity, k, s.block, q);
     uint32_t spins = 0;
-    while (!s.dead && fc_pull_ld_acquire_sys(from) != s.epoch) {
+    while (!s.dead && (FENCED ? fc_pull_ld_acquire_sys(from) : fc_pull_ld_volatile(from)) != s.epoch) {
       if ((++spins & 1023u) == 0 && (*s.fail != 0 || fc_pull_now() > s.deadline)) {
         *s.fail = 1u;
         s.dead = true;
@@ -255,7 +274,7 @@ __device__ __forceinline__ void fc_pull_1stage(const FcPullParams& p, FcPullSync
   const uint64_t stride = (uint64_t)p.blocks * blockDim.x;
   const uint64_t first = (uint64_t)s.block * blockDim.x + threadIdx.x;
   char* out = reinterpret_cast<char*>(p.out[s.rank]);
-  fc_pull_barrier(p, s, 0);
+  fc_pull_barrier<false>(p, s, 0);
   for (uint64_t j = first; j < range.vecs; j += stride) {
     uint4 v[N];
     if (j < range.full) {
@@ -270,7 +289,7 @@ __device__ __forceinline__ void fc_pull_1stage(const FcPullParams& p, FcPullSync
       fc_pull_store_part<DT>(reinterpret_cast<Bits*>(out) + j * kPer, fc_pull_sum<DT, N>(v), range.tail);
     }
   }
-  fc_pull_barrier(p, s, 1);
+  fc_pull_barrier<false>(p, s, 1);
 }
 
 // Elements of shard q: [min(count, q * shard), min(count, (q + 1) * shard)).
@@ -289,7 +308,7 @@ __device__ __forceinline__ void fc_pull_2stage(const FcPullParams& p, FcPullSync
   constexpr int kPer = FcPullType<DT>::kPer;
   const uint64_t stride = (uint64_t)p.blocks * blockDim.x;
   const uint64_t first = (uint64_t)s.block * blockDim.x + threadIdx.x;
-  fc_pull_barrier(p, s, 0);
+  fc_pull_barrier<false>(p, s, 0);
   // Reduce-scatter: shard `rank` of every input, summed in rank order, into this rank's scratch
   // (whole vectors: a shard's bytes are a multiple of 16 and the scratch holds a whole shard).
   {
@@ -312,7 +331,7 @@ __device__ __forceinline__ void fc_pull_2stage(const FcPullParams& p, FcPullSync
       __stcg(scratch + j, fc_pull_sum<DT, N>(v));
     }
   }
-  fc_pull_barrier(p, s, 1);
+  fc_pull_barrier<true>(p, s, 1);
   // All-gather: shard q from rank q's scratch, every shard's vector j loaded before any is
   // stored. Shard 0 is the longest.
   {
@@ -343,7 +362,7 @@ __device__ __forceinline__ void fc_pull_2stage(const FcPullParams& p, FcPullSync
       }
     }
   }
-  fc_pull_barrier(p, s, 2);
+  fc_pull_barrier<false>(p, s, 2);
 }
 
 template <int DT, int STAGES, int N>
