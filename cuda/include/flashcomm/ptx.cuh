@@ -53,6 +53,12 @@ __device__ __forceinline__ uint32_t ld_acquire_sys_u32(const void* p) {
   return v;
 }
 
+__device__ __forceinline__ uint64_t ld_acquire_sys_u64(const void* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void st_release_sys_u32(void* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }

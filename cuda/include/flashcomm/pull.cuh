@@ -19,7 +19,7 @@
 //   shards): the source's block synchronizes (bar.sync), its threads 0..N-1 issue a
 //   system-scope fence and store the lines, one per peer (a release), with bit 63 of the address
 //   set; the reader's thread s polls source s's line with volatile loads and, seeing bit 63,
-//   issues a system-scope fence (an acquire). Data written before the kernel (the user's send
+//   reads the line once more with an acquiring load (an acquire). Data written before the kernel (the user's send
 //   buffer) and "done" lines need no fence on either side. The block synchronizes, and the data
 //   is read through L2 (ld.global.cg).
 // * Reuse without a barrier. Staged: the pull area and the flag slots have two halves by call
@@ -85,7 +85,11 @@ __device__ __forceinline__ void pull_wait(const FcCollParams& p, Ctx& c, uint32_
       const uint4 l = ld_volatile_v4(line);
       if (ll_ready(l, c)) {
         const uint64_t a = (uint64_t)l.z << 32 | l.x;
-        if (a & kPullFenced) fence_sys();
+        // The acquire: one acquiring load of the line's first half (which the source's release
+        // ordered after its data), not a fence: each polling thread would fence on its own, and
+        // their fences, issued at different times by diverged lanes of one warp, run one after
+        // the other.
+        if (a & kPullFenced) (void)ld_acquire_sys_u64(line);
         addr[s] = a & ~kPullFenced;
         break;
       }
@@ -120,62 +124,98 @@ __device__ __forceinline__ uint4 ld_cg_bytes(const char* src, uint32_t n) {
 
 // Sums `len` bytes at offset `off` of every rank's data in rank order (this rank's from `own`,
 // user memory of any alignment; source s's from src[s] + off, 16-byte aligned) and stores the sum
-// at offset `off` of every destination in `dst` (`ndst` of them, any alignment).
-template <typename T>
-__device__ __forceinline__ void pull_reduce(const FcCollParams& p, char* const* src, const char* own, uint64_t off,
-                                            uint32_t len, char* const* dst, uint32_t ndst) {
-  constexpr int kU = 2;  // vectors per thread in flight
-  const uint32_t step = blockDim.x * 16;
-  for (uint32_t o0 = threadIdx.x * 16; o0 < len; o0 += kU * step) {
-    uint4 v[kU][FC_MAX_RANKS];
+// at offset `off` of every destination in `dst` (`ndst` of them, any alignment). N is the rank
+// count, a template argument so that every source's load is issued unconditionally: whole
+// 16-byte vectors first (kU per thread in flight, no per-load branch), then the one partial
+// vector at the end, if any, by one thread. WIDE: the sum goes to up to N destinations (the
+// direct two-shot's broadcast), whose pointers take registers: fewer vectors in flight then.
+template <typename T, int N, bool WIDE>
+__device__ __forceinline__ void pull_reduce_n(const FcCollParams& p, char* const* src, const char* own, uint64_t off,
+                                              uint32_t len, char* const* dst, uint32_t ndst) {
+  constexpr int kU = N <= 2 ? 4 : (N <= 4 || !WIDE) ? 2 : 1;  // vectors per thread in flight
+  const uint32_t full = len / 16;
+  const uint32_t rank = p.rank;
+  const bool own_aligned = ((reinterpret_cast<uintptr_t>(own) + off) & 15) == 0;
+  auto sum_store = [&](uint4 (&v)[N], uint32_t o, uint32_t n) {
+    Acc<T, 4> acc;
+    acc.init(reinterpret_cast<const uint32_t*>(&v[0]));
+#pragma unroll
+    for (int s = 1; s < N; ++s) acc.add(reinterpret_cast<const uint32_t*>(&v[s]));
+    uint4 r;
+    acc.out(reinterpret_cast<uint32_t*>(&r));
+#pragma unroll
+    for (int d = 0; d < N; ++d) {
+      if (d < (int)ndst) store_bytes16(dst[d] + off + o, r, n);
+    }
+  };
+  for (uint32_t j0 = threadIdx.x; j0 < full; j0 += kU * blockDim.x) {
+    uint4 v[kU][N];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const uint32_t o = o0 + u * step;
-      const uint32_t n = o < len ? min(16u, len - o) : 0u;
+      const uint32_t j = j0 + u * blockDim.x;
+      if (j < full) {
+        const uint32_t o = j * 16;
 #pragma unroll
-      for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
-        if (s < p.nranks && n != 0)
-          v[u][s] = s == p.rank ? load_bytes16(own + off + o, n) : ld_cg_bytes(src[s] + off + o, n);
+        for (int s = 0; s < N; ++s) {
+          if ((uint32_t)s == rank)
+            v[u][s] = own_aligned ? *reinterpret_cast<const uint4*>(own + off + o) : load_bytes16(own + off + o, 16);
+          else
+            v[u][s] = ld_cg_v4(src[s] + off + o);
+        }
       }
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const uint32_t o = o0 + u * step;
-      if (o >= len) continue;
-      const uint32_t n = min(16u, len - o);
-      Acc<T, 4> acc;
-      acc.init(reinterpret_cast<const uint32_t*>(&v[u][0]));
-#pragma unroll
-      for (uint32_t s = 1; s < FC_MAX_RANKS; ++s) {
-        if (s < p.nranks) acc.add(reinterpret_cast<const uint32_t*>(&v[u][s]));
-      }
-      uint4 r;
-      acc.out(reinterpret_cast<uint32_t*>(&r));
-#pragma unroll
-      for (uint32_t d = 0; d < FC_MAX_RANKS; ++d) {
-        if (d < ndst) store_bytes16(dst[d] + off + o, r, n);
-      }
+      const uint32_t j = j0 + u * blockDim.x;
+      if (j < full) sum_store(v[u], j * 16, 16);
     }
+  }
+  const uint32_t tail = len - full * 16;
+  if (tail != 0 && threadIdx.x == 0) {
+    const uint32_t o = full * 16;
+    uint4 v[N];
+#pragma unroll
+    for (int s = 0; s < N; ++s)
+      v[s] = (uint32_t)s == rank ? load_bytes16(own + off + o, tail) : ld_cg_bytes(src[s] + off + o, tail);
+    sum_store(v, o, tail);
   }
 }
 
-// Copies `len` bytes at offset `off` of peer-written, 16-byte aligned `src` into `out`.
+template <typename T, bool WIDE = false>
+__device__ __forceinline__ void pull_reduce(const FcCollParams& p, char* const* src, const char* own, uint64_t off,
+                                            uint32_t len, char* const* dst, uint32_t ndst) {
+  switch (p.nranks) {
+    case 2: pull_reduce_n<T, 2, WIDE>(p, src, own, off, len, dst, ndst); break;
+    case 3: pull_reduce_n<T, 3, WIDE>(p, src, own, off, len, dst, ndst); break;
+    case 4: pull_reduce_n<T, 4, WIDE>(p, src, own, off, len, dst, ndst); break;
+    case 5: pull_reduce_n<T, 5, WIDE>(p, src, own, off, len, dst, ndst); break;
+    case 6: pull_reduce_n<T, 6, WIDE>(p, src, own, off, len, dst, ndst); break;
+    case 7: pull_reduce_n<T, 7, WIDE>(p, src, own, off, len, dst, ndst); break;
+    default: pull_reduce_n<T, 8, WIDE>(p, src, own, off, len, dst, ndst); break;
+  }
+}
+
+// Copies `len` bytes at offset `off` of peer-written, 16-byte aligned `src` into `out`: whole
+// vectors (four per thread in flight), then the partial one, if any, by one thread.
 __device__ __forceinline__ void pull_copy(const char* src, uint64_t off, uint32_t len, char* out) {
   constexpr int kU = 4;
-  const uint32_t step = blockDim.x * 16;
-  for (uint32_t o0 = threadIdx.x * 16; o0 < len; o0 += kU * step) {
+  const uint32_t full = len / 16;
+  for (uint32_t j0 = threadIdx.x; j0 < full; j0 += kU * blockDim.x) {
     uint4 v[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const uint32_t o = o0 + u * step;
-      if (o < len) v[u] = ld_cg_bytes(src + off + o, min(16u, len - o));
+      const uint32_t j = j0 + u * blockDim.x;
+      if (j < full) v[u] = ld_cg_v4(src + off + j * 16);
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const uint32_t o = o0 + u * step;
-      if (o < len) store_bytes16(out + off + o, v[u], min(16u, len - o));
+      const uint32_t j = j0 + u * blockDim.x;
+      if (j < full) store_bytes16(out + off + j * 16, v[u], 16);
     }
   }
+  const uint32_t tail = len - full * 16;
+  if (tail != 0 && threadIdx.x == 0)
+    store_bytes16(out + off + full * 16, ld_cg_bytes(src + off + full * 16, tail), tail);
 }
 
 // Copies `len` bytes of user memory at `src + off` to the 16-byte aligned `dst + off`.
@@ -296,7 +336,7 @@ __device__ void pull_twoshot_direct(const FcCollParams& p) {
       src[s] = s < p.nranks ? reinterpret_cast<char*>(sends[s]) : nullptr;
       dst[s] = s < p.nranks ? (s == p.rank ? out : reinterpret_cast<char*>(recvs[s])) : nullptr;
     }
-    pull_reduce<T>(p, src, in, (uint64_t)p.rank * shard + poff, len_of(p.rank), dst, p.nranks);
+    pull_reduce<T, true>(p, src, in, (uint64_t)p.rank * shard + poff, len_of(p.rank), dst, p.nranks);
   }
   pull_publish(p, c, 1, 0, true);
   pull_wait(p, c, 1, sends);

@@ -558,10 +558,18 @@ fn rank_main(
         ..CommConfig::default()
     };
     let comm = if o.impls.contains(&Impl::Flashcomm) {
-        Some(
-            Communicator::new(boot, device, cfg)
-                .map_err(e2s(&format!("rank {rank}: flashcomm communicator set-up")))?,
-        )
+        let began = Instant::now();
+        let c = Communicator::new(boot, device, cfg)
+            .map_err(e2s(&format!("rank {rank}: flashcomm communicator set-up")))?;
+        if rank == 0 {
+            // Set-up time is part of what a user waits for (calibration included).
+            eprintln!(
+                "# flashcomm communicator set-up: {} ms on rank 0 (calibration {})",
+                began.elapsed().as_millis(),
+                if o.calibrate { "included" } else { "off" }
+            );
+        }
+        Some(c)
     } else {
         None
     };
