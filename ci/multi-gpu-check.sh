@@ -245,13 +245,21 @@ record() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >> "$records"; }
 
 # Step 0: set-up.
 t0=$(date +%s)
-# The Python wheel of the bundle, installed as run.sh installs it (without network).
+# The Python wheel of the bundle, installed as run.sh installs it (without network): into a virtual
+# environment that sees this machine's packages; without venv's pip, the machine's pip installs
+# into it or, failing that, into a folder run through PYTHONPATH.
 whl=$(ls "$bundle"/wheel/flashcomm_cu13-*.whl 2>/dev/null | head -n 1)
 if [ -n "$whl" ]; then
   {
-    if timeout "${limits[0]}" python3 -m venv --system-site-packages "$work/venv"; then
-      timeout "${limits[0]}" "$work/venv/bin/python" -m pip install --no-deps --no-index "$whl" \
-        || timeout "${limits[0]}" python3 -m pip --python "$work/venv/bin/python" install --no-deps --no-index "$whl"
+    if python3 -m venv --system-site-packages "$work/venv"; then
+      "$work/venv/bin/python" -m pip install --no-deps --no-index "$whl"
+    elif python3 -m venv --without-pip --system-site-packages "$work/venv"; then
+      python3 -m pip --python "$work/venv/bin/python" install --no-deps --no-index "$whl"
+    fi
+    if [ ! -x "$launcher" ] && python3 -m pip install --no-deps --no-index --target "$work/venv/site" "$whl"; then
+      mkdir -p "$work/venv/bin"
+      printf '#!/bin/sh\nPYTHONPATH="%s${PYTHONPATH:+:$PYTHONPATH}" exec python3 -m flashcomm "$@"\n' "$work/venv/site" > "$launcher"
+      chmod +x "$launcher"
     fi
   } > "$logs/wheel-install.log" 2>&1
 fi
