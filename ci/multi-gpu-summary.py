@@ -83,7 +83,9 @@ def main(work, res):
             text = read(os.path.join(work, "logs", log_name(r["test"])))
             keep = [ln for ln in text.splitlines()
                     if re.match(r"\s*(\[rank \d+\] )?(PASS|FAIL|perplexity|world size|note|FLASHCOMM INFO)", ln)]
-            md += [f"### {r['test']} ({r['status']})", "", "```"] + keep[:200] + ["```", ""]
+            if r["status"] == "fail":
+                keep = keep[:200] + ["...", "(the log's last lines)"] + text.splitlines()[-15:]
+            md += [f"### {r['test']} ({r['status']})", "", "```"] + keep[:230] + ["```", ""]
     with open(os.path.join(res, "summary.md"), "w") as f:
         f.write("\n".join(md) + "\n")
 
