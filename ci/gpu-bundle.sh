@@ -10,6 +10,17 @@
 # FLASHCOMM_CUDA_ARCHS (default 90, the H200) selects the GPU architectures compiled in. The
 # binaries do not embed the kernels: the fatbins (machine code only) are shipped once in
 # <bundle-dir>/kernels and run.sh points FLASHCOMM_KERNEL_DIR there, which keeps the bundle small.
+#
+# The check of a machine with several GPUs, <bundle-dir>/multi-gpu-check.sh (ci/multi-gpu-check.sh,
+# docs/testing.md), can also use, when these are set:
+#   NCCL_TESTS_SRC=<dir>          a source tree of NVIDIA's nccl-tests (a tagged release, for
+#                                 example v2.19.6 of github.com/NVIDIA/nccl-tests), copied into
+#                                 <bundle-dir>/nccl-tests and built on the GPU machine (about 1 MiB)
+#   FLASHCOMM_BUNDLE_MODEL=<file> SmolLM2-135M-Instruct.Q4_1.gguf (ci/get-model.sh), copied into
+#                                 <bundle-dir>/model (94 MiB)
+#   FLASHCOMM_BUNDLE_TEXT=<file>  WikiText-2's test.txt: its first 8,192 token ids, as the accuracy
+#                                 study's tokenizer encodes them, go to
+#                                 <bundle-dir>/model/wikitext2-test.ids (needs the model)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:?usage: ci/gpu-bundle.sh <bundle-dir>}
@@ -23,7 +34,8 @@ export FLASHCOMM_CUDA_ARCHS=${FLASHCOMM_CUDA_ARCHS:-90}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target/bundle}
 cd "$root"
 
-rm -rf "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c" "$out/kernels" "$out/wheel"
+rm -rf "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c" "$out/kernels" "$out/wheel" \
+  "$out/nccl-tests" "$out/model"
 mkdir -p "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c" "$out/kernels"
 
 # The library and the tools.
@@ -89,5 +101,23 @@ fi
 cp tests/python/*.py "$out/python/" 2>/dev/null || true
 cp ci/gpu-run.sh "$out/run.sh"
 chmod +x "$out/run.sh"
+# The check of a machine with several GPUs, its summary and the nccl-tests table.
+cp ci/multi-gpu-check.sh ci/multi-gpu-summary.py ci/nccl-tests-table.py "$out/"
+if [ -n "${NCCL_TESTS_SRC:-}" ]; then
+  [ -f "$NCCL_TESTS_SRC/src/Makefile" ] || { echo "NCCL_TESTS_SRC=$NCCL_TESTS_SRC is not an nccl-tests source tree" >&2; exit 1; }
+  mkdir -p "$out/nccl-tests"
+  tar -C "$NCCL_TESTS_SRC" --exclude=.git --exclude=./build -cf - . | tar -C "$out/nccl-tests" -xf -
+fi
+if [ -n "${FLASHCOMM_BUNDLE_MODEL:-}" ]; then
+  mkdir -p "$out/model"
+  cp "$FLASHCOMM_BUNDLE_MODEL" "$out/model/SmolLM2-135M-Instruct.Q4_1.gguf"
+  if [ -n "${FLASHCOMM_BUNDLE_TEXT:-}" ]; then
+    (cd tools/research && cargo build --release --quiet -p flashcomm-study --example encode)
+    ids=$(mktemp)
+    "$CARGO_TARGET_DIR/release/examples/encode" "$FLASHCOMM_BUNDLE_MODEL" "$FLASHCOMM_BUNDLE_TEXT" "$ids"
+    head -n 8192 "$ids" > "$out/model/wikitext2-test.ids"
+    rm -f "$ids"
+  fi
+fi
 git rev-parse HEAD > "$out/COMMIT" 2>/dev/null || true
 du -sh "$out"

@@ -130,6 +130,10 @@ if [ -x "$here/bin/flashcomm-perf" ]; then
   add "perf::host_transport_2_ranks_quant_auto" 300 "'$here/bin/flashcomm-perf' --mode virtual --ranks 2 --transport host -b 64K -e 64M -f 4 -d bfloat16 --quant 8,4 --quant-choice auto -G 5 --json '$res/perf-host-auto.json'"
   add "perf::allreduce_quant_plot_8_virtual_ranks" 300 "'$here/bin/flashcomm-perf' --mode virtual --ranks 8 -b 4K -e 256M -f 4 -d bfloat16 --quant 8,6,4,3,2 -G 5 --copy-baseline --json '$res/perf-quant-graph.json' --svg '$res/perf-quant-graph.svg'"
 fi
+# The check of a machine with several GPUs (multi-gpu-check.sh, docs/testing.md) in its one-GPU
+# mode: each step's one-GPU equivalent, so that the script runs before such a machine is at hand.
+# Its summary.md, summary.json and multigpu.tar.gz land in logs/multigpu-one-gpu (in logs.tar.gz).
+[ -x "$here/multi-gpu-check.sh" ] && add "multigpu::one_gpu_mode" 480 "'$here/multi-gpu-check.sh' '$here' '$res/logs/multigpu-one-gpu' --one-gpu"
 [ -x "$here/bin/codec_bench" ] && add "perf::codec_bench" 300 "'$here/bin/codec_bench' --quick '$res/codec-bench.json'"
 
 passed=0; failed=0; skipped=0; start=$(date +%s)

@@ -832,8 +832,9 @@ fn missing_rank_times_out_and_process_goes_on() {
         for m in &members {
             let cfg = cfg.clone();
             s.spawn(move || {
-                let comm = Communicator::new(m, 0, cfg).unwrap();
-                let v = flashcomm_testkit::verify::Verifier::new(0).unwrap();
+                let dev = test_device(m.rank());
+                let comm = Communicator::new(m, dev, cfg).unwrap();
+                let v = flashcomm_testkit::verify::Verifier::new(dev).unwrap();
                 let _ctx = v.activate().unwrap();
                 let stream = v.stream().unwrap();
                 let buf = v.alloc(1 << 20).unwrap();
@@ -1057,8 +1058,9 @@ where
             let cfg = cfg.clone();
             let f = &f;
             s.spawn(move || {
-                let comm = Communicator::new(m, 0, cfg).unwrap();
-                let v = flashcomm_testkit::verify::Verifier::new(0).unwrap();
+                let dev = test_device(m.rank());
+                let comm = Communicator::new(m, dev, cfg).unwrap();
+                let v = flashcomm_testkit::verify::Verifier::new(dev).unwrap();
                 let _ctx = v.activate().unwrap();
                 let stream = v.stream().unwrap();
                 f(&comm, &v, stream, m);

@@ -2,6 +2,10 @@
 //! folder (`FileBootstrap`), as under CUDA MPS (the GPU runner starts the MPS daemon around these
 //! tests: without it, kernels of different processes time-slice and every exchange crawls).
 //!
+//! On a machine of several GPUs, `FLASHCOMM_TEST_GPUS=k` puts rank r on device `r % k` and
+//! `FLASHCOMM_TEST_PROCESSES=n` (default 4) sets the number of rank processes: with n = k, one
+//! rank process per GPU, which needs no MPS (`ci/multi-gpu-check.sh`).
+//!
 //! The parent test spawns one child per rank: this test binary again, running only
 //! `child_process_entry` with `FLASHCOMM_TEST_CHILD=mps:<dir>:<rank>:<ranks>:<mode>`. That entry
 //! point does nothing (and passes) when the variable is not set.
@@ -12,8 +16,10 @@ mod common;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+use flashcomm_codec::reference;
 use flashcomm_comm::{
-    Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, Transport,
+    Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem,
+    QuantSpec, Stream, Transport,
 };
 use flashcomm_testkit::FileBootstrap;
 use flashcomm_testkit::verify::{TestType, Verifier};
@@ -61,16 +67,27 @@ fn wait_all(children: &mut [Child], limit: Duration) -> Vec<Option<i32>> {
     }
 }
 
+/// Rank processes of each test (`FLASHCOMM_TEST_PROCESSES`, default 4, at least 2).
+fn process_ranks() -> u32 {
+    std::env::var("FLASHCOMM_TEST_PROCESSES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&n: &u32| (2..=8).contains(&n))
+        .unwrap_or(4)
+}
+
 fn scratch_dir(tag: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("flashcomm-mps-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     d
 }
 
-/// Four processes on one GPU run AllReduce, AllGather and ReduceScatter through IPC-mapped arenas.
+/// Four processes on one GPU (or one per GPU) run AllReduce, AllGather, ReduceScatter and AllToAll
+/// through IPC-mapped arenas, exact; the quantized AllReduce (one-shot, two-step, mixed widths) bit
+/// for bit the CPU reference; and a CUDA graph of a lossless and a quantized AllReduce replayed.
 #[test]
 fn processes_exchange_through_ipc() {
-    let n = 4;
+    let n = process_ranks();
     let dir = scratch_dir("ok");
     let mut kids: Vec<Child> = (0..n).map(|r| spawn(&dir, r, n, "collectives")).collect();
     let codes = wait_all(&mut kids, Duration::from_secs(120));
@@ -85,7 +102,7 @@ fn processes_exchange_through_ipc() {
 /// the timeout plus one second, and they can destroy their communicators and exit cleanly.
 #[test]
 fn killed_process_gives_errors_not_hangs() {
-    let n = 4;
+    let n = process_ranks();
     let dir = scratch_dir("kill");
     let mut kids: Vec<Child> = (0..n)
         .map(|r| spawn(&dir, r, n, if r == n - 1 { "victim" } else { "survivor" }))
@@ -109,10 +126,10 @@ fn killed_process_gives_errors_not_hangs() {
     }
 }
 
-/// Runs four rank processes, the first three in mode `others` and the last in `last`, and
+/// Runs the rank processes, all but the last in mode `others` and the last in `last`, and
 /// returns their exit codes (`None`: still running after `limit`, then killed).
-fn four_processes(tag: &str, others: &str, last: &str, limit: Duration) -> Vec<Option<i32>> {
-    let n = 4;
+fn processes(tag: &str, others: &str, last: &str, limit: Duration) -> Vec<Option<i32>> {
+    let n = process_ranks();
     let dir = scratch_dir(tag);
     let mut kids: Vec<Child> = (0..n)
         .map(|r| spawn(&dir, r, n, if r == n - 1 { last } else { others }))
@@ -122,16 +139,17 @@ fn four_processes(tag: &str, others: &str, last: &str, limit: Duration) -> Vec<O
     codes
 }
 
-/// The first three processes saw their wait end in time (`EXPECTED_ERROR`), the last exited 0.
-fn three_ended_in_time(codes: &[Option<i32>], what: &str) {
-    for (r, c) in codes.iter().enumerate().take(3) {
+/// All processes but the last saw their wait end in time (`EXPECTED_ERROR`), the last exited 0.
+fn others_ended_in_time(codes: &[Option<i32>], what: &str) {
+    let last = codes.len() - 1;
+    for (r, c) in codes.iter().enumerate().take(last) {
         assert_eq!(
             *c,
             Some(EXPECTED_ERROR),
             "rank {r} exited with {c:?} (3 = {what})"
         );
     }
-    assert_eq!(codes[3], Some(0), "the absent rank");
+    assert_eq!(codes[last], Some(0), "the absent rank");
 }
 
 /// Rank processes under MPS with no time limit: the last rank reaches the AllReduce
@@ -139,7 +157,7 @@ fn three_ended_in_time(codes: &[Option<i32>], what: &str) {
 /// the right result.
 #[test]
 fn a_late_process_completes_without_a_timeout() {
-    let codes = four_processes("late", "late", "late", Duration::from_secs(late_s() + 90));
+    let codes = processes("late", "late", "late", Duration::from_secs(late_s() + 90));
     assert!(
         codes.iter().all(|c| *c == Some(0)),
         "rank processes exited with {codes:?} (0 = completed and checked)"
@@ -151,8 +169,8 @@ fn a_late_process_completes_without_a_timeout() {
 /// 5 s with an error on every other rank (its own abort, or a peer's that came first).
 #[test]
 fn abort_from_a_watchdog_thread_ends_the_wait_in_every_process() {
-    let codes = four_processes("watchdog", "watchdog", "absent", Duration::from_secs(90));
-    three_ended_in_time(&codes, "the abort ended its wait in time");
+    let codes = processes("watchdog", "watchdog", "absent", Duration::from_secs(90));
+    others_ended_in_time(&codes, "the abort ended its wait in time");
 }
 
 /// As above, with every other rank's launch queued on its stream behind an operation that never
@@ -161,8 +179,8 @@ fn abort_from_a_watchdog_thread_ends_the_wait_in_every_process() {
 /// abort" ends the stuck operation, and the queued launch finishes within 5 s on every rank.
 #[test]
 fn abort_returns_in_every_process_when_the_launch_is_queued_behind_a_stuck_operation() {
-    let codes = four_processes("queued", "queued", "absent2", Duration::from_secs(90));
-    three_ended_in_time(&codes, "the abort ended its queued launch in time");
+    let codes = processes("queued", "queued", "absent2", Duration::from_secs(90));
+    others_ended_in_time(&codes, "the abort ended its queued launch in time");
 }
 
 fn late_s() -> u64 {
@@ -196,16 +214,17 @@ fn child_process_entry() {
         },
         ..CommConfig::default()
     };
+    let dev = common::test_device(rank);
     let comm =
-        Communicator::new(&boot, 0, cfg.clone()).expect("communicator set-up across processes");
+        Communicator::new(&boot, dev, cfg.clone()).expect("communicator set-up across processes");
     // A second communicator of the same ranks (the "queued" mode's stuck operation).
     let second = matches!(mode, "queued" | "absent2").then(|| {
         let d = dir.join("second");
         let _ = std::fs::create_dir_all(&d);
         let b = FileBootstrap::new(&d, rank, n, Duration::from_secs(60)).expect("bootstrap");
-        Communicator::new(&b, 0, cfg).expect("second communicator")
+        Communicator::new(&b, dev, cfg).expect("second communicator")
     });
-    let v = Verifier::new(0).expect("verifier");
+    let v = Verifier::new(dev).expect("verifier");
     let _ctx = v.activate().unwrap();
     let s = v.stream().unwrap();
     let send = v.alloc(4 << 20).unwrap();
@@ -255,6 +274,10 @@ fn child_process_entry() {
                 );
                 boot.barrier().unwrap();
             }
+            let eager = quantized_checks(&comm, s, &send, &recv, rank, n);
+            boot.barrier().unwrap();
+            graph_replay(&comm, &boot, &v, s, &send, &recv, rank, n, &eager);
+            boot.barrier().unwrap();
         }
         "late" => {
             let count = 100_003u64;
@@ -378,4 +401,199 @@ fn child_process_entry() {
             );
         }
     }
+}
+
+/// The quantized AllReduces of the rank processes: (dtype, rs bits, ag bits, group, spikes,
+/// algorithm, count).
+const QUANT_CASES: [(DataType, u8, u8, u16, u8, Algorithm, usize); 3] = [
+    (DataType::Bf16, 4, 4, 128, 2, Algorithm::OneShot, 100_003),
+    (DataType::Bf16, 4, 4, 128, 2, Algorithm::TwoShot, 300_007),
+    (DataType::F16, 3, 8, 64, 2, Algorithm::TwoShot, 200_001),
+];
+
+/// Rank `rk`'s inputs of quantized case `ci` (activation-like values with spikes, the same in
+/// every process).
+fn quant_inputs(ci: usize, rk: u32, count: usize) -> Vec<f32> {
+    common::activations(((ci as u64) << 8) | 0x40 | rk as u64, count, 997, 13, 300.0)
+}
+
+/// The CPU reference output (little-endian bytes) of a quantized case.
+fn quant_reference(ci: usize, n: u32) -> Vec<u8> {
+    let (dtype, rs, ag, group, spikes, algo, count) = QUANT_CASES[ci];
+    let q = QuantSpec::new(rs, ag, group, spikes).unwrap();
+    let (fr, fa) = (q.format(dtype, rs).unwrap(), q.format(dtype, ag).unwrap());
+    fn run<T: flashcomm_codec::Element + Copy>(
+        algo: Algorithm,
+        fr: flashcomm_codec::Format,
+        fa: flashcomm_codec::Format,
+        conv: impl Fn(f32) -> T,
+        all: &[Vec<f32>],
+    ) -> Vec<u8> {
+        let typed: Vec<Vec<T>> = all
+            .iter()
+            .map(|v| v.iter().map(|x| conv(*x)).collect())
+            .collect();
+        let refs: Vec<&[T]> = typed.iter().map(|v| v.as_slice()).collect();
+        let out = match algo {
+            Algorithm::OneShot => reference::allreduce_oneshot_with_bound(fr, &refs),
+            Algorithm::TwoShot => reference::allreduce_twostep_with_bound(fr, fa, &refs),
+        };
+        let mut bytes = Vec::new();
+        for x in &out.values {
+            let mut b = [0u8; 4];
+            x.write_le(&mut b);
+            bytes.extend_from_slice(&b[..T::BYTES]);
+        }
+        bytes
+    }
+    let all: Vec<Vec<f32>> = (0..n).map(|rk| quant_inputs(ci, rk, count)).collect();
+    match dtype {
+        DataType::F16 => run(algo, fr, fa, half::f16::from_f32, &all),
+        _ => run(algo, fr, fa, half::bf16::from_f32, &all),
+    }
+}
+
+/// Runs every quantized case eagerly; each rank's output must be the CPU reference bit for bit
+/// (so every rank's output is the same). Returns the output bytes of the first case.
+fn quantized_checks(
+    comm: &Communicator,
+    s: Stream,
+    send: &DeviceMem,
+    recv: &DeviceMem,
+    rank: u32,
+    n: u32,
+) -> Vec<u8> {
+    let mut first = Vec::new();
+    for (ci, &(dtype, rs, ag, group, spikes, algo, count)) in QUANT_CASES.iter().enumerate() {
+        let q = QuantSpec::new(rs, ag, group, spikes).unwrap();
+        let bytes = count * 2;
+        let mine = common::half_bytes(dtype, &quant_inputs(ci, rank, count));
+        send.upload(0, &mine, s).unwrap();
+        recv.fill(0xA5, s).unwrap();
+        let p = comm
+            .plan_quant(count as u64, dtype, q, Choice::Force(algo))
+            .expect("quantized plan");
+        comm.run(
+            &p,
+            send.slice(0, bytes),
+            recv.slice(0, bytes),
+            count as u64,
+            2,
+            Some(dtype),
+            s,
+        )
+        .unwrap();
+        let mut got = vec![0u8; bytes];
+        recv.download(0, &mut got, s).unwrap();
+        s.synchronize().unwrap();
+        comm.check_status().expect("device status");
+        let want = quant_reference(ci, n);
+        let what = format!(
+            "rank {rank} of {n}: {dtype:?} {rs}/{ag} bits g{group} k{spikes} {algo:?} count={count}"
+        );
+        if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+            panic!("{what}: byte {i} differs from the CPU reference");
+        }
+        println!("ok {what}: bit-identical to the CPU reference");
+        if ci == 0 {
+            first = got;
+        }
+    }
+    first
+}
+
+/// A CUDA graph of a lossless AllReduce (checked on the device by the graph itself) and the first
+/// quantized case, replayed 200 times: no lossless element wrong, and the quantized output the
+/// eager bytes.
+#[allow(clippy::too_many_arguments)]
+fn graph_replay(
+    comm: &Communicator,
+    boot: &FileBootstrap,
+    v: &Verifier,
+    s: Stream,
+    send: &DeviceMem,
+    recv: &DeviceMem,
+    rank: u32,
+    n: u32,
+    eager: &[u8],
+) {
+    const REPLAYS: usize = 200;
+    let (dtype, rs, ag, group, spikes, algo, qcount) = QUANT_CASES[0];
+    let qbytes = qcount * 2;
+    let (ty, count, salt) = (TestType::Bf16, 100_001u64, 90u32);
+    let lbytes = (count * ty.bytes()) as usize;
+    // The lossless inputs at 2 MiB, the quantized ones at 0; outputs at 0 and 8 MiB.
+    let (lin, qout) = (2 << 20, 8 << 20);
+    v.fill(send.slice(lin, lbytes), count, ty, rank, salt, s)
+        .unwrap();
+    send.upload(
+        0,
+        &common::half_bytes(dtype, &quant_inputs(0, rank, qcount)),
+        s,
+    )
+    .unwrap();
+    recv.fill(0xA5, s).unwrap();
+    let lp = comm.plan(Collective::AllReduce, count, ty.bytes());
+    let q = QuantSpec::new(rs, ag, group, spikes).unwrap();
+    let qp = comm
+        .plan_quant(qcount as u64, dtype, q, Choice::Force(algo))
+        .expect("quantized plan");
+    s.synchronize().unwrap();
+    boot.barrier().unwrap();
+    s.begin_capture().unwrap();
+    comm.run(
+        &lp,
+        send.slice(lin, lbytes),
+        recv.slice(0, lbytes),
+        count,
+        ty.bytes(),
+        ty.dtype(),
+        s,
+    )
+    .unwrap();
+    v.check(
+        recv.as_ptr(),
+        count,
+        count,
+        Collective::AllReduce,
+        ty,
+        n,
+        rank,
+        salt,
+        s,
+    )
+    .unwrap();
+    comm.run(
+        &qp,
+        send.slice(0, qbytes),
+        recv.slice(qout, qbytes),
+        qcount as u64,
+        2,
+        Some(dtype),
+        s,
+    )
+    .unwrap();
+    let graph = s.end_capture().expect("capture");
+    // Every rank's graph is instantiated before any rank replays.
+    boot.barrier().unwrap();
+    for _ in 0..REPLAYS {
+        graph.launch(s).unwrap();
+    }
+    s.synchronize().unwrap();
+    comm.check_status().expect("device status");
+    let (bad, first) = v.errors().unwrap();
+    assert_eq!(
+        bad, 0,
+        "rank {rank}: {REPLAYS} graph replays: {bad} lossless elements wrong, first at {first}"
+    );
+    let mut got = vec![0u8; qbytes];
+    recv.download(qout, &mut got, s).unwrap();
+    s.synchronize().unwrap();
+    assert!(
+        got == eager,
+        "rank {rank}: the quantized AllReduce replayed from a graph differs from the eager bytes"
+    );
+    println!(
+        "ok rank {rank} of {n}: graph of a lossless and a quantized AllReduce replayed {REPLAYS} times"
+    );
 }

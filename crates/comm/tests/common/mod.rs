@@ -1,4 +1,8 @@
 //! Helpers for the GPU tests: N virtual ranks on one GPU, one thread and one stream each.
+//!
+//! `FLASHCOMM_TEST_GPUS=k` (default 1) places rank r on device `r % k` instead, in these helpers
+//! and in the rank processes of `gpu_processes`, so the same tests run one rank per GPU on a
+//! machine of several GPUs (`ci/multi-gpu-check.sh`).
 #![allow(dead_code)]
 
 use std::sync::{Arc, Mutex};
@@ -75,7 +79,35 @@ pub fn test_transport() -> Choice<Transport> {
     }
 }
 
-/// Runs `f` on `n` virtual ranks of device 0, each in its own thread.
+/// How many GPUs the ranks are spread over (`FLASHCOMM_TEST_GPUS`, default 1).
+pub fn test_gpus() -> u32 {
+    std::env::var("FLASHCOMM_TEST_GPUS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&k: &u32| k >= 1)
+        .unwrap_or(1)
+}
+
+/// The device of rank `rank`: `rank % FLASHCOMM_TEST_GPUS` (device 0 by default).
+pub fn test_device(rank: u32) -> i32 {
+    (rank % test_gpus()) as i32
+}
+
+/// With ranks on several GPUs of one process, lets `device` read every other test GPU's memory
+/// (the tests compare a rank's output with rank 0's buffer in place; the peer transport enables
+/// this itself, the host transport does not).
+pub fn enable_test_peer_access(device: i32) {
+    use flashcomm_comm::gpu::Device;
+    let me = Device::open(device).expect("open device");
+    for d in 0..test_gpus() as i32 {
+        let other = Device::open(d).expect("open device");
+        if d != device && me.can_access_peer(&other).unwrap_or(false) {
+            me.enable_peer_access(&other).expect("enable peer access");
+        }
+    }
+}
+
+/// Runs `f` on `n` virtual ranks of device 0 (or of [`test_device`]), each in its own thread.
 pub fn run_ranks<F>(n: u32, cfg: CommConfig, f: F)
 where
     F: Fn(&Rank) + Sync,
@@ -93,9 +125,13 @@ where
                 let shared = shared.clone();
                 let f = &f;
                 s.spawn(move || {
-                    let comm = Communicator::new(m, 0, cfg).expect("communicator set-up");
-                    let v = Verifier::new(0).expect("verifier");
-                    // Streams, graphs and copies in this thread use device 0's context.
+                    let dev = test_device(m.rank());
+                    let comm = Communicator::new(m, dev, cfg).expect("communicator set-up");
+                    if test_gpus() > 1 {
+                        enable_test_peer_access(dev);
+                    }
+                    let v = Verifier::new(dev).expect("verifier");
+                    // Streams, graphs and copies in this thread use this device's context.
                     let _ctx = v.activate().expect("context");
                     let stream = v.stream().expect("stream");
                     let r = Rank {
