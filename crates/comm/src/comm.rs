@@ -824,44 +824,49 @@ impl Communicator {
         // would wait for it (and end in their timeout, a different verdict).
         ag.check(verdict(injected(6)))?;
         let mut model = CostModel::default_for(self.nranks);
-        for algo in Algorithm::ALL {
-            for proto in Protocol::ALL {
-                // A PULL protocol is timed only where it can serve every calibration size (the
-                // same on every rank: the arena is); otherwise its row keeps the defaults, which
-                // the planner never picks.
-                let servable = plan::CALIB_SIZES.iter().all(|&bytes| {
+        // A PULL protocol is timed only where it can serve every calibration size (the same on
+        // every rank: the arena is); otherwise its row keeps the defaults, which the planner never
+        // picks.
+        let combos: Vec<(Algorithm, Protocol)> = Algorithm::ALL
+            .iter()
+            .flat_map(|&a| Protocol::ALL.iter().map(move |&p| (a, p)))
+            .filter(|&(algo, proto)| {
+                plan::CALIB_SIZES.iter().all(|&bytes| {
                     let count = bytes / 2;
                     let shard = plan::shard_elems(count, self.nranks, 2);
-                    self.arena.pull_fits(
-                        proto,
-                        count,
-                        2,
-                        if algo == Algorithm::TwoShot {
-                            shard
-                        } else {
-                            None
-                        },
-                    )
-                });
-                if !servable {
+                    let two = (algo == Algorithm::TwoShot).then_some(shard).flatten();
+                    self.arena.pull_fits(proto, count, 2, two)
+                })
+            })
+            .collect();
+        // Size by size, every combination still in the running; the times of a size are agreed
+        // (the element-wise maximum) before the next, so that every rank drops the same
+        // combinations (plan::Calibration).
+        let mut cal = plan::Calibration::new(combos.len());
+        for (i, &bytes) in plan::CALIB_SIZES.iter().enumerate() {
+            let mut times = vec![0f64; combos.len()];
+            for (k, &(algo, proto)) in combos.iter().enumerate() {
+                if !cal.live(k) {
                     continue;
                 }
-                let mut us = [0f64; plan::CALIB_SIZES.len()];
-                for (i, &bytes) in plan::CALIB_SIZES.iter().enumerate() {
-                    let p = plan::plan(
-                        &self.arena,
-                        &self.model,
-                        Collective::AllReduce,
-                        bytes / 2,
-                        2,
-                        self.max_grid,
-                        Choice::Force(algo),
-                        Choice::Force(proto),
-                    );
-                    us[i] = self.time_plan(ag, t, &p, bytes / 2)?;
-                }
-                model.set_measured(algo, proto, us);
+                let p = plan::plan(
+                    &self.arena,
+                    &self.model,
+                    Collective::AllReduce,
+                    bytes / 2,
+                    2,
+                    self.max_grid,
+                    Choice::Force(algo),
+                    Choice::Force(proto),
+                );
+                times[k] = self.time_plan(ag, t, &p, bytes / 2)?;
             }
+            let all = ag.round(Ok(times.iter().flat_map(|t| t.to_le_bytes()).collect()))?;
+            let agreed = plan::Calibration::agree_times(&all, combos.len())?;
+            cal.record(i, &agreed);
+        }
+        for (k, &(algo, proto)) in combos.iter().enumerate() {
+            model.set_measured(algo, proto, cal.row(k));
         }
         Ok(model)
     }

@@ -249,6 +249,89 @@ pub const CALIB_SIZES: [u64; 11] = [
     16 << 20,
 ];
 
+/// From this message size on, calibration stops timing a combination that was measured more than
+/// [`PRUNE_FACTOR`] times slower than the fastest at a size: it will not be chosen at larger
+/// sizes either, and timing it there (LL at 16 MiB on 8 ranks takes milliseconds a call) is most of
+/// what set-up would otherwise wait for. Below it every combination is timed everywhere: at the
+/// smallest sizes a protocol that is slow there may still win later (PULL's fixed cost).
+pub const PRUNE_FROM: u64 = 1 << 20;
+/// See [`PRUNE_FROM`].
+pub const PRUNE_FACTOR: f64 = 3.0;
+
+/// The calibration's table while it is being measured, size by size: which combinations are
+/// still timed, and each one's times. Fed the agreed (every rank's maximum) times of each size,
+/// so every rank drops the same combinations at the same size and runs the same timed plans.
+#[derive(Clone, Debug)]
+pub struct Calibration {
+    rows: Vec<[f64; CALIB_SIZES.len()]>,
+    /// The size index at which a combination was dropped (`None`: still timed).
+    dropped: Vec<Option<usize>>,
+}
+
+impl Calibration {
+    /// A table for `n` combinations, all of them to be timed.
+    pub fn new(n: usize) -> Calibration {
+        Calibration {
+            rows: vec![[0.0; CALIB_SIZES.len()]; n],
+            dropped: vec![None; n],
+        }
+    }
+
+    /// Whether combination `k` is still timed.
+    pub fn live(&self, k: usize) -> bool {
+        self.dropped[k].is_none()
+    }
+
+    /// Every rank's times of one size (as serialized by the caller: `n` little-endian f64 each)
+    /// reduced to their element-wise maximum.
+    pub fn agree_times(all: &[Vec<u8>], n: usize) -> Result<Vec<f64>, Error> {
+        let mut out = vec![0f64; n];
+        for b in all {
+            if b.len() != 8 * n {
+                return Err(Error::Bootstrap(
+                    "malformed calibration times from a peer".into(),
+                ));
+            }
+            for (k, t) in out.iter_mut().enumerate() {
+                *t = t.max(f64::from_le_bytes(b[8 * k..8 * k + 8].try_into().unwrap()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Records the agreed times of size `i` for the live combinations, then drops those more
+    /// than [`PRUNE_FACTOR`] times slower than the fastest, from [`PRUNE_FROM`] on.
+    pub fn record(&mut self, i: usize, agreed: &[f64]) {
+        let mut fastest = f64::INFINITY;
+        for (k, &t) in agreed.iter().enumerate() {
+            if self.live(k) {
+                self.rows[k][i] = t;
+                fastest = fastest.min(t);
+            }
+        }
+        if CALIB_SIZES[i] >= PRUNE_FROM {
+            for (k, &t) in agreed.iter().enumerate() {
+                if self.live(k) && t > PRUNE_FACTOR * fastest {
+                    self.dropped[k] = Some(i);
+                }
+            }
+        }
+    }
+
+    /// Combination `k`'s row: measured times, and past the size at which it was dropped, its last
+    /// time scaled in proportion to the size (above the linear extension of any time with a fixed
+    /// cost, so the estimate errs towards "slower": the planner keeps not choosing it).
+    pub fn row(&self, k: usize) -> [f64; CALIB_SIZES.len()] {
+        let mut r = self.rows[k];
+        if let Some(last) = self.dropped[k] {
+            for i in last + 1..CALIB_SIZES.len() {
+                r[i] = r[last] * CALIB_SIZES[i] as f64 / CALIB_SIZES[last] as f64;
+            }
+        }
+        r
+    }
+}
+
 /// Candidates whose predicted time is within this factor of the fastest count as ties, and a
 /// tie goes to the first in a fixed order (one-shot before two-shot, LL before BLOCK): noise
 /// between two nearly equal plans then cannot flip the choice from one calibration to the next,
@@ -1669,5 +1752,45 @@ mod tests {
         // The model round-trips its PULL rows through the exchange.
         let back = CostModel::agree(&[m.to_bytes()]).unwrap();
         assert_eq!(back.table_us, m.table_us);
+    }
+
+    #[test]
+    fn calibration_drops_slow_combinations_alike_and_extends_their_rows() {
+        let mut cal = Calibration::new(3);
+        let serialize = |t: &[f64]| -> Vec<u8> { t.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        for (i, &size) in CALIB_SIZES.iter().enumerate() {
+            let s = size as f64;
+            // Combination 0: fast; 1: 4x slower throughout; 2: slow small, fastest large.
+            let rank0 = [1.0 + s / 1e5, 4.0 * (1.0 + s / 1e5), 20.0 + s / 4e5];
+            let rank1 = rank0.map(|t| t * 1.01);
+            let all = vec![serialize(&rank0), serialize(&rank1)];
+            let agreed = Calibration::agree_times(&all, 3).unwrap();
+            assert_eq!(agreed[0], rank1[0]);
+            let before: Vec<bool> = (0..3).map(|k| cal.live(k)).collect();
+            cal.record(i, &agreed);
+            // Nothing is dropped below PRUNE_FROM, whatever the ratio.
+            if size < PRUNE_FROM {
+                assert!((0..3).all(|k| cal.live(k)));
+            }
+            if !before[1] {
+                assert!(!cal.live(1));
+            }
+        }
+        assert!(cal.live(0));
+        assert!(!cal.live(1), "4x slower from PRUNE_FROM on: dropped");
+        assert!(
+            cal.live(2),
+            "slow at small sizes, never 3x slower past PRUNE_FROM: kept"
+        );
+        let r1 = cal.row(1);
+        assert!(
+            r1.iter().all(|&t| t > 0.0),
+            "the dropped row is complete: {r1:?}"
+        );
+        let first = CALIB_SIZES.iter().position(|&s| s >= PRUNE_FROM).unwrap();
+        for i in first + 1..CALIB_SIZES.len() {
+            assert!(r1[i] >= 4.0 * (1.0 + CALIB_SIZES[i] as f64 / 1e5));
+        }
+        assert!(Calibration::agree_times(&[vec![0u8; 7]], 1).is_err());
     }
 }
