@@ -61,9 +61,11 @@ __device__ __forceinline__ char* pull_stage(const FcCollParams& p, uint32_t owne
 // reach it), which makes the reader acquire. Data written before this kernel started (the user's send buffer) needs neither: the
 // previous kernel's completion made it visible, so such a line, and a "done" line (which
 // announces no data), are plain stores. Every thread calls it.
+// `sync`: the block synchronizes first (whenever its threads did something the line announces:
+// wrote data, or finished loading; not for a line that only says where a user buffer is).
 __device__ __forceinline__ void pull_publish(const FcCollParams& p, const Ctx& c, uint32_t stage, uint64_t addr,
-                                             bool fenced) {
-  __syncthreads();
+                                             bool fenced, bool sync = true) {
+  if (sync) __syncthreads();
   const uint32_t q = threadIdx.x;
   if (q < p.nranks && q != p.rank) {
     if (fenced) fence_sys();
@@ -74,9 +76,13 @@ __device__ __forceinline__ void pull_publish(const FcCollParams& p, const Ctx& c
 
 // Waits for stage `stage` of this block from every peer; `addr[s]` receives what source s
 // published (bit 63 cleared). A line whose bit 63 is set announces data written by the source's
-// kernel: the reader issues a system-scope fence after it (an acquire). Every thread calls it; on
-// return the whole block agrees on c.dead.
-__device__ __forceinline__ void pull_wait(const FcCollParams& p, Ctx& c, uint32_t stage, uint64_t* addr) {
+// Waits for stage `stage` of this block from every peer; `addr[s]` receives what source s
+// published (bit 63 cleared). A line whose bit 63 is set announces data written by the source's
+// kernel: the reader acquires it. Every thread calls it; with `agree` (whenever the block goes on
+// to use what the peers announced) the block synchronizes on return and agrees on c.dead; the
+// last wait of a kernel, after which nothing is read, needs neither.
+__device__ __forceinline__ void pull_wait(const FcCollParams& p, Ctx& c, uint32_t stage, uint64_t* addr,
+                                          bool agree = true) {
   const uint32_t s = threadIdx.x;
   if (s < p.nranks && s != p.rank && !c.dead) {
     const char* line = pull_flag(p, p.rank, c.half, stage, s);
@@ -103,12 +109,12 @@ __device__ __forceinline__ void pull_wait(const FcCollParams& p, Ctx& c, uint32_
       if (w.stop(p, c, s)) break;
     }
   }
-  if (__syncthreads_or(c.dead)) c.dead = true;
+  if (agree && __syncthreads_or(c.dead)) c.dead = true;
 }
 
 // Loads `n` (<= 16, even) bytes of peer-written memory at a 16-byte aligned `src` through L2.
 __device__ __forceinline__ uint4 ld_cg_bytes(const char* src, uint32_t n) {
-  if (n == 16) return ld_cg_v4(src);
+  if (n == 16) return __ldcg(reinterpret_cast<const uint4*>(src));
   uint4 v = make_uint4(0, 0, 0, 0);
   uint16_t* d = reinterpret_cast<uint16_t*>(&v);
 #pragma unroll
@@ -160,7 +166,7 @@ __device__ __forceinline__ void pull_reduce_n(const FcCollParams& p, char* const
           if ((uint32_t)s == rank)
             v[u][s] = own_aligned ? *reinterpret_cast<const uint4*>(own + off + o) : load_bytes16(own + off + o, 16);
           else
-            v[u][s] = ld_cg_v4(src[s] + off + o);
+            v[u][s] = __ldcg(reinterpret_cast<const uint4*>(src[s] + off + o));
         }
       }
     }
@@ -205,7 +211,7 @@ __device__ __forceinline__ void pull_copy(const char* src, uint64_t off, uint32_
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const uint32_t j = j0 + u * blockDim.x;
-      if (j < full) v[u] = ld_cg_v4(src + off + j * 16);
+      if (j < full) v[u] = __ldcg(reinterpret_cast<const uint4*>(src + off + j * 16));
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
@@ -239,7 +245,7 @@ __device__ void pull_oneshot(const FcCollParams& p) {
   char* mine = pull_stage(p, p.rank, c.half);
   const bool stage = !DIRECT || (p.flags & FC_FLAG_PULL_STAGE_SEND);
   if (stage) pull_stage_copy(in, mine, off, len);
-  pull_publish(p, c, 0, !DIRECT ? 0ull : stage ? reinterpret_cast<uint64_t>(mine) : p.send, stage);
+  pull_publish(p, c, 0, !DIRECT ? 0ull : stage ? reinterpret_cast<uint64_t>(mine) : p.send, stage, stage);
   pull_wait(p, c, 0, addr);
   if (!c.dead) {
     char* src[FC_MAX_RANKS];
@@ -250,7 +256,7 @@ __device__ void pull_oneshot(const FcCollParams& p) {
   }
   if (DIRECT) {
     pull_publish(p, c, 1, 0, false);
-    pull_wait(p, c, 1, addr);
+    pull_wait(p, c, 1, addr, false);
   }
   finish(p, c);
 }
@@ -324,8 +330,8 @@ __device__ void pull_twoshot_direct(const FcCollParams& p) {
     for (uint32_t j = 0; j < p.nranks; ++j)
       if (j != p.rank) pull_stage_copy(in, mine, (uint64_t)j * shard + poff, len_of(j));
   }
-  pull_publish(p, c, 0, stage_in ? reinterpret_cast<uint64_t>(mine) : p.send, stage_in);
-  pull_publish(p, c, 2, p.recv, false);
+  pull_publish(p, c, 0, stage_in ? reinterpret_cast<uint64_t>(mine) : p.send, stage_in, stage_in);
+  pull_publish(p, c, 2, p.recv, false, false);
   pull_wait(p, c, 0, sends);
   pull_wait(p, c, 2, recvs);
   if (!c.dead) {
@@ -339,7 +345,7 @@ __device__ void pull_twoshot_direct(const FcCollParams& p) {
     pull_reduce<T, true>(p, src, in, (uint64_t)p.rank * shard + poff, len_of(p.rank), dst, p.nranks);
   }
   pull_publish(p, c, 1, 0, true);
-  pull_wait(p, c, 1, sends);
+  pull_wait(p, c, 1, sends, false);
   finish(p, c);
 }
 
