@@ -95,12 +95,6 @@ impl Error {
         }
     }
 
-    /// The kind of failure.
-    #[cfg(test)]
-    pub(crate) fn kind(&self) -> Kind {
-        self.kind
-    }
-
     /// Whether the real library lacks the called function (and nothing else went wrong).
     pub(crate) fn is_missing_function(&self) -> bool {
         self.missing_function.is_some()

@@ -28,7 +28,7 @@
 //! | `group` | this thread's group depth and the set-ups deferred to the group's end | `types` |
 //! | `policy` | the pure routing decision and its explanation | `types` |
 //! | `stats` | calls and bytes per route and kind, the first-use bits | `types` |
-//! | `args` | argument checks of the collectives | `error`, `logging`, `types` |
+//! | `args` | what a collective's arguments allow: routed, or forwarded as it is | `types` |
 //! | `calls::nccl` | flashcomm's own calls to the real NCCL | `calls::real`, `error` |
 //! | `calls::real` | finding, opening and resolving the real NCCL | `init`, `error`, `logging`, `discovery`, `calls::os` |
 //! | `init` | lazy initialization: configuration, logging, fork detection, the panic hook | `logging`, `calls::os` |

@@ -533,6 +533,17 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
     if let Err(e) = c.check_status() {
         return Executed::Done(report(call, e));
     }
+    // flashcomm's kernels would touch it: refused here, where NCCL would launch on it (its own
+    // check of the buffers runs only with NCCL_CHECK_POINTERS=1, which is honoured below).
+    if let Some(name) = call.null_buffer() {
+        return Executed::Done(
+            Error::invalid_argument(
+                Subsys::of(call.kind),
+                format!("{}: {name} is NULL with count {}", call.api, call.count),
+            )
+            .report(),
+        );
+    }
     let Some((send, recv)) = user_buffers(call, u64::from(c.nranks())) else {
         return Executed::Refused(Cow::Borrowed("the buffer sizes overflow"));
     };

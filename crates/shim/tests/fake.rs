@@ -163,12 +163,13 @@ fn handles_configs_and_operators_pass_through_unchanged() {
         assert_eq!(fake.int("fake_last_op"), 8);
         assert_eq!(fake.ptr("fake_last_comm"), comm);
         let calls = fake.int("fake_allreduce_calls");
-        // A negative operator never reaches it.
+        // So is a negative operator: the real library answers it.
         assert_eq!(
             ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, -3, comm),
-            INVALID_ARGUMENT
+            SUCCESS
         );
-        assert_eq!(fake.int("fake_allreduce_calls"), calls);
+        assert_eq!(fake.int("fake_allreduce_calls"), calls + 1);
+        assert_eq!(fake.int("fake_last_op"), -3);
 
         // Statistics: per communicator, both names count.
         assert_eq!(
@@ -177,6 +178,7 @@ fn handles_configs_and_operators_pass_through_unchanged() {
         );
         let (rc, s) = ours.stats(comm);
         assert_eq!(rc, SUCCESS);
+        // The call with the negative operator was forwarded as it is, not counted.
         assert_eq!(s.calls[0][0], 2, "{s:?}");
         assert_eq!(s.bytes[0][0], 4 * 4 + 10 * 4);
         assert_eq!(s.calls[1], [0; 8]);
@@ -199,9 +201,9 @@ fn the_real_librarys_failures_keep_its_message() {
         let Both { ours, fake } = both();
         type SendFn = unsafe extern "C" fn(usize, usize, c_int, c_int, usize, usize) -> c_int;
         let send: SendFn = ours.lib.get("ncclSend");
-        // Ours first...
-        assert_eq!(ours.all_reduce(0, 0, 1, FLOAT32, 0, 0), INVALID_ARGUMENT);
-        assert_eq!(ours.last_error(), "ncclAllReduce: comm argument is NULL");
+        // Ours first (a communicator flashcomm does not know)...
+        assert_eq!(ours.stats(0x40).0, INVALID_ARGUMENT);
+        assert!(ours.last_error().contains("is not known to flashcomm"));
         // ...then the real library fails: its own message answers.
         // SAFETY: the fake ignores every argument.
         let rc = unsafe { send(0x1000, 4, FLOAT32, 1, 0x10, 0) };
@@ -209,11 +211,54 @@ fn the_real_librarys_failures_keep_its_message() {
         assert_eq!(fake.int("fake_send_calls"), 1);
         assert_eq!(ours.last_error(), "fake: send refused");
         // ...and ours again.
-        assert_eq!(
-            ours.all_reduce(0x1000, 0x2000, 1, 42, 0, 0x10),
-            INVALID_ARGUMENT
-        );
-        assert!(ours.last_error().contains("invalid datatype 42"));
+        assert_eq!(ours.stats(0x42).0, INVALID_ARGUMENT);
+        assert!(ours.last_error().contains("0x42 is not known to flashcomm"));
+        return;
+    }
+    child(name, &[]);
+}
+
+/// flashcomm refuses nothing its kernels do not serve: datatypes and operators a newer real
+/// library knows, calls without a communicator and empty calls reach the real library unchanged
+/// (the fake takes any of them), and its answer is the answer.
+#[test]
+fn datatypes_and_operators_past_the_pinned_header_reach_the_real_library() {
+    let name = "datatypes_and_operators_past_the_pinned_header_reach_the_real_library";
+    if is_child(name) {
+        let Both { ours, fake } = both();
+        let comm = init_rank(&ours);
+        for (dt, op) in [
+            (12, 0),
+            (13, 0),
+            (64, 0),
+            (i32::MAX, 0),
+            (-1, 0),
+            (BF16, 5),
+            (BF16, -1),
+        ] {
+            let calls = fake.int("fake_allreduce_calls");
+            assert_eq!(
+                ours.all_reduce(0x1000, 0x2000, 4, dt, op, comm),
+                SUCCESS,
+                "datatype {dt} operator {op}"
+            );
+            assert_eq!(fake.int("fake_allreduce_calls"), calls + 1);
+            assert_eq!(
+                (fake.int("fake_last_dt"), fake.int("fake_last_op")),
+                (dt, op),
+                "unchanged"
+            );
+        }
+        // An empty call and a call without a communicator: the real library's to answer.
+        let calls = fake.int("fake_allreduce_calls");
+        assert_eq!(ours.all_reduce(0, 0, 0, FLOAT32, 0, comm), SUCCESS);
+        assert_eq!(fake.int("fake_last_count"), 0);
+        assert_eq!(ours.all_reduce(0x1000, 0x2000, 4, 12, 0, 0), SUCCESS);
+        assert_eq!(fake.ptr("fake_last_comm"), 0);
+        assert_eq!(fake.int("fake_allreduce_calls"), calls + 2);
+        // Only the call flashcomm could route (a PreMulSum handle, op 5) is counted, as NCCL's.
+        let (_, s) = ours.stats(comm);
+        assert_eq!(s.calls[0][0], 1, "{s:?}");
         return;
     }
     child(name, &[]);
@@ -305,14 +350,14 @@ fn a_fork_child_only_forwards() {
     let name = "a_fork_child_only_forwards";
     if is_child(name) {
         let Both { ours, fake } = both();
-        // In this process, a NULL communicator is refused by our checks...
-        assert_eq!(ours.all_reduce(0, 0, 4, FLOAT32, 0, 0), INVALID_ARGUMENT);
+        // In this process, a NULL communicator goes to NCCL...
+        assert_eq!(ours.all_reduce(0, 0, 4, FLOAT32, 0, 0), SUCCESS);
         let calls = fake.int("fake_allreduce_calls");
         // SAFETY: the child only calls into the libraries and _exit()s.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0);
         if pid == 0 {
-            // ...in a fork child, flashcomm's state is bypassed and the call goes to NCCL.
+            // ...and in a fork child too.
             let rc = ours.all_reduce(0, 0, 4, FLOAT32, 0, 0);
             let ok = rc == SUCCESS && fake.int("fake_allreduce_calls") == calls + 1;
             // SAFETY: _exit ends the child without running the parent's atexit handlers.

@@ -1,5 +1,6 @@
 /* A tiny stand-in for an older real NCCL, used by the shim's tests. It reports version 2.19.3,
- * implements a handful of functions (recording what it received), and lacks many others
+ * implements a handful of functions (recording what it received; its ncclAllReduce takes any datatype,
+ * as a newer NCCL with more types would), and lacks many others
  * (ncclAllReduceConfig, ncclAllGather, ncclCommShrink, ncclTeamWorld, ncclTeamRankToWorld,
  * ncclParamDumpAll, ...), so that the tests can see what flashcomm does with a function the real library lacks.
  * Types are spelled with plain C types: the ABI is what matters. */
@@ -14,6 +15,7 @@ struct fake_comm fake_comm_object = { 0x5eed };
 /* What the last calls received; read by the tests through dlsym. */
 int fake_allreduce_calls = 0;
 int fake_last_op = -1;
+int fake_last_dt = -1;
 size_t fake_last_count = 0;
 void* fake_last_comm = 0;
 const void* fake_last_config = 0;
@@ -66,10 +68,11 @@ int fake_simulate_calls = 0;
 int ncclGroupSimulateEnd(void* sim_info) { (void)sim_info; fake_simulate_calls++; return 0; }
 
 int ncclAllReduce(const void* s, void* r, size_t count, int dt, int op, void* comm, void* stream) {
-  (void)s; (void)r; (void)dt; (void)stream;
+  (void)s; (void)r; (void)stream;
   fake_allreduce_calls++;
   fake_note("allreduce", -1, 0, 0, 0);
   fake_last_op = op;
+  fake_last_dt = dt;
   fake_last_count = count;
   fake_last_comm = comm;
   return 0;
