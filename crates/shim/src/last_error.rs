@@ -8,7 +8,7 @@
 //!
 //! Recorded only on failures, never on the per-call path of a successful call.
 //!
-//! Owns: [`Last`], [`record`], [`record_real_failure`], [`current`].
+//! Owns: [`Last`], [`record`], [`record_real_failure`], [`current`], [`thread_last`].
 //! May import: nothing of this crate.
 
 use std::cell::RefCell;
@@ -44,6 +44,11 @@ pub(crate) fn record(message: &str) {
 /// Records that the real library returned a failure (its message is its own).
 pub(crate) fn record_real_failure() {
     set(Last::Real);
+}
+
+/// This thread's newest failure.
+pub(crate) fn thread_last() -> Option<Last> {
+    THREAD.with(|t| t.borrow().clone())
 }
 
 /// What `ncclGetLastError` should answer: this thread's newest failure, else the process's.

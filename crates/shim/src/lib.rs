@@ -19,7 +19,7 @@
 //! | `exports::forwarders` | the generated plain forwarders | `exports::boundary` |
 //! | `exports::ext` | flashcomm's own C API (`include/flashcomm.h`) | `exports::boundary`, `registry`, `stats`, `init`, `error`, `logging`, `types` |
 //! | `exports::collective` | the common path of the collective exports: checks, then dispatch | `exports::boundary`, `dispatch`, `args`, `init`, `error`, `calls::os`, `types` |
-//! | `exports::boundary` | the panic boundary, the export macros, signature checks | `calls::real`, `init`, `error`, `logging`, `last_error`, `calls::os` |
+//! | `exports::boundary` | the panic boundary, the export macros, signature checks, a group call flashcomm fails inside a group | `calls::real`, `calls::nccl`, `group`, `init`, `error`, `logging`, `last_error`, `calls::os` |
 //! | `dispatch` | the hooks of the exports: run one call (lookup, decision, serve or forward, count), communicator and group events | `serve`, `engage`, `registry`, `group`, `policy`, `stats`, `logging`, `init`, `calls::cuda`, `types` |
 //! | `serve` | flashcomm's communicator behind a served NCCL communicator: set-up, routed calls, teardown | `engage`, `bootstrap`, `registry`, `policy`, `calls::nccl`, `init`, `error`, `logging`, `calls::cuda`, `types` |
 //! | `engage` | the "flashcomm is on" line, the forwarded calls flashcomm could have served, the exit summary | `registry`, `policy`, `stats`, `calls::real`, `init`, `logging`, `calls::os`, `types` |

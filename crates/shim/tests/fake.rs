@@ -253,7 +253,11 @@ fn datatypes_and_operators_past_the_pinned_header_reach_the_real_library() {
         let calls = fake.int("fake_allreduce_calls");
         assert_eq!(ours.all_reduce(0, 0, 0, FLOAT32, 0, comm), SUCCESS);
         assert_eq!(fake.int("fake_last_count"), 0);
-        assert_eq!(ours.all_reduce(0x1000, 0x2000, 4, 12, 0, 0), SUCCESS);
+        assert_eq!(
+            ours.all_reduce(0x1000, 0x2000, 4, 12, 0, 0),
+            INVALID_ARGUMENT
+        );
+        assert_eq!(ours.last_error(), "fake: comm argument is NULL");
         assert_eq!(fake.ptr("fake_last_comm"), 0);
         assert_eq!(fake.int("fake_allreduce_calls"), calls + 2);
         // Only the call flashcomm could route (a PreMulSum handle, op 5) is counted, as NCCL's.
@@ -351,7 +355,7 @@ fn a_fork_child_only_forwards() {
     if is_child(name) {
         let Both { ours, fake } = both();
         // In this process, a NULL communicator goes to NCCL...
-        assert_eq!(ours.all_reduce(0, 0, 4, FLOAT32, 0, 0), SUCCESS);
+        assert_eq!(ours.all_reduce(0, 0, 4, FLOAT32, 0, 0), INVALID_ARGUMENT);
         let calls = fake.int("fake_allreduce_calls");
         // SAFETY: the child only calls into the libraries and _exit()s.
         let pid = unsafe { libc::fork() };
@@ -359,7 +363,7 @@ fn a_fork_child_only_forwards() {
         if pid == 0 {
             // ...and in a fork child too.
             let rc = ours.all_reduce(0, 0, 4, FLOAT32, 0, 0);
-            let ok = rc == SUCCESS && fake.int("fake_allreduce_calls") == calls + 1;
+            let ok = rc == INVALID_ARGUMENT && fake.int("fake_allreduce_calls") == calls + 1;
             // SAFETY: _exit ends the child without running the parent's atexit handlers.
             unsafe { libc::_exit(if ok { 0 } else { 1 }) };
         }
@@ -739,4 +743,96 @@ fn a_held_call_the_real_library_refuses_fails_the_group_end() {
     }
     let out = child(name, &[("FLASHCOMM_GROUPED_ALLTOALL", "1")]);
     assert!(out.status.success(), "{}", stderr(&out));
+}
+
+type GroupFn = unsafe extern "C" fn() -> c_int;
+
+/// A call flashcomm fails itself inside a group (here: a function the real library lacks, or a
+/// panic in flashcomm), which the real group never saw, makes the group's result, as NCCL's
+/// group end returns a failed call's error: the outermost `ncclGroupEnd` returns its code and
+/// message, and the real group fails too, discarding its other calls as NCCL does. A later
+/// failure in the real library is the newer one, and wins, as in NCCL.
+#[test]
+fn a_call_flashcomm_fails_inside_a_group_is_the_groups_result() {
+    let name = "a_call_flashcomm_fails_inside_a_group_is_the_groups_result";
+    if is_child(name) {
+        let Both { ours, fake } = both();
+        let start: GroupFn = ours.lib.get("ncclGroupStart");
+        let end: GroupFn = ours.lib.get("ncclGroupEnd");
+        let comm = init_rank(&ours);
+        let g = |f: GroupFn| {
+            // SAFETY: ncclGroupStart/End take no arguments.
+            unsafe { f() }
+        };
+        let panicking = std::env::var("FLASHCOMM_DEBUG_PANIC").is_ok();
+        // The fake lacks ncclAllGather; FLASHCOMM_DEBUG_PANIC makes ncclBroadcast panic.
+        let (culprit, code, words) = if panicking {
+            (
+                "ncclBroadcast",
+                INTERNAL_ERROR,
+                "internal error in flashcomm",
+            )
+        } else {
+            (
+                "ncclAllGather",
+                INVALID_USAGE,
+                "ncclAllGather is not provided",
+            )
+        };
+        let a = CollArgs::on(comm);
+        for nested in [false, true] {
+            let log_before = fake.text("fake_log").len();
+            assert_eq!(g(start), SUCCESS);
+            if nested {
+                assert_eq!(g(start), SUCCESS);
+            }
+            assert_eq!(
+                ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, 0, comm),
+                SUCCESS
+            );
+            assert_eq!(call_collective(&ours.lib, culprit, &a), code);
+            if nested {
+                assert_eq!(g(end), SUCCESS, "an inner end");
+            }
+            assert_eq!(g(end), code, "the group's result is the failed call's");
+            assert!(ours.last_error().contains(words), "{}", ours.last_error());
+            let log = fake.text("fake_log");
+            assert!(
+                log[log_before..].ends_with("end;discarded;"),
+                "the real group failed and discarded its calls: {log}"
+            );
+        }
+        // The next group starts clean.
+        assert_eq!(g(start), SUCCESS);
+        assert_eq!(
+            ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, 0, comm),
+            SUCCESS
+        );
+        assert_eq!(g(end), SUCCESS);
+        // A failure of the real library after flashcomm's is the newer one: NCCL's group end
+        // returns it.
+        assert_eq!(g(start), SUCCESS);
+        assert_eq!(call_collective(&ours.lib, culprit, &a), code);
+        assert_eq!(
+            ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, 0, 0),
+            INVALID_ARGUMENT
+        );
+        assert_eq!(g(end), INVALID_ARGUMENT);
+        assert_eq!(ours.last_error(), "fake: comm argument is NULL");
+        // And the other way round.
+        assert_eq!(g(start), SUCCESS);
+        assert_eq!(
+            ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, 0, 0),
+            INVALID_ARGUMENT
+        );
+        assert_eq!(call_collective(&ours.lib, culprit, &a), code);
+        assert_eq!(g(end), code);
+        // Outside a group nothing is left over.
+        assert_eq!(call_collective(&ours.lib, culprit, &a), code);
+        assert_eq!(g(start), SUCCESS);
+        assert_eq!(g(end), SUCCESS);
+        return;
+    }
+    child(name, &[]);
+    child(name, &[("FLASHCOMM_DEBUG_PANIC", "ncclBroadcast")]);
 }

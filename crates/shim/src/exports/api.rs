@@ -519,6 +519,12 @@ nccl_api! {
         if let Some(depth) = depth {
             dispatch::group_ended(depth, r);
         }
+        // A call of the group that flashcomm failed itself is the group's result (the real
+        // group failed too, and discarded its other calls).
+        if depth == Some(0) && let Some((code, msg)) = group::take_failure() {
+            last_error::record(&msg);
+            return code;
+        }
         match held {
             Some(e) if r == ncclResult_t::ncclSuccess => e,
             _ => r,
@@ -538,7 +544,12 @@ nccl_api! {
         // group).
         let r = forwarded!(call_real!(GROUP_SIMULATE_END, (sim_info) -> ncclResult_t));
         if !forked() {
-            dispatch::group_simulated(group::ending());
+            let depth = group::ending();
+            dispatch::group_simulated(depth);
+            if depth == 0 && let Some((code, msg)) = group::take_failure() {
+                last_error::record(&msg);
+                return code;
+            }
         }
         r
     }

@@ -60,8 +60,24 @@ int ncclCommCount(void* comm, int* count) { (void)comm; *count = 1; return 0; }
 int ncclCommUserRank(void* comm, int* rank) { (void)comm; *rank = 0; return 0; }
 int ncclCommCuDevice(void* comm, int* device) { (void)comm; *device = 0; return 0; }
 int ncclCommGetAsyncError(void* comm, int* state) { (void)comm; *state = 0; return 0; }
-int ncclGroupStart(void) { fake_note("start", -1, 0, 0, 0); return 0; }
-int ncclGroupEnd(void) { fake_note("end", -1, 0, 0, 0); return 0; }
+/* Groups as NCCL's: a call that fails inside a group is the group's error (the newest one), and
+ * the outermost end then returns it and discards the group's calls (logged as "discarded;"). */
+static __thread int fake_group_depth = 0;
+static __thread int fake_group_error = 0;
+static int fake_fail(int rc) {
+  if (fake_group_depth > 0) fake_group_error = rc;
+  return rc;
+}
+int ncclGroupStart(void) { fake_group_depth++; fake_note("start", -1, 0, 0, 0); return 0; }
+int ncclGroupEnd(void) {
+  if (fake_group_depth == 0) { last_error = "fake: not in a group"; return 5; }
+  fake_note("end", -1, 0, 0, 0);
+  if (--fake_group_depth > 0) return 0;
+  int e = fake_group_error;
+  fake_group_error = 0;
+  if (e) fake_note("discarded", -1, 0, 0, 0);
+  return e;
+}
 /* Newer than 2.19, but present so that the tests can check that a simulated group end ends the
  * group for flashcomm too. */
 int fake_simulate_calls = 0;
@@ -75,6 +91,7 @@ int ncclAllReduce(const void* s, void* r, size_t count, int dt, int op, void* co
   fake_last_dt = dt;
   fake_last_count = count;
   fake_last_comm = comm;
+  if (!comm) { last_error = "fake: comm argument is NULL"; return fake_fail(4); }
   return 0;
 }
 
@@ -84,7 +101,7 @@ int ncclSend(const void* s, size_t count, int dt, int peer, void* comm, void* st
   fake_note("send", peer, count, dt, s);
   if (fake_send_ok) return 0;
   last_error = "fake: send refused";
-  return 5; /* ncclInvalidUsage */
+  return fake_fail(5); /* ncclInvalidUsage */
 }
 
 int ncclRecv(void* r, size_t count, int dt, int peer, void* comm, void* stream) {
