@@ -209,3 +209,67 @@ fn discovery_finds_system_nccl() -> bool {
     .iter()
     .any(|d| Path::new(d).join("libnccl.so.2").exists())
 }
+
+/// `FLASHCOMM_NCCL_LIB` naming a file that is no usable library is reported by name, never a
+/// crash: a truncated copy of the real library (mapping it would kill the process with SIGBUS at
+/// its first page past the end), an empty file, a text file and a folder.
+#[test]
+fn a_file_that_is_no_usable_library_is_refused_with_a_message() {
+    let name = "a_file_that_is_no_usable_library_is_refused_with_a_message";
+    if is_child(name) {
+        let n = ours();
+        let (rc, _) = n.version();
+        assert_eq!(rc, SYSTEM_ERROR, "{}", n.last_error());
+        let msg = n.last_error();
+        let path = std::env::var("FLASHCOMM_NCCL_LIB").unwrap();
+        let why = std::env::var("EXPECT_WHY").unwrap();
+        assert!(
+            msg.contains(&format!("{path} [FLASHCOMM_NCCL_LIB]: {why}")),
+            "{msg}"
+        );
+        assert!(msg.contains("FLASHCOMM_NCCL_LIB"), "{msg}");
+        // The process goes on: every call that needs the real library says the same.
+        assert_eq!(n.all_reduce(0x1000, 0x2000, 4, 7, 0, 0x10), SYSTEM_ERROR);
+        assert_eq!(
+            n.error_string(4),
+            "invalid argument (run with NCCL_DEBUG=WARN for details)"
+        );
+        return;
+    }
+    let dir = scratch("unusable");
+    let real = std::fs::read(real_lib()).unwrap();
+    let cases: Vec<(std::path::PathBuf, &str)> = vec![
+        {
+            let p = dir.join("truncated.so");
+            // Past the ELF and program headers, short of the segments they describe.
+            std::fs::write(&p, &real[..real.len() / 2]).unwrap();
+            (p, "truncated")
+        },
+        {
+            let p = dir.join("headers-only.so");
+            std::fs::write(&p, &real[..64]).unwrap();
+            (p, "truncated")
+        },
+        {
+            let p = dir.join("empty.so");
+            std::fs::write(&p, b"").unwrap();
+            (p, "not an ELF file")
+        },
+        {
+            let p = dir.join("text.so");
+            std::fs::write(&p, b"INPUT(libnccl.so.2)\n").unwrap();
+            (p, "not an ELF file")
+        },
+        (dir.clone(), "not a file"),
+    ];
+    for (path, why) in cases {
+        run_child(
+            name,
+            &[
+                ("FLASHCOMM_NCCL_LIB", path.to_str().unwrap()),
+                ("EXPECT_WHY", why),
+            ],
+            &[],
+        );
+    }
+}
