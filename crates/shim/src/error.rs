@@ -5,7 +5,7 @@
 //! `ncclGetLastError`; the export then returns [`Error::code`].
 //!
 //! Owns: [`Error`], [`Kind`], [`error_string`].
-//! May import: `logging`, `last_error`, `calls::os`.
+//! May import: `logging`, `last_error`.
 
 use std::fmt;
 
@@ -118,13 +118,10 @@ impl Error {
         }
     }
 
-    /// Logs the error at WARN and records it for `ncclGetLastError`; returns its code. After a
-    /// `fork()` only the code is returned: the child touches none of our state.
+    /// Logs the error at WARN and records it for `ncclGetLastError`; returns its code.
     pub(crate) fn report(&self) -> ncclResult_t {
-        if !crate::calls::os::forked() {
-            crate::logging::warn(self.subsys, self.message());
-            crate::last_error::record(self.message());
-        }
+        crate::logging::warn(self.subsys, self.message());
+        crate::last_error::record(self.message());
         self.code()
     }
 }

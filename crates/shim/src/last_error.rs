@@ -9,10 +9,12 @@
 //! Recorded only on failures, never on the per-call path of a successful call.
 //!
 //! Owns: [`Last`], [`record`], [`record_real_failure`], [`current`], [`thread_last`].
-//! May import: nothing of this crate.
+//! May import: `calls::os`.
 
 use std::cell::RefCell;
 use std::sync::Mutex;
+
+use crate::calls::os::PerProcess;
 
 /// Where the newest failure was detected.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,13 +29,22 @@ thread_local! {
     static THREAD: RefCell<Option<Last>> = const { RefCell::new(None) };
 }
 
-static PROCESS: Mutex<Option<Last>> = Mutex::new(None);
+/// The process's newest failure. A fork child starts its own: a lock one of its parent's
+/// threads held at the fork (they record failures all the time) would stay held in it.
+static PROCESS: PerProcess<Mutex<Option<Last>>> = PerProcess::fresh_in_children();
+
+fn process() -> std::sync::MutexGuard<'static, Option<Last>> {
+    // A poisoned lock only means another thread panicked while holding it; the value is a plain
+    // Option and always consistent.
+    PROCESS
+        .get(|| Mutex::new(None))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
 
 fn set(last: Last) {
     THREAD.with(|t| *t.borrow_mut() = Some(last.clone()));
-    // A poisoned lock only means another thread panicked while holding it; the value is a plain
-    // Option and always consistent.
-    *PROCESS.lock().unwrap_or_else(|e| e.into_inner()) = Some(last);
+    *process() = Some(last);
 }
 
 /// Records a failure detected by flashcomm.
@@ -56,7 +67,7 @@ pub(crate) fn thread_last() -> Option<Last> {
 pub(crate) fn current() -> Option<Last> {
     THREAD
         .with(|t| t.borrow().clone())
-        .or_else(|| PROCESS.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        .or_else(|| process().clone())
 }
 
 #[cfg(test)]

@@ -349,41 +349,6 @@ fn a_panic_in_a_function_without_result_code_returns_its_default() {
     child(name, &[("FLASHCOMM_DEBUG_PANIC", "pncclTeamWorld")]);
 }
 
-#[test]
-fn a_fork_child_only_forwards() {
-    let name = "a_fork_child_only_forwards";
-    if is_child(name) {
-        let Both { ours, fake } = both();
-        // In this process, a NULL communicator goes to NCCL...
-        assert_eq!(ours.all_reduce(0, 0, 4, FLOAT32, 0, 0), INVALID_ARGUMENT);
-        let calls = fake.int("fake_allreduce_calls");
-        // SAFETY: the child only calls into the libraries and _exit()s.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0);
-        if pid == 0 {
-            // ...and in a fork child too.
-            let rc = ours.all_reduce(0, 0, 4, FLOAT32, 0, 0);
-            let ok = rc == INVALID_ARGUMENT && fake.int("fake_allreduce_calls") == calls + 1;
-            // SAFETY: _exit ends the child without running the parent's atexit handlers.
-            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
-        }
-        let mut status = 0;
-        // SAFETY: waits for the child just forked.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        assert!(
-            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-            "fork child failed"
-        );
-        assert_eq!(
-            fake.int("fake_allreduce_calls"),
-            calls,
-            "the parent is unchanged"
-        );
-        return;
-    }
-    child(name, &[]);
-}
-
 /// `flashcommQuantConfig_t` of `include/flashcomm.h`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

@@ -16,11 +16,11 @@ use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 use flashcomm_nccl_sys::{HEADER_VERSION, version_string};
 
+use crate::calls::os::PerProcess;
 use crate::discovery::{self, Candidate, Inputs, Origin};
 use crate::error::Error;
 use crate::logging::{self, Subsys};
@@ -49,11 +49,13 @@ impl RealLib {
     }
 }
 
-static REAL: OnceLock<Result<RealLib, String>> = OnceLock::new();
+/// A fork child uses the library its parent loaded (the same mapping); one a parent's thread
+/// was still loading when it forked is loaded again in the child.
+static REAL: PerProcess<Result<RealLib, String>> = PerProcess::inherited();
 
 /// The real library, loading it on first use. `Err` (`ncclSystemError`) says what was tried.
 pub(crate) fn library() -> Result<&'static RealLib, Error> {
-    match REAL.get_or_init(load) {
+    match REAL.get(load) {
         Ok(lib) => Ok(lib),
         Err(msg) => Err(Error::system(Subsys::Init, msg.clone())),
     }
@@ -61,7 +63,7 @@ pub(crate) fn library() -> Result<&'static RealLib, Error> {
 
 /// The real library if it is already loaded; never loads it.
 pub(crate) fn loaded() -> Option<&'static RealLib> {
-    REAL.get().and_then(|r| r.as_ref().ok())
+    REAL.get_made().and_then(|r| r.as_ref().ok())
 }
 
 /// A lazily resolved function of the real library. One per export (`ncclX` and `pncclX` share
@@ -384,9 +386,7 @@ fn load() -> Result<RealLib, String> {
     for c in discovery::candidates(&inputs) {
         match try_open(&c, &me) {
             Ok(lib) => {
-                if !crate::calls::os::forked() {
-                    log_choice(&lib, &me, &tried);
-                }
+                log_choice(&lib, &me, &tried);
                 return Ok(lib);
             }
             Err(why) => tried.push(format!(

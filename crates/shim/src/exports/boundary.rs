@@ -49,10 +49,7 @@ impl CReturn for ncclResult_t {
     }
     #[inline]
     fn after_real(&self) {
-        if *self != ncclResult_t::ncclSuccess
-            && *self != ncclResult_t::ncclInProgress
-            && !crate::calls::os::forked()
-        {
+        if *self != ncclResult_t::ncclSuccess && *self != ncclResult_t::ncclInProgress {
             crate::last_error::record_real_failure();
             // Inside a group, the real group saw this failure: it is the group's newest.
             if crate::group::depth() > 0 {
@@ -191,7 +188,7 @@ const GROUP_CALLS: &[&str] = &[
 /// `ncclGroupEnd` returns this failure (`group::take_failure`).
 #[cold]
 fn failed_in_group(api: &'static str, code: ncclResult_t) {
-    if crate::calls::os::forked() || crate::group::depth() == 0 || !GROUP_CALLS.contains(&api) {
+    if crate::group::depth() == 0 || !GROUP_CALLS.contains(&api) {
         return;
     }
     if let Some(crate::last_error::Last::Ours(msg)) = crate::last_error::thread_last() {

@@ -2,12 +2,11 @@
 //! the router, or the real library as it is for a call flashcomm does not route.
 //!
 //! Owns: [`Extra`], [`collective`].
-//! May import: `exports::boundary`, `calls::os`, `args`, `error`, `init`, `types`, `dispatch`.
+//! May import: `exports::boundary`, `args`, `error`, `init`, `types`, `dispatch`.
 
 use flashcomm_nccl_sys::{cudaStream_t, ncclCollConfig_t, ncclResult_t};
 
 use crate::args::{self, Args, Checked};
-use crate::calls::os::forked;
 use crate::dispatch;
 use crate::error::Error;
 use crate::exports::boundary::unavailable;
@@ -31,9 +30,6 @@ pub(crate) fn collective(
     forward: impl FnOnce() -> Result<ncclResult_t, Error>,
 ) -> ncclResult_t {
     let forward = || forward().unwrap_or_else(unavailable);
-    if forked() {
-        return forward();
-    }
     if tracing::enabled!(target: "flashcomm::call", tracing::Level::TRACE) {
         tracing::trace!(
             target: "flashcomm::call",

@@ -41,23 +41,31 @@ int ncclGetVersion(int* version) { *version = 21903; return 0; }
 const char* ncclGetErrorString(int result) { (void)result; return "fake error string"; }
 const char* ncclGetLastError(void* comm) { (void)comm; return last_error; }
 
+/* The rank and size of the newest communicator (each process of a multi-process test is one
+ * rank of its own; the fake talks to nobody). */
+static int fake_nranks = 1, fake_rank = 0;
+
 int ncclCommInitRank(void** comm, int nranks, struct { char internal[128]; } id, int rank) {
-  (void)nranks; (void)id; (void)rank;
+  (void)id;
+  fake_nranks = nranks;
+  fake_rank = rank;
   *comm = &fake_comm_object;
   return 0;
 }
 
 int ncclCommInitRankConfig(void** comm, int nranks, struct { char internal[128]; } id, int rank,
                            const void* config) {
-  (void)nranks; (void)id; (void)rank;
+  (void)id;
+  fake_nranks = nranks;
+  fake_rank = rank;
   fake_last_config = config;
   *comm = &fake_comm_object;
   return 0;
 }
 
 int ncclCommDestroy(void* comm) { (void)comm; return 0; }
-int ncclCommCount(void* comm, int* count) { (void)comm; *count = 1; return 0; }
-int ncclCommUserRank(void* comm, int* rank) { (void)comm; *rank = 0; return 0; }
+int ncclCommCount(void* comm, int* count) { (void)comm; *count = fake_nranks; return 0; }
+int ncclCommUserRank(void* comm, int* rank) { (void)comm; *rank = fake_rank; return 0; }
 int ncclCommCuDevice(void* comm, int* device) { (void)comm; *device = 0; return 0; }
 int ncclCommGetAsyncError(void* comm, int* state) { (void)comm; *state = 0; return 0; }
 /* Groups as NCCL's: a call that fails inside a group is the group's error (the newest one), and
