@@ -4,7 +4,7 @@
 //! [`Error::report`] logs it once at WARN (under the error's subsystem) and records it for
 //! `ncclGetLastError`; the export then returns [`Error::code`].
 //!
-//! Owns: [`Error`], [`Kind`], [`error_string`].
+//! Owns: [`Error`], [`Kind`], [`error_string`], [`code_name`].
 //! May import: `logging`, `last_error`.
 
 use std::fmt;
@@ -130,6 +130,24 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.message)
     }
+}
+
+/// The name of a result code (`ncclInvalidArgument`), or its number.
+pub(crate) fn code_name(code: u32) -> String {
+    const NAMES: [&str; 9] = [
+        "ncclSuccess",
+        "ncclUnhandledCudaError",
+        "ncclSystemError",
+        "ncclInternalError",
+        "ncclInvalidArgument",
+        "ncclInvalidUsage",
+        "ncclRemoteError",
+        "ncclInProgress",
+        "ncclTimeout",
+    ];
+    NAMES
+        .get(code as usize)
+        .map_or_else(|| format!("result code {code}"), |n| n.to_string())
 }
 
 /// NCCL's own wording for each result code (`ncclGetErrorString`), so that programs matching on

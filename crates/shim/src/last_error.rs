@@ -21,8 +21,13 @@ use crate::calls::os::PerProcess;
 pub(crate) enum Last {
     /// By flashcomm, with this message.
     Ours(String),
-    /// By the real library, which holds the message.
-    Real,
+    /// By the real library, which holds the message: its function `api` returned `code`.
+    Real {
+        /// The real function that failed.
+        api: &'static str,
+        /// What it returned.
+        code: u32,
+    },
 }
 
 thread_local! {
@@ -52,9 +57,10 @@ pub(crate) fn record(message: &str) {
     set(Last::Ours(message.to_string()));
 }
 
-/// Records that the real library returned a failure (its message is its own).
-pub(crate) fn record_real_failure() {
-    set(Last::Real);
+/// Records that the real library's function `api` returned the failure `code` (its message is
+/// its own).
+pub(crate) fn record_real_failure(api: &'static str, code: u32) {
+    set(Last::Real { api, code });
 }
 
 /// This thread's newest failure.
@@ -83,10 +89,19 @@ mod tests {
         .unwrap();
         // This thread has no failure yet: the process-wide one answers (unless a parallel test
         // set one meanwhile, which is also process-wide).
-        assert!(matches!(current(), Some(Last::Ours(_)) | Some(Last::Real)));
+        assert!(matches!(
+            current(),
+            Some(Last::Ours(_)) | Some(Last::Real { .. })
+        ));
         record("mine");
         assert_eq!(current(), Some(Last::Ours("mine".into())));
-        record_real_failure();
-        assert_eq!(current(), Some(Last::Real));
+        record_real_failure("ncclX", 4);
+        assert_eq!(
+            current(),
+            Some(Last::Real {
+                api: "ncclX",
+                code: 4
+            })
+        );
     }
 }

@@ -268,6 +268,31 @@ fn datatypes_and_operators_past_the_pinned_header_reach_the_real_library() {
     child(name, &[]);
 }
 
+/// Every error flashcomm returns has a message: when the real library fails a call without
+/// one (here the fake's ncclCommFinalize of NULL), `ncclGetLastError` says which call failed,
+/// with which code, in the real library; a message of the real library's own is returned as it
+/// is.
+#[test]
+fn a_real_failure_without_a_message_gets_one() {
+    let name = "a_real_failure_without_a_message_gets_one";
+    if is_child(name) {
+        let Both { ours, .. } = both();
+        assert_eq!(ours.comm_call("ncclCommFinalize", 0), INVALID_ARGUMENT);
+        assert_eq!(
+            ours.last_error(),
+            "ncclCommFinalize returned ncclInvalidArgument (invalid argument (run with \
+             NCCL_DEBUG=WARN for details)) in the real NCCL, which gave no message"
+        );
+        assert_eq!(
+            ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, 0, 0),
+            INVALID_ARGUMENT
+        );
+        assert_eq!(ours.last_error(), "fake: comm argument is NULL");
+        return;
+    }
+    child(name, &[]);
+}
+
 #[test]
 fn a_panic_becomes_an_internal_error() {
     let name = "a_panic_becomes_an_internal_error";

@@ -17,7 +17,7 @@ use flashcomm_nccl_sys::{
 use crate::args::Args;
 use crate::calls::real::{self, Slot};
 use crate::dispatch;
-use crate::error::error_string;
+use crate::error::{code_name, error_string};
 use crate::exports::boundary::{call_real, nccl_api, unavailable};
 use crate::exports::collective::{Extra, collective};
 use crate::group;
@@ -154,16 +154,28 @@ nccl_api! {
     }
 
     /// This thread's last failure if flashcomm detected it, else the process's, else the real
-    /// library's message. The string stays valid until this thread's next call.
+    /// library's message. A failure of the real library that left no message of its own is
+    /// described by flashcomm (which function, which code): every error has a message. The
+    /// string stays valid until this thread's next call.
     fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
+        let ours = |msg: String| RETURNED.with(|r| {
+            let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+            let mut r = r.borrow_mut();
+            *r = c;
+            r.as_ptr()
+        });
         match last_error::current() {
-            Some(Last::Ours(msg)) => RETURNED.with(|r| {
-                let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-                let mut r = r.borrow_mut();
-                *r = c;
-                r.as_ptr()
-            }),
-            Some(Last::Real) | None => real::real_last_error(comm).unwrap_or(c"".as_ptr()),
+            Some(Last::Ours(msg)) => ours(msg),
+            Some(Last::Real { api, code }) => match real::real_last_error(comm) {
+                // SAFETY: a NUL-terminated string of the real library (non-null).
+                Some(p) if unsafe { *p } != 0 => p,
+                _ => ours(format!(
+                    "{api} returned {} ({}) in the real NCCL, which gave no message",
+                    code_name(code),
+                    error_string(code).to_string_lossy()
+                )),
+            },
+            None => real::real_last_error(comm).unwrap_or(c"".as_ptr()),
         }
     }
 

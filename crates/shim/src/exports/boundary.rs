@@ -20,6 +20,7 @@ use std::panic::AssertUnwindSafe;
 
 use flashcomm_nccl_sys::{ncclResult_t, ncclTeam_t};
 
+use crate::calls::real::Slot;
 use crate::error::Error;
 use crate::logging::Subsys;
 
@@ -31,8 +32,8 @@ pub(crate) trait CReturn: Copy {
     fn on_panic() -> Self;
     /// The value when the call cannot be forwarded because of `e`.
     fn on_unavailable(e: &Error) -> Self;
-    /// Runs after the real function returned `self`.
-    fn after_real(&self) {}
+    /// Runs after the real function of `slot` returned `self`.
+    fn after_real(&self, _slot: &Slot) {}
     /// The error code, when `self` is one (`ncclResult_t` functions only).
     #[inline]
     fn failure(&self) -> Option<ncclResult_t> {
@@ -48,9 +49,9 @@ impl CReturn for ncclResult_t {
         e.code()
     }
     #[inline]
-    fn after_real(&self) {
+    fn after_real(&self, slot: &Slot) {
         if *self != ncclResult_t::ncclSuccess && *self != ncclResult_t::ncclInProgress {
-            crate::last_error::record_real_failure();
+            crate::last_error::record_real_failure(slot.name(), self.0);
             // Inside a group, the real group saw this failure: it is the group's newest.
             if crate::group::depth() > 0 {
                 crate::group::real_failed();
@@ -222,7 +223,7 @@ macro_rules! call_real {
                 // SAFETY: the caller's arguments go through unchanged, so the caller's
                 // obligations under NCCL's contract carry over to the real function.
                 let r = unsafe { f($($arg),*) };
-                $crate::exports::boundary::CReturn::after_real(&r);
+                $crate::exports::boundary::CReturn::after_real(&r, &$slot);
                 Ok(r)
             }
             Err(e) => Err(e),

@@ -64,6 +64,8 @@ int ncclCommInitRankConfig(void** comm, int nranks, struct { char internal[128];
 }
 
 int ncclCommDestroy(void* comm) { (void)comm; return 0; }
+/* Fails without a message (as NCCL does for some bad arguments) when comm is NULL. */
+int ncclCommFinalize(void* comm) { return comm ? 0 : 4; }
 int ncclCommCount(void* comm, int* count) { (void)comm; *count = fake_nranks; return 0; }
 int ncclCommUserRank(void* comm, int* rank) { (void)comm; *rank = fake_rank; return 0; }
 int ncclCommCuDevice(void* comm, int* device) { (void)comm; *device = 0; return 0; }
