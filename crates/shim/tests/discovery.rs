@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use common::*;
@@ -270,6 +271,46 @@ fn a_file_that_is_no_usable_library_is_refused_with_a_message() {
                 ("EXPECT_WHY", why),
             ],
             &[],
+        );
+    }
+}
+
+/// A value of `FLASHCOMM_NCCL_LIB` that the configuration refuses (a bare name, not UTF-8) is
+/// still an explicit choice: it is never replaced by a library found elsewhere (here one on
+/// `LD_LIBRARY_PATH`); every call that needs the real library fails, naming the variable.
+#[test]
+fn a_bad_flashcomm_nccl_lib_value_is_never_replaced_by_another_library() {
+    let name = "a_bad_flashcomm_nccl_lib_value_is_never_replaced_by_another_library";
+    if is_child(name) {
+        let n = ours();
+        assert_eq!(n.version().0, SYSTEM_ERROR, "{}", n.last_error());
+        let msg = n.last_error();
+        assert!(msg.contains("FLASHCOMM_NCCL_LIB="), "{msg}");
+        assert!(msg.contains("is not valid"), "{msg}");
+        assert!(
+            !msg.contains("LD_LIBRARY_PATH]"),
+            "nothing else is tried: {msg}"
+        );
+        return;
+    }
+    let dir = scratch("elsewhere");
+    symlink(&real_lib(), &dir.join("libnccl.so.2"));
+    for value in [
+        std::ffi::OsString::from("libnccl.so.2"),
+        std::ffi::OsStr::from_bytes(b"/tmp/\xff/libnccl.so.2").to_os_string(),
+    ] {
+        let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+        cmd.args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD, name)
+            .env("LD_LIBRARY_PATH", &dir)
+            .env("FLASHCOMM_NCCL_LIB", &value)
+            .env_remove("CUDA_HOME");
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+            "{value:?}: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
         );
     }
 }

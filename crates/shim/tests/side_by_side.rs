@@ -748,6 +748,9 @@ fn make_paths() -> Paths {
         std::os::unix::fs::symlink(target, dir.join(link)).unwrap();
     }
     std::fs::copy(cdylib(), dir.join("flashcomm-copy.so")).unwrap();
+    std::fs::create_dir_all(dir.join("ld-path")).unwrap();
+    let _ = std::fs::remove_file(dir.join("ld-path/libnccl.so.2"));
+    std::os::unix::fs::symlink(real_lib(), dir.join("ld-path/libnccl.so.2")).unwrap();
     Paths {
         dir,
         real: real_lib(),
@@ -756,7 +759,7 @@ fn make_paths() -> Paths {
 }
 
 fn library_paths(v: &mut Vec<Case>, p: &Paths) {
-    let stricter: [(&str, OsString); 13] = [
+    let stricter: [(&str, OsString); 12] = [
         ("missing", p.get("missing.so")),
         ("a folder", p.get("folder")),
         ("a text file", p.get("text.so")),
@@ -772,12 +775,22 @@ fn library_paths(v: &mut Vec<Case>, p: &Paths) {
             "not UTF-8",
             OsStr::from_bytes(b"/tmp/\xff.so").to_os_string(),
         ),
-        ("empty (unset: nothing found)", OsString::new()),
     ];
     for (what, path) in stricter {
         let mut c = case("real library path", what, vec![Step::Probe]);
         c.nccl_lib = Some(path);
         c.expect = Expect::NoRealLibrary;
+        v.push(c);
+    }
+    // Empty or blank counts as unset: the library looks for the real NCCL itself (here on
+    // LD_LIBRARY_PATH).
+    for (what, value) in [
+        ("empty (unset: found on LD_LIBRARY_PATH)", ""),
+        ("whitespace (unset: found on LD_LIBRARY_PATH)", " \t "),
+    ] {
+        let mut c = case("real library path", what, vec![Step::Probe]);
+        c.nccl_lib = Some(value.into());
+        c.env.push(("LD_LIBRARY_PATH".into(), p.get("ld-path")));
         v.push(c);
     }
     for (what, path) in [
@@ -1048,9 +1061,14 @@ fn run_case(index: usize, c: &Case, ours: bool) -> Outcome {
         "--nocapture",
         "--test-threads=1",
     ]);
+    // Nothing of this machine's environment decides where the real NCCL is found.
     for (k, _) in std::env::vars_os() {
         let k = k.to_string_lossy();
-        if k.starts_with("FLASHCOMM_") || k.starts_with("NCCL_") {
+        if k.starts_with("FLASHCOMM_")
+            || k.starts_with("NCCL_")
+            || k == "LD_LIBRARY_PATH"
+            || k == "CUDA_HOME"
+        {
             cmd.env_remove(&*k);
         }
     }

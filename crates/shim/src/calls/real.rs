@@ -375,6 +375,19 @@ fn elf_segments_fit(table: &[u8], len: u64) -> Result<(), String> {
 
 fn load() -> Result<RealLib, String> {
     let state = crate::init::state();
+    // A value the configuration refused is still an explicit choice: nothing else replaces it.
+    if let Some(p) = state
+        .config
+        .problems
+        .iter()
+        .find(|p| p.variable == "FLASHCOMM_NCCL_LIB")
+    {
+        return Err(format!(
+            "no usable real NCCL library: {p}. When FLASHCOMM_NCCL_LIB is set it is the only \
+             candidate (an explicit choice is never replaced by a library found elsewhere); set \
+             it to the path of the real libnccl.so.2"
+        ));
+    }
     let me = own_image();
     let inputs = Inputs {
         configured: state.config.settings.nccl_lib.as_ref().map(|p| p.0.clone()),
