@@ -455,6 +455,7 @@ fn run_at<F: FnOnce() -> ncclResult_t>(
             None => serve::execute(st, call, &d),
         } {
             Executed::Done(r) => (d.route, r, None),
+            Executed::Invalid(r) => return r,
             Executed::Unquantized(r) => {
                 unquantized = true;
                 (Route::Lossless, r, None)
