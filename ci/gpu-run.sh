@@ -101,6 +101,9 @@ done
 # (tests/c/solo/solo_nccl.c), whose destroy is free: everything flashcomm does per communicator.
 [ -x "$here/c/lifecycle" ] && [ -f "$here/c/libsolo_nccl.so" ] && add "c::lifecycle_1000_cycles_solo_nccl" 300 "FLASHCOMM_NCCL_LIB='$here/c/libsolo_nccl.so' '$here/c/lifecycle' '$lib' 1000"
 [ -x "$here/c/alloc_count" ] && add "c::alloc_count" 120 "FLASHCOMM_NCCL_LIB='$real' '$here/c/alloc_count' '$lib'"
+# Bad input on a served communicator: NULL buffers refused by flashcomm, the rest the real library's.
+[ -x "$here/c/served_bad_input" ] && add "c::served_bad_input" 120 "FLASHCOMM_NCCL_LIB='$real' '$here/c/served_bad_input' '$lib'"
+[ -x "$here/c/served_bad_input" ] && [ -f "$here/c/libsolo_nccl.so" ] && add "c::served_bad_input_solo_nccl" 120 "FLASHCOMM_NCCL_LIB='$here/c/libsolo_nccl.so' '$here/c/served_bad_input' '$lib'"
 [ -f "$here/python/ctypes_load.py" ] && add "python::ctypes_load_gpu" 300 "FLASHCOMM_NCCL_LIB='$real' python3 '$here/python/ctypes_load.py' --lib '$lib' --gpu"
 # Through the installed wheel's launcher (no hand-set LD_PRELOAD), with the engagement line shown.
 [ -f "$here/python/torch_preload.py" ] && add "python::torch_preload_ws1" 600 "[ -n '$launcher' ] || { echo 'FAIL the wheel is not installed (logs/wheel-install.log)'; exit 1; }; expect_line 'FLASHCOMM INFO flashcomm .* is on: .* served by flashcomm' '$launcher' run --debug VERSION -- python3 '$here/python/torch_preload.py' --world-size 1"

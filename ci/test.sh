@@ -2,7 +2,8 @@
 # The test command (README, CI): installs the toolchain if needed, then checks formatting, lints,
 # generated files, builds everything including the CUDA kernels, and runs every CPU test, of the
 # product's workspace and of the research tools' own (tools/research, which shares target/), then
-# the Python wheel's test (ci/wheel-test.sh) and the multi-GPU check's (ci/multi-gpu-check-test.sh).
+# the Python wheel's test (ci/wheel-test.sh), the multi-GPU check's (ci/multi-gpu-check-test.sh)
+# and ci/demo.sh's on a machine without a GPU (ci/demo-test.sh).
 # GPU tests are not run here (see ci/gpu-bundle.sh and docs/testing.md).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,9 +38,12 @@ wheel_status=${PIPESTATUS[0]}
 echo "== the multi-GPU check (ci/multi-gpu-check.sh): syntax, dry runs, its tables"
 "$root/ci/multi-gpu-check-test.sh" 2>&1 | tee -a "$log"
 multigpu_status=${PIPESTATUS[0]}
+echo "== ci/demo.sh on a machine without a GPU"
+"$root/ci/demo-test.sh" 2>&1 | tee -a "$log"
+demo_status=${PIPESTATUS[0]}
 set -e
 passed=$(grep -o '[0-9]* passed' "$log" | awk '{s+=$1} END {print s+0}')
 failed=$(grep -o '[0-9]* failed' "$log" | awk '{s+=$1} END {print s+0}')
 echo "$passed passed, $failed failed"
 [ "$status" -eq 0 ] && [ "$research_status" -eq 0 ] && [ "$wheel_status" -eq 0 ] \
-  && [ "$multigpu_status" -eq 0 ] && [ "$failed" -eq 0 ]
+  && [ "$multigpu_status" -eq 0 ] && [ "$demo_status" -eq 0 ] && [ "$failed" -eq 0 ]

@@ -11,13 +11,19 @@ finds through the ``nvidia-nccl-cu13`` package.
   ``VLLM_NCCL_SO_PATH``, ``SGLANG_NCCL_SO_PATH``, ``FLASHCOMM_NCCL_LIB``) plus any settings;
 * :func:`stats` -- calls and bytes per route and collective (``flashcommGetStats``);
 * :func:`summary` -- the same as one line of text;
+* :func:`check_settings` -- the settings of an environment the library cannot use, by the
+  library's own rules (the launcher refuses them before it starts anything);
+* :func:`machine` -- what the library would do on this machine (``flashcomm info``);
 * ``python -m flashcomm run [--bits 4 ...] -- <command>`` (or the ``flashcomm`` script) runs a
   command with flashcomm preloaded and the settings given.
 """
 
 import ctypes
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 try:
     from ._build import BUILD as _BUILD
@@ -30,7 +36,9 @@ __all__ = [
     "COLLECTIVES",
     "ROUTES",
     "build_info",
+    "check_settings",
     "env",
+    "machine",
     "library_path",
     "real_nccl_path",
     "stats",
@@ -197,3 +205,141 @@ def summary(comm=None):
             text += " (" + ", ".join(used) + ")"
         parts.append(text)
     return "flashcomm summary: calls per route: " + ", ".join(parts)
+
+
+# Run in a separate process with the environment under test: loads flashcomm's library by path
+# (never preloaded), which reads its configuration from that environment, and reports it.
+_PROBE = r"""
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1])
+buf = ctypes.create_string_buffer(1 << 16)
+rc = lib.flashcommGetConfigString(buf, ctypes.c_size_t(len(buf)))
+out = {"config_rc": rc, "config": buf.value.decode("utf-8", "replace")}
+if "nccl" in sys.argv[2:]:
+    v = ctypes.c_int(0)
+    lib.ncclGetLastError.restype = ctypes.c_char_p
+    lib.ncclGetLastError.argtypes = [ctypes.c_void_p]
+    out["nccl_rc"] = lib.ncclGetVersion(ctypes.byref(v))
+    out["nccl_version"] = v.value
+    out["nccl_error"] = (lib.ncclGetLastError(None) or b"").decode("utf-8", "replace")
+print(json.dumps(out))
+"""
+
+
+def _probe(environ, real_nccl=False):
+    """What flashcomm's library says of the environment ``environ``: its configuration string
+    (``flashcommGetConfigString``) and, with ``real_nccl``, what finding the real NCCL gives
+    (``ncclGetVersion`` through the library, and ``ncclGetLastError`` when it fails)."""
+    child = {k: v for k, v in environ.items() if k != "LD_PRELOAD"}
+    cmd = [sys.executable, "-c", _PROBE, library_path()] + (["nccl"] if real_nccl else [])
+    res = subprocess.run(cmd, env=child, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, timeout=300)
+    lines = res.stdout.decode("utf-8", "replace").strip().splitlines()
+    if res.returncode != 0 or not lines:
+        raise RuntimeError("flashcomm's library could not be asked about the settings: "
+                           + res.stderr.decode("utf-8", "replace")[-2000:])
+    return json.loads(lines[-1])
+
+
+def _config_lines(config):
+    """``{name: (value, note)}`` of the library's configuration string, and its pass-through
+    line."""
+    table, passthrough = {}, ""
+    for line in config.splitlines():
+        name, sep, rest = line.partition("=")
+        if not sep:
+            continue
+        if name == "passthrough":
+            passthrough = rest
+            continue
+        value, _, note = rest.partition("  # ")
+        table[name] = (value, note)
+    return table, passthrough
+
+
+def check_settings(environ=None, names=()):
+    """The settings of ``environ`` (default ``os.environ``) that flashcomm's library cannot use,
+    each as one line that names the variable, the value and what is allowed; an empty list when
+    every setting is valid. The library itself judges them (it is loaded in a separate process
+    with that environment), so the rules are its own: a bad value makes it pass every call
+    through to NCCL, which a job would only see in a log line.
+
+    ``names``: the variables the caller set explicitly; a ``FLASHCOMM_`` name among them that
+    the library does not know (a misspelling) is refused too. When ``FLASHCOMM_NCCL_LIB`` is set,
+    the library must also be able to load the real NCCL it names."""
+    environ = dict(os.environ if environ is None else environ)
+    real = bool(environ.get("FLASHCOMM_NCCL_LIB", "").strip())
+    out = _probe(environ, real_nccl=real)
+    table, passthrough = _config_lines(out["config"])
+    problems = []
+    for name, (_, note) in table.items():
+        if note.startswith("not valid: "):
+            problems.append(note[len("not valid: "):])
+    if not problems and passthrough.startswith("forced: "):
+        problems.append(passthrough[len("forced: "):])
+    for name in names:
+        if name.startswith("FLASHCOMM_") and name not in table:
+            problems.append(f"{name}={environ.get(name, '')!r}: not a flashcomm variable (the "
+                            "library would ignore it; see docs/env.md for the variables)")
+    if real and not problems and out.get("nccl_rc", 0) != 0:
+        problems.append(f"FLASHCOMM_NCCL_LIB={environ['FLASHCOMM_NCCL_LIB']!r} cannot be used: "
+                        f"{out.get('nccl_error', '')}")
+    return problems
+
+
+def _cuda():
+    """Whether a CUDA driver and GPUs are visible to this process: ``(driver, gpus, why)``,
+    driver as ``"13.0"`` or None, gpus a count, why a sentence when there is no GPU."""
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None, 0, "no CUDA driver (libcuda.so.1 cannot be loaded)"
+    rc = cu.cuInit(0)
+    v = ctypes.c_int(0)
+    cu.cuDriverGetVersion(ctypes.byref(v))
+    driver = f"{v.value // 1000}.{v.value % 1000 // 10}" if v.value else "unknown"
+    if rc != 0:
+        return driver, 0, f"the CUDA driver {driver} sees no usable GPU (cuInit returned {rc})"
+    n = ctypes.c_int(0)
+    if cu.cuDeviceGetCount(ctypes.byref(n)) != 0 or n.value == 0:
+        return driver, 0, f"the CUDA driver {driver} sees no GPU"
+    return driver, n.value, ""
+
+
+def machine(environ=None):
+    """What flashcomm's library would do on this machine with ``environ`` (default: the
+    variables ``flashcomm run`` gives a job, :func:`env`): a list of ``(what, answer)`` lines
+    about the GPU and driver, the settings, the real NCCL and the route calls would take."""
+    environ = dict(os.environ) if environ is None else dict(environ)
+    driver, gpus, why = _cuda()
+    lines = [("CUDA driver", f"{driver}, {gpus} GPU(s) visible" if gpus else why)]
+    problems = check_settings(environ)
+    lines.append(("settings", "valid" if not problems else "; ".join(problems)))
+    out = _probe(environ, real_nccl=True)
+    table, passthrough = _config_lines(out["config"])
+    if out.get("nccl_rc", 1) == 0:
+        v = out["nccl_version"]
+        version = f"{v // 10000}.{v % 10000 // 100}.{v % 100}"
+        lines.append(("real NCCL", f"{version}, as the library finds it"))
+    else:
+        version = None
+        lines.append(("real NCCL", f"none: {out.get('nccl_error', '')}"))
+    value = lambda name: table.get(name, ("", ""))[0]  # noqa: E731
+    if version is None:
+        would = "every NCCL call would fail with ncclSystemError (no usable real NCCL)"
+    elif passthrough.startswith("forced"):
+        would = f"every call would go to the real NCCL {version} unchanged (bad settings)"
+    elif passthrough == "FLASHCOMM_DISABLE":
+        would = f"every call would go to the real NCCL {version} (FLASHCOMM_DISABLE)"
+    elif not gpus:
+        would = (f"every call would go to the real NCCL {version}: flashcomm's kernels need an "
+                 "NVIDIA GPU and its driver")
+    else:
+        would = (f"communicators of up to {value('FLASHCOMM_MAX_RANKS')} ranks on these "
+                 f"{gpus} GPU(s) would be set up for flashcomm's kernels, which take "
+                 f"{value('FLASHCOMM_OPS')} of {value('FLASHCOMM_MIN_BYTES')} to "
+                 f"{value('FLASHCOMM_MAX_BYTES')} bytes per rank (quantized AllReduce: "
+                 f"{value('FLASHCOMM_QUANT_BITS')} bits); every other call goes to the real "
+                 f"NCCL {version}")
+    lines.append(("on this machine", would))
+    return lines

@@ -6,7 +6,13 @@
         status), so it composes with torchrun, vllm serve, python -m sglang.launch_server, ...
     flashcomm env [settings ...]     prints the variables as shell `export` lines
     flashcomm path                   prints the library's path
-    flashcomm info                   version, library, real NCCL, how the library was built
+    flashcomm info                   version, library, real NCCL, how the library was built, whether
+                                     a GPU and driver are visible, the settings, and what the
+                                     library would do on this machine
+
+`run` and `env` check every setting (the command line's and the environment's) with the library's
+own rules first, and refuse a bad one with exit status 2, naming the variable, the value and what
+is allowed: nothing is started.
 """
 
 import argparse
@@ -40,6 +46,7 @@ def _settings_parser(prog, description):
 
 
 def _variables(args):
+    """The variables of the job, and the names the command line set explicitly."""
     settings = {
         "bits": args.bits, "rs_bits": args.rs_bits, "ag_bits": args.ag_bits,
         "group": args.group, "spikes": args.spikes, "ops": args.ops,
@@ -50,7 +57,27 @@ def _variables(args):
         if not sep or not name:
             raise SystemExit(f"flashcomm: --set wants NAME=VALUE, got {item!r}")
         settings[name] = value
-    return flashcomm.env(nccl_lib=args.nccl_lib, **settings)
+    names = [flashcomm._setting_name(k) for k, v in settings.items() if v is not None]
+    if args.nccl_lib:
+        names.append("FLASHCOMM_NCCL_LIB")
+    return flashcomm.env(nccl_lib=args.nccl_lib, **settings), names
+
+
+def _refused(environ, names):
+    """Checks the job's settings with the library's own rules; prints each bad one and returns
+    2 when there is any (nothing is started), else None."""
+    try:
+        problems = flashcomm.check_settings(environ, names)
+    except RuntimeError as e:
+        print(f"flashcomm: {e}", file=sys.stderr)
+        return 2
+    if not problems:
+        return None
+    for p in problems:
+        print(f"flashcomm: {p}", file=sys.stderr)
+    print("flashcomm: nothing was started: with these settings the library would pass every "
+          "call through to NCCL (see docs/env.md)", file=sys.stderr)
+    return 2
 
 
 def _run(argv):
@@ -66,9 +93,12 @@ def _run(argv):
     command = command or args.command
     if not command:
         p.error("no command given: flashcomm run [options] -- <command> [args ...]")
-    variables = _variables(args)
+    variables, names = _variables(args)
     child = dict(os.environ)
     child.update(variables)
+    refused = _refused(child, names)
+    if refused is not None:
+        return refused
     exe = shutil.which(command[0], path=child.get("PATH"))
     if exe is None:
         print(f"flashcomm: {command[0]}: command not found", file=sys.stderr)
@@ -83,7 +113,13 @@ def _env(argv):
     p = _settings_parser("flashcomm env", "Print the variables that make a program use "
                          "flashcomm, as shell export lines: eval \"$(flashcomm env --bits 4)\".")
     args = p.parse_args(argv)
-    for name, value in _variables(args).items():
+    variables, names = _variables(args)
+    child = dict(os.environ)
+    child.update(variables)
+    refused = _refused(child, names)
+    if refused is not None:
+        return refused
+    for name, value in variables.items():
         print(f"export {name}={shlex.quote(value)}")
     return 0
 
@@ -95,6 +131,11 @@ def _info(argv):
     print(f"real NCCL (nvidia-nccl-cu13): {flashcomm.real_nccl_path() or 'not found'}")
     for key, value in sorted(flashcomm.build_info().items()):
         print(f"{key}: {value}")
+    # With the variables `flashcomm run` gives a job.
+    job = dict(os.environ)
+    job.update(flashcomm.env())
+    for what, answer in flashcomm.machine(job):
+        print(f"{what}: {answer}")
     return 0
 
 

@@ -144,6 +144,47 @@ def main():
     res = subprocess.run([script, "info"], stdout=subprocess.PIPE, text=True)
     check(res.returncode == 0 and lib_path in res.stdout and "library: " in res.stdout,
           "flashcomm info", res.stdout)
+    check(re.search(r"^CUDA driver: .+", res.stdout, re.M) is not None
+          and "settings: valid" in res.stdout
+          and re.search(r"^real NCCL: 2\.\d+\.\d+, as the library finds it", res.stdout, re.M)
+          and re.search(r"^on this machine: .+", res.stdout, re.M) is not None,
+          "flashcomm info says whether a GPU and driver are visible and what the library "
+          "would do", res.stdout)
+
+    # Bad settings are refused before anything starts, with the library's own rules: the
+    # variable, the value and what is allowed, exit status 2.
+    marker = os.path.join(os.getcwd(), "started")
+    starter = [sys.executable, "-c", f"open({marker!r}, 'w').close()"]
+    bad = [
+        (["run", "--bits", "9", "--"], {}, 'FLASHCOMM_QUANT_BITS="9" is not valid; allowed: '),
+        (["run", "--bits", "abc", "--"], {}, 'FLASHCOMM_QUANT_BITS="abc" is not valid'),
+        (["run", "--set", "FLASHCOMM_PROTO=fast", "--"], {},
+         'FLASHCOMM_PROTO="fast" is not valid; allowed: `auto`, `ll`, `block`'),
+        (["run", "--group", "100", "--"], {}, 'FLASHCOMM_QUANT_GROUP="100" is not valid'),
+        (["run", "--set", "max_bytes=lots", "--"], {}, 'FLASHCOMM_MAX_BYTES="lots" is not valid'),
+        (["run", "--set", "FLASHCOMM_PROTOCOL=ll", "--"], {},
+         "FLASHCOMM_PROTOCOL='ll': not a flashcomm variable"),
+        (["run", "--set", "FLASHCOMM_LOG=flashcomm=[[", "--"], {}, 'FLASHCOMM_LOG="flashcomm=[["'),
+        (["run", "--debug", "LOUD", "--"], {}, 'NCCL_DEBUG="LOUD" is not valid'),
+        (["run", "--nccl-lib", "/nonexistent/libnccl.so.2", "--"], {},
+         "/nonexistent/libnccl.so.2 [FLASHCOMM_NCCL_LIB]: not found"),
+        (["run", "--"], {"FLASHCOMM_ALGO": "sideways"}, 'FLASHCOMM_ALGO="sideways" is not valid'),
+        (["env", "--bits", "9"], {}, 'FLASHCOMM_QUANT_BITS="9" is not valid'),
+    ]
+    for argv, extra, words in bad:
+        if os.path.exists(marker):
+            os.remove(marker)
+        cmd = [script] + argv + (starter if argv[0] == "run" else [])
+        res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, **extra))
+        shown = " ".join(["flashcomm"] + argv) + (f" with {extra}" if extra else "")
+        check(res.returncode == 2 and words in res.stderr and "nothing was started" in res.stderr
+              and not os.path.exists(marker) and "export " not in res.stdout,
+              f"{shown}: refused before anything starts", (res.returncode, res.stderr[-1500:]))
+    res = subprocess.run([script, "run", "--bits", "4", "--"] + starter, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    check(res.returncode == 0 and os.path.exists(marker), "valid settings start the command",
+          res.stderr[-1500:])
 
     print(f"{passed} passed, {failed} failed")
     return 0 if failed == 0 and passed > 0 else 1

@@ -77,19 +77,29 @@ static void cpu_checks(int expect_version) {
                "invalid argument (run with NCCL_DEBUG=WARN for details)") == 0, "wording");
   CHECK(strcmp(ncclGetErrorString((ncclResult_t)99), "unknown result code") == 0, "unknown code");
 
+  /* Bad calls are answered by the real NCCL, as without flashcomm: a handle that is not a
+   * communicator (zeroed memory NCCL can read) is "corrupted", whatever else the call says. */
   float host[4] = {1, 2, 3, 4};
-  ncclComm_t bogus = (ncclComm_t)(uintptr_t)0x10; /* never dereferenced: every call below fails its checks or has count 0 */
+  ncclComm_t foreign = (ncclComm_t)calloc(1, 64u << 20);
+  CHECK(foreign != NULL, "calloc");
   CHECK(ncclAllReduce(host, host, 4, ncclFloat32, ncclSum, NULL, NULL) == ncclInvalidArgument, "null comm");
   CHECK(contains(ncclGetLastError(NULL), "comm argument is NULL"), "%s", ncclGetLastError(NULL));
-  CHECK(ncclAllReduce(host, host, 4, (ncclDataType_t)ncclNumTypes, ncclSum, bogus, NULL) == ncclInvalidArgument, "datatype");
-  CHECK(contains(ncclGetLastError(NULL), "invalid datatype 12"), "%s", ncclGetLastError(NULL));
-  CHECK(ncclAllReduce(host, host, 4, ncclFloat32, (ncclRedOp_t)-1, bogus, NULL) == ncclInvalidArgument, "operator");
-  CHECK(contains(ncclGetLastError(NULL), "invalid reduction operation -1"), "%s", ncclGetLastError(NULL));
-  CHECK(ncclAllReduce(NULL, NULL, 0, ncclFloat32, ncclSum, bogus, NULL) == ncclSuccess, "count 0");
-  CHECK(ncclBroadcast(host, NULL, 4, ncclFloat32, 0, bogus, NULL) == ncclInvalidArgument, "null recvbuff");
-  CHECK(ncclReduceScatter(NULL, host, 1, ncclFloat32, ncclSum, bogus, NULL) == ncclInvalidArgument, "null sendbuff");
-  CHECK(ncclSend(NULL, 0, ncclFloat32, 0, bogus, NULL) == ncclSuccess, "send count 0");
+  CHECK(ncclAllReduce(host, host, 4, (ncclDataType_t)ncclNumTypes, ncclSum, foreign, NULL) == ncclInvalidArgument, "datatype");
+  CHECK(contains(ncclGetLastError(NULL), "corrupted comm object"), "%s", ncclGetLastError(NULL));
+  CHECK(ncclAllReduce(host, host, 4, ncclFloat32, (ncclRedOp_t)-1, foreign, NULL) == ncclInvalidArgument, "operator");
+  CHECK(ncclAllReduce(NULL, NULL, 0, ncclFloat32, ncclSum, foreign, NULL) == ncclInvalidArgument, "count 0");
+  CHECK(ncclBroadcast(host, NULL, 4, ncclFloat32, 0, foreign, NULL) == ncclInvalidArgument, "null recvbuff");
+  CHECK(ncclReduceScatter(NULL, host, 1, ncclFloat32, ncclSum, foreign, NULL) == ncclInvalidArgument, "null sendbuff");
+  CHECK(ncclSend(NULL, 0, ncclFloat32, 0, foreign, NULL) == ncclInvalidArgument, "send count 0");
   CHECK(ncclAllGatherConfig(host, host, 1, ncclFloat32, NULL, NULL, NULL) == ncclInvalidArgument, "config variant");
+  CHECK(ncclGroupStart() == ncclSuccess, "group start");
+  CHECK(ncclAllReduce(host, host, 4, ncclFloat32, ncclSum, NULL, NULL) == ncclInvalidArgument, "null comm in a group");
+  CHECK(ncclGroupEnd() == ncclInvalidArgument, "the group's result is the failed call's");
+  free(foreign);
+  /* flashcomm's own API refuses what it does not know, with a message. */
+  flashcommStats_t stats;
+  CHECK(flashcommGetStats((ncclComm_t)(uintptr_t)0x10, &stats) == ncclInvalidArgument, "unknown communicator");
+  CHECK(contains(ncclGetLastError(NULL), "is not known to flashcomm"), "%s", ncclGetLastError(NULL));
 
   int fv = 0;
   CHECK(flashcommGetVersion(&fv) == ncclSuccess && fv > 0, "flashcomm version %d", fv);

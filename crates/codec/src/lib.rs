@@ -37,4 +37,4 @@ pub use format::{
     HEADER_BYTES,
 };
 pub use half::{bf16, f16};
-pub use tables::effective_bits_markdown;
+pub use tables::{ErrorRow, effective_bits_markdown, error_rows, error_table_markdown};

@@ -167,3 +167,25 @@ fn massive_value_in_one_rank() {
     }
     check(f, f, &inputs);
 }
+
+/// The error table `ci/demo.sh` prints without a GPU: every bound holds, and more bits give a
+/// smaller error.
+#[test]
+fn the_error_table_is_within_its_bounds_and_falls_with_the_width() {
+    let rows = flashcomm_codec::error_rows(4, 4096);
+    assert_eq!(rows.len(), 14);
+    for r in &rows {
+        assert!(r.worst_of_bound <= 1.0, "{r:?}");
+        assert!(r.rel_l2 > 0.0 && r.rel_l2 < 1.0, "{r:?}");
+    }
+    for two_step in [false, true] {
+        let errs: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.two_step == two_step)
+            .map(|r| r.rel_l2)
+            .collect();
+        assert!(errs.windows(2).all(|w| w[1] < w[0]), "{errs:?}");
+    }
+    let table = flashcomm_codec::error_table_markdown(2, 1024);
+    assert!(table.contains("| 4 | one-shot |"), "{table}");
+}

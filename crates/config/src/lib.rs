@@ -586,6 +586,12 @@ impl fmt::Display for QuantSettings {
     }
 }
 
+/// `text` on one line (a value may hold line breaks; the problem text quotes it escaped, but
+/// details from elsewhere may not).
+fn one_line(text: &str) -> String {
+    text.replace(['\n', '\r'], " ")
+}
+
 /// The whole configuration, read once.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -811,7 +817,10 @@ impl Config {
     }
 
     /// The effective configuration, one `NAME=value` line per variable (`# default` marks values
-    /// not set in the environment), then the pass-through state.
+    /// not set in the environment; `# not valid: ...` a value the library cannot use, which
+    /// then keeps its default, with the variable, the value and what is allowed), then the
+    /// pass-through state. The launcher reads these notes to refuse a bad setting before it
+    /// starts a job (`python/flashcomm`), so the rules are the library's own.
     pub fn describe(&self) -> String {
         let mut s = String::new();
         for (name, value) in self
@@ -820,10 +829,18 @@ impl Config {
             .into_iter()
             .chain(self.logging.shown())
         {
-            let note = if self.set.contains(&name) {
-                ""
+            let problems: Vec<String> = self
+                .problems
+                .iter()
+                .filter(|p| p.variable == name)
+                .map(|p| format!("  # not valid: {}", one_line(&p.to_string())))
+                .collect();
+            let note = if !problems.is_empty() {
+                problems.concat()
+            } else if self.set.contains(&name) {
+                String::new()
             } else {
-                "  # default"
+                "  # default".to_string()
             };
             s.push_str(&format!("{name}={value}{note}\n"));
         }
@@ -1050,6 +1067,50 @@ mod tests {
         let c = cfg(&[("FLASHCOMM_NCCL_LIB", "libnccl.so.2")]);
         assert!(c.passthrough_forced.unwrap().contains("FLASHCOMM_NCCL_LIB"));
         assert_eq!(c.settings.nccl_lib, None);
+    }
+
+    #[test]
+    fn describe_names_each_bad_value_on_its_variables_line() {
+        let c = cfg(&[
+            ("FLASHCOMM_PROTO", "fast"),
+            ("FLASHCOMM_QUANT_BITS", "9"),
+            ("NCCL_DEBUG", "LOUD"),
+            ("FLASHCOMM_MIN_BYTES", "2M"),
+            ("FLASHCOMM_MAX_BYTES", "1M"),
+            ("FLASHCOMM_ALGO", "oneshot"),
+        ]);
+        let d = c.describe();
+        let line = |name: &str| {
+            d.lines()
+                .find(|l| l.starts_with(&format!("{name}=")))
+                .unwrap()
+                .to_string()
+        };
+        assert_eq!(
+            line("FLASHCOMM_PROTO"),
+            "FLASHCOMM_PROTO=auto  # not valid: FLASHCOMM_PROTO=\"fast\" is not valid; allowed: \
+             `auto`, `ll`, `block`"
+        );
+        assert!(
+            line("FLASHCOMM_QUANT_BITS").contains("# not valid: FLASHCOMM_QUANT_BITS=\"9\""),
+            "{d}"
+        );
+        assert!(
+            line("NCCL_DEBUG").contains("# not valid: NCCL_DEBUG=\"LOUD\""),
+            "{d}"
+        );
+        assert!(
+            line("FLASHCOMM_MIN_BYTES").contains("larger than FLASHCOMM_MAX_BYTES"),
+            "{d}"
+        );
+        assert_eq!(line("FLASHCOMM_ALGO"), "FLASHCOMM_ALGO=oneshot");
+        assert_eq!(
+            line("FLASHCOMM_TRANSPORT"),
+            "FLASHCOMM_TRANSPORT=auto  # default"
+        );
+        // A value with a line break stays on its line.
+        let c = cfg(&[("FLASHCOMM_PROTO", "a\nb")]);
+        assert_eq!(c.describe().lines().count(), variables().len() + 1);
     }
 
     #[test]

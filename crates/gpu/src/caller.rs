@@ -15,11 +15,18 @@ use cudarc::driver::{result, sys};
 
 use crate::{Error, Stream, check};
 
+/// Set once the driver was found loaded (it is never unloaded).
+static LOADED: AtomicBool = AtomicBool::new(false);
+
 /// Whether the process has already loaded the CUDA driver (`libcuda.so.1`). Never loads it:
 /// a preloaded library lands in every process of a job, and loading the driver in a shell or a
 /// compiler would be wrong. Once `true`, it stays `true` (the driver is never unloaded).
+///
+/// Until then each call asks the dynamic loader (`dlopen` with `RTLD_NOLOAD`, which searches
+/// the loader's cache): fine at set-up and teardown, never on a path every call or log line
+/// takes. A thread inside the loader when another thread forks leaves the child a loader state
+/// caught half-way, in which the child's own first `dlopen` can crash.
 pub fn driver_loaded() -> bool {
-    static LOADED: AtomicBool = AtomicBool::new(false);
     if LOADED.load(Ordering::Relaxed) {
         return true;
     }
@@ -36,10 +43,11 @@ pub fn driver_loaded() -> bool {
     false
 }
 
-/// The device of the calling thread's current context, if the driver is loaded, initialized
-/// and a context is current.
+/// The device of the calling thread's current context, if the driver is known to be loaded
+/// (an earlier [`driver_loaded`] found it), initialized, and a context is current. Never asks
+/// the dynamic loader: it runs on every log line.
 pub fn current_device() -> Option<i32> {
-    if !driver_loaded() {
+    if !LOADED.load(Ordering::Relaxed) {
         return None;
     }
     let mut dev: sys::CUdevice = -1;

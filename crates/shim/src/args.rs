@@ -1,20 +1,22 @@
-//! Argument checks of the collective exports, before anything else happens.
+//! What flashcomm reads from the arguments of a collective export before anything else happens:
+//! whether the call is one flashcomm could route at all.
 //!
-//! Order: communicator, datatype, operator, then `count == 0` (a successful no-op, as in NCCL),
-//! then buffers. Each failure is `ncclInvalidArgument` with a message naming the export and the
-//! bad value. What depends on the communicator (root and peer ranges, whether this rank is the
-//! root, whether a PreMulSum operator belongs to this communicator) is left to the real library,
-//! which checks it with the same codes.
+//! flashcomm is an interposer: its own checks guard only what it serves. A call it cannot route
+//! (no communicator, a datatype or operator its kernels do not know, nothing to move, a size that
+//! overflows) goes to the real NCCL untouched, uncounted, and the real library's answer is the
+//! answer, so a program cannot tell flashcomm is there: the same code, the same
+//! `ncclGetLastError`, the same treatment inside a group, and datatypes or operators of a newer
+//! real library reach it unchanged. Everything else ([`Checked::Bytes`]) goes through the router,
+//! which forwards it too unless flashcomm serves the communicator; only then do flashcomm's own
+//! checks apply (`CollCall::null_buffer`, `serve::execute`).
 //!
 //! Owns: [`Args`], [`Checked`], [`check`], [`element_size`].
-//! May import: `error`, `logging`, `types`.
+//! May import: `types`.
 
 use std::ffi::c_void;
 
 use flashcomm_nccl_sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t};
 
-use crate::error::Error;
-use crate::logging::Subsys;
 use crate::types::Collective;
 
 /// The arguments to check.
@@ -41,9 +43,10 @@ pub(crate) struct Args {
 /// What the checks found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Checked {
-    /// Nothing to do (`count == 0`): return `ncclSuccess` at once.
-    Empty,
-    /// A real call of this many bytes (`count` x element size).
+    /// Not a call flashcomm routes: it goes to the real library as it is, and the real library's
+    /// answer is the answer.
+    Forward,
+    /// A call the router decides: `count` x element size bytes (per rank).
     Bytes(u64),
 }
 
@@ -61,88 +64,35 @@ pub(crate) fn element_size(datatype: ncclDataType_t) -> Option<u64> {
     })
 }
 
-/// Which buffers must be non-null when `count > 0`. A buffer that is only used on the root
-/// (broadcast's send buffer, reduce's receive buffer) may be null elsewhere, and only the real
-/// library knows this rank, so those are left to it.
-fn required_buffers(kind: Collective) -> (bool, bool) {
-    match kind {
-        Collective::AllReduce
-        | Collective::ReduceScatter
-        | Collective::AllGather
-        | Collective::AlltoAll => (true, true),
-        Collective::Broadcast => (false, true),
-        Collective::Reduce => (true, false),
-        Collective::Send => (true, false),
-        Collective::Recv => (false, true),
-    }
-}
-
-/// Checks one collective call.
-pub(crate) fn check(a: &Args) -> Result<Checked, Error> {
-    let sub = Subsys::of(a.kind);
-    if a.comm.is_null() {
-        return Err(Error::invalid_argument(
-            sub,
-            format!("{}: comm argument is NULL", a.api),
-        ));
+/// Classifies one collective call. Pure: a few comparisons, no allocation.
+///
+/// Forwarded as they are: a NULL communicator, a datatype outside the pinned header's
+/// `0..ncclNumTypes` (a newer real library may know it), an operator above `ncclMaxRedOp` (a
+/// negative one), `count == 0`, and a byte size that overflows. Operators `>= ncclNumOps` are
+/// `ncclRedOpCreatePreMulSum` handles: routed (the router sends them to NCCL, which knows
+/// whether the handle belongs to the communicator).
+#[inline]
+pub(crate) fn check(a: &Args) -> Checked {
+    if a.comm.is_null() || a.count == 0 {
+        return Checked::Forward;
     }
     let Some(size) = element_size(a.datatype) else {
-        return Err(Error::invalid_argument(
-            sub,
-            format!(
-                "{}: invalid datatype {} (valid: 0..={})",
-                a.api,
-                a.datatype.0 as i32,
-                ncclDataType_t::ncclNumTypes.0 - 1
-            ),
-        ));
+        return Checked::Forward;
     };
     if let Some(op) = a.op
         && op.0 > ncclRedOp_t::ncclMaxRedOp.0
     {
-        return Err(Error::invalid_argument(
-            sub,
-            format!(
-                "{}: invalid reduction operation {} (valid: 0..={} built in, or a handle from \
-                 ncclRedOpCreatePreMulSum up to ncclMaxRedOp)",
-                a.api,
-                op.0 as i32,
-                ncclRedOp_t::ncclNumOps.0 - 1
-            ),
-        ));
+        return Checked::Forward;
     }
-    if a.count == 0 {
-        return Ok(Checked::Empty);
+    match (a.count as u64).checked_mul(size) {
+        Some(bytes) => Checked::Bytes(bytes),
+        None => Checked::Forward,
     }
-    let (need_send, need_recv) = required_buffers(a.kind);
-    if need_send && a.sendbuff.is_null() {
-        return Err(Error::invalid_argument(
-            sub,
-            format!("{}: sendbuff is NULL with count {}", a.api, a.count),
-        ));
-    }
-    if need_recv && a.recvbuff.is_null() {
-        return Err(Error::invalid_argument(
-            sub,
-            format!("{}: recvbuff is NULL with count {}", a.api, a.count),
-        ));
-    }
-    let bytes = (a.count as u64).checked_mul(size).ok_or_else(|| {
-        Error::invalid_argument(
-            sub,
-            format!(
-                "{}: count {} of datatype {} overflows",
-                a.api, a.count, a.datatype.0
-            ),
-        )
-    })?;
-    Ok(Checked::Bytes(bytes))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::Kind;
 
     fn args() -> Args {
         Args {
@@ -159,135 +109,93 @@ mod tests {
 
     #[test]
     fn good_call() {
-        assert_eq!(check(&args()), Ok(Checked::Bytes(20)));
+        assert_eq!(check(&args()), Checked::Bytes(20));
     }
 
     #[test]
-    fn null_comm_first() {
-        let e = check(&Args {
+    fn a_null_communicator_is_the_real_librarys_to_answer() {
+        let a = Args {
             comm: std::ptr::null_mut(),
-            datatype: ncclDataType_t(99),
             ..args()
-        })
-        .unwrap_err();
-        assert_eq!(e.kind(), Kind::InvalidArgument);
-        assert_eq!(e.message(), "ncclAllReduce: comm argument is NULL");
+        };
+        assert_eq!(check(&a), Checked::Forward);
     }
 
     #[test]
-    fn datatypes() {
+    fn datatypes_past_the_pinned_header_are_forwarded() {
         for dt in [
             ncclDataType_t::ncclNumTypes,
             ncclDataType_t(u32::MAX),
             ncclDataType_t(1000),
+            ncclDataType_t(i32::MAX as u32),
         ] {
-            let e = check(&Args {
+            let a = Args {
                 datatype: dt,
                 ..args()
-            })
-            .unwrap_err();
-            assert!(e.message().contains("invalid datatype"), "{}", e.message());
+            };
+            assert_eq!(check(&a), Checked::Forward, "{}", dt.0);
         }
-        assert!(
-            check(&Args {
-                datatype: ncclDataType_t(u32::MAX),
-                ..args()
-            })
-            .unwrap_err()
-            .message()
-            .contains("datatype -1")
-        );
         for dt in 0..ncclDataType_t::ncclNumTypes.0 {
-            assert!(
-                check(&Args {
-                    datatype: ncclDataType_t(dt),
-                    ..args()
-                })
-                .is_ok(),
-                "{dt}"
-            );
+            let a = Args {
+                datatype: ncclDataType_t(dt),
+                ..args()
+            };
+            assert!(matches!(check(&a), Checked::Bytes(_)), "{dt}");
         }
     }
 
     #[test]
     fn operators() {
-        // PreMulSum handles (>= ncclNumOps) are legal and forwarded.
+        // PreMulSum handles (>= ncclNumOps) are routed (to NCCL, by the router).
         for op in [0, 4, 5, 6, 1000, i32::MAX as u32] {
-            assert!(
-                check(&Args {
-                    op: Some(ncclRedOp_t(op)),
-                    ..args()
-                })
-                .is_ok(),
-                "{op}"
-            );
+            let a = Args {
+                op: Some(ncclRedOp_t(op)),
+                ..args()
+            };
+            assert_eq!(check(&a), Checked::Bytes(20), "{op}");
         }
-        // Negative values (above ncclMaxRedOp as unsigned) are not.
-        let e = check(&Args {
-            op: Some(ncclRedOp_t(-1i32 as u32)),
-            ..args()
-        })
-        .unwrap_err();
-        assert!(
-            e.message().contains("invalid reduction operation -1"),
-            "{}",
-            e.message()
-        );
+        // Negative values (above ncclMaxRedOp as unsigned) are the real library's to answer.
+        for op in [-1i32, -5, i32::MIN] {
+            let a = Args {
+                op: Some(ncclRedOp_t(op as u32)),
+                ..args()
+            };
+            assert_eq!(check(&a), Checked::Forward, "{op}");
+        }
     }
 
     #[test]
-    fn zero_count_is_empty_even_with_null_buffers() {
+    fn zero_count_is_forwarded_whatever_the_buffers() {
         let a = Args {
             count: 0,
             sendbuff: std::ptr::null(),
             recvbuff: std::ptr::null_mut(),
             ..args()
         };
-        assert_eq!(check(&a), Ok(Checked::Empty));
+        assert_eq!(check(&a), Checked::Forward);
     }
 
     #[test]
-    fn null_buffers() {
-        let e = check(&Args {
+    fn null_buffers_are_routed_and_overflows_forwarded() {
+        // Buffers matter only where flashcomm serves the call (`CollCall::null_buffer`).
+        let a = Args {
             sendbuff: std::ptr::null(),
-            ..args()
-        })
-        .unwrap_err();
-        assert_eq!(e.message(), "ncclAllReduce: sendbuff is NULL with count 10");
-        let e = check(&Args {
-            recvbuff: std::ptr::null_mut(),
-            ..args()
-        })
-        .unwrap_err();
-        assert_eq!(e.message(), "ncclAllReduce: recvbuff is NULL with count 10");
-        // Root-only buffers are the real library's to check.
-        let b = Args {
-            kind: Collective::Broadcast,
-            op: None,
-            sendbuff: std::ptr::null(),
-            ..args()
-        };
-        assert!(check(&b).is_ok());
-        let r = Args {
-            kind: Collective::Reduce,
             recvbuff: std::ptr::null_mut(),
             ..args()
         };
-        assert!(check(&r).is_ok());
-        let s = Args {
-            kind: Collective::Send,
-            op: None,
-            recvbuff: std::ptr::null_mut(),
+        assert_eq!(check(&a), Checked::Bytes(20));
+        let a = Args {
+            count: usize::MAX,
+            datatype: ncclDataType_t::ncclFloat64,
             ..args()
         };
-        assert!(check(&s).is_ok());
-        let v = Args {
-            kind: Collective::Recv,
-            op: None,
-            sendbuff: std::ptr::null(),
+        assert_eq!(check(&a), Checked::Forward);
+        let a = Args {
+            count: usize::MAX,
+            datatype: ncclDataType_t::ncclUint8,
             ..args()
         };
-        assert!(check(&v).is_ok());
+        assert_eq!(check(&a), Checked::Bytes(u64::MAX));
     }
 
     #[test]

@@ -18,7 +18,7 @@
 //! library runs, and nothing on the path allocates device memory or synchronizes, so routed
 //! calls may be captured into CUDA graphs.
 //!
-//! Owns: the hooks the exports call ([`run`], [`on_comms_created`],
+//! Owns: the hooks the exports call ([`run`], [`pass_through`], [`on_comms_created`],
 //! [`on_comm_destroying`], [`on_comm_suspend`], [`on_comm_resumed`], [`group_started`],
 //! [`hold_in_group`], [`hold_group_call`], [`hold_in_group_released`], [`group_ending`], [`group_ended`],
 //! [`async_error`]).
@@ -302,18 +302,44 @@ pub(crate) fn hold_in_group(call: &CollCall, peer: Option<i32>, config: &Config)
         return false;
     }
     if matches!(call.kind, Collective::Send | Collective::Recv)
+        && call.null_buffer().is_none()
         && let Some(peer) = peer
         && let Some(id) = registry::get(call.comm).and_then(|s| s.identity())
         && (0..id.nranks).contains(&peer)
     {
         return group::hold(Held::P2p(P2pCall { call: *call, peer }));
     }
+    stop_holding(config);
+    false
+}
+
+/// Ends the holding of this thread's group, if it holds: the calls held so far go to the real
+/// library now, in their order; a failure among them is returned again by the group's end.
+fn stop_holding(config: &Config) {
     let r = release_held(group::take_held(), config);
     if r != ncclResult_t::ncclSuccess {
         // NCCL returns a failed call's error again from the group's end.
         RELEASE_FAILURE.with(|f| f.set(Some(f.get().unwrap_or(r))));
     }
-    false
+}
+
+/// A call flashcomm does not route (`args::check`: no communicator, a datatype or operator the
+/// pinned header does not know, nothing to move, a size that overflows): given to the real
+/// library as it is, so its answer is the answer. Calls a group holds back go first (NCCL
+/// receives the group as written); on a communicator flashcomm serves, the call is ordered
+/// after flashcomm's work like any forwarded call. Not counted in the statistics.
+pub(crate) fn pass_through<F: FnOnce() -> ncclResult_t>(
+    call: &CollCall,
+    config: &Config,
+    forward_real: F,
+) -> ncclResult_t {
+    if config.settings.grouped_alltoall && group::holding() {
+        stop_holding(config);
+    }
+    let state = (!call.comm.is_null())
+        .then(|| registry::get(call.comm))
+        .flatten();
+    serve::forward_in_order(state.as_deref(), call, group::depth() > 0, forward_real)
 }
 
 thread_local! {
@@ -429,6 +455,7 @@ fn run_at<F: FnOnce() -> ncclResult_t>(
             None => serve::execute(st, call, &d),
         } {
             Executed::Done(r) => (d.route, r, None),
+            Executed::Invalid(r) => return r,
             Executed::Unquantized(r) => {
                 unquantized = true;
                 (Route::Lossless, r, None)

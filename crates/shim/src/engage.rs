@@ -20,20 +20,21 @@
 //!   not. At exit (a C `atexit` handler registered with the engagement line), if any such call
 //!   was counted, one line gives the calls per route and collective and the reasons: at INFO
 //!   under `flashcomm::engage` when flashcomm's kernels took some calls, at WARN when they took
-//!   none (the silent failure this module exists for). A forked child, which only forwards, writes
-//!   nothing.
+//!   none (the silent failure this module exists for). A fork child writes its own line and
+//!   summary when it sets up a communicator of its own (its counts start from its parent's at the
+//!   fork, as its memory does), nothing otherwise.
 //!
 //! Owns: the engagement line, the count of forwarded calls flashcomm could have served, the
 //! exit summary. May import: `registry`, `policy`, `stats`, `init`, `logging`, `calls::real`,
 //! `calls::os`, `types`.
 
 use std::fmt::Write as _;
-use std::sync::Once;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use flashcomm_config::{Bytes, Config, Value};
 use flashcomm_nccl_sys::{HEADER_VERSION, version_string};
 
+use crate::calls::os::PerProcess;
 use crate::logging::{self, Subsys};
 use crate::policy::Why;
 use crate::registry::CommState;
@@ -194,18 +195,24 @@ fn first_comm(h: CommHandle, state: &CommState) -> String {
     }
 }
 
-static ENGAGED: Once = Once::new();
+/// Once per process (a fork child that sets up a communicator writes its own line).
+static ENGAGED: PerProcess<()> = PerProcess::fresh_in_children();
+/// The process that registered the exit summary, and whether it was written: a fork child runs
+/// its parent's `atexit` handlers too, and writes a summary only if it registered its own.
+static SUMMARY_PID: AtomicU32 = AtomicU32::new(0);
+static SUMMARY_WRITTEN: AtomicBool = AtomicBool::new(false);
 
 /// Hook of `serve::finish`: communicator `h` was set up (served or not). The first time in the
 /// process, writes the engagement line and registers the exit summary.
 pub(crate) fn on_set_up(h: CommHandle, state: &CommState) {
-    ENGAGED.call_once(|| {
+    ENGAGED.get(|| {
         let config = &crate::init::state().config;
         engage_info(&engagement_line(
             config,
             &real_nccl(),
             &first_comm(h, state),
         ));
+        SUMMARY_PID.store(std::process::id(), Ordering::Relaxed);
         if !crate::calls::os::at_exit(at_exit) {
             logging::info(
                 Subsys::Init,
@@ -272,7 +279,9 @@ fn served_any(totals: &Snapshot) -> bool {
 
 extern "C" fn at_exit() {
     let _ = std::panic::catch_unwind(|| {
-        if crate::calls::os::forked() {
+        if SUMMARY_PID.load(Ordering::Relaxed) != std::process::id()
+            || SUMMARY_WRITTEN.swap(true, Ordering::Relaxed)
+        {
             return;
         }
         let totals = stats::totals();

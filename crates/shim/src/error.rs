@@ -4,8 +4,8 @@
 //! [`Error::report`] logs it once at WARN (under the error's subsystem) and records it for
 //! `ncclGetLastError`; the export then returns [`Error::code`].
 //!
-//! Owns: [`Error`], [`Kind`], [`error_string`].
-//! May import: `logging`, `last_error`, `calls::os`.
+//! Owns: [`Error`], [`Kind`], [`error_string`], [`code_name`].
+//! May import: `logging`, `last_error`.
 
 use std::fmt;
 
@@ -95,12 +95,6 @@ impl Error {
         }
     }
 
-    /// The kind of failure.
-    #[cfg(test)]
-    pub(crate) fn kind(&self) -> Kind {
-        self.kind
-    }
-
     /// Whether the real library lacks the called function (and nothing else went wrong).
     pub(crate) fn is_missing_function(&self) -> bool {
         self.missing_function.is_some()
@@ -124,13 +118,10 @@ impl Error {
         }
     }
 
-    /// Logs the error at WARN and records it for `ncclGetLastError`; returns its code. After a
-    /// `fork()` only the code is returned: the child touches none of our state.
+    /// Logs the error at WARN and records it for `ncclGetLastError`; returns its code.
     pub(crate) fn report(&self) -> ncclResult_t {
-        if !crate::calls::os::forked() {
-            crate::logging::warn(self.subsys, self.message());
-            crate::last_error::record(self.message());
-        }
+        crate::logging::warn(self.subsys, self.message());
+        crate::last_error::record(self.message());
         self.code()
     }
 }
@@ -139,6 +130,24 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.message)
     }
+}
+
+/// The name of a result code (`ncclInvalidArgument`), or its number.
+pub(crate) fn code_name(code: u32) -> String {
+    const NAMES: [&str; 9] = [
+        "ncclSuccess",
+        "ncclUnhandledCudaError",
+        "ncclSystemError",
+        "ncclInternalError",
+        "ncclInvalidArgument",
+        "ncclInvalidUsage",
+        "ncclRemoteError",
+        "ncclInProgress",
+        "ncclTimeout",
+    ];
+    NAMES
+        .get(code as usize)
+        .map_or_else(|| format!("result code {code}"), |n| n.to_string())
 }
 
 /// NCCL's own wording for each result code (`ncclGetErrorString`), so that programs matching on

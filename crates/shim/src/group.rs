@@ -5,11 +5,15 @@
 //! thread-local load.
 //!
 //! Owns: the depth ([`started`], [`ending`], [`depth`]), the deferred set-ups ([`defer`],
-//! [`take_deferred`]) and the `ncclSend`/`ncclRecv` calls held back while a group may still turn
-//! out to be an all-to-all ([`hold_from_now`], [`holding`], [`hold`], [`take_held`]).
+//! [`take_deferred`]), the `ncclSend`/`ncclRecv` calls held back while a group may still turn
+//! out to be an all-to-all ([`hold_from_now`], [`holding`], [`hold`], [`take_held`]), and the
+//! failure flashcomm itself gave a call of the group ([`failed`], [`real_failed`],
+//! [`take_failure`]).
 //! May import: `types`.
 
 use std::cell::{Cell, RefCell};
+
+use flashcomm_nccl_sys::ncclResult_t;
 
 use crate::types::{CommHandle, Held};
 
@@ -21,6 +25,27 @@ thread_local! {
     /// so far, in call order (`FLASHCOMM_GROUPED_ALLTOALL`); `None`: not holding (off, outside a
     /// group, or the group already proved not to be an all-to-all and its calls went to NCCL).
     static HELD: RefCell<Option<Vec<Held>>> = const { RefCell::new(None) };
+    /// The newest failure flashcomm itself returned from a call inside the current group (code
+    /// and message), unless a later call failed in the real library: the group's result.
+    static FAILED: RefCell<Option<(ncclResult_t, String)>> = const { RefCell::new(None) };
+}
+
+/// flashcomm itself failed a call of the current group with `code` and `message` (the real
+/// group never saw the call). The outermost group end returns it, as NCCL's group end returns
+/// the error of its newest failed call.
+pub(crate) fn failed(code: ncclResult_t, message: &str) {
+    FAILED.with(|f| *f.borrow_mut() = Some((code, message.to_string())));
+}
+
+/// The real library failed a call of the current group after flashcomm's own failure: its
+/// error is the newest, which the real group end returns itself.
+pub(crate) fn real_failed() {
+    FAILED.with(|f| f.borrow_mut().take());
+}
+
+/// The failure flashcomm gave a call of the group that just ended, forgetting it.
+pub(crate) fn take_failure() -> Option<(ncclResult_t, String)> {
+    FAILED.with(|f| f.borrow_mut().take())
 }
 
 /// `ncclGroupStart` succeeded on this thread.

@@ -8,10 +8,10 @@
 //! May import: `logging`, `calls::os`.
 
 use std::cell::RefCell;
-use std::sync::OnceLock;
 
 use flashcomm_config::Config;
 
+use crate::calls::os::PerProcess;
 use crate::logging::{self, Subsys};
 
 /// What is initialized once per process.
@@ -21,18 +21,23 @@ pub(crate) struct State {
     pub(crate) config: Config,
 }
 
-static STATE: OnceLock<State> = OnceLock::new();
+/// A fork child keeps its parent's (the environment is the same); one its parent was still
+/// making when it forked is made again in the child.
+static STATE: PerProcess<State> = PerProcess::inherited();
 
 /// The process state, initializing it on first use.
 #[inline]
 pub(crate) fn state() -> &'static State {
-    STATE.get_or_init(|| {
+    STATE.get(|| {
         let mut config = Config::from_env();
         let later = logging::install(&mut config);
         if let Err(rc) = crate::calls::os::watch_fork() {
             logging::warn(
                 Subsys::Init,
-                &format!("pthread_atfork failed ({rc}); fork children will not be detected"),
+                &format!(
+                    "pthread_atfork failed ({rc}); a fork child will take its parent's state for \
+                     its own"
+                ),
             );
         }
         install_panic_hook();

@@ -8,32 +8,48 @@
 //!
 //! Recorded only on failures, never on the per-call path of a successful call.
 //!
-//! Owns: [`Last`], [`record`], [`record_real_failure`], [`current`].
-//! May import: nothing of this crate.
+//! Owns: [`Last`], [`record`], [`record_real_failure`], [`current`], [`thread_last`].
+//! May import: `calls::os`.
 
 use std::cell::RefCell;
 use std::sync::Mutex;
+
+use crate::calls::os::PerProcess;
 
 /// Where the newest failure was detected.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Last {
     /// By flashcomm, with this message.
     Ours(String),
-    /// By the real library, which holds the message.
-    Real,
+    /// By the real library, which holds the message: its function `api` returned `code`.
+    Real {
+        /// The real function that failed.
+        api: &'static str,
+        /// What it returned.
+        code: u32,
+    },
 }
 
 thread_local! {
     static THREAD: RefCell<Option<Last>> = const { RefCell::new(None) };
 }
 
-static PROCESS: Mutex<Option<Last>> = Mutex::new(None);
+/// The process's newest failure. A fork child starts its own: a lock one of its parent's
+/// threads held at the fork (they record failures all the time) would stay held in it.
+static PROCESS: PerProcess<Mutex<Option<Last>>> = PerProcess::fresh_in_children();
+
+fn process() -> std::sync::MutexGuard<'static, Option<Last>> {
+    // A poisoned lock only means another thread panicked while holding it; the value is a plain
+    // Option and always consistent.
+    PROCESS
+        .get(|| Mutex::new(None))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
 
 fn set(last: Last) {
     THREAD.with(|t| *t.borrow_mut() = Some(last.clone()));
-    // A poisoned lock only means another thread panicked while holding it; the value is a plain
-    // Option and always consistent.
-    *PROCESS.lock().unwrap_or_else(|e| e.into_inner()) = Some(last);
+    *process() = Some(last);
 }
 
 /// Records a failure detected by flashcomm.
@@ -41,9 +57,15 @@ pub(crate) fn record(message: &str) {
     set(Last::Ours(message.to_string()));
 }
 
-/// Records that the real library returned a failure (its message is its own).
-pub(crate) fn record_real_failure() {
-    set(Last::Real);
+/// Records that the real library's function `api` returned the failure `code` (its message is
+/// its own).
+pub(crate) fn record_real_failure(api: &'static str, code: u32) {
+    set(Last::Real { api, code });
+}
+
+/// This thread's newest failure.
+pub(crate) fn thread_last() -> Option<Last> {
+    THREAD.with(|t| t.borrow().clone())
 }
 
 /// What `ncclGetLastError` should answer: this thread's newest failure, else the process's.
@@ -51,7 +73,7 @@ pub(crate) fn record_real_failure() {
 pub(crate) fn current() -> Option<Last> {
     THREAD
         .with(|t| t.borrow().clone())
-        .or_else(|| PROCESS.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        .or_else(|| process().clone())
 }
 
 #[cfg(test)]
@@ -67,10 +89,19 @@ mod tests {
         .unwrap();
         // This thread has no failure yet: the process-wide one answers (unless a parallel test
         // set one meanwhile, which is also process-wide).
-        assert!(matches!(current(), Some(Last::Ours(_)) | Some(Last::Real)));
+        assert!(matches!(
+            current(),
+            Some(Last::Ours(_)) | Some(Last::Real { .. })
+        ));
         record("mine");
         assert_eq!(current(), Some(Last::Ours("mine".into())));
-        record_real_failure();
-        assert_eq!(current(), Some(Last::Real));
+        record_real_failure("ncclX", 4);
+        assert_eq!(
+            current(),
+            Some(Last::Real {
+                api: "ncclX",
+                code: 4
+            })
+        );
     }
 }

@@ -15,29 +15,29 @@
 //!
 //! | module | owns | may import |
 //! |---|---|---|
-//! | `exports::api` | the NCCL exports we inspect: versions, errors, collectives, communicator lifecycle, groups | `exports::collective`, `exports::boundary`, `dispatch`, `group`, `args`, `calls::real`, `error`, `logging`, `last_error`, `calls::os`, `init`, `types` |
+//! | `exports::api` | the NCCL exports we inspect: versions, errors, collectives, communicator lifecycle, groups | `exports::collective`, `exports::boundary`, `dispatch`, `group`, `args`, `calls::real`, `error`, `logging`, `last_error`, `init`, `types` |
 //! | `exports::forwarders` | the generated plain forwarders | `exports::boundary` |
 //! | `exports::ext` | flashcomm's own C API (`include/flashcomm.h`) | `exports::boundary`, `registry`, `stats`, `init`, `error`, `logging`, `types` |
-//! | `exports::collective` | the common path of the collective exports: checks, then dispatch | `exports::boundary`, `dispatch`, `args`, `init`, `error`, `calls::os`, `types` |
-//! | `exports::boundary` | the panic boundary, the export macros, signature checks | `calls::real`, `init`, `error`, `logging`, `last_error`, `calls::os` |
+//! | `exports::collective` | the common path of the collective exports: checks, then dispatch | `exports::boundary`, `dispatch`, `args`, `init`, `error`, `types` |
+//! | `exports::boundary` | the panic boundary, the export macros, signature checks, a group call flashcomm fails inside a group | `calls::real`, `calls::nccl`, `group`, `init`, `error`, `logging`, `last_error` |
 //! | `dispatch` | the hooks of the exports: run one call (lookup, decision, serve or forward, count), communicator and group events | `serve`, `engage`, `registry`, `group`, `policy`, `stats`, `logging`, `init`, `calls::cuda`, `types` |
 //! | `serve` | flashcomm's communicator behind a served NCCL communicator: set-up, routed calls, teardown | `engage`, `bootstrap`, `registry`, `policy`, `calls::nccl`, `init`, `error`, `logging`, `calls::cuda`, `types` |
 //! | `engage` | the "flashcomm is on" line, the forwarded calls flashcomm could have served, the exit summary | `registry`, `policy`, `stats`, `calls::real`, `init`, `logging`, `calls::os`, `types` |
 //! | `bootstrap` | the set-up exchange over the real NCCL's `ncclAllGather` | `calls::nccl`, `calls::cuda`, `types` |
-//! | `registry` | the side table of communicators and what flashcomm knows of each | `policy`, `stats`, `calls::nccl`, `types` |
+//! | `registry` | the side table of communicators and what flashcomm knows of each | `policy`, `stats`, `calls::nccl`, `types`, `calls::os` |
 //! | `group` | this thread's group depth and the set-ups deferred to the group's end | `types` |
 //! | `policy` | the pure routing decision and its explanation | `types` |
 //! | `stats` | calls and bytes per route and kind, the first-use bits | `types` |
-//! | `args` | argument checks of the collectives | `error`, `logging`, `types` |
+//! | `args` | what a collective's arguments allow: routed, or forwarded as it is | `types` |
 //! | `calls::nccl` | flashcomm's own calls to the real NCCL | `calls::real`, `error` |
 //! | `calls::real` | finding, opening and resolving the real NCCL | `init`, `error`, `logging`, `discovery`, `calls::os` |
 //! | `init` | lazy initialization: configuration, logging, fork detection, the panic hook | `logging`, `calls::os` |
-//! | `error` | errors, their codes, NCCL's error strings | `logging`, `last_error`, `calls::os` |
+//! | `error` | errors, their codes, NCCL's error strings | `logging`, `last_error` |
 //! | `logging` | NCCL-style logging | `calls::cuda`, `calls::os`, `types` |
-//! | `last_error` | `ncclGetLastError`'s messages | — |
+//! | `last_error` | `ncclGetLastError`'s messages | `calls::os` |
 //! | `discovery` | where to look for the real NCCL | — |
 //! | `calls::cuda` | the shim's CUDA needs, through `flashcomm-gpu` (saved context, own stream, current device), and the caller's buffers as device pointers | `types` |
-//! | `calls::os` | thread id, fork detection, exit handlers | — |
+//! | `calls::os` | thread id, fork generation and per-process state, exit handlers, lock-free standard error | — |
 //! | `types` | the call types: route, collective kind, one call, communicator handle, origin and end | — |
 #![deny(unsafe_code)]
 

@@ -268,8 +268,10 @@ pub(crate) fn install(config: &mut Config) -> Vec<String> {
     // Ignore "a global default is already set": a host's subscriber wins (try_init semantics).
     let _ = match file {
         Some(f) => tracing::subscriber::set_global_default(builder.with_writer(f).finish()),
+        // Not `std::io::stderr`: its lock, held by a parent's thread at a fork, would stay held
+        // in the child.
         None => {
-            tracing::subscriber::set_global_default(builder.with_writer(std::io::stderr).finish())
+            tracing::subscriber::set_global_default(builder.with_writer(|| os::RawStderr).finish())
         }
     };
     later

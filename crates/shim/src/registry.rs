@@ -10,18 +10,19 @@
 //! never blocks.
 //!
 //! Owns: [`CommState`], [`Setup`], the table ([`get`], [`by_handle`], [`register`], [`remove`]).
-//! May import: `types`, `stats`, `policy`, `calls::nccl`.
+//! May import: `types`, `stats`, `policy`, `calls::nccl`, `calls::os`.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
-use std::sync::{Arc, LazyLock, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use flashcomm_comm::Communicator;
 use flashcomm_config::{Config, QuantBits, QuantSettings};
 use flashcomm_nccl_sys::ncclComm_t;
 
 use crate::calls::nccl::Identity;
+use crate::calls::os::PerProcess;
 use crate::policy::CommView;
 use crate::stats::{Announced, Counters};
 use crate::types::{CommHandle, CommOrigin};
@@ -314,18 +315,21 @@ struct Master {
     published: Arc<Table>,
 }
 
-static MASTER: LazyLock<Mutex<Master>> = LazyLock::new(|| {
-    Mutex::new(Master {
-        comms: BTreeMap::new(),
-        published: Arc::new(Table {
-            generation: 0,
-            entries: Vec::new(),
-        }),
-    })
-});
+/// The communicators of this process. A fork child starts with none: its parent's belong to the
+/// parent (their calls in the child go to the real library, which answers for them), and a lock
+/// a parent's thread held at the fork would stay held in the child.
+static MASTER: PerProcess<Mutex<Master>> = PerProcess::fresh_in_children();
 
-/// The generation of the newest published table.
-static GENERATION: AtomicU64 = AtomicU64::new(0);
+/// Changes of the table (creations and removals), counted across forks.
+static CHANGES: AtomicU64 = AtomicU64::new(0);
+
+/// The generation of the newest table of this process: the fork generation in the high bits,
+/// the count of changes below, so that a fork child's threads never take a table cached in its
+/// parent for the child's.
+#[inline]
+fn newest_generation() -> u64 {
+    u64::from(crate::calls::os::fork_generation()) << 40 | CHANGES.load(Ordering::Acquire)
+}
 
 thread_local! {
     /// The table this thread used last.
@@ -335,7 +339,18 @@ thread_local! {
 fn master() -> std::sync::MutexGuard<'static, Master> {
     // A poisoned lock only means a thread panicked while holding it; the map is consistent
     // after every statement.
-    MASTER.lock().unwrap_or_else(|e| e.into_inner())
+    MASTER
+        .get(|| {
+            Mutex::new(Master {
+                comms: BTreeMap::new(),
+                published: Arc::new(Table {
+                    generation: newest_generation(),
+                    entries: Vec::new(),
+                }),
+            })
+        })
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
 }
 
 fn published() -> Arc<Table> {
@@ -344,7 +359,8 @@ fn published() -> Arc<Table> {
 
 /// Publishes the table of the map as it is now (called with the lock held).
 fn publish(m: &mut Master) {
-    let generation = m.published.generation + 1;
+    CHANGES.fetch_add(1, Ordering::AcqRel);
+    let generation = newest_generation();
     m.published = Arc::new(Table {
         generation,
         entries: m
@@ -353,13 +369,12 @@ fn publish(m: &mut Master) {
             .map(|(h, s)| (*h, Arc::downgrade(s)))
             .collect(),
     });
-    GENERATION.store(generation, Ordering::Release);
 }
 
 /// The registry entry of handle `h`, if flashcomm saw it created and not yet destroyed.
 /// No lock and no allocation unless the table changed since this thread's last lookup.
 pub(crate) fn by_handle(h: CommHandle) -> Option<Arc<CommState>> {
-    let newest = GENERATION.load(Ordering::Acquire);
+    let newest = newest_generation();
     CACHE
         .try_with(|cache| {
             let Ok(mut cache) = cache.try_borrow_mut() else {

@@ -503,6 +503,9 @@ pub(crate) fn forward_group_call(h: &Held) -> ncclResult_t {
 pub(crate) enum Executed {
     /// flashcomm ran it (or refused it with an error): this is the result.
     Done(ncclResult_t),
+    /// flashcomm refused its arguments before its kernels would touch them (a NULL buffer):
+    /// this is the result, and the call is not counted (as `flashcommGetStats` documents).
+    Invalid(ncclResult_t),
     /// Asked to be quantized, flashcomm ran it on the lossless kernels, which the calibrated
     /// cost model predicts faster at this size (`FLASHCOMM_QUANT_CHOICE=auto`): this is the
     /// result.
@@ -535,6 +538,17 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
     };
     if let Err(e) = c.check_status() {
         return Executed::Done(report(call, e));
+    }
+    // flashcomm's kernels would touch it: refused here, where NCCL would launch on it (its own
+    // check of the buffers runs only with NCCL_CHECK_POINTERS=1, which is honoured below).
+    if let Some(name) = call.null_buffer() {
+        return Executed::Invalid(
+            Error::invalid_argument(
+                Subsys::of(call.kind),
+                format!("{}: {name} is NULL with count {}", call.api, call.count),
+            )
+            .report(),
+        );
     }
     let Some((send, recv)) = user_buffers(call, u64::from(c.nranks())) else {
         return Executed::Refused(Cow::Borrowed("the buffer sizes overflow"));

@@ -53,7 +53,8 @@ pub(crate) struct CollCall {
     pub(crate) recvbuff: *mut c_void,
     /// The element count as passed (per rank: `sendcount`, `recvcount`, per-peer for all-to-all).
     pub(crate) count: usize,
-    /// Element type, a valid `ncclDataType_t` (below `ncclNumTypes`).
+    /// Element type, a valid `ncclDataType_t` (below `ncclNumTypes`) unless the call is only
+    /// forwarded.
     pub(crate) datatype: ncclDataType_t,
     /// Reduction operator (built-in, or a PreMulSum handle `>= ncclNumOps`), for reducing kinds.
     pub(crate) op: Option<ncclRedOp_t>,
@@ -63,12 +64,37 @@ pub(crate) struct CollCall {
     pub(crate) stream: cudaStream_t,
     /// The per-call configuration of `ncclXConfig` (may be null), never copied.
     pub(crate) config: *const ncclCollConfig_t,
-    /// `count` x the element size.
+    /// `count` x the element size (0 for a call that is only forwarded).
     pub(crate) bytes: u64,
 }
 
-/// A communicator handle as a plain address (the registry key; `ncclComm_t` itself is a raw
-/// pointer, which is neither `Send` nor `Sync`).
+impl CollCall {
+    /// The buffer this call needs that is NULL (`"sendbuff"` or `"recvbuff"`), if any: what
+    /// flashcomm refuses before its kernels would touch it (NCCL itself does not look, unless
+    /// `NCCL_CHECK_POINTERS=1`). A buffer used only on the root (broadcast's send buffer,
+    /// reduce's receive buffer) is not required; neither kind runs on flashcomm's kernels.
+    pub(crate) fn null_buffer(&self) -> Option<&'static str> {
+        let (send, recv) = match self.kind {
+            Collective::AllReduce
+            | Collective::ReduceScatter
+            | Collective::AllGather
+            | Collective::AlltoAll => (true, true),
+            Collective::Broadcast => (false, true),
+            Collective::Reduce | Collective::Send => (true, false),
+            Collective::Recv => (false, true),
+        };
+        if self.count == 0 {
+            None
+        } else if send && self.sendbuff.is_null() {
+            Some("sendbuff")
+        } else if recv && self.recvbuff.is_null() {
+            Some("recvbuff")
+        } else {
+            None
+        }
+    }
+}
+
 /// An `ncclSend` or `ncclRecv` held back inside a group (`FLASHCOMM_GROUPED_ALLTOALL`): the
 /// checked call and its peer.
 #[derive(Debug, Clone, Copy)]
@@ -87,6 +113,8 @@ pub(crate) enum Held {
     GroupEnd,
 }
 
+/// A communicator handle as a plain address (the registry key; `ncclComm_t` itself is a raw
+/// pointer, which is neither `Send` nor `Sync`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct CommHandle(pub(crate) usize);
 

@@ -7,6 +7,13 @@ use std::sync::OnceLock;
 
 use common::*;
 
+/// The tests of this file run one at a time: the real library keeps one message for the whole
+/// process, which the tests compare.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Our library, loaded once for this process (its configuration is read once).
 fn ours() -> &'static Nccl {
     static OURS: OnceLock<Nccl> = OnceLock::new();
@@ -18,12 +25,12 @@ fn ours() -> &'static Nccl {
 
 const FLOAT32: i32 = 7;
 const SUM: i32 = 0;
-/// A communicator address the library must never dereference in these tests (every call that
-/// gets it fails its checks first, or has count 0).
+/// A communicator address for flashcomm's own API, which only looks it up.
 const BOGUS_COMM: usize = 0x10;
 
 #[test]
 fn version_is_the_real_librarys() {
+    let _serial = serial();
     let (rc, v) = ours().version();
     assert_eq!(rc, SUCCESS, "{}", ours().last_error());
     assert_eq!(v, real_version());
@@ -36,6 +43,7 @@ fn version_is_the_real_librarys() {
 
 #[test]
 fn error_strings_match_the_real_library() {
+    let _serial = serial();
     let real = Nccl::open(&real_lib());
     for code in [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, i32::MAX] {
         assert_eq!(
@@ -50,124 +58,164 @@ fn error_strings_match_the_real_library() {
     );
 }
 
-#[test]
-fn null_comm_is_an_invalid_argument_with_a_message() {
-    let n = ours();
+/// The real library, opened directly in this process (the same object flashcomm forwards to).
+fn real() -> &'static Nccl {
+    static REAL: OnceLock<Nccl> = OnceLock::new();
+    REAL.get_or_init(|| Nccl::open(&real_lib()))
+}
+
+/// `name` called through flashcomm and on the real library directly: the same code and the same
+/// `ncclGetLastError` (flashcomm's answer is the real library's).
+fn same_answer(name: &str, a: &CollArgs) {
+    let mine = call_collective(&ours().lib, name, a);
+    let mine_msg = ours().last_error();
+    let theirs = call_collective(&real().lib, name, a);
+    let theirs_msg = real().last_error();
     assert_eq!(
-        n.all_reduce(0x1000, 0x2000, 8, FLOAT32, SUM, 0),
-        INVALID_ARGUMENT
+        (mine, mine_msg.as_str()),
+        (theirs, theirs_msg.as_str()),
+        "{name} {a:?}"
     );
-    assert_eq!(n.last_error(), "ncclAllReduce: comm argument is NULL");
-    // Even with count 0: the communicator is checked first, as NCCL does.
-    assert_eq!(n.all_reduce(0, 0, 0, FLOAT32, SUM, 0), INVALID_ARGUMENT);
-    assert_eq!(
-        n.all_reduce_named("pncclAllReduce", 0, 0, 4, FLOAT32, SUM, 0),
-        INVALID_ARGUMENT
-    );
-    assert_eq!(n.last_error(), "ncclAllReduce: comm argument is NULL");
 }
 
 #[test]
-fn unknown_datatypes_and_negative_operators_are_refused() {
-    let n = ours();
-    for dt in [12, 13, 1000, -1] {
-        assert_eq!(
-            n.all_reduce(0x1000, 0x2000, 8, dt, SUM, BOGUS_COMM),
-            INVALID_ARGUMENT
-        );
-        let msg = n.last_error();
-        assert!(msg.contains(&format!("invalid datatype {dt}")), "{msg}");
+fn count_zero_on_a_handle_that_is_not_a_communicator_is_the_real_librarys_error() {
+    let _serial = serial();
+    for name in COLLECTIVE_EXPORTS {
+        for (send, recv) in [(0, 0), (0x1000, 0x2000)] {
+            let a = CollArgs {
+                send,
+                recv,
+                count: 0,
+                ..CollArgs::on(foreign_handle())
+            };
+            let rc = call_collective(&ours().lib, name, &a);
+            assert_eq!(rc, INVALID_ARGUMENT, "{name}: not success");
+            assert_eq!(
+                ours().last_error(),
+                "Error: corrupted comm object detected",
+                "{name}"
+            );
+            same_answer(name, &a);
+        }
     }
-    for op in [-1, -5, i32::MIN] {
-        assert_eq!(
-            n.all_reduce(0x1000, 0x2000, 8, FLOAT32, op, BOGUS_COMM),
-            INVALID_ARGUMENT
+}
+
+#[test]
+fn calls_flashcomm_does_not_route_get_the_real_librarys_answer() {
+    let _serial = serial();
+    for name in COLLECTIVE_EXPORTS {
+        // No communicator, with and without a count.
+        for count in [0, 8] {
+            same_answer(
+                name,
+                &CollArgs {
+                    count,
+                    ..CollArgs::on(0)
+                },
+            );
+        }
+        // Datatypes and operators past the pinned header, null buffers, a count that overflows.
+        for dt in [-1, 12, 13, 64, i32::MAX] {
+            same_answer(
+                name,
+                &CollArgs {
+                    dt,
+                    ..CollArgs::on(foreign_handle())
+                },
+            );
+        }
+        for op in [-1, -5, i32::MIN, 5, 64, i32::MAX] {
+            same_answer(
+                name,
+                &CollArgs {
+                    op,
+                    ..CollArgs::on(foreign_handle())
+                },
+            );
+        }
+        same_answer(
+            name,
+            &CollArgs {
+                send: 0,
+                recv: 0,
+                ..CollArgs::on(foreign_handle())
+            },
         );
-        let msg = n.last_error();
-        assert!(
-            msg.contains(&format!("invalid reduction operation {op}")),
-            "{msg}"
+        same_answer(
+            name,
+            &CollArgs {
+                count: usize::MAX,
+                dt: 10,
+                ..CollArgs::on(foreign_handle())
+            },
         );
     }
-}
-
-#[test]
-fn null_buffers_with_a_count_are_refused() {
-    let n = ours();
+    // The message is the real library's own, not flashcomm's.
     assert_eq!(
-        n.all_reduce(0, 0x2000, 8, FLOAT32, SUM, BOGUS_COMM),
+        call_collective(&ours().lib, "pncclAllReduce", &CollArgs::on(0)),
         INVALID_ARGUMENT
     );
-    assert_eq!(
-        n.last_error(),
-        "ncclAllReduce: sendbuff is NULL with count 8"
-    );
-    assert_eq!(
-        n.all_reduce(0x1000, 0, 8, FLOAT32, SUM, BOGUS_COMM),
-        INVALID_ARGUMENT
-    );
-    assert_eq!(
-        n.last_error(),
-        "ncclAllReduce: recvbuff is NULL with count 8"
-    );
+    assert_eq!(ours().last_error(), "AllReduce : comm argument is NULL");
 }
 
+/// NCCL's group end returns the error of a call that failed inside the group; so does
+/// flashcomm's, for the calls it once refused itself (which the real group never saw).
 #[test]
-fn zero_count_succeeds_without_any_work() {
-    let n = ours();
-    let (_, before) = n.stats(0);
-    // Null buffers and a communicator the real library would crash on: nothing is touched.
-    assert_eq!(n.all_reduce(0, 0, 0, FLOAT32, SUM, BOGUS_COMM), SUCCESS);
-    assert_eq!(n.all_reduce_config(0, FLOAT32, SUM, BOGUS_COMM, 0), SUCCESS);
-    type SendFn = unsafe extern "C" fn(usize, usize, i32, i32, usize, usize) -> i32;
-    for name in ["ncclSend", "ncclRecv", "pncclSend"] {
-        let f: SendFn = n.lib.get(name);
-        // SAFETY: count 0 with a valid datatype and a non-null communicator: checked, not used.
-        let rc = unsafe { f(0, 0, FLOAT32, 1, BOGUS_COMM, 0) };
-        assert_eq!(rc, SUCCESS, "{name}");
+fn an_error_inside_a_group_is_the_groups_result() {
+    let _serial = serial();
+    type GroupFn = unsafe extern "C" fn() -> i32;
+    let foreign = foreign_handle();
+    let cases: [(&str, CollArgs); 5] = [
+        ("ncclAllReduce", CollArgs::on(0)),
+        (
+            "ncclAllReduce",
+            CollArgs {
+                dt: 12,
+                ..CollArgs::on(foreign)
+            },
+        ),
+        ("ncclSend", CollArgs::on(0)),
+        ("ncclRecv", CollArgs::on(0)),
+        (
+            "ncclAllGather",
+            CollArgs {
+                count: 0,
+                ..CollArgs::on(foreign)
+            },
+        ),
+    ];
+    for (name, a) in cases {
+        let mut results = Vec::new();
+        for lib in [&ours().lib, &real().lib] {
+            let start: GroupFn = lib.get("ncclGroupStart");
+            let end: GroupFn = lib.get("ncclGroupEnd");
+            // SAFETY: ncclGroupStart/End take no arguments.
+            let started = unsafe { start() };
+            let rc = call_collective(lib, name, &a);
+            // SAFETY: as above.
+            let ended = unsafe { end() };
+            results.push((started, rc, ended));
+        }
+        assert_eq!(results[0], results[1], "{name} {a:?}: flashcomm, then NCCL");
+        assert_eq!(results[0].2, INVALID_ARGUMENT, "{name}: the group's result");
     }
-    let (rc, after) = n.stats(0);
-    assert_eq!(rc, SUCCESS);
-    assert_eq!(
-        before.calls, after.calls,
-        "zero-count calls are not counted"
-    );
-}
-
-#[test]
-fn send_and_receive_have_the_same_checks() {
-    let n = ours();
-    type SendFn = unsafe extern "C" fn(usize, usize, i32, i32, usize, usize) -> i32;
-    let send: SendFn = n.lib.get("ncclSend");
-    // SAFETY: the checks refuse these before anything is used.
-    let rc = unsafe { send(0x1000, 4, FLOAT32, 0, 0, 0) };
-    assert_eq!(rc, INVALID_ARGUMENT);
-    assert_eq!(n.last_error(), "ncclSend: comm argument is NULL");
-    // SAFETY: as above.
-    let rc = unsafe { send(0, 4, FLOAT32, 0, BOGUS_COMM, 0) };
-    assert_eq!(rc, INVALID_ARGUMENT);
-    assert_eq!(n.last_error(), "ncclSend: sendbuff is NULL with count 4");
-    let recv: SendFn = n.lib.get("ncclRecv");
-    // SAFETY: as above.
-    let rc = unsafe { recv(0x1000, 4, 99, 0, BOGUS_COMM, 0) };
-    assert_eq!(rc, INVALID_ARGUMENT);
-    assert!(n.last_error().contains("ncclRecv: invalid datatype 99"));
 }
 
 #[test]
 fn last_error_is_per_thread_first() {
+    let _serial = serial();
     let n = ours();
-    assert_eq!(
-        n.all_reduce(0x1000, 0x2000, 8, 55, SUM, BOGUS_COMM),
-        INVALID_ARGUMENT
-    );
+    // A failure of flashcomm's own (a communicator it does not know).
+    let (rc, _) = n.stats(0x40);
+    assert_eq!(rc, INVALID_ARGUMENT);
     let mine = n.last_error();
-    assert!(mine.contains("invalid datatype 55"), "{mine}");
+    assert!(mine.contains("is not known to flashcomm"), "{mine}");
     std::thread::scope(|s| {
         s.spawn(|| {
             // Another thread's failure does not replace this thread's message...
             assert_eq!(n.all_reduce(0, 0, 1, FLOAT32, SUM, 0), INVALID_ARGUMENT);
-            assert_eq!(n.last_error(), "ncclAllReduce: comm argument is NULL");
+            assert_eq!(n.last_error(), "AllReduce : comm argument is NULL");
         });
     });
     assert_eq!(n.last_error(), mine);
@@ -179,6 +227,7 @@ fn last_error_is_per_thread_first() {
 
 #[test]
 fn extension_api() {
+    let _serial = serial();
     let n = ours();
     let f: unsafe extern "C" fn(*mut i32) -> i32 = n.lib.get("flashcommGetVersion");
     let mut v = 0;
@@ -219,6 +268,7 @@ fn extension_api() {
 
 #[test]
 fn plain_forwarders_reach_the_real_library() {
+    let _serial = serial();
     // ncclCommCount with a NULL communicator is refused by the real NCCL, not by us: the call
     // went through the generated forwarder.
     let n = ours();

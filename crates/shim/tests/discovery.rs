@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use common::*;
@@ -169,8 +170,9 @@ fn a_missing_real_library_is_a_clear_error() {
             n.error_string(5),
             "invalid usage (run with NCCL_DEBUG=WARN for details)"
         );
-        assert_eq!(n.all_reduce(0, 0, 4, 7, 0, 0), INVALID_ARGUMENT);
-        // The others fail with ncclSystemError and say what was tried.
+        // The others fail with ncclSystemError and say what was tried, a call without a
+        // communicator too (the real library would answer it).
+        assert_eq!(n.all_reduce(0, 0, 4, 7, 0, 0), SYSTEM_ERROR);
         assert_eq!(n.version().0, SYSTEM_ERROR);
         let msg = n.last_error();
         assert!(msg.contains("no usable real NCCL library found"), "{msg}");
@@ -207,4 +209,108 @@ fn discovery_finds_system_nccl() -> bool {
     ]
     .iter()
     .any(|d| Path::new(d).join("libnccl.so.2").exists())
+}
+
+/// `FLASHCOMM_NCCL_LIB` naming a file that is no usable library is reported by name, never a
+/// crash: a truncated copy of the real library (mapping it would kill the process with SIGBUS at
+/// its first page past the end), an empty file, a text file and a folder.
+#[test]
+fn a_file_that_is_no_usable_library_is_refused_with_a_message() {
+    let name = "a_file_that_is_no_usable_library_is_refused_with_a_message";
+    if is_child(name) {
+        let n = ours();
+        let (rc, _) = n.version();
+        assert_eq!(rc, SYSTEM_ERROR, "{}", n.last_error());
+        let msg = n.last_error();
+        let path = std::env::var("FLASHCOMM_NCCL_LIB").unwrap();
+        let why = std::env::var("EXPECT_WHY").unwrap();
+        assert!(
+            msg.contains(&format!("{path} [FLASHCOMM_NCCL_LIB]: {why}")),
+            "{msg}"
+        );
+        assert!(msg.contains("FLASHCOMM_NCCL_LIB"), "{msg}");
+        // The process goes on: every call that needs the real library says the same.
+        assert_eq!(n.all_reduce(0x1000, 0x2000, 4, 7, 0, 0x10), SYSTEM_ERROR);
+        assert_eq!(
+            n.error_string(4),
+            "invalid argument (run with NCCL_DEBUG=WARN for details)"
+        );
+        return;
+    }
+    let dir = scratch("unusable");
+    let real = std::fs::read(real_lib()).unwrap();
+    let cases: Vec<(std::path::PathBuf, &str)> = vec![
+        {
+            let p = dir.join("truncated.so");
+            // Past the ELF and program headers, short of the segments they describe.
+            std::fs::write(&p, &real[..real.len() / 2]).unwrap();
+            (p, "truncated")
+        },
+        {
+            let p = dir.join("headers-only.so");
+            std::fs::write(&p, &real[..64]).unwrap();
+            (p, "truncated")
+        },
+        {
+            let p = dir.join("empty.so");
+            std::fs::write(&p, b"").unwrap();
+            (p, "not an ELF file")
+        },
+        {
+            let p = dir.join("text.so");
+            std::fs::write(&p, b"INPUT(libnccl.so.2)\n").unwrap();
+            (p, "not an ELF file")
+        },
+        (dir.clone(), "not a file"),
+    ];
+    for (path, why) in cases {
+        run_child(
+            name,
+            &[
+                ("FLASHCOMM_NCCL_LIB", path.to_str().unwrap()),
+                ("EXPECT_WHY", why),
+            ],
+            &[],
+        );
+    }
+}
+
+/// A value of `FLASHCOMM_NCCL_LIB` that the configuration refuses (a bare name, not UTF-8) is
+/// still an explicit choice: it is never replaced by a library found elsewhere (here one on
+/// `LD_LIBRARY_PATH`); every call that needs the real library fails, naming the variable.
+#[test]
+fn a_bad_flashcomm_nccl_lib_value_is_never_replaced_by_another_library() {
+    let name = "a_bad_flashcomm_nccl_lib_value_is_never_replaced_by_another_library";
+    if is_child(name) {
+        let n = ours();
+        assert_eq!(n.version().0, SYSTEM_ERROR, "{}", n.last_error());
+        let msg = n.last_error();
+        assert!(msg.contains("FLASHCOMM_NCCL_LIB="), "{msg}");
+        assert!(msg.contains("is not valid"), "{msg}");
+        assert!(
+            !msg.contains("LD_LIBRARY_PATH]"),
+            "nothing else is tried: {msg}"
+        );
+        return;
+    }
+    let dir = scratch("elsewhere");
+    symlink(&real_lib(), &dir.join("libnccl.so.2"));
+    for value in [
+        std::ffi::OsString::from("libnccl.so.2"),
+        std::ffi::OsStr::from_bytes(b"/tmp/\xff/libnccl.so.2").to_os_string(),
+    ] {
+        let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+        cmd.args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD, name)
+            .env("LD_LIBRARY_PATH", &dir)
+            .env("FLASHCOMM_NCCL_LIB", &value)
+            .env_remove("CUDA_HOME");
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+            "{value:?}: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }

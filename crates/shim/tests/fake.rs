@@ -163,12 +163,13 @@ fn handles_configs_and_operators_pass_through_unchanged() {
         assert_eq!(fake.int("fake_last_op"), 8);
         assert_eq!(fake.ptr("fake_last_comm"), comm);
         let calls = fake.int("fake_allreduce_calls");
-        // A negative operator never reaches it.
+        // So is a negative operator: the real library answers it.
         assert_eq!(
             ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, -3, comm),
-            INVALID_ARGUMENT
+            SUCCESS
         );
-        assert_eq!(fake.int("fake_allreduce_calls"), calls);
+        assert_eq!(fake.int("fake_allreduce_calls"), calls + 1);
+        assert_eq!(fake.int("fake_last_op"), -3);
 
         // Statistics: per communicator, both names count.
         assert_eq!(
@@ -177,6 +178,7 @@ fn handles_configs_and_operators_pass_through_unchanged() {
         );
         let (rc, s) = ours.stats(comm);
         assert_eq!(rc, SUCCESS);
+        // The call with the negative operator was forwarded as it is, not counted.
         assert_eq!(s.calls[0][0], 2, "{s:?}");
         assert_eq!(s.bytes[0][0], 4 * 4 + 10 * 4);
         assert_eq!(s.calls[1], [0; 8]);
@@ -199,9 +201,9 @@ fn the_real_librarys_failures_keep_its_message() {
         let Both { ours, fake } = both();
         type SendFn = unsafe extern "C" fn(usize, usize, c_int, c_int, usize, usize) -> c_int;
         let send: SendFn = ours.lib.get("ncclSend");
-        // Ours first...
-        assert_eq!(ours.all_reduce(0, 0, 1, FLOAT32, 0, 0), INVALID_ARGUMENT);
-        assert_eq!(ours.last_error(), "ncclAllReduce: comm argument is NULL");
+        // Ours first (a communicator flashcomm does not know)...
+        assert_eq!(ours.stats(0x40).0, INVALID_ARGUMENT);
+        assert!(ours.last_error().contains("is not known to flashcomm"));
         // ...then the real library fails: its own message answers.
         // SAFETY: the fake ignores every argument.
         let rc = unsafe { send(0x1000, 4, FLOAT32, 1, 0x10, 0) };
@@ -209,11 +211,83 @@ fn the_real_librarys_failures_keep_its_message() {
         assert_eq!(fake.int("fake_send_calls"), 1);
         assert_eq!(ours.last_error(), "fake: send refused");
         // ...and ours again.
+        assert_eq!(ours.stats(0x42).0, INVALID_ARGUMENT);
+        assert!(ours.last_error().contains("0x42 is not known to flashcomm"));
+        return;
+    }
+    child(name, &[]);
+}
+
+/// flashcomm refuses nothing its kernels do not serve: datatypes and operators a newer real
+/// library knows, calls without a communicator and empty calls reach the real library unchanged
+/// (the fake takes any of them), and its answer is the answer.
+#[test]
+fn datatypes_and_operators_past_the_pinned_header_reach_the_real_library() {
+    let name = "datatypes_and_operators_past_the_pinned_header_reach_the_real_library";
+    if is_child(name) {
+        let Both { ours, fake } = both();
+        let comm = init_rank(&ours);
+        for (dt, op) in [
+            (12, 0),
+            (13, 0),
+            (64, 0),
+            (i32::MAX, 0),
+            (-1, 0),
+            (BF16, 5),
+            (BF16, -1),
+        ] {
+            let calls = fake.int("fake_allreduce_calls");
+            assert_eq!(
+                ours.all_reduce(0x1000, 0x2000, 4, dt, op, comm),
+                SUCCESS,
+                "datatype {dt} operator {op}"
+            );
+            assert_eq!(fake.int("fake_allreduce_calls"), calls + 1);
+            assert_eq!(
+                (fake.int("fake_last_dt"), fake.int("fake_last_op")),
+                (dt, op),
+                "unchanged"
+            );
+        }
+        // An empty call and a call without a communicator: the real library's to answer.
+        let calls = fake.int("fake_allreduce_calls");
+        assert_eq!(ours.all_reduce(0, 0, 0, FLOAT32, 0, comm), SUCCESS);
+        assert_eq!(fake.int("fake_last_count"), 0);
         assert_eq!(
-            ours.all_reduce(0x1000, 0x2000, 1, 42, 0, 0x10),
+            ours.all_reduce(0x1000, 0x2000, 4, 12, 0, 0),
             INVALID_ARGUMENT
         );
-        assert!(ours.last_error().contains("invalid datatype 42"));
+        assert_eq!(ours.last_error(), "fake: comm argument is NULL");
+        assert_eq!(fake.ptr("fake_last_comm"), 0);
+        assert_eq!(fake.int("fake_allreduce_calls"), calls + 2);
+        // Only the call flashcomm could route (a PreMulSum handle, op 5) is counted, as NCCL's.
+        let (_, s) = ours.stats(comm);
+        assert_eq!(s.calls[0][0], 1, "{s:?}");
+        return;
+    }
+    child(name, &[]);
+}
+
+/// Every error flashcomm returns has a message: when the real library fails a call without
+/// one (here the fake's ncclCommFinalize of NULL), `ncclGetLastError` says which call failed,
+/// with which code, in the real library; a message of the real library's own is returned as it
+/// is.
+#[test]
+fn a_real_failure_without_a_message_gets_one() {
+    let name = "a_real_failure_without_a_message_gets_one";
+    if is_child(name) {
+        let Both { ours, .. } = both();
+        assert_eq!(ours.comm_call("ncclCommFinalize", 0), INVALID_ARGUMENT);
+        assert_eq!(
+            ours.last_error(),
+            "ncclCommFinalize returned ncclInvalidArgument (invalid argument (run with \
+             NCCL_DEBUG=WARN for details)) in the real NCCL, which gave no message"
+        );
+        assert_eq!(
+            ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, 0, 0),
+            INVALID_ARGUMENT
+        );
+        assert_eq!(ours.last_error(), "fake: comm argument is NULL");
         return;
     }
     child(name, &[]);
@@ -298,41 +372,6 @@ fn a_panic_in_a_function_without_result_code_returns_its_default() {
         return;
     }
     child(name, &[("FLASHCOMM_DEBUG_PANIC", "pncclTeamWorld")]);
-}
-
-#[test]
-fn a_fork_child_only_forwards() {
-    let name = "a_fork_child_only_forwards";
-    if is_child(name) {
-        let Both { ours, fake } = both();
-        // In this process, a NULL communicator is refused by our checks...
-        assert_eq!(ours.all_reduce(0, 0, 4, FLOAT32, 0, 0), INVALID_ARGUMENT);
-        let calls = fake.int("fake_allreduce_calls");
-        // SAFETY: the child only calls into the libraries and _exit()s.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0);
-        if pid == 0 {
-            // ...in a fork child, flashcomm's state is bypassed and the call goes to NCCL.
-            let rc = ours.all_reduce(0, 0, 4, FLOAT32, 0, 0);
-            let ok = rc == SUCCESS && fake.int("fake_allreduce_calls") == calls + 1;
-            // SAFETY: _exit ends the child without running the parent's atexit handlers.
-            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
-        }
-        let mut status = 0;
-        // SAFETY: waits for the child just forked.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        assert!(
-            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-            "fork child failed"
-        );
-        assert_eq!(
-            fake.int("fake_allreduce_calls"),
-            calls,
-            "the parent is unchanged"
-        );
-        return;
-    }
-    child(name, &[]);
 }
 
 /// `flashcommQuantConfig_t` of `include/flashcomm.h`.
@@ -694,4 +733,96 @@ fn a_held_call_the_real_library_refuses_fails_the_group_end() {
     }
     let out = child(name, &[("FLASHCOMM_GROUPED_ALLTOALL", "1")]);
     assert!(out.status.success(), "{}", stderr(&out));
+}
+
+type GroupFn = unsafe extern "C" fn() -> c_int;
+
+/// A call flashcomm fails itself inside a group (here: a function the real library lacks, or a
+/// panic in flashcomm), which the real group never saw, makes the group's result, as NCCL's
+/// group end returns a failed call's error: the outermost `ncclGroupEnd` returns its code and
+/// message, and the real group fails too, discarding its other calls as NCCL does. A later
+/// failure in the real library is the newer one, and wins, as in NCCL.
+#[test]
+fn a_call_flashcomm_fails_inside_a_group_is_the_groups_result() {
+    let name = "a_call_flashcomm_fails_inside_a_group_is_the_groups_result";
+    if is_child(name) {
+        let Both { ours, fake } = both();
+        let start: GroupFn = ours.lib.get("ncclGroupStart");
+        let end: GroupFn = ours.lib.get("ncclGroupEnd");
+        let comm = init_rank(&ours);
+        let g = |f: GroupFn| {
+            // SAFETY: ncclGroupStart/End take no arguments.
+            unsafe { f() }
+        };
+        let panicking = std::env::var("FLASHCOMM_DEBUG_PANIC").is_ok();
+        // The fake lacks ncclAllGather; FLASHCOMM_DEBUG_PANIC makes ncclBroadcast panic.
+        let (culprit, code, words) = if panicking {
+            (
+                "ncclBroadcast",
+                INTERNAL_ERROR,
+                "internal error in flashcomm",
+            )
+        } else {
+            (
+                "ncclAllGather",
+                INVALID_USAGE,
+                "ncclAllGather is not provided",
+            )
+        };
+        let a = CollArgs::on(comm);
+        for nested in [false, true] {
+            let log_before = fake.text("fake_log").len();
+            assert_eq!(g(start), SUCCESS);
+            if nested {
+                assert_eq!(g(start), SUCCESS);
+            }
+            assert_eq!(
+                ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, 0, comm),
+                SUCCESS
+            );
+            assert_eq!(call_collective(&ours.lib, culprit, &a), code);
+            if nested {
+                assert_eq!(g(end), SUCCESS, "an inner end");
+            }
+            assert_eq!(g(end), code, "the group's result is the failed call's");
+            assert!(ours.last_error().contains(words), "{}", ours.last_error());
+            let log = fake.text("fake_log");
+            assert!(
+                log[log_before..].ends_with("end;discarded;"),
+                "the real group failed and discarded its calls: {log}"
+            );
+        }
+        // The next group starts clean.
+        assert_eq!(g(start), SUCCESS);
+        assert_eq!(
+            ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, 0, comm),
+            SUCCESS
+        );
+        assert_eq!(g(end), SUCCESS);
+        // A failure of the real library after flashcomm's is the newer one: NCCL's group end
+        // returns it.
+        assert_eq!(g(start), SUCCESS);
+        assert_eq!(call_collective(&ours.lib, culprit, &a), code);
+        assert_eq!(
+            ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, 0, 0),
+            INVALID_ARGUMENT
+        );
+        assert_eq!(g(end), INVALID_ARGUMENT);
+        assert_eq!(ours.last_error(), "fake: comm argument is NULL");
+        // And the other way round.
+        assert_eq!(g(start), SUCCESS);
+        assert_eq!(
+            ours.all_reduce(0x1000, 0x2000, 4, FLOAT32, 0, 0),
+            INVALID_ARGUMENT
+        );
+        assert_eq!(call_collective(&ours.lib, culprit, &a), code);
+        assert_eq!(g(end), code);
+        // Outside a group nothing is left over.
+        assert_eq!(call_collective(&ours.lib, culprit, &a), code);
+        assert_eq!(g(start), SUCCESS);
+        assert_eq!(g(end), SUCCESS);
+        return;
+    }
+    child(name, &[]);
+    child(name, &[("FLASHCOMM_DEBUG_PANIC", "ncclBroadcast")]);
 }

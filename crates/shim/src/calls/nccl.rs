@@ -4,7 +4,8 @@
 //! (given to the real library later, unchanged). They never record a last error; failures come
 //! back as messages or result codes for the caller.
 //!
-//! Owns: [`Identity`], [`identity`], [`all_gather_bytes`], [`async_error`], [`send_recv`], [`group_call`].
+//! Owns: [`Identity`], [`identity`], [`all_gather_bytes`], [`async_error`], [`send_recv`],
+//! [`group_call`], [`fail_real_group`].
 //! May import: `calls::real`, `error`.
 
 use std::ffi::{c_int, c_void};
@@ -23,6 +24,7 @@ static SEND: Slot = Slot::new(c"ncclSend");
 static RECV: Slot = Slot::new(c"ncclRecv");
 static GROUP_START: Slot = Slot::new(c"ncclGroupStart");
 static GROUP_END: Slot = Slot::new(c"ncclGroupEnd");
+static GROUP_FAILER: Slot = Slot::new(c"ncclAllReduce");
 
 type CommIntFn = unsafe extern "C" fn(ncclComm_t, *mut c_int) -> ncclResult_t;
 type AllGatherFn = unsafe extern "C" fn(
@@ -168,4 +170,45 @@ pub(crate) fn group_call(start: bool) -> Result<ncclResult_t, String> {
         unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> ncclResult_t>(p) };
     // SAFETY: no arguments; the caller made this call.
     Ok(unsafe { f() })
+}
+
+/// Makes the real library's current group fail the way it fails after a call it refuses: the
+/// real `ncclAllReduce` without a communicator (count 0), which NCCL refuses and records as the
+/// group's error (`ncclGroupErrCheck`), so that its group end discards the group's other calls
+/// and returns an error. For a call flashcomm failed itself inside a group, which the real group
+/// never saw. Does nothing when the real library cannot be reached.
+pub(crate) fn fail_real_group() {
+    let Ok(p) = GROUP_FAILER.get() else {
+        return;
+    };
+    // SAFETY: `p` is the real ncclAllReduce, declared `ncclResult_t ncclAllReduce(const void*,
+    // void*, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t)`; ncclRedOp_t is a
+    // C enum, passed as an int.
+    let f = unsafe {
+        std::mem::transmute::<
+            *mut c_void,
+            unsafe extern "C" fn(
+                *const c_void,
+                *mut c_void,
+                usize,
+                ncclDataType_t,
+                c_int,
+                ncclComm_t,
+                *mut c_void,
+            ) -> ncclResult_t,
+        >(p)
+    };
+    // SAFETY: NULL buffers with count 0 and a NULL communicator: NCCL checks the communicator
+    // first and touches nothing else.
+    let _ = unsafe {
+        f(
+            std::ptr::null(),
+            std::ptr::null_mut(),
+            0,
+            ncclDataType_t::ncclInt8,
+            0,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    };
 }

@@ -1,9 +1,19 @@
-//! Small operating-system services: the thread id, fork detection, exit handlers.
+//! Small operating-system services: the thread id, `fork()` and the state a fork child makes its
+//! own ([`PerProcess`]), exit handlers, and writes to standard error that take no lock.
 //!
-//! Owns: [`thread_id`], [`forked`], [`watch_fork`], [`at_exit`].
+//! A fork child is a new process: flashcomm works in it as in any other. What it must not trust
+//! is what it inherited from the parent's other threads, which do not exist in the child: a lock
+//! one of them held at the fork stays held forever, and a value one of them was making is half
+//! made. The only thing that happens at the fork itself is an atomic increment (the child
+//! handler); every value that a child must make afresh ([`PerProcess`]) notices the new
+//! generation at its next use, and a value still being made by a thread of another process is
+//! made again.
+//!
+//! Owns: [`thread_id`], [`fork_generation`], [`watch_fork`], [`PerProcess`], [`at_exit`],
+//! [`RawStderr`].
 //! May import: nothing of this crate.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 
 /// The kernel's id of the calling thread (NCCL prints it in every log line).
 pub(crate) fn thread_id() -> i32 {
@@ -11,28 +21,156 @@ pub(crate) fn thread_id() -> i32 {
     unsafe { libc::gettid() }
 }
 
-static FORKED: AtomicBool = AtomicBool::new(false);
+/// Forks since flashcomm was first used in this address space's ancestry (each child adds one).
+static FORKS: AtomicU32 = AtomicU32::new(0);
+/// Whether the fork handler is registered (inherited by children, which keep it).
+static WATCHING: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn in_forked_child() {
-    // Only an atomic store: nothing else is safe in a child of a multithreaded process.
-    FORKED.store(true, Ordering::Relaxed);
+    // Only an atomic increment: everything else is done lazily, by each value that notices the
+    // new generation (the child has one thread now, but its memory holds whatever the parent's
+    // other threads were doing).
+    FORKS.fetch_add(1, Ordering::Relaxed);
 }
 
-/// Whether this process is a `fork()` child of a process in which flashcomm was initialized. Such
-/// a child bypasses all of flashcomm's state (locks, registries, logging) and only forwards.
+/// This process's fork generation: it differs from the parent's in every fork child.
 #[inline]
-pub(crate) fn forked() -> bool {
-    FORKED.load(Ordering::Relaxed)
+pub(crate) fn fork_generation() -> u32 {
+    FORKS.load(Ordering::Relaxed)
 }
 
-/// Registers the fork handler (once, from `init`; never from a library constructor). `Err`:
-/// `pthread_atfork`'s error code (fork children will then not be detected).
+/// Registers the fork handler, once per address space (from `init`; never from a library
+/// constructor). `Err`: `pthread_atfork`'s error code (a fork child will then take its parent's
+/// state for its own).
 pub(crate) fn watch_fork() -> Result<(), i32> {
-    // SAFETY: the handler is a plain function of this library that only stores to an atomic;
+    if WATCHING.swap(true, Ordering::AcqRel) {
+        return Ok(());
+    }
+    // SAFETY: the handler is a plain function of this library that only increments an atomic;
     // this library is never unloaded (the real NCCL pins no reference to us, and we do not
     // dlclose ourselves), so the pointer stays valid.
     let rc = unsafe { libc::pthread_atfork(None, None, Some(in_forked_child)) };
-    if rc == 0 { Ok(()) } else { Err(rc) }
+    if rc == 0 {
+        Ok(())
+    } else {
+        WATCHING.store(false, Ordering::Release);
+        Err(rc)
+    }
+}
+
+/// Phases of [`PerProcess`]'s word (its low two bits).
+const EMPTY: u64 = 0;
+const MAKING: u64 = 1;
+const READY: u64 = 2;
+const PHASE: u64 = 3;
+
+/// A value made once per process, on first use, that never blocks a fork child on its parent.
+///
+/// * `inherited` values (the configuration, the loaded real library): a fork child uses what
+///   its parent had finished making.
+/// * the others (the registry of communicators, the process-wide last error, the engagement
+///   line): a fork child makes its own at first use, and never touches its parent's (leaked, with
+///   any lock a parent's thread held in it).
+///
+/// Either way, a value that a thread of another process was making when it forked (so, in a
+/// child, a thread that no longer exists) is made again. Reading a made value is two atomic
+/// loads and a comparison: no lock, no allocation, no system call. Making one must not read the
+/// same value (it would wait for itself).
+pub(crate) struct PerProcess<T: 'static> {
+    /// `EMPTY`; `pid << 32 | MAKING` (a thread of process `pid` is making it);
+    /// `generation << 2 | READY` (made in fork generation `generation`, modulo 2^30).
+    word: AtomicU64,
+    value: AtomicPtr<T>,
+    inherited: bool,
+}
+
+impl<T: 'static> PerProcess<T> {
+    /// A value that fork children take from their parent once it is made.
+    pub(crate) const fn inherited() -> Self {
+        PerProcess {
+            word: AtomicU64::new(EMPTY),
+            value: AtomicPtr::new(std::ptr::null_mut()),
+            inherited: true,
+        }
+    }
+
+    /// A value every fork child makes afresh.
+    pub(crate) const fn fresh_in_children() -> Self {
+        PerProcess {
+            word: AtomicU64::new(EMPTY),
+            value: AtomicPtr::new(std::ptr::null_mut()),
+            inherited: false,
+        }
+    }
+
+    fn ready_here(&self, word: u64) -> bool {
+        word & PHASE == READY
+            && (self.inherited || (word >> 2) as u32 == fork_generation() & (u32::MAX >> 2))
+    }
+
+    fn value(&self) -> &'static T {
+        // SAFETY: READY is stored (Release, read with Acquire before this) only after `value`
+        // holds a pointer from `Box::into_raw` of a fully made `T`; no value is ever freed (an
+        // old one is leaked when a fork child makes its own), so the reference lives for the
+        // rest of the process.
+        unsafe { &*self.value.load(Ordering::Acquire) }
+    }
+
+    /// The value of this process, made by `make` on first use.
+    #[inline]
+    pub(crate) fn get(&'static self, make: impl FnOnce() -> T) -> &'static T {
+        if self.ready_here(self.word.load(Ordering::Acquire)) {
+            return self.value();
+        }
+        self.make(make)
+    }
+
+    /// The value, if this process has made (or, `inherited`, received) it.
+    pub(crate) fn get_made(&'static self) -> Option<&'static T> {
+        self.ready_here(self.word.load(Ordering::Acquire))
+            .then(|| self.value())
+    }
+
+    #[cold]
+    fn make(&'static self, make: impl FnOnce() -> T) -> &'static T {
+        let me = u64::from(std::process::id());
+        loop {
+            let word = self.word.load(Ordering::Acquire);
+            if self.ready_here(word) {
+                return self.value();
+            }
+            if word & PHASE == MAKING && word >> 32 == me {
+                // Another thread of this process is making it.
+                std::thread::yield_now();
+                continue;
+            }
+            // Never made, made in another fork generation (not inherited), or being made by a
+            // thread of another process (a parent's thread, gone in this child): make it here.
+            if self
+                .word
+                .compare_exchange(word, me << 32 | MAKING, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                continue;
+            }
+            // If `make` panics, the value is left unmade for the next caller to try again.
+            struct Unmade<'a>(&'a AtomicU64, Option<u64>);
+            impl Drop for Unmade<'_> {
+                fn drop(&mut self) {
+                    if let Some(w) = self.1 {
+                        self.0.store(w, Ordering::Release);
+                    }
+                }
+            }
+            let mut unmade = Unmade(&self.word, Some(word));
+            let generation = u64::from(fork_generation() & (u32::MAX >> 2));
+            let v = Box::into_raw(Box::new(make()));
+            self.value.store(v, Ordering::Release);
+            unmade.1 = None;
+            self.word.store(generation << 2 | READY, Ordering::Release);
+            return self.value();
+        }
+    }
 }
 
 /// Registers `handler` to run at process exit (C `atexit`); false if it could not be.
@@ -44,4 +182,75 @@ pub(crate) fn at_exit(handler: extern "C" fn()) -> bool {
     // preloaded image stay open; a `dlclose` of this image would run the handler first, since
     // glibc ties `atexit` handlers to their object).
     unsafe { libc::atexit(handler) == 0 }
+}
+
+/// Standard error through `write(2)`, without the lock of Rust's `Stderr` (a lock a thread of
+/// the parent held at a fork would stay held in the child). The logger formats each line first
+/// and writes it with one call, so lines of different threads do not mix.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct RawStderr;
+
+impl std::io::Write for RawStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        loop {
+            // SAFETY: `buf` is valid for `buf.len()` bytes; fd 2 is the process's standard error
+            // (a closed descriptor is an error, not undefined behavior).
+            let n = unsafe { libc::write(2, buf.as_ptr().cast(), buf.len()) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_value_is_made_once_per_process() {
+        static V: PerProcess<String> = PerProcess::fresh_in_children();
+        static MADE: AtomicU32 = AtomicU32::new(0);
+        assert!(V.get_made().is_none());
+        let make = || {
+            MADE.fetch_add(1, Ordering::Relaxed);
+            "made".to_string()
+        };
+        let a = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..8).map(|_| s.spawn(|| V.get(make).as_str())).collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        assert!(a.iter().all(|v| *v == "made"));
+        assert_eq!(MADE.load(Ordering::Relaxed), 1);
+        assert_eq!(V.get_made().map(String::as_str), Some("made"));
+    }
+
+    #[test]
+    fn a_value_whose_maker_panicked_is_made_again() {
+        static V: PerProcess<u32> = PerProcess::inherited();
+        let r = std::panic::catch_unwind(|| *V.get(|| panic!("no")));
+        assert!(r.is_err());
+        assert!(V.get_made().is_none());
+        assert_eq!(*V.get(|| 7), 7);
+    }
+
+    #[test]
+    fn a_value_being_made_by_another_process_is_made_here() {
+        static V: PerProcess<u32> = PerProcess::fresh_in_children();
+        // As a child finds it when a thread of its parent (no process of ours has this pid) was
+        // making it at the fork.
+        V.word
+            .store(u64::from(u32::MAX) << 32 | MAKING, Ordering::Release);
+        assert_eq!(*V.get(|| 5), 5);
+    }
 }

@@ -16,11 +16,11 @@ use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 use flashcomm_nccl_sys::{HEADER_VERSION, version_string};
 
+use crate::calls::os::PerProcess;
 use crate::discovery::{self, Candidate, Inputs, Origin};
 use crate::error::Error;
 use crate::logging::{self, Subsys};
@@ -49,11 +49,13 @@ impl RealLib {
     }
 }
 
-static REAL: OnceLock<Result<RealLib, String>> = OnceLock::new();
+/// A fork child uses the library its parent loaded (the same mapping); one a parent's thread
+/// was still loading when it forked is loaded again in the child.
+static REAL: PerProcess<Result<RealLib, String>> = PerProcess::inherited();
 
 /// The real library, loading it on first use. `Err` (`ncclSystemError`) says what was tried.
 pub(crate) fn library() -> Result<&'static RealLib, Error> {
-    match REAL.get_or_init(load) {
+    match REAL.get(load) {
         Ok(lib) => Ok(lib),
         Err(msg) => Err(Error::system(Subsys::Init, msg.clone())),
     }
@@ -61,7 +63,7 @@ pub(crate) fn library() -> Result<&'static RealLib, Error> {
 
 /// The real library if it is already loaded; never loads it.
 pub(crate) fn loaded() -> Option<&'static RealLib> {
-    REAL.get().and_then(|r| r.as_ref().ok())
+    REAL.get_made().and_then(|r| r.as_ref().ok())
 }
 
 /// A lazily resolved function of the real library. One per export (`ncclX` and `pncclX` share
@@ -235,6 +237,9 @@ fn try_open(c: &Candidate, me: &OwnImage) -> Result<RealLib, String> {
     if me.file_id == Some((meta.dev(), meta.ino())) {
         return Err("is flashcomm itself (same file as this library)".into());
     }
+    // The loader maps the file's segments as its program headers describe them; a page past the
+    // end of a shorter file would kill the process with SIGBUS at its first touch.
+    check_elf(&c.path, meta.len())?;
     let cpath = CString::new(c.path.as_os_str().as_bytes()).map_err(|_| "path contains NUL")?;
     // SAFETY: `cpath` is a valid C string naming a file by path (it contains a `/`), so dlopen
     // does not search for it by name. Opening runs the library's initializers, which is what
@@ -281,8 +286,108 @@ fn try_open(c: &Candidate, me: &OwnImage) -> Result<RealLib, String> {
     })
 }
 
+/// ELF64 header fields: class and data encoding in `e_ident`, then the program header table.
+const ELF_MAGIC: &[u8; 4] = b"\x7fELF";
+const ELF_HEADER_BYTES: usize = 64;
+const PHDR_BYTES: u64 = 56;
+
+/// Whether the file at `path` (`len` bytes) is a 64-bit little-endian ELF image whose program
+/// headers and segments all lie inside the file. `Err` says what is wrong, in words.
+fn check_elf(path: &Path, len: u64) -> Result<(), String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut header = [0u8; ELF_HEADER_BYTES];
+    let got = read_up_to(&mut f, &mut header).map_err(|e| e.to_string())?;
+    let (phoff, phnum) = elf_program_headers(&header[..got], len)?;
+    let mut table = vec![0u8; (phnum * PHDR_BYTES) as usize];
+    f.seek(SeekFrom::Start(phoff))
+        .and_then(|_| f.read_exact(&mut table))
+        .map_err(|e| format!("cannot read its program headers: {e}"))?;
+    elf_segments_fit(&table, len)
+}
+
+fn read_up_to(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+    use std::io::Read;
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+/// From the first bytes of a file of `len` bytes: the offset and number of its program headers,
+/// when it is a 64-bit little-endian ELF image whose header table lies inside the file.
+fn elf_program_headers(header: &[u8], len: u64) -> Result<(u64, u64), String> {
+    if header.len() < 4 || &header[..4] != ELF_MAGIC {
+        return Err("not an ELF file (a shared library starts with \\x7fELF)".into());
+    }
+    if header.len() < ELF_HEADER_BYTES {
+        return Err(format!(
+            "truncated: {len} bytes, shorter than an ELF header ({ELF_HEADER_BYTES})"
+        ));
+    }
+    if header[4] != 2 || header[5] != 1 {
+        return Err("not a 64-bit little-endian ELF file".into());
+    }
+    let u16_at = |i: usize| u64::from(u16::from_le_bytes([header[i], header[i + 1]]));
+    let phoff = u64::from_le_bytes(header[0x20..0x28].try_into().unwrap_or_default());
+    let (phentsize, phnum) = (u16_at(0x36), u16_at(0x38));
+    if phnum == 0 {
+        return Err("an ELF file without program headers (not a shared library)".into());
+    }
+    if phentsize != PHDR_BYTES {
+        return Err(format!(
+            "program headers of {phentsize} bytes (not {PHDR_BYTES})"
+        ));
+    }
+    match phoff.checked_add(phnum * PHDR_BYTES) {
+        Some(end) if end <= len => Ok((phoff, phnum)),
+        _ => Err(format!(
+            "truncated: its {phnum} program headers at offset {phoff} end past its {len} bytes"
+        )),
+    }
+}
+
+/// Whether every segment the program headers `table` describe (`p_offset + p_filesz`) lies
+/// inside a file of `len` bytes.
+fn elf_segments_fit(table: &[u8], len: u64) -> Result<(), String> {
+    for (i, ph) in table.chunks_exact(PHDR_BYTES as usize).enumerate() {
+        let u64_at = |o: usize| u64::from_le_bytes(ph[o..o + 8].try_into().unwrap_or_default());
+        let (offset, filesz) = (u64_at(8), u64_at(0x20));
+        if filesz == 0 {
+            continue;
+        }
+        match offset.checked_add(filesz) {
+            Some(end) if end <= len => {}
+            _ => {
+                return Err(format!(
+                    "truncated: segment {i} needs bytes {offset}..{} but the file has {len}",
+                    offset.saturating_add(filesz)
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn load() -> Result<RealLib, String> {
     let state = crate::init::state();
+    // A value the configuration refused is still an explicit choice: nothing else replaces it.
+    if let Some(p) = state
+        .config
+        .problems
+        .iter()
+        .find(|p| p.variable == "FLASHCOMM_NCCL_LIB")
+    {
+        return Err(format!(
+            "no usable real NCCL library: {p}. When FLASHCOMM_NCCL_LIB is set it is the only \
+             candidate (an explicit choice is never replaced by a library found elsewhere); set \
+             it to the path of the real libnccl.so.2"
+        ));
+    }
     let me = own_image();
     let inputs = Inputs {
         configured: state.config.settings.nccl_lib.as_ref().map(|p| p.0.clone()),
@@ -294,9 +399,7 @@ fn load() -> Result<RealLib, String> {
     for c in discovery::candidates(&inputs) {
         match try_open(&c, &me) {
             Ok(lib) => {
-                if !crate::calls::os::forked() {
-                    log_choice(&lib, &me, &tried);
-                }
+                log_choice(&lib, &me, &tried);
                 return Ok(lib);
             }
             Err(why) => tried.push(format!(
@@ -366,4 +469,73 @@ pub(crate) fn real_last_error(comm: flashcomm_nccl_sys::ncclComm_t) -> Option<*c
     // SAFETY: the caller's communicator is passed unchanged; NCCL ignores it or reads it as its own.
     let s = unsafe { f(comm) };
     (!s.is_null()).then_some(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(phoff: u64, phnum: u16) -> Vec<u8> {
+        let mut h = vec![0u8; ELF_HEADER_BYTES];
+        h[..4].copy_from_slice(ELF_MAGIC);
+        h[4] = 2;
+        h[5] = 1;
+        h[0x20..0x28].copy_from_slice(&phoff.to_le_bytes());
+        h[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+        h[0x38..0x3a].copy_from_slice(&phnum.to_le_bytes());
+        h
+    }
+
+    fn segment(offset: u64, filesz: u64) -> Vec<u8> {
+        let mut p = vec![0u8; 56];
+        p[8..16].copy_from_slice(&offset.to_le_bytes());
+        p[0x20..0x28].copy_from_slice(&filesz.to_le_bytes());
+        p
+    }
+
+    #[test]
+    fn elf_headers_are_checked_against_the_file_size() {
+        assert_eq!(elf_program_headers(&header(64, 2), 176), Ok((64, 2)));
+        assert!(
+            elf_program_headers(&header(64, 2), 175)
+                .unwrap_err()
+                .starts_with("truncated")
+        );
+        assert!(elf_program_headers(&header(u64::MAX, 2), 1 << 20).is_err());
+        assert!(
+            elf_program_headers(b"INPUT(x)", 8)
+                .unwrap_err()
+                .starts_with("not an ELF")
+        );
+        assert!(
+            elf_program_headers(b"", 0)
+                .unwrap_err()
+                .starts_with("not an ELF")
+        );
+        assert!(
+            elf_program_headers(&header(64, 2)[..20], 20)
+                .unwrap_err()
+                .starts_with("truncated")
+        );
+        let mut h32 = header(64, 2);
+        h32[4] = 1;
+        assert!(
+            elf_program_headers(&h32, 1000)
+                .unwrap_err()
+                .contains("64-bit")
+        );
+        assert!(elf_program_headers(&header(64, 0), 1000).is_err());
+    }
+
+    #[test]
+    fn every_segment_must_lie_inside_the_file() {
+        let table = [segment(0, 4096), segment(4096, 100), segment(9999, 0)].concat();
+        assert_eq!(elf_segments_fit(&table, 4196), Ok(()));
+        let e = elf_segments_fit(&table, 4195).unwrap_err();
+        assert_eq!(
+            e,
+            "truncated: segment 1 needs bytes 4096..4196 but the file has 4195"
+        );
+        assert!(elf_segments_fit(&segment(u64::MAX, 2), u64::MAX).is_err());
+    }
 }

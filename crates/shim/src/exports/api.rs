@@ -3,8 +3,8 @@
 //! calls. Everything else is a plain forwarder in `forwarders.rs`.
 //!
 //! Owns: the hand-written `nccl_api!` exports.
-//! May import: `exports::boundary`, `exports::collective`, `calls::os`, `calls::real`, `args`,
-//! `error`, `last_error`, `logging`, `types`, `group`, `dispatch`.
+//! May import: `exports::boundary`, `exports::collective`, `calls::real`, `args`, `error`,
+//! `last_error`, `logging`, `types`, `group`, `dispatch`.
 
 use std::cell::RefCell;
 use std::ffi::{CString, c_char, c_int, c_void};
@@ -15,10 +15,9 @@ use flashcomm_nccl_sys::{
 };
 
 use crate::args::Args;
-use crate::calls::os::forked;
 use crate::calls::real::{self, Slot};
 use crate::dispatch;
-use crate::error::error_string;
+use crate::error::{code_name, error_string};
 use crate::exports::boundary::{call_real, nccl_api, unavailable};
 use crate::exports::collective::{Extra, collective};
 use crate::group;
@@ -106,7 +105,7 @@ fn created(
     config: *const ncclConfig_t,
 ) {
     let ok = result == ncclResult_t::ncclSuccess || result == ncclResult_t::ncclInProgress;
-    if forked() || !ok || out.is_null() {
+    if !ok || out.is_null() {
         return;
     }
     let comms: Vec<ncclComm_t> = (0..usize::try_from(count).unwrap_or(0))
@@ -135,9 +134,7 @@ fn created(
 
 /// Before an ending call.
 fn ending(comm: ncclComm_t, end: CommEnd) {
-    if !forked() {
-        dispatch::on_comm_destroying(comm, end);
-    }
+    dispatch::on_comm_destroying(comm, end);
 }
 
 thread_local! {
@@ -157,17 +154,28 @@ nccl_api! {
     }
 
     /// This thread's last failure if flashcomm detected it, else the process's, else the real
-    /// library's message. The string stays valid until this thread's next call.
+    /// library's message. A failure of the real library that left no message of its own is
+    /// described by flashcomm (which function, which code): every error has a message. The
+    /// string stays valid until this thread's next call.
     fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
-        let ours = if forked() { None } else { last_error::current() };
-        match ours {
-            Some(Last::Ours(msg)) => RETURNED.with(|r| {
-                let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-                let mut r = r.borrow_mut();
-                *r = c;
-                r.as_ptr()
-            }),
-            Some(Last::Real) | None => real::real_last_error(comm).unwrap_or(c"".as_ptr()),
+        let ours = |msg: String| RETURNED.with(|r| {
+            let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+            let mut r = r.borrow_mut();
+            *r = c;
+            r.as_ptr()
+        });
+        match last_error::current() {
+            Some(Last::Ours(msg)) => ours(msg),
+            Some(Last::Real { api, code }) => match real::real_last_error(comm) {
+                // SAFETY: a NUL-terminated string of the real library (non-null).
+                Some(p) if unsafe { *p } != 0 => p,
+                _ => ours(format!(
+                    "{api} returned {} ({}) in the real NCCL, which gave no message",
+                    code_name(code),
+                    error_string(code).to_string_lossy()
+                )),
+            },
+            None => real::real_last_error(comm).unwrap_or(c"".as_ptr()),
         }
     }
 
@@ -426,7 +434,7 @@ nccl_api! {
         exclude_ranks_count: c_int, newcomm: *mut ncclComm_t, config: *mut ncclConfig_t,
         shrink_flags: c_int,
     ) -> ncclResult_t {
-        if shrink_flags & NCCL_SHRINK_ABORT as c_int != 0 && !forked() {
+        if shrink_flags & NCCL_SHRINK_ABORT as c_int != 0 {
             dispatch::on_comm_shrink_abort(comm);
         }
         let r = forwarded!(call_real!(SHRINK, (comm, exclude_ranks_list, exclude_ranks_count,
@@ -457,9 +465,9 @@ nccl_api! {
     /// flashcomm's operations of the communicator are flushed first, and until a successful
     /// resume every call goes to NCCL, which answers it as on a suspended communicator.
     fn ncclCommSuspend(comm: ncclComm_t, flags: c_int) -> ncclResult_t {
-        let before = !forked() && dispatch::on_comm_suspend(comm, true);
+        let before = dispatch::on_comm_suspend(comm, true);
         let r = call_real!(SUSPEND, (comm, flags) -> ncclResult_t);
-        if !matches!(r, Ok(ncclResult_t::ncclSuccess)) && !forked() {
+        if !matches!(r, Ok(ncclResult_t::ncclSuccess)) {
             dispatch::on_comm_suspend(comm, before);
         }
         forwarded!(r)
@@ -468,7 +476,7 @@ nccl_api! {
     /// After a successful resume flashcomm's kernels take the communicator's calls again.
     fn ncclCommResume(comm: ncclComm_t) -> ncclResult_t {
         let r = call_real!(RESUME, (comm) -> ncclResult_t);
-        if matches!(r, Ok(ncclResult_t::ncclSuccess)) && !forked() {
+        if matches!(r, Ok(ncclResult_t::ncclSuccess)) {
             dispatch::on_comm_resumed(comm);
         }
         forwarded!(r)
@@ -483,7 +491,7 @@ nccl_api! {
     /// abort runs (ending any NCCL operation ours may be queued behind), and only then is our
     /// last launch waited for, bounded, before flashcomm's memory is freed.
     fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
-        let pending = if forked() { None } else { dispatch::on_comm_aborting(comm) };
+        let pending = dispatch::on_comm_aborting(comm);
         let real = call_real!(ABORT, (comm) -> ncclResult_t);
         dispatch::on_comm_aborted(pending);
         forwarded!(real)
@@ -491,12 +499,12 @@ nccl_api! {
 
     /// Inside a group that holds its Send/Recv calls back, a nested start is held with them.
     fn ncclGroupStart() -> ncclResult_t {
-        if !forked() && dispatch::hold_group_call(true) {
+        if dispatch::hold_group_call(true) {
             group::started();
             return ncclResult_t::ncclSuccess;
         }
         let r = forwarded!(call_real!(GROUP_START, () -> ncclResult_t));
-        if r == ncclResult_t::ncclSuccess && !forked() {
+        if r == ncclResult_t::ncclSuccess {
             group::started();
             dispatch::group_started(group::depth(), &crate::init::state().config);
         }
@@ -507,17 +515,21 @@ nccl_api! {
     /// calls the group held back (`FLASHCOMM_GROUPED_ALLTOALL`) run first, as flashcomm's
     /// AllToAll or given to the real library in their order, inside the real group.
     fn ncclGroupEnd() -> ncclResult_t {
-        let depth = (!forked()).then(group::ending);
-        if matches!(depth, Some(d) if d > 0) && dispatch::hold_group_call(false) {
+        let depth = group::ending();
+        if depth > 0 && dispatch::hold_group_call(false) {
             return ncclResult_t::ncclSuccess;
         }
         let held = match depth {
-            Some(0) => dispatch::group_ending(&crate::init::state().config),
+            0 => dispatch::group_ending(&crate::init::state().config),
             _ => None,
         };
         let r = forwarded!(call_real!(GROUP_END, () -> ncclResult_t));
-        if let Some(depth) = depth {
-            dispatch::group_ended(depth, r);
+        dispatch::group_ended(depth, r);
+        // A call of the group that flashcomm failed itself is the group's result (the real
+        // group failed too, and discarded its other calls).
+        if depth == 0 && let Some((code, msg)) = group::take_failure() {
+            last_error::record(&msg);
+            return code;
         }
         match held {
             Some(e) if r == ncclResult_t::ncclSuccess => e,
@@ -531,14 +543,17 @@ nccl_api! {
     fn ncclGroupSimulateEnd(sim_info: *mut ncclSimInfo_t) -> ncclResult_t {
         // Held-back Send/Recv calls go to the real library first: it simulates the group as the
         // caller wrote it.
-        if !forked() && group::depth() == 1 {
+        if group::depth() == 1 {
             let _ = dispatch::hold_in_group_released(&crate::init::state().config);
         }
         // Only once the real library ran it (a real library without the function ended no
         // group).
         let r = forwarded!(call_real!(GROUP_SIMULATE_END, (sim_info) -> ncclResult_t));
-        if !forked() {
-            dispatch::group_simulated(group::ending());
+        let depth = group::ending();
+        dispatch::group_simulated(depth);
+        if depth == 0 && let Some((code, msg)) = group::take_failure() {
+            last_error::record(&msg);
+            return code;
         }
         r
     }
@@ -549,7 +564,7 @@ nccl_api! {
     /// read of host memory.
     fn ncclCommGetAsyncError(comm: ncclComm_t, async_error: *mut ncclResult_t) -> ncclResult_t {
         let r = forwarded!(call_real!(GET_ASYNC_ERROR, (comm, async_error) -> ncclResult_t));
-        if r != ncclResult_t::ncclSuccess || async_error.is_null() || forked() {
+        if r != ncclResult_t::ncclSuccess || async_error.is_null() {
             return r;
         }
         // SAFETY: the real library returned success, so it wrote the caller's out pointer.

@@ -9,8 +9,10 @@
 //! * [`forward!`] defines plain forwarders (used by the generated `forwarders.rs`).
 //! * [`call_real!`] calls the real library's function of a [`Slot`](crate::calls::real::Slot).
 //!
-//! Owns: [`CReturn`], [`guard`], [`unavailable`], the export macros.
-//! May import: `error`, `logging`, `last_error`, `init`, `calls::os`, `calls::real`.
+//! Owns: [`CReturn`], [`guard`], [`unavailable`], the export macros, the failure of a group
+//! call flashcomm refused inside a group.
+//! May import: `error`, `logging`, `last_error`, `init`, `group`, `calls::os`, `calls::real`,
+//! `calls::nccl`.
 
 use std::any::Any;
 use std::ffi::c_char;
@@ -18,6 +20,7 @@ use std::panic::AssertUnwindSafe;
 
 use flashcomm_nccl_sys::{ncclResult_t, ncclTeam_t};
 
+use crate::calls::real::Slot;
 use crate::error::Error;
 use crate::logging::Subsys;
 
@@ -29,8 +32,13 @@ pub(crate) trait CReturn: Copy {
     fn on_panic() -> Self;
     /// The value when the call cannot be forwarded because of `e`.
     fn on_unavailable(e: &Error) -> Self;
-    /// Runs after the real function returned `self`.
-    fn after_real(&self) {}
+    /// Runs after the real function of `slot` returned `self`.
+    fn after_real(&self, _slot: &Slot) {}
+    /// The error code, when `self` is one (`ncclResult_t` functions only).
+    #[inline]
+    fn failure(&self) -> Option<ncclResult_t> {
+        None
+    }
 }
 
 impl CReturn for ncclResult_t {
@@ -41,13 +49,19 @@ impl CReturn for ncclResult_t {
         e.code()
     }
     #[inline]
-    fn after_real(&self) {
-        if *self != ncclResult_t::ncclSuccess
-            && *self != ncclResult_t::ncclInProgress
-            && !crate::calls::os::forked()
-        {
-            crate::last_error::record_real_failure();
+    fn after_real(&self, slot: &Slot) {
+        if *self != ncclResult_t::ncclSuccess && *self != ncclResult_t::ncclInProgress {
+            crate::last_error::record_real_failure(slot.name(), self.0);
+            // Inside a group, the real group saw this failure: it is the group's newest.
+            if crate::group::depth() > 0 {
+                crate::group::real_failed();
+            }
         }
+    }
+    #[inline]
+    fn failure(&self) -> Option<ncclResult_t> {
+        (*self != ncclResult_t::ncclSuccess && *self != ncclResult_t::ncclInProgress)
+            .then_some(*self)
     }
 }
 
@@ -115,7 +129,7 @@ fn panic_message(api: &str, payload: &(dyn Any + Send)) -> String {
 /// caught and reported, and `FLASHCOMM_DEBUG_PANIC` can inject one for tests.
 #[inline(always)]
 pub(crate) fn guard<R: CReturn>(api: &'static str, body: impl FnOnce() -> R) -> R {
-    match std::panic::catch_unwind(AssertUnwindSafe(|| {
+    let r = match std::panic::catch_unwind(AssertUnwindSafe(|| {
         crate::init::debug_panic_point(api);
         body()
     })) {
@@ -128,6 +142,59 @@ pub(crate) fn guard<R: CReturn>(api: &'static str, body: impl FnOnce() -> R) -> 
             }));
             R::on_panic()
         }
+    };
+    if let Some(code) = r.failure() {
+        failed_in_group(api, code);
+    }
+    r
+}
+
+/// The exports whose calls take part in NCCL's groups: a failure of one inside a group is the
+/// group's error (`ncclGroupErrCheck`).
+const GROUP_CALLS: &[&str] = &[
+    "ncclAllReduce",
+    "ncclAllReduceConfig",
+    "ncclReduceScatter",
+    "ncclReduceScatterConfig",
+    "ncclAllGather",
+    "ncclAllGatherConfig",
+    "ncclAlltoAll",
+    "ncclAlltoAllConfig",
+    "ncclBroadcast",
+    "ncclBroadcastConfig",
+    "ncclBcast",
+    "ncclReduce",
+    "ncclReduceConfig",
+    "ncclGather",
+    "ncclGatherConfig",
+    "ncclScatter",
+    "ncclScatterConfig",
+    "ncclSend",
+    "ncclRecv",
+    "ncclPutSignal",
+    "ncclSignal",
+    "ncclWaitSignal",
+    "ncclCommInitRank",
+    "ncclCommInitRankConfig",
+    "ncclCommInitRankScalable",
+    "ncclCommSplit",
+    "ncclCommShrink",
+    "ncclCommGrow",
+];
+
+/// An export of a group call returned `code`. When flashcomm itself failed it inside a group
+/// (this thread's newest failure is flashcomm's: the real library's failures are recorded as
+/// its own), the real group never saw the call: flashcomm makes the real group fail the way
+/// NCCL's groups fail after a refused call (its other calls are discarded), and the outermost
+/// `ncclGroupEnd` returns this failure (`group::take_failure`).
+#[cold]
+fn failed_in_group(api: &'static str, code: ncclResult_t) {
+    if crate::group::depth() == 0 || !GROUP_CALLS.contains(&api) {
+        return;
+    }
+    if let Some(crate::last_error::Last::Ours(msg)) = crate::last_error::thread_last() {
+        crate::group::failed(code, &msg);
+        crate::calls::nccl::fail_real_group();
     }
 }
 
@@ -156,7 +223,7 @@ macro_rules! call_real {
                 // SAFETY: the caller's arguments go through unchanged, so the caller's
                 // obligations under NCCL's contract carry over to the real function.
                 let r = unsafe { f($($arg),*) };
-                $crate::exports::boundary::CReturn::after_real(&r);
+                $crate::exports::boundary::CReturn::after_real(&r, &$slot);
                 Ok(r)
             }
             Err(e) => Err(e),

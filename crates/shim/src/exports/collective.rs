@@ -1,12 +1,12 @@
-//! The common path of every collective export: checks, the empty case, then dispatch.
+//! The common path of every collective export: what the arguments allow (`args::check`), then
+//! the router, or the real library as it is for a call flashcomm does not route.
 //!
 //! Owns: [`Extra`], [`collective`].
-//! May import: `exports::boundary`, `calls::os`, `args`, `error`, `init`, `types`, `dispatch`.
+//! May import: `exports::boundary`, `args`, `error`, `init`, `types`, `dispatch`.
 
 use flashcomm_nccl_sys::{cudaStream_t, ncclCollConfig_t, ncclResult_t};
 
 use crate::args::{self, Args, Checked};
-use crate::calls::os::forked;
 use crate::dispatch;
 use crate::error::Error;
 use crate::exports::boundary::unavailable;
@@ -30,9 +30,6 @@ pub(crate) fn collective(
     forward: impl FnOnce() -> Result<ncclResult_t, Error>,
 ) -> ncclResult_t {
     let forward = || forward().unwrap_or_else(unavailable);
-    if forked() {
-        return forward();
-    }
     if tracing::enabled!(target: "flashcomm::call", tracing::Level::TRACE) {
         tracing::trace!(
             target: "flashcomm::call",
@@ -42,29 +39,31 @@ pub(crate) fn collective(
             extra.root_or_peer, a.comm, extra.stream, extra.config
         );
     }
-    match args::check(&a) {
-        Err(e) => e.report(),
-        Ok(Checked::Empty) => ncclResult_t::ncclSuccess,
-        Ok(Checked::Bytes(bytes)) => {
-            let call = CollCall {
-                api: a.api,
-                kind: a.kind,
-                sendbuff: a.sendbuff,
-                recvbuff: a.recvbuff,
-                count: a.count,
-                datatype: a.datatype,
-                op: a.op,
-                comm: a.comm,
-                stream: extra.stream,
-                config: extra.config,
-                bytes,
-            };
-            let config = &crate::init::state().config;
-            // Inside a group that holds its Send/Recv calls back (FLASHCOMM_GROUPED_ALLTOALL).
-            if dispatch::hold_in_group(&call, extra.root_or_peer, config) {
-                return ncclResult_t::ncclSuccess;
-            }
-            dispatch::run(&call, config, forward)
-        }
+    let checked = args::check(&a);
+    let call = CollCall {
+        api: a.api,
+        kind: a.kind,
+        sendbuff: a.sendbuff,
+        recvbuff: a.recvbuff,
+        count: a.count,
+        datatype: a.datatype,
+        op: a.op,
+        comm: a.comm,
+        stream: extra.stream,
+        config: extra.config,
+        bytes: match checked {
+            Checked::Bytes(bytes) => bytes,
+            Checked::Forward => 0,
+        },
+    };
+    let config = &crate::init::state().config;
+    if checked == Checked::Forward {
+        // Not a call flashcomm routes: the real library answers it, as it would without us.
+        return dispatch::pass_through(&call, config, forward);
     }
+    // Inside a group that holds its Send/Recv calls back (FLASHCOMM_GROUPED_ALLTOALL).
+    if dispatch::hold_in_group(&call, extra.root_or_peer, config) {
+        return ncclResult_t::ncclSuccess;
+    }
+    dispatch::run(&call, config, forward)
 }

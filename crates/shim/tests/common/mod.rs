@@ -355,3 +355,145 @@ pub fn real_version() -> c_int {
         v
     })
 }
+
+/// A handle that is not a communicator but that NCCL can read without faulting: 64 MiB of
+/// zeroed memory (NCCL answers "corrupted comm object detected"). One per process, never freed.
+pub fn foreign_handle() -> usize {
+    static H: OnceLock<usize> = OnceLock::new();
+    *H.get_or_init(|| {
+        // SAFETY: an anonymous private mapping; no file, no fixed address.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                64 << 20,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED, "mmap");
+        p as usize
+    })
+}
+
+/// The arguments of a collective export (`ncclAllReduce`, ..., `ncclSend`, `ncclRecv`, and the
+/// `*Config` forms), as addresses and integers, exactly as a C caller passes them. Fields a
+/// function does not take are ignored (`root` is broadcast's and reduce's root, the peer of
+/// send and receive; `send` is the one buffer of `ncclBcast` and `ncclSend`, `recv` that of
+/// `ncclRecv`).
+#[derive(Debug, Clone, Copy)]
+pub struct CollArgs {
+    pub send: usize,
+    pub recv: usize,
+    pub count: usize,
+    pub dt: c_int,
+    pub op: c_int,
+    pub root: c_int,
+    pub comm: usize,
+    pub stream: usize,
+    pub config: usize,
+}
+
+impl CollArgs {
+    /// One float32 sum of one element on `comm`, with non-null buffers.
+    pub fn on(comm: usize) -> CollArgs {
+        CollArgs {
+            send: 0x1000,
+            recv: 0x2000,
+            count: 1,
+            dt: 7,
+            op: 0,
+            root: 0,
+            comm,
+            stream: 0,
+            config: 0,
+        }
+    }
+}
+
+/// Every collective export of the NCCL API (`ncclX` form).
+pub const COLLECTIVE_EXPORTS: [&str; 17] = [
+    "ncclAllReduce",
+    "ncclAllReduceConfig",
+    "ncclReduceScatter",
+    "ncclReduceScatterConfig",
+    "ncclAllGather",
+    "ncclAllGatherConfig",
+    "ncclAlltoAll",
+    "ncclAlltoAllConfig",
+    "ncclBroadcast",
+    "ncclBroadcastConfig",
+    "ncclBcast",
+    "ncclReduce",
+    "ncclReduceConfig",
+    "ncclSend",
+    "ncclRecv",
+    "ncclGather",
+    "ncclScatter",
+];
+
+/// Calls the collective export `name` (or its `pncclX` twin) of `lib` with `a`.
+pub fn call_collective(lib: &Lib, name: &str, a: &CollArgs) -> c_int {
+    type Reducing = unsafe extern "C" fn(usize, usize, usize, c_int, c_int, usize, usize) -> c_int;
+    type ReducingConfig =
+        unsafe extern "C" fn(usize, usize, usize, c_int, c_int, usize, usize, usize) -> c_int;
+    type Moving = unsafe extern "C" fn(usize, usize, usize, c_int, usize, usize) -> c_int;
+    type MovingConfig =
+        unsafe extern "C" fn(usize, usize, usize, c_int, usize, usize, usize) -> c_int;
+    type Rooted = unsafe extern "C" fn(usize, usize, usize, c_int, c_int, usize, usize) -> c_int;
+    type RootedConfig =
+        unsafe extern "C" fn(usize, usize, usize, c_int, c_int, usize, usize, usize) -> c_int;
+    type Reduce =
+        unsafe extern "C" fn(usize, usize, usize, c_int, c_int, c_int, usize, usize) -> c_int;
+    type ReduceConfig = unsafe extern "C" fn(
+        usize,
+        usize,
+        usize,
+        c_int,
+        c_int,
+        c_int,
+        usize,
+        usize,
+        usize,
+    ) -> c_int;
+    type OneBuffer = unsafe extern "C" fn(usize, usize, c_int, c_int, usize, usize) -> c_int;
+    let base = name.strip_prefix('p').unwrap_or(name);
+    // SAFETY: in every arm, `name` is looked up in `lib` and called with the signature nccl.h
+    // declares for it; the addresses are the test's to choose, as a C caller's are.
+    unsafe {
+        match base {
+            "ncclAllReduce" | "ncclReduceScatter" => {
+                lib.get::<Reducing>(name)(a.send, a.recv, a.count, a.dt, a.op, a.comm, a.stream)
+            }
+            "ncclAllReduceConfig" | "ncclReduceScatterConfig" => lib.get::<ReducingConfig>(name)(
+                a.send, a.recv, a.count, a.dt, a.op, a.comm, a.stream, a.config,
+            ),
+            "ncclAllGather" | "ncclAlltoAll" => {
+                lib.get::<Moving>(name)(a.send, a.recv, a.count, a.dt, a.comm, a.stream)
+            }
+            "ncclAllGatherConfig" | "ncclAlltoAllConfig" => lib.get::<MovingConfig>(name)(
+                a.send, a.recv, a.count, a.dt, a.comm, a.stream, a.config,
+            ),
+            "ncclBroadcast" | "ncclGather" | "ncclScatter" => {
+                lib.get::<Rooted>(name)(a.send, a.recv, a.count, a.dt, a.root, a.comm, a.stream)
+            }
+            "ncclBroadcastConfig" => lib.get::<RootedConfig>(name)(
+                a.send, a.recv, a.count, a.dt, a.root, a.comm, a.stream, a.config,
+            ),
+            "ncclReduce" => lib.get::<Reduce>(name)(
+                a.send, a.recv, a.count, a.dt, a.op, a.root, a.comm, a.stream,
+            ),
+            "ncclReduceConfig" => lib.get::<ReduceConfig>(name)(
+                a.send, a.recv, a.count, a.dt, a.op, a.root, a.comm, a.stream, a.config,
+            ),
+            "ncclBcast" | "ncclSend" => {
+                lib.get::<OneBuffer>(name)(a.send, a.count, a.dt, a.root, a.comm, a.stream)
+            }
+            "ncclRecv" => {
+                lib.get::<OneBuffer>(name)(a.recv, a.count, a.dt, a.root, a.comm, a.stream)
+            }
+            other => panic!("{other} is not a collective export"),
+        }
+    }
+}
