@@ -1055,6 +1055,9 @@ const RETRIES: usize = 20;
 
 fn run_case(index: usize, c: &Case, ours: bool) -> Outcome {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
+    // A folder of its own as the working directory: a case's value may name a file (a log file
+    // of "-1"), which must not land in the source tree.
+    cmd.current_dir(scratch("sxs-cwd"));
     cmd.args([
         "side_by_side_case",
         "--exact",
