@@ -182,6 +182,42 @@ pub(crate) fn on_creation_hook_panicked(
     }
 }
 
+/// A hook around a destroy, abort, finalize or revoke panicked (a bug in flashcomm): the real call
+/// runs all the same (the export does not return early). The communicator leaves the registry,
+/// so its later calls go to NCCL, which answers them (each of these calls closes it for routing
+/// on every rank anyway); for an abort, flashcomm's kernels of it are told to leave their waits
+/// first. flashcomm's communicator, if any, is released when the last reference goes.
+pub(crate) fn on_end_hook_panicked(
+    hook: &str,
+    comm: ncclComm_t,
+    payload: &(dyn std::any::Any + Send),
+) {
+    let text = crate::init::take_panic_text().unwrap_or_else(|| {
+        payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string())
+    });
+    if !comm.is_null()
+        && let Some(state) = registry::remove(CommHandle::of(comm))
+    {
+        state.close();
+        if hook.contains("Abort")
+            && let Some(c) = state.served()
+        {
+            c.abort();
+        }
+    }
+    logging::warn(
+        Subsys::Init,
+        &format!(
+            "communicator {comm:p}: internal error in flashcomm's {hook} ({text}); the real \
+             library's call runs all the same"
+        ),
+    );
+}
+
 /// Hook of `ncclCommShrink` with `NCCL_SHRINK_ABORT`, before the real shrink: NCCL aborts the
 /// parent's operations in flight and leaves the parent usable only for destroy or abort; so
 /// flashcomm's kernels of the parent leave their waits (the abort flag) and the parent's later

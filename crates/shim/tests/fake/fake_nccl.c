@@ -53,7 +53,10 @@ int ncclCommInitRankConfig(void** comm, int nranks, struct { char internal[128];
   return 0;
 }
 
-int ncclCommDestroy(void* comm) { (void)comm; return 0; }
+int fake_destroy_calls = 0;
+int fake_abort_calls = 0;
+int ncclCommDestroy(void* comm) { (void)comm; fake_destroy_calls++; return 0; }
+int ncclCommAbort(void* comm) { (void)comm; fake_abort_calls++; return 0; }
 int ncclCommCount(void* comm, int* count) { (void)comm; *count = 1; return 0; }
 int ncclCommUserRank(void* comm, int* rank) { (void)comm; *rank = 0; return 0; }
 int ncclCommCuDevice(void* comm, int* device) { (void)comm; *device = 0; return 0; }
