@@ -26,7 +26,7 @@ mod host_arena;
 mod module;
 
 pub use caller::{OwnStream, SavedContext, current_device, driver_loaded};
-pub use host_arena::HostArena;
+pub use host_arena::{HostArena, remove_stale_segments};
 pub use module::{Function, LaunchConfig, Module, launch, launch_overlapped};
 
 /// What can go wrong in a driver call.
