@@ -19,7 +19,7 @@ mod file_bootstrap;
 pub mod reference;
 pub mod verify;
 
-pub use file_bootstrap::FileBootstrap;
+pub use file_bootstrap::{FileBootstrap, private_folder};
 
 use std::collections::HashMap;
 use std::ffi::CString;
