@@ -29,6 +29,7 @@ use crate::error::Error;
 use crate::gpu::{
     self, CaptureRecord, Device, DeviceMem, DevicePtr, Event, HostMapped, OwnStream, Stream,
 };
+use crate::identity;
 use crate::plan::{
     self, Algorithm, Arena, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantChoice,
     QuantModel, QuantSpec,
@@ -208,6 +209,11 @@ fn call_signature(p: &Plan, dtype: Option<DataType>) -> u32 {
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct PeerInfo {
     pid: u32,
+    /// [`identity::process_token`]: what tells processes apart (process ids of different PID
+    /// namespaces of one machine can be equal).
+    token: u64,
+    /// [`identity::Build::id`] of the rank's flashcomm.
+    build: u64,
     host: u64,
     uuid: [u8; 16],
     arena: u64,
@@ -230,8 +236,16 @@ impl PeerInfo {
         v.extend_from_slice(&self.ipc.unwrap_or([0; 64]));
         v.extend_from_slice(&self.max_grid.to_le_bytes());
         v.push(self.transport.code());
+        v.resize(120, 0);
+        v.extend_from_slice(&self.token.to_le_bytes());
+        v.extend_from_slice(&self.build.to_le_bytes());
         v.resize(INFO_BYTES, 0);
         v
+    }
+
+    /// Whether `other` is a rank of this rank's process (then its arena is reached by address).
+    fn same_process(&self, other: &PeerInfo) -> bool {
+        self.host == other.host && self.pid == other.pid && self.token == other.token
     }
 
     fn decode(b: &[u8]) -> Result<PeerInfo, Error> {
@@ -248,6 +262,8 @@ impl PeerInfo {
         ipc.copy_from_slice(&b[49..113]);
         Ok(PeerInfo {
             pid: u32_at(4),
+            token: u64_at(120),
+            build: u64_at(128),
             host: u64_at(8),
             uuid,
             arena: u64_at(32),
@@ -391,6 +407,8 @@ impl Communicator {
                     let _ctx = ls.dev.activate()?;
                     PeerInfo {
                         pid: std::process::id(),
+                        token: identity::process_token(),
+                        build: identity::Build::this().id(),
                         host: host_id(),
                         uuid: ls.dev.uuid(),
                         arena: ls.local.addr(),
@@ -563,6 +581,15 @@ impl Communicator {
         let mut mappings = Vec::new();
         for (r, p) in infos.iter().enumerate() {
             let fail = |m: String| Err(Error::Unsupported(m));
+            if p.build != info.build {
+                return fail(format!(
+                    "rank {r} runs another flashcomm build than this rank ({}; build ids {:016x} \
+                     and {:016x}): every rank must run the same build",
+                    identity::Build::this(),
+                    p.build,
+                    info.build
+                ));
+            }
             if p.transport != info.transport {
                 return fail(format!(
                     "rank {r} chose the {} transport, this rank {}",
@@ -581,10 +608,10 @@ impl Communicator {
                 return fail(format!(
                     "rank {r} is on another machine (flashcomm kernels serve one node)"
                 ));
-            } else if p.pid == info.pid && info.transport == Transport::Host {
+            } else if p.same_process(info) && info.transport == Transport::Host {
                 // A portable registration: the creator's address is valid in every context.
                 peers[r] = p.arena;
-            } else if p.pid == info.pid {
+            } else if p.same_process(info) {
                 match Self::in_process_peer(dev, &p.uuid) {
                     Ok(()) => peers[r] = p.arena,
                     Err(e) => return fail(format!("rank {r} (same process): {e}")),
@@ -1738,6 +1765,42 @@ impl Drop for Communicator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn info(pid: u32, token: u64) -> PeerInfo {
+        PeerInfo {
+            pid,
+            token,
+            build: identity::Build::this().id(),
+            host: host_id(),
+            uuid: [7; 16],
+            arena: 0x7f00_0000_0000,
+            arena_bytes: 64 << 20,
+            ipc: Some([3; 64]),
+            max_grid: 132,
+            transport: Transport::Host,
+        }
+    }
+
+    /// Two processes of one machine in different PID namespaces (containers of one pod: same
+    /// host name, same boot id) can have the same process id. Taken for one process, the peer's
+    /// arena would be used at the address it has in the other process (memory of this process
+    /// that is something else). The random process token tells them apart.
+    #[test]
+    fn equal_process_ids_of_different_processes_are_not_one_process() {
+        let a = info(1, identity::process_token());
+        let b = info(1, identity::process_token() ^ 0x5a5a);
+        assert!(!a.same_process(&b), "pid 1 in two containers");
+        assert!(a.same_process(&a.clone()));
+        let back = PeerInfo::decode(&b.encode()).unwrap();
+        assert_eq!(back, b, "the token and the build travel in the record");
+        assert!(!a.same_process(&back));
+        // Another machine with an equal pid and token is not this process either.
+        let far = PeerInfo {
+            host: a.host ^ 1,
+            ..a.clone()
+        };
+        assert!(!a.same_process(&far));
+    }
 
     #[test]
     fn overlapping_buffers_are_refused_unless_in_place() {

@@ -26,6 +26,10 @@ pub mod image {
     include!(concat!(env!("OUT_DIR"), "/images.rs"));
 }
 
+/// FNV-1a of every CUDA source and header the kernels are built from (the kernel ABI, the
+/// protocols, the CUDA codec): what two builds must share to run one communicator together.
+pub const SOURCE_DIGEST: u64 = include!(concat!(env!("OUT_DIR"), "/source_digest.rs"));
+
 /// Whether this build carries CUDA kernels (false when nvcc was unavailable at build time; every
 /// collective then passes through to the real NCCL).
 pub fn built_with_kernels() -> bool {

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flashcomm_comm::{
-    Agreement, Algorithm, Bootstrap, Choice, CommConfig, Communicator, Error as CommError,
+    Agreement, Algorithm, Bootstrap, Build, Choice, CommConfig, Communicator, Error as CommError,
     Protocol, QuantChoice, Stream, ThreadGroup, Transport,
 };
 use flashcomm_config::{
@@ -134,12 +134,13 @@ pub(crate) fn entry_verdict(config: &Config, nranks: u32) -> Result<(), String> 
     Ok(())
 }
 
-/// What a rank brings to the set-up: its verdict ([`entry_verdict`]) and the digest of its
-/// configuration ([`Config::agreement_digest`]).
+/// What a rank brings to the set-up: its verdict ([`entry_verdict`]), the digest of its
+/// configuration ([`Config::agreement_digest`]) and the flashcomm build it runs ([`Build`]).
 #[derive(Clone, Debug)]
 pub(crate) struct Entry {
     pub(crate) verdict: Result<(), String>,
     pub(crate) digest: u64,
+    pub(crate) build: Build,
 }
 
 impl Entry {
@@ -147,25 +148,41 @@ impl Entry {
         Entry {
             verdict: entry_verdict(config, nranks),
             digest: config.agreement_digest(),
+            build: Build::this(),
         }
     }
 }
 
-/// The first round of every set-up: every rank's verdict and configuration digest. Every rank
-/// gets the same answer: `Ok` only when every rank may serve and every digest is equal (ranks
-/// that run with different `FLASHCOMM_*` settings would route or encode differently).
+/// The first round of every set-up: every rank's verdict, configuration digest and build. Every
+/// rank gets the same answer: `Ok` only when every rank may serve, every rank runs the same
+/// flashcomm build (version, kernel sources and codec wire format: other kernels would read other
+/// tags and layouts) and every digest is equal (ranks that run with different `FLASHCOMM_*`
+/// settings would route or encode differently).
 pub(crate) fn agree_on_entry(ag: &mut Agreement<'_>, entry: &Entry) -> Result<(), String> {
     let all = ag
-        .round(
-            entry
-                .verdict
-                .clone()
-                .map(|()| entry.digest.to_le_bytes().to_vec()),
-        )
+        .round(entry.verdict.clone().map(|()| {
+            let mut v = entry.digest.to_le_bytes().to_vec();
+            v.extend_from_slice(&entry.build.to_bytes());
+            v
+        }))
         .map_err(|e| match e {
             CommError::Unsupported(m) => m,
             other => other.to_string(),
         })?;
+    let build = |b: &Vec<u8>| b.get(8..).and_then(Build::from_bytes).map(|(b, _)| b);
+    let first_build = all.first().and_then(build);
+    for (r, b) in all.iter().enumerate() {
+        let theirs = build(b);
+        if theirs.is_none() || theirs != first_build {
+            return Err(format!(
+                "rank {r} runs {} and rank 0 runs {} (every rank must run the same flashcomm build)",
+                theirs.map_or_else(|| "another flashcomm build".to_string(), |b| b.to_string()),
+                first_build
+                    .as_ref()
+                    .map_or_else(|| "another flashcomm build".to_string(), |b| b.to_string()),
+            ));
+        }
+    }
     let digest = |b: &Vec<u8>| b.get(..8).and_then(|d| <[u8; 8]>::try_from(d).ok());
     let first = all.first().and_then(digest);
     for (r, b) in all.iter().enumerate() {
@@ -643,6 +660,14 @@ mod tests {
     /// Runs the entry round on one thread per rank, rank `r` with environment `envs[r]`;
     /// returns every rank's (rounds run, outcome).
     fn entry_round(envs: &[Vec<(&str, &str)>]) -> Vec<(u32, Result<(), String>)> {
+        entry_round_built(envs, &vec![Build::this(); envs.len()])
+    }
+
+    /// [`entry_round`] with rank `r` running build `builds[r]`.
+    fn entry_round_built(
+        envs: &[Vec<(&str, &str)>],
+        builds: &[Build],
+    ) -> Vec<(u32, Result<(), String>)> {
         let n = envs.len() as u32;
         let group = ThreadGroup::new(n, Duration::ZERO);
         let members = group.members();
@@ -650,10 +675,14 @@ mod tests {
             let hs: Vec<_> = members
                 .iter()
                 .zip(envs)
-                .map(|(m, env)| {
+                .zip(builds)
+                .map(|((m, env), build)| {
                     s.spawn(move || {
                         let config = Config::from_vars(env.iter().copied());
-                        let entry = Entry::of(&config, n);
+                        let entry = Entry {
+                            build: build.clone(),
+                            ..Entry::of(&config, n)
+                        };
                         let c = Counting(m, AtomicU32::new(0));
                         let mut ag = Agreement::new(&c);
                         let r = agree_on_entry(&mut ag, &entry);
@@ -733,6 +762,39 @@ mod tests {
         let envs = vec![vec![("FLASHCOMM_MAX_RANKS", "2")]; 3];
         let why = all_alike(&entry_round(&envs)).unwrap_err();
         assert!(why.contains("more than FLASHCOMM_MAX_RANKS=2"), "{why}");
+    }
+
+    /// Ranks of one communicator that run different flashcomm builds (another version, other
+    /// kernel sources, another codec wire format) would read each other's tags and layouts
+    /// wrongly, whatever their settings: every rank stays with NCCL and says which builds met.
+    #[test]
+    fn a_different_flashcomm_build_on_one_rank_keeps_every_rank_with_nccl() {
+        let this = Build::this();
+        let others = [
+            Build {
+                version: "0.0.9".into(),
+                ..this.clone()
+            },
+            Build {
+                kernels: this.kernels ^ 0x10,
+                ..this.clone()
+            },
+            Build {
+                codec: this.codec + 1,
+                ..this.clone()
+            },
+        ];
+        for other in others {
+            let mut builds = vec![this.clone(); 3];
+            builds[2] = other.clone();
+            let why =
+                all_alike(&entry_round_built(&[vec![], vec![], vec![]], &builds)).unwrap_err();
+            assert!(
+                why.contains("rank 2 runs") && why.contains(&other.to_string()),
+                "{why}"
+            );
+            assert!(why.contains("the same flashcomm build"), "{why}");
+        }
     }
 
     #[test]
