@@ -186,23 +186,54 @@ pub(crate) fn check_buffers(
 /// The signature of a call that its tags carry (see `FLAG_SIG_SHIFT`): the collective, whether
 /// it is quantized, and the datatype of a reducing or quantized collective (a lossless AllGather
 /// or AllToAll moves bytes, so its datatype does not matter). Never more than 8 bits.
+///
+/// A quantized call's signature (top bit set; lossless ones stay below 0x80) also carries its
+/// codec settings, which `flashcommCommSetQuant` sets per rank: two ranks that run one collective
+/// with different widths, group or spikes then see a foreign tag and report a mismatch instead of
+/// decoding each other's bytes in the wrong format. Bits 5..7: the collective; bit 4: f16 or
+/// bf16; bits 0..4: `(rs - 2) + 5 (ag - 2) + 7 g + 3 s (mod 16)`, with `g` the group's index
+/// (32, 64, 128, 256) and `s` the spikes' (0, 2, 4). A difference in any one of the settings
+/// changes those four bits (each coefficient times any possible difference is not a multiple of
+/// 16); ranks that differ in several at once still differ with probability 15/16.
 fn call_signature(p: &Plan, dtype: Option<DataType>) -> u32 {
+    if let Some(q) = p.quant {
+        let coll = match p.coll {
+            Collective::AllReduce => 0,
+            Collective::ReduceScatter => 1,
+            Collective::AllGather => 2,
+            _ => 3,
+        };
+        let ty = u32::from(dtype == Some(DataType::Bf16));
+        let g = match q.group {
+            32 => 0,
+            64 => 1,
+            128 => 2,
+            _ => 3,
+        };
+        let sp = u32::from(q.spikes / 2);
+        let h = (u32::from(q.rs_bits.saturating_sub(2))
+            + 5 * u32::from(q.ag_bits.saturating_sub(2))
+            + 7 * g
+            + 3 * sp)
+            % 16;
+        return 0x80 | coll << 5 | ty << 4 | h;
+    }
     let coll = match p.coll {
         Collective::AllReduce => 1,
         Collective::ReduceScatter => 2,
         Collective::AllGather => 3,
         Collective::AlltoAll => 4,
         // Never launched (`run` refuses them); distinct from every launched kind all the same.
-        other => 5 + other.index() as u32 % 11,
+        other => 5 + other.index() as u32 % 3,
     };
     let ty = match (p.coll, dtype) {
-        (Collective::AllGather | Collective::AlltoAll, _) if p.quant.is_none() => 0,
+        (Collective::AllGather | Collective::AlltoAll, _) => 0,
         (_, None) => 0,
         (_, Some(DataType::F32)) => 1,
         (_, Some(DataType::F16)) => 2,
         (_, Some(DataType::Bf16)) => 3,
     };
-    (coll << 4) | (u32::from(p.quant.is_some()) << 3) | ty
+    (coll << 4) | ty
 }
 
 /// What one rank tells the others at set-up.
@@ -1802,6 +1833,87 @@ mod tests {
         assert!(!a.same_process(&far));
     }
 
+    /// `flashcommCommSetQuant` is per rank: ranks whose settings differ run one quantized
+    /// collective in different wire formats. Their tags must differ so that the kernels report a
+    /// mismatch rather than decode each other's bytes wrongly (before, the signature carried
+    /// only "quantized", and every setting looked alike).
+    #[test]
+    fn quantized_signatures_differ_by_codec_settings() {
+        let arena = Arena::new(4, 64 << 20).unwrap();
+        let model = CostModel::default_for(4);
+        let base = plan::plan(
+            &arena,
+            &model,
+            Collective::AllReduce,
+            1 << 16,
+            2,
+            16,
+            Choice::Auto,
+            Choice::Auto,
+        );
+        let sig = |coll: Collective, q: QuantSpec, t: DataType| {
+            let mut p = base;
+            p.coll = coll;
+            p.quant = Some(q);
+            call_signature(&p, Some(t))
+        };
+        let spec = |rs, ag, group, spikes| QuantSpec::new(rs, ag, group, spikes).unwrap();
+        let mut specs = Vec::new();
+        for rs in 2..=8u8 {
+            for ag in [rs, 8] {
+                for group in [32, 64, 128, 256] {
+                    for spikes in [0, 2, 4] {
+                        specs.push(spec(rs, ag, group, spikes));
+                    }
+                }
+            }
+        }
+        for coll in [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::AllGather,
+            Collective::AlltoAll,
+        ] {
+            for t in [DataType::F16, DataType::Bf16] {
+                for a in &specs {
+                    let sa = sig(coll, *a, t);
+                    assert!(sa >= 0x80 && sa < 0x100, "quantized: top bit, 8 bits");
+                    for b in &specs {
+                        let differ = [
+                            a.rs_bits != b.rs_bits,
+                            a.ag_bits != b.ag_bits,
+                            a.group != b.group,
+                            a.spikes != b.spikes,
+                        ];
+                        if differ.iter().filter(|d| **d).count() == 1 {
+                            assert_ne!(sa, sig(coll, *b, t), "{coll:?} {t:?} {a:?} vs {b:?}");
+                        }
+                    }
+                }
+            }
+        }
+        // The collective and the datatype always show.
+        let q = spec(4, 4, 128, 2);
+        assert_ne!(
+            sig(Collective::AllReduce, q, DataType::F16),
+            sig(Collective::AllReduce, q, DataType::Bf16)
+        );
+        assert_ne!(
+            sig(Collective::AllGather, q, DataType::F16),
+            sig(Collective::AlltoAll, q, DataType::F16)
+        );
+        // Lossless signatures stay below the quantized ones.
+        for coll in [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::Broadcast,
+        ] {
+            let mut p = base;
+            p.coll = coll;
+            assert!(call_signature(&p, Some(DataType::F32)) < 0x80);
+        }
+    }
+
     #[test]
     fn overlapping_buffers_are_refused_unless_in_place() {
         const MB: u64 = 1 << 20;
@@ -1917,6 +2029,10 @@ mod tests {
                 let sig = call_signature(&p, Some(t));
                 assert!(sig > 0 && sig < 256);
                 assert!(seen.insert(sig), "{coll:?} {t:?}");
+                // The quantized kernels take f16 and bf16 only (f32 is refused before a launch).
+                if t == DataType::F32 {
+                    continue;
+                }
                 let mut q = p;
                 q.quant = Some(QuantSpec::new(4, 4, 128, 2).unwrap());
                 assert!(
