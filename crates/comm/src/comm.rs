@@ -136,7 +136,7 @@ fn verdict<T, E: std::fmt::Display>(r: Result<T, E>) -> Result<T, String> {
 /// The checks of a call's buffers that the kernels need, with NCCL's answer
 /// (`InvalidArgument`, and a message) where a kernel would otherwise race or fault:
 /// * send and receive ranges overlap only in NCCL's in-place layout: the same buffer for
-///   AllReduce; for ReduceScatter the receive buffer at `in_place` bytes (rank x recvcount
+///   AllReduce and AllToAll; for ReduceScatter the receive buffer at `in_place` bytes (rank x recvcount
 ///   elements) into the send buffer; for AllGather the send buffer at `in_place` bytes into the
 ///   receive buffer; any other overlap would let one rank's writes race with another's reads;
 /// * both buffers are aligned to `align` (the element size for the quantized kernels, which store
@@ -152,15 +152,17 @@ pub(crate) fn check_buffers(
     let (r, rn) = recv;
     let overlap = s < r.saturating_add(rn) && r < s.saturating_add(sn);
     let layout_ok = match coll {
-        Collective::AllReduce => s == r,
+        // AllToAll in place: every thread (LL) or warp (BLOCK) of a round reads chunk k of every
+        // block it sends before it writes chunk k of any block it receives, and no other part of
+        // the kernel touches chunk k (the quantized kernel: a block barrier between the two).
+        Collective::AllReduce | Collective::AlltoAll => s == r,
         Collective::ReduceScatter => s.checked_add(in_place) == Some(r),
         Collective::AllGather => r.checked_add(in_place) == Some(s),
-        // AllToAll has no in-place layout that the kernels take (the shim sends it to NCCL).
         _ => false,
     };
     if overlap && !layout_ok {
         let want = match coll {
-            Collective::AllReduce => "the same buffer".to_string(),
+            Collective::AllReduce | Collective::AlltoAll => "the same buffer".to_string(),
             Collective::ReduceScatter => {
                 format!("recvbuff = sendbuff + {in_place} bytes (rank x recvcount elements)")
             }
@@ -1198,7 +1200,8 @@ impl Communicator {
 
     /// AllToAll of `count` f16 or bf16 elements per peer with a quantized wire format (width
     /// `q.rs_bits`, one step): each per-peer block is encoded once, as a buffer of its own, and
-    /// decoded by its receiver (`flashcomm_codec::reference::alltoall_quant`). Out of place only.
+    /// decoded by its receiver (`flashcomm_codec::reference::alltoall_quant`). In place or out
+    /// of place.
     pub fn all_to_all_quant(
         &self,
         send: DevicePtr,
@@ -1208,7 +1211,6 @@ impl Communicator {
         q: QuantSpec,
         stream: Stream,
     ) -> Result<Plan, Error> {
-        self.refuse_in_place_alltoall(send, recv, count)?;
         self.run_quant_op(Collective::AlltoAll, send, recv, count, dtype, q, stream)
     }
 
@@ -1253,22 +1255,6 @@ impl Communicator {
         Ok(p)
     }
 
-    /// AllToAll has no in-place form on flashcomm's kernels (the blocks a rank still has to send
-    /// would be overwritten by what arrives).
-    fn refuse_in_place_alltoall(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        count: u64,
-    ) -> Result<(), Error> {
-        if send.addr() == recv.addr() && count > 0 && self.nranks > 1 {
-            return Err(Error::InvalidArgument(
-                "in-place AllToAll is not supported by flashcomm's kernels".into(),
-            ));
-        }
-        Ok(())
-    }
-
     /// Sum ReduceScatter: `recvcount` elements per rank.
     pub fn reduce_scatter(
         &self,
@@ -1306,8 +1292,8 @@ impl Communicator {
     }
 
     /// AllToAll of `count` elements of `elem` bytes per peer (any datatype): block q of `send`
-    /// goes to rank q, block r of `recv` comes from rank r. Out of place only (in place, the
-    /// blocks a rank still has to send would be overwritten by what arrives).
+    /// goes to rank q, block r of `recv` comes from rank r. In place (`send` = `recv`) or out of
+    /// place, as NCCL lets each rank choose (see [`check_buffers`]).
     pub fn all_to_all(
         &self,
         send: DevicePtr,
@@ -1316,7 +1302,6 @@ impl Communicator {
         elem: u64,
         stream: Stream,
     ) -> Result<Plan, Error> {
-        self.refuse_in_place_alltoall(send, recv, count)?;
         let p = self.plan(Collective::AlltoAll, count, elem);
         self.run(&p, send, recv, count, elem, None, stream)?;
         Ok(p)
@@ -1942,6 +1927,8 @@ mod tests {
                 (base, 4 * MB),
                 MB,
             ),
+            // AllToAll of 4 ranks in place: one buffer, NCCL's layout (each rank may choose).
+            (Collective::AlltoAll, (base, 4 * MB), (base, 4 * MB), 0),
         ] {
             assert_eq!(
                 check_buffers(coll, send, recv, in_place, 1),
@@ -1972,6 +1959,7 @@ mod tests {
                 (base, 4 * MB),
                 3 * MB,
             ),
+            (Collective::AlltoAll, (base, 4 * MB), (base + MB, 4 * MB), 0),
         ] {
             let e = check_buffers(coll, send, recv, in_place, 1).unwrap_err();
             let Error::InvalidArgument(m) = e else {

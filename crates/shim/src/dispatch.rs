@@ -456,7 +456,7 @@ fn run_at<F: FnOnce() -> ncclResult_t>(
 ) -> ncclResult_t {
     let state = registry::get(call.comm);
     let view = state.as_deref().map(|s| s.view(config));
-    let d = decide(call, config, view.as_ref(), depth);
+    let d = decide(call, config, view.as_ref());
     let forward = |f: F| serve::forward_in_order(state.as_deref(), call, in_real_group, f);
     let mut unquantized = false;
     let (route, result, refused) = match (d.route, state.as_deref()) {
@@ -619,7 +619,7 @@ mod tests {
         let mut view = state.view(&config);
         view.served = true;
         view.nranks = 2;
-        let d = policy::decide(&call(comm), &config, Some(&view), 0);
+        let d = policy::decide(&call(comm), &config, Some(&view));
         assert_eq!(d.route, Route::Nccl);
         let why = policy::explain(&d, &call(comm), &config, Some(&view), None);
         assert!(why.contains("suspended"), "{why}");

@@ -442,7 +442,7 @@ mod tests {
             quant: own,
             ..served(&config)
         };
-        assert_eq!(decide(&c, &config, Some(&view), 0), quantized(2, 8, 64, 0));
+        assert_eq!(decide(&c, &config, Some(&view)), quantized(2, 8, 64, 0));
         let view = CommView {
             quant: QuantSettings {
                 min_bytes: 8192,
@@ -451,7 +451,7 @@ mod tests {
             ..served(&config)
         };
         assert_eq!(
-            decide(&c, &config, Some(&view), 0),
+            decide(&c, &config, Some(&view)),
             lossless(NotQuantized::BelowWindow)
         );
         // And through the registry state.
@@ -468,16 +468,14 @@ mod tests {
     fn decisions_explain_themselves() {
         let config = cfg(&[("FLASHCOMM_QUANT_BITS", "4"), ("FLASHCOMM_MIN_BYTES", "1K")]);
         let c = coll(AR, BF16, 4096);
-        let d = decide(&c, &config, Some(&served(&config)), 0);
+        let d = decide(&c, &config, Some(&served(&config)));
         let text = explain(&d, &c, &config, None, None);
         assert!(
             text.contains("4K bytes of bf16 quantized with rs 4 bits"),
             "{text}"
         );
-        let d = decide(&c, &config, Some(&served(&config)), 1);
-        assert!(explain(&d, &c, &config, None, None).contains("ncclGroupStart"));
         let small = coll(AG, F32, 4);
-        let d = decide(&small, &config, Some(&served(&config)), 0);
+        let d = decide(&small, &config, Some(&served(&config)));
         let text = explain(&d, &small, &config, None, None);
         assert!(
             text.contains("4 bytes is below FLASHCOMM_MIN_BYTES=1K"),
@@ -485,7 +483,7 @@ mod tests {
         );
         let st = CommState::new(CommOrigin::InitRank, true);
         st.set_setup(Setup::NotServed("no GPU driver".into()));
-        let d = decide(&c, &config, Some(&st.view(&config)), 0);
+        let d = decide(&c, &config, Some(&st.view(&config)));
         assert_eq!(d, Decision::nccl(Why::NotServed));
         let text = explain(
             &d,
