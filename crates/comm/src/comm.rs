@@ -34,6 +34,7 @@ use crate::plan::{
     self, Algorithm, Arena, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantChoice,
     QuantModel, QuantSpec,
 };
+use crate::release::{self, Releasable, Release};
 use crate::transport::{LocalArena, PeerMapping, Transport};
 
 /// Settings of one communicator (the same on every rank).
@@ -394,6 +395,66 @@ pub struct Communicator {
     /// ones are kept until the communicator is dropped (freeing device memory synchronizes the
     /// device, which would wait for the kernels of ranks that share it and wait for this one).
     scratch: std::sync::Mutex<Vec<DeviceMem>>,
+    /// Set by [`Communicator::defer_release`]: dropping hands the memory to a thread of its own
+    /// instead of freeing it here.
+    deferred: std::sync::Mutex<Option<Deferred>>,
+}
+
+/// How a communicator's drop releases its memory after [`Communicator::defer_release`].
+struct Deferred {
+    done: Release,
+    keep_arena: bool,
+}
+
+/// A dropped communicator's memory on its way to being freed ([`release::in_background`]): ready
+/// once the communicator's last eager launch has finished.
+struct Remains {
+    device: Arc<Device>,
+    launched: bool,
+    event: Event,
+    mappings: Vec<PeerMapping>,
+    local: LocalArena,
+    keep_arena: bool,
+    own_slots: Option<DeviceMem>,
+    host: HostMapped,
+    scratch: Vec<DeviceMem>,
+}
+
+impl Releasable for Remains {
+    fn ready(&mut self) -> Result<bool, String> {
+        if !self.launched {
+            return Ok(true);
+        }
+        let _ctx = self.device.activate().map_err(|e| e.to_string())?;
+        self.event.is_done().map_err(|e| e.to_string())
+    }
+
+    fn free(self) {
+        let Remains {
+            device,
+            event,
+            mut mappings,
+            local,
+            keep_arena,
+            own_slots,
+            host,
+            scratch,
+            ..
+        } = self;
+        // Peers' mappings are closed with this device's context current.
+        if let Ok(_ctx) = device.activate() {
+            mappings.clear();
+        }
+        if keep_arena {
+            // Aborted while peers may still run collectives that write into this arena (a
+            // rank that has not noticed the failure yet): freed, its memory could be handed to
+            // another allocation and overwritten. It stays allocated for the life of the process.
+            std::mem::forget(local);
+        } else {
+            drop(local);
+        }
+        drop((own_slots, host, scratch, event));
+    }
 }
 
 impl Communicator {
@@ -573,6 +634,7 @@ impl Communicator {
             quant_models: Vec::new(),
             cfg: cfg.clone(),
             scratch: std::sync::Mutex::new(Vec::new()),
+            deferred: std::sync::Mutex::new(None),
             last: LastLaunch {
                 stream: AtomicUsize::new(0),
                 launched: AtomicBool::new(false),
@@ -1766,8 +1828,46 @@ impl Communicator {
     }
 }
 
+impl Communicator {
+    /// From now on, dropping this communicator (wherever its last reference goes) never blocks:
+    /// its memory goes to a thread of its own that waits for the last eager launch and then
+    /// frees it (`ncclCommAbort` and `ncclCommDestroy`: freeing waits for the device's
+    /// outstanding work, which after a fault may never end). The returned [`Release`] says when
+    /// the memory was freed; a caller waits for it at most a bound. `keep_arena`: the arena is
+    /// never freed (an abort with peers that may still write into it).
+    pub fn defer_release(&self, keep_arena: bool) -> Release {
+        let mut d = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+        let done = d.as_ref().map_or_else(release::pending, |d| d.done.clone());
+        *d = Some(Deferred {
+            done: done.clone(),
+            keep_arena,
+        });
+        done
+    }
+}
+
 impl Drop for Communicator {
     fn drop(&mut self) {
+        let deferred = self
+            .deferred
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(d) = deferred {
+            let remains = Remains {
+                device: self.device.clone(),
+                launched: self.last.launched.load(Ordering::Acquire),
+                event: std::mem::replace(&mut self.last.event, Event::empty()),
+                mappings: std::mem::take(&mut self.mappings),
+                local: std::mem::replace(&mut self.local, LocalArena::Empty),
+                keep_arena: d.keep_arena,
+                own_slots: self.own_slots.take(),
+                host: std::mem::replace(&mut self.host, HostMapped::empty()),
+                scratch: std::mem::take(self.scratch.get_mut().unwrap_or_else(|e| e.into_inner())),
+            };
+            release::in_background(remains, d.done);
+            return;
+        }
         // The arena must outlive every kernel that uses it; peers' mappings are closed with this
         // device's context current. The arena itself and the host words are freed when the fields
         // drop right after (freeing needs no particular current context).

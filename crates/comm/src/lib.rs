@@ -19,6 +19,7 @@ pub mod error;
 pub mod gpu;
 pub mod identity;
 pub mod plan;
+mod release;
 mod transport;
 
 pub use bootstrap::{Agreement, Bootstrap, ThreadBootstrap, ThreadGroup};
@@ -30,4 +31,5 @@ pub use plan::{
     Algorithm, Choice, Collective, CostModel, DataType, KERNEL_COLLECTIVES, Plan, Protocol,
     QuantChoice, QuantModel, QuantSpec,
 };
+pub use release::Release;
 pub use transport::Transport;

@@ -66,6 +66,8 @@ pub(crate) enum LocalArena {
         mem: HostArena,
         name: [u8; NAME_BYTES],
     },
+    /// Nothing (what a communicator leaves in place of the arena it hands on to be freed).
+    Empty,
 }
 
 /// The prefix of this process's segment names: `flashcomm-<PID namespace>-`, so that names of
@@ -120,7 +122,7 @@ impl LocalArena {
     /// The transport this arena serves.
     pub(crate) fn transport(&self) -> Transport {
         match self {
-            LocalArena::Device(_) => Transport::P2p,
+            LocalArena::Device(_) | LocalArena::Empty => Transport::P2p,
             LocalArena::Host { .. } => Transport::Host,
         }
     }
@@ -130,6 +132,7 @@ impl LocalArena {
         match self {
             LocalArena::Device(m) => m.addr(),
             LocalArena::Host { mem, .. } => mem.dev_ptr(),
+            LocalArena::Empty => 0,
         }
     }
 
@@ -143,6 +146,7 @@ impl LocalArena {
                 h[..NAME_BYTES].copy_from_slice(name);
                 Some(h)
             }
+            LocalArena::Empty => None,
         }
     }
 
@@ -154,6 +158,7 @@ impl LocalArena {
                 mem.read(offset, dst);
                 Ok(())
             }
+            LocalArena::Empty => Err(Error::Internal("the arena was released".into())),
         }
     }
 

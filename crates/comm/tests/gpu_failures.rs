@@ -351,3 +351,159 @@ fn a_thousand_set_ups_leak_nothing() {
         }
     });
 }
+
+/// Builds the communicators of `groups` two-rank groups of virtual ranks on device 0, every
+/// rank in a thread of its own (set-up is collective), all before anything spins.
+fn two_rank_groups(groups: usize, cfg: &CommConfig) -> Vec<(Communicator, Communicator)> {
+    let gs: Vec<_> = (0..groups)
+        .map(|_| ThreadGroup::new(2, Duration::from_secs(60)))
+        .collect();
+    let members: Vec<_> = gs.iter().map(|g| g.members()).collect();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = members
+            .iter()
+            .map(|m| {
+                let a = s.spawn(|| Communicator::new(&m[0], 0, cfg.clone()).unwrap());
+                let b = s.spawn(|| Communicator::new(&m[1], 0, cfg.clone()).unwrap());
+                (a, b)
+            })
+            .collect();
+        hs.into_iter()
+            .map(|(a, b)| (a.join().unwrap(), b.join().unwrap()))
+            .collect()
+    })
+}
+
+/// Fault class 3 (H3): abort and destroy return within their bound while other device work is
+/// stuck. A kernel of another communicator waits for a peer that never comes (an NCCL operation
+/// stuck on a dead peer stands for it); freeing device memory waits for the device's outstanding
+/// work, so before, dropping our (idle) communicator blocked in `cuMemFree` until that kernel
+/// ended: for ever. Now the memory goes to a thread of its own: the caller returns at once, and
+/// the memory is freed when the stuck work ends. Abort of a communicator whose own launch is
+/// stuck returns too, and keeps the arena (peers may still write into it).
+#[test]
+fn abort_and_destroy_return_while_other_device_work_is_stuck() {
+    let cfg = CommConfig {
+        calibrate: false,
+        arena_bytes: 8 << 20,
+        ..CommConfig::default()
+    };
+    let mut comms = two_rank_groups(3, &cfg);
+    let (mine_a, mine_b) = comms.pop().unwrap();
+    let (ours_a, ours_b) = comms.pop().unwrap();
+    let (stuck, stuck_peer) = comms.pop().unwrap();
+    let v = Verifier::new(0).unwrap();
+    let _ctx = v.activate().unwrap();
+    let (s1, s2) = (v.stream().unwrap(), v.stream().unwrap());
+    let buf = v.alloc(1 << 16).unwrap();
+    let buf2 = v.alloc(1 << 16).unwrap();
+    // Used once, completed: our communicator is idle.
+    ours_a
+        .all_reduce(buf.as_ptr(), buf.as_ptr(), 1000, DataType::F32, s1)
+        .unwrap();
+    ours_b
+        .all_reduce(buf2.as_ptr(), buf2.as_ptr(), 1000, DataType::F32, s2)
+        .unwrap();
+    s1.synchronize().unwrap();
+    s2.synchronize().unwrap();
+    // The stuck kernel: rank 0 calls, rank 1 never does (no time limit).
+    stuck
+        .all_reduce(buf.as_ptr(), buf.as_ptr(), 1000, DataType::F32, s1)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(stuck.wait_idle_for(Duration::from_millis(10)), Ok(false));
+    // Destroy ours (and our second rank), from a thread, with a watchdog on the caller.
+    let t0 = Instant::now();
+    let (released, returned) = std::thread::scope(|w| {
+        w.spawn(|| {
+            let r = ours_a.defer_release(false);
+            let r_b = ours_b.defer_release(false);
+            drop(ours_a);
+            drop(ours_b);
+            let t = t0.elapsed();
+            (
+                r.wait(Duration::from_millis(500)) && r_b.wait(Duration::ZERO),
+                t,
+            )
+        })
+        .join()
+        .unwrap()
+    });
+    assert!(
+        returned < Duration::from_secs(2),
+        "destroy blocked {returned:?} behind the stuck kernel"
+    );
+    println!("destroy returned after {returned:?}; freed meanwhile: {released}");
+    // Abort of a communicator whose own launch is queued behind the stuck kernel (same stream):
+    // the flag is set, nothing ends the stuck kernel, and abort returns within its bound.
+    mine_a
+        .all_reduce(buf.as_ptr(), buf.as_ptr(), 1000, DataType::F32, s1)
+        .unwrap();
+    let t0 = Instant::now();
+    mine_a.abort();
+    let r = mine_a.defer_release(true);
+    drop(mine_a);
+    assert!(
+        !r.wait(Duration::from_millis(300)),
+        "queued behind the stuck kernel"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    // End the stuck kernel: everything is freed, without anyone waiting in a free.
+    stuck.abort();
+    s1.synchronize().unwrap();
+    assert!(r.wait(Duration::from_secs(10)), "freed once the work ended");
+    mine_b.abort();
+    drop((stuck, stuck_peer, mine_b));
+}
+
+/// A communicator's time limit (`FLASHCOMM_TIMEOUT_MS`) bounds each wait, not the kernel: a
+/// collective that takes longer in total than the limit, but whose every wait is short (both
+/// ranks present), completes. Before, the deadline ran from the kernel's start, and a long
+/// message timed out halfway on a healthy pair of ranks.
+#[test]
+fn a_long_collective_with_short_waits_does_not_time_out() {
+    let count = 64u64 << 20; // 256 MiB of f32 per rank
+    // How long the collective takes without a limit (one block per rank: a long kernel whose
+    // ranks advance in step, so that each wait is short).
+    let untimed = CommConfig {
+        calibrate: false,
+        max_blocks: Some(1),
+        ..CommConfig::default()
+    };
+    let took = std::sync::Mutex::new(Duration::ZERO);
+    run_ranks(2, untimed.clone(), |r| {
+        let buf = r.alloc((count * 4) as usize);
+        r.sync();
+        let t0 = Instant::now();
+        r.comm
+            .all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::F32, r.stream)
+            .unwrap();
+        r.stream.synchronize().unwrap();
+        r.comm.check_status().unwrap();
+        let mut t = took.lock().unwrap();
+        *t = (*t).max(t0.elapsed());
+    });
+    let took = *took.lock().unwrap();
+    // A limit of a quarter of that: the kernel outlives it, no wait does.
+    let limit = took / 4;
+    println!("256 MiB AllReduce on one block: {took:?}; limit per wait {limit:?}");
+    assert!(
+        limit >= Duration::from_millis(5),
+        "the kernel ({took:?}) is too short to outlive a limit its ranks' launch skew cannot reach"
+    );
+    let timed = CommConfig {
+        timeout: limit,
+        ..untimed.clone()
+    };
+    run_ranks(2, timed, |r| {
+        let buf = r.alloc((count * 4) as usize);
+        r.sync();
+        r.comm
+            .all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::F32, r.stream)
+            .unwrap();
+        r.stream.synchronize().unwrap();
+        r.comm
+            .check_status()
+            .expect("no wait lasted the limit, though the kernel did");
+    });
+}

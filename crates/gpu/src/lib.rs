@@ -652,8 +652,23 @@ impl HostMapped {
     }
 }
 
+impl HostMapped {
+    /// A value that owns nothing (dropping it frees nothing): what an owner leaves in place of
+    /// words it hands on to be freed elsewhere.
+    pub fn empty() -> HostMapped {
+        HostMapped {
+            host: std::ptr::null_mut(),
+            dev: 0,
+            bytes: 0,
+        }
+    }
+}
+
 impl Drop for HostMapped {
     fn drop(&mut self) {
+        if self.host.is_null() {
+            return;
+        }
         // SAFETY: frees the allocation this value owns (kernels that read it have finished).
         let _ = unsafe { result::free_host(self.host as *mut c_void) };
     }
@@ -668,6 +683,12 @@ unsafe impl Send for Event {}
 unsafe impl Sync for Event {}
 
 impl Event {
+    /// A value that owns no event (dropping it destroys nothing; it must not be used): what an
+    /// owner leaves in place of an event it hands on.
+    pub fn empty() -> Event {
+        Event(std::ptr::null_mut())
+    }
+
     /// Creates an event in the current context.
     pub fn new(timing: bool) -> Result<Event, Error> {
         let flags = if timing {
@@ -779,6 +800,9 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
+        if self.0.is_null() {
+            return;
+        }
         // SAFETY: destroys the event this value owns.
         let _ = unsafe { result::event::destroy(self.0) };
     }

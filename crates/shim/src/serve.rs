@@ -385,73 +385,81 @@ pub(crate) fn set_up(comms: &[(CommHandle, Arc<CommState>)], init_all: bool, rea
 }
 
 /// Releases flashcomm's side of a communicator that is being destroyed (`abort`: aborted),
-/// before the real library sees the call: an abort first asks the kernels to leave their waits;
-/// then the last launch is waited for and the state dropped (the arena is freed when no call in
-/// flight on another thread still holds it).
+/// before the real library sees the call: an abort first asks the kernels to leave their waits.
+/// The memory goes to a thread of its own, which frees it once the last launch has finished
+/// (`Communicator::defer_release`); this waits for that at most [`DESTROY_WAIT`] and returns
+/// either way, so a destroy never hangs in a free behind device work that does not end (another
+/// communicator's kernel waiting for a dead peer). The arena is freed when no call in flight on
+/// another thread still holds the communicator.
 pub(crate) fn tear_down(h: CommHandle, state: Arc<CommState>, abort: bool) {
     let _saved = SavedContext::save();
-    if let Some(c) = state.served() {
-        if abort {
-            c.abort();
-        }
-        if let Err(e) = c.wait_idle() {
-            logging::info(
-                Subsys::Init,
-                &format!("communicator {h:?}: waiting for flashcomm's last kernel failed: {e}"),
-            );
-        }
-        drop(state);
-        // The count makes a leak visible from outside (tests/c/lifecycle.c reads these lines).
-        logging::info(
+    let Some(c) = state.served() else {
+        return;
+    };
+    if abort {
+        c.abort();
+    }
+    let released = c.defer_release(abort && c.nranks() > 1);
+    drop(state);
+    if !released.wait(DESTROY_WAIT) {
+        logging::warn(
             Subsys::Init,
             &format!(
-                "communicator {h:?}: flashcomm's communicator released; streams of flashcomm's \
-                 own live in the process: {}",
-                OwnStream::live()
+                "communicator {h:?}: flashcomm's memory is not freed {DESTROY_WAIT:?} after the \
+                 destroy (its last kernel has not finished, or freeing waits for device work that \
+                 does not end); it is freed when that work ends, and the destroy goes on"
             ),
         );
         return;
     }
-    drop(state);
+    // The count makes a leak visible from outside (tests/c/lifecycle.c reads these lines).
+    logging::info(
+        Subsys::Init,
+        &format!(
+            "communicator {h:?}: flashcomm's communicator released; streams of flashcomm's own \
+             live in the process: {}",
+            OwnStream::live()
+        ),
+    );
 }
 
-/// How long `ncclCommAbort` waits, after the real abort returned, for flashcomm's last launch
-/// of the communicator to finish (it left its waits when the abort flag was set; it only stays
-/// when it is queued behind work the abort does not end).
+/// How long `ncclCommDestroy` waits for flashcomm's memory of the communicator to be freed (its
+/// last kernel finished, then the frees) before it goes on without: NCCL's destroy flushes the
+/// communicator's work, so a correct program's kernels have finished long before.
+pub(crate) const DESTROY_WAIT: Duration = Duration::from_secs(10);
+
+/// How long `ncclCommAbort` waits, after the real abort returned, for flashcomm's memory of the
+/// communicator to be freed (its last launch left its waits when the abort flag was set; it only
+/// stays when it is queued behind work the abort does not end).
 pub(crate) const ABORT_WAIT: Duration = Duration::from_secs(2);
 
-/// Releases flashcomm's side of an aborted communicator, after the real abort returned: waits at
-/// most [`ABORT_WAIT`] for the last launch; if it has not finished, the communicator's memory is
-/// left allocated for good (freeing it under a kernel that may still run would be worse than the
-/// leak) and abort returns anyway.
+/// Releases flashcomm's side of an aborted communicator, after the real abort returned: its
+/// memory goes to a thread of its own that frees it once the last launch has finished
+/// (`Communicator::defer_release`), and this waits at most [`ABORT_WAIT`] for that: abort returns
+/// whatever the device does (no free ever runs on this thread). The arena itself is kept for
+/// good when there are peers: one that has not noticed the failure may still write into it.
 pub(crate) fn release_aborted(h: CommHandle, state: Arc<CommState>) {
     let _saved = SavedContext::save();
-    if let Some(c) = state.served() {
-        match c.wait_idle_for(ABORT_WAIT) {
-            Ok(true) => {}
-            Ok(false) => {
-                logging::warn(
-                    Subsys::Init,
-                    &format!(
-                        "communicator {h:?}: flashcomm's last kernel is still queued {ABORT_WAIT:?} \
-                         after ncclCommAbort (behind work that does not finish); its memory is \
-                         left allocated"
-                    ),
-                );
-                std::mem::forget(state);
-                return;
-            }
-            Err(e) => logging::info(
-                Subsys::Init,
-                &format!("communicator {h:?}: waiting for flashcomm's last kernel failed: {e}"),
-            ),
-        }
+    let Some(c) = state.served() else {
+        return;
+    };
+    let released = c.defer_release(c.nranks() > 1);
+    drop(state);
+    if released.wait(ABORT_WAIT) {
         logging::info(
             Subsys::Init,
             &format!("communicator {h:?}: flashcomm's communicator released after abort"),
         );
+    } else {
+        logging::warn(
+            Subsys::Init,
+            &format!(
+                "communicator {h:?}: flashcomm's last kernel is still queued {ABORT_WAIT:?} \
+                 after ncclCommAbort (behind work that does not finish), or freeing waits for such \
+                 work; its memory is freed when that work ends, or never, and abort returns"
+            ),
+        );
     }
-    drop(state);
 }
 
 /// Forwards a call on a communicator flashcomm serves to NCCL in the communicator's order: after
