@@ -73,15 +73,11 @@ pub(crate) fn in_background<R: Releasable>(r: R, done: Release) {
             let Some(mut r) = theirs.lock().unwrap_or_else(|e| e.into_inner()).take() else {
                 return;
             };
+            // Not yet (an error means the device cannot tell: free at once).
             let mut pause = Duration::from_micros(20);
-            loop {
-                match r.ready() {
-                    Ok(false) => {
-                        std::thread::sleep(pause);
-                        pause = (pause * 2).min(Duration::from_millis(50));
-                    }
-                    Ok(true) | Err(_) => break,
-                }
+            while let Ok(false) = r.ready() {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(50));
             }
             r.free();
             done.done();
