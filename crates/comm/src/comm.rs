@@ -74,6 +74,10 @@ pub struct CommConfig {
     /// an allocation, a driver call or a kernel launch failing there would.
     #[doc(hidden)]
     pub fail_at: Option<u32>,
+    /// Tests only: this rank panics where set-up step `n` would run (0..=7), or, for `n = 8`,
+    /// before the transport is chosen (the first thing set-up does): a bug in a local step.
+    #[doc(hidden)]
+    pub panic_at: Option<u32>,
 }
 
 impl Default for CommConfig {
@@ -91,6 +95,7 @@ impl Default for CommConfig {
             graph_mixing: true,
             early_launch: true,
             fail_at: None,
+            panic_at: None,
         }
     }
 }
@@ -477,8 +482,14 @@ impl Communicator {
         device: i32,
         cfg: CommConfig,
     ) -> Result<Communicator, Error> {
-        let fail_at = cfg.fail_at;
+        let (fail_at, panic_at) = (cfg.fail_at, cfg.panic_at);
+        if panic_at == Some(8) {
+            panic!("panic injected before the transport is chosen");
+        }
         let injected = |step: u32| -> Result<(), Error> {
+            if panic_at == Some(step) {
+                panic!("panic injected at set-up step {step}");
+            }
             if fail_at == Some(step) {
                 return Err(Error::Internal(format!(
                     "failure injected at set-up step {step}"
@@ -1962,7 +1973,7 @@ mod tests {
             for t in [DataType::F16, DataType::Bf16] {
                 for a in &specs {
                     let sa = sig(coll, *a, t);
-                    assert!(sa >= 0x80 && sa < 0x100, "quantized: top bit, 8 bits");
+                    assert!((0x80..0x100).contains(&sa), "quantized: top bit, 8 bits");
                     for b in &specs {
                         let differ = [
                             a.rs_bits != b.rs_bits,

@@ -19,8 +19,9 @@ use std::fmt;
 
 pub use flashcomm_codec::{Collective, DType};
 pub use values::{
-    Algo, Bounded, Bytes, DebugLevel, FunctionName, GIB, KERNEL_OPS, KIB, LibPath, MIB, OneOf,
-    Proto, QuantBits, QuantChoice, Set, Subsystems, Text, Transport, Value,
+    Algo, Bounded, Bytes, DebugLevel, Fault, FaultPoint, Faults, FunctionName, GIB, KERNEL_OPS,
+    KIB, LibPath, MIB, OneOf, Proto, QuantBits, QuantChoice, Set, Subsystems, Text, Transport,
+    Value,
 };
 
 /// The largest `FLASHCOMM_TIMEOUT_MS`: its nanoseconds still fit in the 64-bit timeout the
@@ -328,6 +329,19 @@ variables! {
         name: "FLASHCOMM_DEBUG_PANIC",
         kind: "name",
         allowed: "an exported function name such as `ncclCommCount`",
+        strict: true,
+    }
+    /// Fault injection for tests of the set-up's failure paths: a comma list of
+    /// `point[:n][@rank]`, each making communicator set-up fail there on that rank (every rank
+    /// without `@`): `hook-panic` (the creation hook panics first), `exchange-prepare` (the
+    /// exchange's resources cannot be prepared as usual), `exchange-upload:n` (round `n`'s frame
+    /// cannot be placed), `exchange-enqueue:n` (round `n`'s all-gather is refused once),
+    /// `setup-panic:n` (a panic before the communicator's round `n`), `setup-step:n` (set-up step
+    /// `n` fails). Whatever fails where, every rank must end served or with NCCL alike.
+    debug_fault: Option<Faults> = None => {
+        name: "FLASHCOMM_DEBUG_FAULT",
+        kind: "list",
+        allowed: "comma list of `point[:n][@rank]` with point `hook-panic`, `exchange-prepare`, `exchange-upload`, `exchange-enqueue`, `setup-panic`, `setup-step`",
         strict: true,
     }
     /// Order graph replays and eager calls of one communicator as NCCL's graph mixing does (on by

@@ -109,6 +109,24 @@ impl Stream {
         Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
+    /// The calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`): needs no
+    /// creation, so it is there when a stream of our own could not be made.
+    pub fn per_thread() -> Stream {
+        Stream(2usize as sys::CUstream)
+    }
+
+    /// `Ok(true)` when all work queued on the stream has finished.
+    pub fn is_idle(&self) -> Result<bool, Error> {
+        // SAFETY: a valid stream handle of the current context (or a special value the driver
+        // accepts).
+        let r = unsafe { sys::cuStreamQuery(self.0) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check(other, "querying a stream").map(|()| false),
+        }
+    }
+
     /// Blocks until all work queued on the stream has finished.
     pub fn synchronize(&self) -> Result<(), Error> {
         // SAFETY: valid stream handle of the current context.
@@ -642,6 +660,44 @@ impl HostMapped {
         assert!(offset + 8 <= self.bytes && offset.is_multiple_of(8));
         // SAFETY: in bounds and aligned (asserted); volatile for concurrent device writes.
         unsafe { std::ptr::read_volatile(self.host.add(offset) as *const u64) }
+    }
+
+    /// Copies `src` to byte `offset` (volatile stores: the device may read the memory).
+    pub fn write_bytes(&self, offset: usize, src: &[u8]) {
+        assert!(
+            offset
+                .checked_add(src.len())
+                .is_some_and(|e| e <= self.bytes),
+            "host-mapped write out of bounds"
+        );
+        for (i, b) in src.iter().enumerate() {
+            // SAFETY: in bounds (asserted); a plain byte store, volatile for the device's reads.
+            unsafe { std::ptr::write_volatile(self.host.add(offset + i), *b) };
+        }
+    }
+
+    /// Copies bytes at `offset` into `dst` (volatile loads: the device may have written them).
+    pub fn read_bytes(&self, offset: usize, dst: &mut [u8]) {
+        assert!(
+            offset
+                .checked_add(dst.len())
+                .is_some_and(|e| e <= self.bytes),
+            "host-mapped read out of bounds"
+        );
+        for (i, d) in dst.iter_mut().enumerate() {
+            // SAFETY: in bounds (asserted); a plain byte load, volatile for the device's writes.
+            *d = unsafe { std::ptr::read_volatile(self.host.add(offset + i)) };
+        }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether the allocation is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
     }
 
     /// Volatile write of the u32 at byte `offset`.

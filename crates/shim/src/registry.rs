@@ -24,7 +24,7 @@ use flashcomm_nccl_sys::ncclComm_t;
 use crate::calls::nccl::Identity;
 use crate::policy::CommView;
 use crate::stats::{Announced, Counters};
-use crate::types::{CommHandle, CommOrigin};
+use crate::types::{CommHandle, CommOrigin, ExchangeGate};
 
 /// Whether flashcomm's kernels serve a communicator, decided once, collectively, at set-up.
 pub(crate) enum Setup {
@@ -56,6 +56,10 @@ pub(crate) struct CommState {
     pub(crate) announced: Announced,
     /// Whether a device error was already logged by `ncclCommGetAsyncError`.
     async_warned: AtomicBool,
+    /// Between the set-up exchange and an abort from another thread.
+    pub(crate) gate: Arc<ExchangeGate>,
+    /// Whether the set-up exchange began (its first round is, or was, under way).
+    exchange: AtomicBool,
 }
 
 impl std::fmt::Debug for CommState {
@@ -86,6 +90,8 @@ impl CommState {
             quant: QuantCell::new(),
             announced: Announced::new(),
             async_warned: AtomicBool::new(false),
+            gate: Arc::new(ExchangeGate::default()),
+            exchange: AtomicBool::new(false),
         }
     }
 
@@ -113,6 +119,11 @@ impl CommState {
     /// Records the outcome of the set-up (once; later calls are ignored).
     pub(crate) fn set_setup(&self, setup: Setup) {
         let _ = self.setup.set(setup);
+    }
+
+    /// The set-up exchange begins now; `false` when it had begun already.
+    pub(crate) fn exchange_begins(&self) -> bool {
+        !self.exchange.swap(true, Ordering::SeqCst)
     }
 
     /// Whether the set-up has been decided.

@@ -31,18 +31,18 @@ use flashcomm_comm::{
     Protocol, QuantChoice, Stream, ThreadGroup, Transport,
 };
 use flashcomm_config::{
-    Algo, Config, Proto, QuantChoice as ConfigQuantChoice, Transport as ConfigTransport,
+    Algo, Config, FaultPoint, Proto, QuantChoice as ConfigQuantChoice, Transport as ConfigTransport,
 };
 use flashcomm_nccl_sys::ncclResult_t;
 
-use crate::bootstrap::NcclBootstrap;
+use crate::bootstrap::{ExchangeFaults, NcclBootstrap};
 use crate::calls::cuda::{OwnStream, SavedContext, check_pointers, user_blocks, user_buffers};
 use crate::calls::nccl::{self, Identity};
 use crate::error::Error;
 use crate::logging::{self, Subsys};
 use crate::policy::{self, Decision};
 use crate::registry::{CommState, Setup};
-use crate::types::{CollCall, Collective, CommHandle, Held, P2pCall};
+use crate::types::{CollCall, Collective, CommHandle, CommOrigin, Held, P2pCall};
 
 /// flashcomm's communicator settings from the configuration (identical on every rank when the
 /// environment is, which flashcomm requires of every `FLASHCOMM_*` variable).
@@ -196,25 +196,70 @@ pub(crate) fn agree_on_entry(ag: &mut Agreement<'_>, entry: &Entry) -> Result<()
     Ok(())
 }
 
-/// Builds one rank over `boot`: the entry round, then [`Communicator::new_agreed`].
+/// Builds one rank over `boot`: the entry round, then [`Communicator::new_agreed`]. A panic in
+/// a local step (a bug in flashcomm) does not leave the exchange early: the rank takes part in
+/// the next round saying so ([`Agreement::abandon`]), so every rank stops there alike.
 fn build(
     boot: &dyn Bootstrap,
     device: i32,
     entry: &Entry,
     cfg: &CommConfig,
 ) -> Result<Communicator, String> {
-    let mut ag = Agreement::new(boot);
-    agree_on_entry(&mut ag, entry)?;
-    Communicator::new_agreed(&mut ag, device, cfg.clone()).map_err(|e| match e {
+    let message = |e: CommError| match e {
         CommError::Unsupported(m) => m,
         other => other.to_string(),
+    };
+    let mut ag = Agreement::new(boot);
+    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        agree_on_entry(&mut ag, entry)?;
+        Communicator::new_agreed(&mut ag, device, cfg.clone()).map_err(message)
+    }));
+    match built {
+        Ok(r) => r,
+        Err(payload) => Err(message(ag.abandon(format!(
+            "internal error in flashcomm's set-up ({})",
+            panic_text(payload.as_ref())
+        )))),
+    }
+}
+
+/// The text of a caught panic (the hook's stash, else the payload).
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    crate::init::take_panic_text().unwrap_or_else(|| {
+        payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string())
     })
+}
+
+/// The faults `FLASHCOMM_DEBUG_FAULT` injects into rank `rank`'s set-up (tests only): those of
+/// the exchange, and `cfg` with the communicator's own (`setup-panic`, `setup-step`).
+fn faults_of(config: &Config, rank: u32, cfg: &CommConfig) -> (ExchangeFaults, CommConfig) {
+    let Some(f) = &config.settings.debug_fault else {
+        return (ExchangeFaults::default(), cfg.clone());
+    };
+    let ex = ExchangeFaults {
+        prepare: f.at(FaultPoint::ExchangePrepare, rank).is_some(),
+        upload: f.at(FaultPoint::ExchangeUpload, rank),
+        enqueue: f.at(FaultPoint::ExchangeEnqueue, rank),
+    };
+    let cfg = CommConfig {
+        panic_at: f
+            .at(FaultPoint::SetupPanic, rank)
+            .map(|n| if n == 0 { 8 } else { n - 1 }),
+        fail_at: f.at(FaultPoint::SetupStep, rank).or(cfg.fail_at),
+        ..cfg.clone()
+    };
+    (ex, cfg)
 }
 
 /// Builds flashcomm's communicator of one rank, exchanging over the real NCCL. The exchange's
 /// all-gathers are complete when this returns (each round waits for its own).
 fn build_over_nccl(
     h: CommHandle,
+    state: &CommState,
     id: Identity,
     entry: &Entry,
     cfg: &CommConfig,
@@ -225,9 +270,93 @@ fn build_over_nccl(
     {
         return Err(why.clone());
     }
-    let boot = NcclBootstrap::new(h, id.rank as u32, id.nranks as u32, id.device)
-        .map_err(|e| format!("cannot prepare the set-up exchange: {e}"))?;
-    build(&boot, id.device, entry, cfg)
+    let config = &crate::init::state().config;
+    let (faults, cfg) = faults_of(config, id.rank as u32, cfg);
+    state.exchange_begins();
+    let boot = NcclBootstrap::new(
+        h,
+        id.rank as u32,
+        id.nranks as u32,
+        id.device,
+        state.gate.clone(),
+        faults,
+    )
+    .map_err(|e| {
+        let why = format!("this rank cannot take part in the set-up exchange: {e}");
+        logging::warn(
+            Subsys::Init,
+            &format!(
+                "communicator {h:?}: {why}; the other ranks wait for it in their set-up, as they \
+                 would for its next NCCL call"
+            ),
+        );
+        why
+    })?;
+    build(&boot, id.device, entry, &cfg)
+}
+
+/// Ranks whose creation hook failed (panicked) before their set-up exchange began: each takes
+/// part in its exchange's first round saying why, so that its peers, which wait in that round,
+/// stop there too and keep the communicator with NCCL alike; one thread per communicator (some
+/// may be ranks of one communicator, whose rounds must progress together). Nothing to do for a
+/// communicator that has no exchange over NCCL (not ready, non-blocking, one rank,
+/// `ncclCommInitAll`'s in-process ones) or whose exchange already began.
+pub(crate) fn refuse(comms: &[(CommHandle, Arc<CommState>)], ready: bool, why: &str) {
+    let todo: Vec<&(CommHandle, Arc<CommState>)> = comms
+        .iter()
+        .filter(|(_, st)| {
+            ready
+                && st.blocking
+                && st.origin != CommOrigin::InitAll
+                && !st.is_set_up()
+                && st.exchange_begins()
+        })
+        .collect();
+    std::thread::scope(|s| {
+        for (h, st) in todo {
+            let spawned = std::thread::Builder::new()
+                .name("flashcomm-setup".into())
+                .spawn_scoped(s, move || {
+                    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        let id = nccl::identity(h.raw())?;
+                        if id.nranks <= 1 {
+                            return Ok(());
+                        }
+                        let boot = NcclBootstrap::new(
+                            *h,
+                            id.rank as u32,
+                            id.nranks as u32,
+                            id.device,
+                            st.gate.clone(),
+                            ExchangeFaults::default(),
+                        )?;
+                        // Every rank stops in this round, naming the lowest failing rank.
+                        let verdict = match Agreement::new(&boot).round(Err(why.to_string())) {
+                            Err(CommError::Unsupported(m)) => m,
+                            Err(e) => e.to_string(),
+                            Ok(_) => why.to_string(),
+                        };
+                        st.set_setup(Setup::NotServed(verdict));
+                        Ok::<(), String>(())
+                    }));
+                    if !matches!(refused, Ok(Ok(()))) {
+                        logging::warn(
+                            Subsys::Init,
+                            &format!(
+                                "communicator {h:?}: could not tell the other ranks that its \
+                                 set-up failed; they may wait in theirs"
+                            ),
+                        );
+                    }
+                });
+            if spawned.is_err() {
+                logging::warn(
+                    Subsys::Init,
+                    &format!("communicator {h:?}: cannot start a thread to end its set-up"),
+                );
+            }
+        }
+    });
 }
 
 fn joined(r: std::thread::Result<Result<Communicator, String>>) -> Result<Communicator, String> {
@@ -283,13 +412,14 @@ fn build_concurrently(
     std::thread::scope(|s| {
         let handles: Vec<_> = todo
             .iter()
-            .map(|&(h, _, id)| {
+            .map(|(h, st, id)| {
+                let (h, id) = (*h, *id);
                 std::thread::Builder::new()
                     .name("flashcomm-setup".into())
                     .spawn_scoped(s, move || {
                         // Communicators of one group may differ in size: each has its own verdict.
                         let entry = Entry::of(config, id.nranks as u32);
-                        build_over_nccl(h, id, &entry, cfg)
+                        build_over_nccl(h, st, id, &entry, cfg)
                     })
             })
             .collect();
@@ -346,7 +476,15 @@ pub(crate) fn set_up(comms: &[(CommHandle, Arc<CommState>)], init_all: bool, rea
     let mut refused = None;
     for (h, st) in comms {
         match reachable(*h, st, ready) {
-            Ok(id) => todo.push((*h, st.clone(), id)),
+            Ok(id) => {
+                // Fault injection (tests): the creation hook panics here, before the exchange.
+                if let Some(f) = &config.settings.debug_fault
+                    && f.at(FaultPoint::HookPanic, id.rank as u32).is_some()
+                {
+                    panic!("panic injected into the creation hook (FLASHCOMM_DEBUG_FAULT)");
+                }
+                todo.push((*h, st.clone(), id))
+            }
             Err(why) => {
                 refused.get_or_insert_with(|| why.clone());
                 finish(*h, st, Err(why));
@@ -373,9 +511,9 @@ pub(crate) fn set_up(comms: &[(CommHandle, Arc<CommState>)], init_all: bool, rea
     let results = if init_all {
         let entry = Entry::of(config, todo.len() as u32);
         build_in_process(&todo, &entry, &cfg)
-    } else if let [(h, _, id)] = todo.as_slice() {
+    } else if let [(h, st, id)] = todo.as_slice() {
         let entry = Entry::of(config, id.nranks as u32);
-        vec![build_over_nccl(*h, *id, &entry, &cfg)]
+        vec![build_over_nccl(*h, st, *id, &entry, &cfg)]
     } else {
         build_concurrently(&todo, config, &cfg)
     };

@@ -117,18 +117,13 @@ fn created(
     // The real communicator exists now and is the caller's: a panic in flashcomm's hook must
     // not turn the call into a failure (the caller would never destroy it). It is caught here;
     // the communicator then stays with NCCL and the real result is returned.
+    let ready = result == ncclResult_t::ncclSuccess;
     let hooked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        crate::init::debug_panic_point("flashcommCreationHook");
-        dispatch::on_comms_created(
-            &comms,
-            origin,
-            result == ncclResult_t::ncclSuccess,
-            config_blocking(config),
-        );
+        dispatch::on_comms_created(&comms, origin, ready, config_blocking(config));
     }));
     if let Err(payload) = hooked {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            dispatch::on_creation_hook_panicked(&comms, payload.as_ref());
+            dispatch::on_creation_hook_panicked(&comms, ready, payload.as_ref());
         }));
     }
 }
