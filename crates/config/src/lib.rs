@@ -472,11 +472,31 @@ pub struct Problem {
     pub strict: bool,
 }
 
+/// How many characters of a bad value a message shows (a value may be arbitrarily long).
+const SHOWN_CHARS: usize = 200;
+
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}={:?} is not valid", self.variable, self.value)?;
+        let chars = self.value.chars().count();
+        if chars > SHOWN_CHARS {
+            let head: String = self.value.chars().take(SHOWN_CHARS).collect();
+            write!(
+                f,
+                "{}={head:?}... ({} bytes) is not valid",
+                self.variable,
+                self.value.len()
+            )?;
+        } else {
+            write!(f, "{}={:?} is not valid", self.variable, self.value)?;
+        }
         if let Some(d) = &self.detail {
-            write!(f, " ({d})")?;
+            // A detail may quote the value too.
+            if d.chars().count() > 2 * SHOWN_CHARS {
+                let head: String = d.chars().take(2 * SHOWN_CHARS).collect();
+                write!(f, " ({head}...)")?;
+            } else {
+                write!(f, " ({d})")?;
+            }
         }
         write!(f, "; allowed: {}", self.allowed)
     }
@@ -635,6 +655,10 @@ impl Config {
         let mut problems = Vec::new();
         let mut unknown = Vec::new();
         let mut set_names = Vec::new();
+        // The value of each variable read so far: a process's environment can hold two entries
+        // of one name, and `getenv` (NCCL's, and every other reader's in the process) returns
+        // the first; so does this.
+        let mut first: Vec<(&'static str, std::ffi::OsString)> = Vec::new();
         for (k, v) in vars {
             let Some(key) = k.as_ref().to_str() else {
                 continue;
@@ -645,6 +669,23 @@ impl Config {
                 }
                 continue;
             };
+            if let Some((_, earlier)) = first.iter().find(|(n, _)| *n == spec.name) {
+                if earlier.as_os_str() != v.as_ref() {
+                    problems.push(Problem {
+                        variable: spec.name,
+                        value: v.as_ref().to_string_lossy().into_owned(),
+                        allowed: spec.allowed,
+                        detail: Some(format!(
+                            "set twice in the environment; the first value, {:?}, is used, as \
+                             getenv reads it",
+                            earlier.to_string_lossy()
+                        )),
+                        strict: false,
+                    });
+                }
+                continue;
+            }
+            first.push((spec.name, v.as_ref().to_os_string()));
             let Some(raw) = v.as_ref().to_str() else {
                 problems.push(Problem {
                     variable: spec.name,
