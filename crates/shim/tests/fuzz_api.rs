@@ -3,8 +3,8 @@
 //! threads make random sequences of calls with random buffer pointers, counts near overflow,
 //! datatypes, operators and roots out of range (NCCL's newer datatype 12 among them), null,
 //! stale and foreign communicator handles, unbalanced groups, random codec settings and string
-//! buffers: no call may crash the process, hang, or return a value outside `ncclResult_t`, and
-//! `ncclGetLastError` must always give a string. Out-pointers are always valid (NCCL's contract);
+//! buffers: no call may crash the process, hang, panic inside flashcomm (`ncclInternalError`), or
+//! return a value outside `ncclResult_t`, and `ncclGetLastError` must always give a string. Out-pointers are always valid (NCCL's contract);
 //! everything else is fair game. Runs in a child process, twice (with and without
 //! `FLASHCOMM_GROUPED_ALLTOALL`, which holds grouped Send/Recv calls back).
 
@@ -226,6 +226,9 @@ fn hammer(ours: &Nccl, fake_comm: usize, seed: u64) -> u64 {
             (0..=8).contains(&rc),
             "a call returned {rc}, not an ncclResult_t"
         );
+        // ncclInternalError here could only come from a panic caught at the boundary (the fake
+        // never returns it): a bug, whatever the arguments were.
+        assert_ne!(rc, 3, "a panic inside flashcomm");
         made += 1;
     }
     // Leave the thread's groups balanced for the next thread's calls on this thread: none
