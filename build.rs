@@ -75,6 +75,8 @@ fn main() {
         }
     }
 
+    write_source_digest(&out_dir, &root, &sources, &headers);
+
     let require = env::var("FLASHCOMM_REQUIRE_KERNELS").is_ok_and(|v| v == "1");
     let nvcc = if env::var_os("FLASHCOMM_NO_KERNELS").is_some() {
         None
@@ -332,6 +334,45 @@ fn write_names_only(out_dir: &Path, images: &[(String, PathBuf)]) {
     }
     code.push_str("];\n");
     fs::write(out_dir.join("images.rs"), code).expect("write images.rs");
+}
+
+/// `$OUT_DIR/source_digest.rs`: FNV-1a over the path (relative to the repository) and contents of
+/// every CUDA source and header of the crate's modules, in path order: the kernels' ABI (the
+/// generated `params.h`, `instances.h`), their protocols and the CUDA codec. Ranks compare it at
+/// set-up (with the version and the codec's wire format) so that builds whose kernels differ never
+/// serve one communicator together. Independent of the compiler and of where the checkout lies.
+fn write_source_digest(out_dir: &Path, root: &Path, sources: &[PathBuf], headers: &Path) {
+    let mut files: Vec<PathBuf> = sources.to_vec();
+    if headers.is_dir() {
+        files.extend(walk(headers));
+    }
+    let mut named: Vec<(String, PathBuf)> = files
+        .into_iter()
+        .map(|p| {
+            let rel = p
+                .strip_prefix(root)
+                .unwrap_or(&p)
+                .to_string_lossy()
+                .into_owned();
+            (rel, p)
+        })
+        .collect();
+    named.sort();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for b in bytes {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for (rel, p) in &named {
+        eat(rel.as_bytes());
+        eat(&[0]);
+        eat(&fs::read(p).unwrap_or_default());
+        eat(&[0]);
+    }
+    fs::write(out_dir.join("source_digest.rs"), format!("{h:#018x}\n"))
+        .expect("write source_digest.rs");
 }
 
 fn list_sources(dir: &Path) -> Vec<PathBuf> {

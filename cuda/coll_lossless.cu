@@ -526,7 +526,10 @@ __device__ void allgather(const FcCollParams& p) {
 // places it at block `rank` of its receive buffer. The structure of AllGather with a source per
 // destination: per round, a block pushes chunk k of send block q to rank q (region A, slot = own
 // rank), copies its own block's chunk locally, and copies every peer's chunk k out. Every rank's
-// blocks are the same size, so each source's chunk k arrives in the same (block, round).
+// blocks are the same size, so each source's chunk k arrives in the same (block, round). In place
+// (send = recv, which NCCL lets each rank choose) is safe: chunk k of every block is touched by
+// this block only, and each thread (LL: unit u; BLOCK: lane l of the warp of frame f) reads its
+// part of chunk k of every send block before it writes the same part of any receive block.
 template <int PROTO>
 __device__ void alltoall(const FcCollParams& p) {
   Ctx c = begin(p);

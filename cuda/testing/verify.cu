@@ -115,3 +115,67 @@ extern "C" __global__ void fc_test_compare(const __grid_constant__ FcTestCompare
     }
   }
 }
+
+// Holds the multiprocessors its blocks land on for up to `ns` nanoseconds (the global timer),
+// then exits: launched on a stream of its own, it delays the blocks of kernels launched after it on
+// other streams until SMs free up (the GPU tests' "delayed blocks"); launched ahead of a rank's
+// collective on the rank's stream, it delays that rank.
+struct FcTestHold {
+  uint64_t ns;
+  uint64_t pad;
+};
+static_assert(sizeof(FcTestHold) == 16, "FcTestHold layout");
+
+__device__ __forceinline__ uint64_t fc_test_now() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Block b holds for ns x (1 + b mod 4) / 4: the blocks release their multiprocessors at four
+// different times, so the blocks of the kernels waiting for them start at different times too.
+extern "C" __global__ void fc_test_hold(const __grid_constant__ FcTestHold p) {
+  if (threadIdx.x != 0) return;
+  const uint64_t until = p.ns / 4 * (1 + blockIdx.x % 4);
+  const uint64_t start = fc_test_now();
+  while (fc_test_now() - start < until) {
+  }
+}
+
+// The wait counter and the epoch of flashcomm/wait_count.h as the device compiles them, in the
+// scenario of crates/kernels/tests/host/wait_count.cc: out[0] slow checks in 1024 polls from
+// 2^31 - 8, out[1] spurious mismatches among them, out[2] the flag after them, out[3] whether
+// two consecutive sightings across the wrap are confirmed, out[4..7] next_epoch(0xfffffffe),
+// next_epoch(0xfffffffd), next_epoch(0).
+#include "flashcomm/wait_count.h"
+
+struct FcTestWaitCount {
+  uint64_t out;
+};
+static_assert(sizeof(FcTestWaitCount) == 8, "FcTestWaitCount layout");
+
+extern "C" __global__ void fc_test_wait_count(const __grid_constant__ FcTestWaitCount p) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  uint32_t* out = reinterpret_cast<uint32_t*>(p.out);
+  fc::WaitCount w;
+  w.v = 0xfffffff0u;
+  uint32_t slow = 0, spurious = 0;
+  for (int i = 0; i < 1024; ++i) {
+    if (w.tick()) {
+      ++slow;
+      if (w.confirm_foreign(true)) ++spurious;
+      w.confirm_foreign(false);
+    }
+  }
+  out[0] = slow;
+  out[1] = spurious;
+  out[2] = w.v & 1u;
+  w.v = 0xffffff00u;
+  bool confirmed = false;
+  for (int i = 0; i < 512; ++i)
+    if (w.tick()) confirmed = w.confirm_foreign(true) || confirmed;
+  out[3] = confirmed ? 1u : 0u;
+  out[4] = fc::next_epoch(0xfffffffeu);
+  out[5] = fc::next_epoch(0xfffffffdu);
+  out[6] = fc::next_epoch(0u);
+}

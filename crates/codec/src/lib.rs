@@ -38,3 +38,8 @@ pub use format::{
 };
 pub use half::{bf16, f16};
 pub use tables::{ErrorRow, effective_bits_markdown, error_rows, error_table_markdown};
+
+/// The version of the wire format this crate specifies (`docs/codec.md`, "wire format, version
+/// 1"). Ranks compare it at set-up: a rank that encodes another version never decodes with this
+/// one.
+pub const WIRE_FORMAT_VERSION: u32 = 1;

@@ -32,6 +32,11 @@ pub trait Bootstrap: Send + Sync {
 pub struct Agreement<'a> {
     boot: &'a dyn Bootstrap,
     rounds: u32,
+    /// The outcome of the last round on every rank: `Some(true)` every rank went on,
+    /// `Some(false)` every rank stopped (or this rank left the exchange), `None` no round yet.
+    last: Option<bool>,
+    /// Inside a round (its outcome is not known yet).
+    in_round: bool,
 }
 
 const VERDICT_OK: u8 = 0;
@@ -40,7 +45,12 @@ const VERDICT_FAILED: u8 = 1;
 impl<'a> Agreement<'a> {
     /// Rounds over `boot`.
     pub fn new(boot: &'a dyn Bootstrap) -> Agreement<'a> {
-        Agreement { boot, rounds: 0 }
+        Agreement {
+            boot,
+            rounds: 0,
+            last: None,
+            in_round: false,
+        }
     }
 
     /// This rank.
@@ -80,7 +90,12 @@ impl<'a> Agreement<'a> {
             }
         }
         self.rounds += 1;
-        let all = self.boot.all_gather(&frame)?;
+        self.in_round = true;
+        let gathered = self.boot.all_gather(&frame);
+        self.in_round = false;
+        // Unless every verdict says ok below, every rank stops at this round.
+        self.last = Some(false);
+        let all = gathered?;
         if all.len() != self.boot.size() as usize {
             return Err(Error::Bootstrap(format!(
                 "the exchange returned {} records for {} ranks",
@@ -105,7 +120,31 @@ impl<'a> Agreement<'a> {
                 }
             }
         }
+        self.last = Some(true);
         Ok(out)
+    }
+
+    /// After this rank failed outside any round (a panic in a local step): makes sure no rank
+    /// waits for it. When the last round went well on every rank (or none ran yet), every other
+    /// rank is in, or on its way to, the next round: this rank takes part in it saying `why`, and
+    /// every rank stops there with the same verdict. When the last round failed, every rank has
+    /// stopped already and nothing is sent. Returns the verdict. (A failure inside a round, whose
+    /// outcome this rank cannot know, is the exchange's own and is returned as it is.)
+    pub fn abandon(&mut self, why: String) -> Error {
+        if self.in_round {
+            return Error::Bootstrap(format!(
+                "rank {}: {why} (inside round {}: the other ranks may wait)",
+                self.rank(),
+                self.rounds
+            ));
+        }
+        if self.last == Some(false) {
+            return Error::Unsupported(format!("rank {}: {why}", self.rank()));
+        }
+        match self.round(Err(why.clone())) {
+            Err(e) => e,
+            Ok(_) => Error::Unsupported(format!("rank {}: {why}", self.rank())),
+        }
     }
 
     /// A round with no payload: every rank learns whether any rank failed.
@@ -333,6 +372,60 @@ mod tests {
                         &Err(Error::Unsupported(format!(
                             "rank {rank}: injected failure at step {step}"
                         )))
+                    );
+                }
+            }
+        }
+    }
+
+    /// A rank that panics in a local step (outside any round) runs one more round saying so, so
+    /// every rank stops there with the same verdict, wherever the panic happened; after a round
+    /// that failed it sends nothing (every rank has stopped).
+    #[test]
+    fn a_rank_that_fails_between_rounds_still_ends_the_exchange_alike() {
+        const N: u32 = 3;
+        const STEPS: u32 = 4;
+        for panic_rank in 0..N {
+            for panic_after in 0..STEPS {
+                let g = ThreadGroup::new(N, Duration::from_secs(10));
+                let members = g.members();
+                let results: Vec<(u32, Error)> = std::thread::scope(|s| {
+                    let hs: Vec<_> = members
+                        .iter()
+                        .map(|m| {
+                            s.spawn(move || {
+                                let c = Counting {
+                                    inner: m,
+                                    rounds: Default::default(),
+                                };
+                                let mut ag = Agreement::new(&c);
+                                let r =
+                                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                        for step in 0..STEPS {
+                                            if m.rank() == panic_rank && step == panic_after {
+                                                panic!("injected");
+                                            }
+                                            ag.round(Ok(vec![step as u8]))?;
+                                        }
+                                        Ok::<(), Error>(())
+                                    }));
+                                let e = match r {
+                                    Ok(Ok(())) => Error::Internal("finished".into()),
+                                    Ok(Err(e)) => e,
+                                    Err(_) => ag.abandon("a panic".into()),
+                                };
+                                (ag.rounds(), e)
+                            })
+                        })
+                        .collect();
+                    hs.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                for (rounds, e) in &results {
+                    assert_eq!(*rounds, panic_after + 1, "{panic_rank} {panic_after}");
+                    assert_eq!(
+                        e,
+                        &Error::Unsupported(format!("rank {panic_rank}: a panic")),
+                        "{panic_rank} {panic_after}"
                     );
                 }
             }

@@ -29,10 +29,12 @@ use crate::error::Error;
 use crate::gpu::{
     self, CaptureRecord, Device, DeviceMem, DevicePtr, Event, HostMapped, OwnStream, Stream,
 };
+use crate::identity;
 use crate::plan::{
     self, Algorithm, Arena, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantChoice,
     QuantModel, QuantSpec,
 };
+use crate::release::{self, Releasable, Release};
 use crate::transport::{LocalArena, PeerMapping, Transport};
 
 /// Settings of one communicator (the same on every rank).
@@ -75,6 +77,10 @@ pub struct CommConfig {
     /// an allocation, a driver call or a kernel launch failing there would.
     #[doc(hidden)]
     pub fail_at: Option<u32>,
+    /// Tests only: this rank panics where set-up step `n` would run (0..=7), or, for `n = 8`,
+    /// before the transport is chosen (the first thing set-up does): a bug in a local step.
+    #[doc(hidden)]
+    pub panic_at: Option<u32>,
 }
 
 impl Default for CommConfig {
@@ -93,6 +99,7 @@ impl Default for CommConfig {
             graph_mixing: true,
             early_launch: true,
             fail_at: None,
+            panic_at: None,
         }
     }
 }
@@ -143,7 +150,7 @@ fn verdict<T, E: std::fmt::Display>(r: Result<T, E>) -> Result<T, String> {
 /// The checks of a call's buffers that the kernels need, with NCCL's answer
 /// (`InvalidArgument`, and a message) where a kernel would otherwise race or fault:
 /// * send and receive ranges overlap only in NCCL's in-place layout: the same buffer for
-///   AllReduce; for ReduceScatter the receive buffer at `in_place` bytes (rank x recvcount
+///   AllReduce and AllToAll; for ReduceScatter the receive buffer at `in_place` bytes (rank x recvcount
 ///   elements) into the send buffer; for AllGather the send buffer at `in_place` bytes into the
 ///   receive buffer; any other overlap would let one rank's writes race with another's reads;
 /// * both buffers are aligned to `align` (the element size for the quantized kernels, which store
@@ -159,15 +166,17 @@ pub(crate) fn check_buffers(
     let (r, rn) = recv;
     let overlap = s < r.saturating_add(rn) && r < s.saturating_add(sn);
     let layout_ok = match coll {
-        Collective::AllReduce => s == r,
+        // AllToAll in place: every thread (LL) or warp (BLOCK) of a round reads chunk k of every
+        // block it sends before it writes chunk k of any block it receives, and no other part of
+        // the kernel touches chunk k (the quantized kernel: a block barrier between the two).
+        Collective::AllReduce | Collective::AlltoAll => s == r,
         Collective::ReduceScatter => s.checked_add(in_place) == Some(r),
         Collective::AllGather => r.checked_add(in_place) == Some(s),
-        // AllToAll has no in-place layout that the kernels take (the shim sends it to NCCL).
         _ => false,
     };
     if overlap && !layout_ok {
         let want = match coll {
-            Collective::AllReduce => "the same buffer".to_string(),
+            Collective::AllReduce | Collective::AlltoAll => "the same buffer".to_string(),
             Collective::ReduceScatter => {
                 format!("recvbuff = sendbuff + {in_place} bytes (rank x recvcount elements)")
             }
@@ -193,29 +202,65 @@ pub(crate) fn check_buffers(
 /// The signature of a call that its tags carry (see `FLAG_SIG_SHIFT`): the collective, whether
 /// it is quantized, and the datatype of a reducing or quantized collective (a lossless AllGather
 /// or AllToAll moves bytes, so its datatype does not matter). Never more than 8 bits.
+///
+/// A quantized call's signature (top bit set; lossless ones stay below 0x80) also carries its
+/// codec settings, which `flashcommCommSetQuant` sets per rank: two ranks that run one collective
+/// with different widths, group or spikes then see a foreign tag and report a mismatch instead of
+/// decoding each other's bytes in the wrong format. Bits 5..7: the collective; bit 4: f16 or
+/// bf16; bits 0..4: `(rs - 2) + 5 (ag - 2) + 7 g + 3 s (mod 16)`, with `g` the group's index
+/// (32, 64, 128, 256) and `s` the spikes' (0, 2, 4). A difference in any one of the settings
+/// changes those four bits (each coefficient times any possible difference is not a multiple of
+/// 16); ranks that differ in several at once still differ with probability 15/16.
 fn call_signature(p: &Plan, dtype: Option<DataType>) -> u32 {
+    if let Some(q) = p.quant {
+        let coll = match p.coll {
+            Collective::AllReduce => 0,
+            Collective::ReduceScatter => 1,
+            Collective::AllGather => 2,
+            _ => 3,
+        };
+        let ty = u32::from(dtype == Some(DataType::Bf16));
+        let g = match q.group {
+            32 => 0,
+            64 => 1,
+            128 => 2,
+            _ => 3,
+        };
+        let sp = u32::from(q.spikes / 2);
+        let h = (u32::from(q.rs_bits.saturating_sub(2))
+            + 5 * u32::from(q.ag_bits.saturating_sub(2))
+            + 7 * g
+            + 3 * sp)
+            % 16;
+        return 0x80 | coll << 5 | ty << 4 | h;
+    }
     let coll = match p.coll {
         Collective::AllReduce => 1,
         Collective::ReduceScatter => 2,
         Collective::AllGather => 3,
         Collective::AlltoAll => 4,
         // Never launched (`run` refuses them); distinct from every launched kind all the same.
-        other => 5 + other.index() as u32 % 11,
+        other => 5 + other.index() as u32 % 3,
     };
     let ty = match (p.coll, dtype) {
-        (Collective::AllGather | Collective::AlltoAll, _) if p.quant.is_none() => 0,
+        (Collective::AllGather | Collective::AlltoAll, _) => 0,
         (_, None) => 0,
         (_, Some(DataType::F32)) => 1,
         (_, Some(DataType::F16)) => 2,
         (_, Some(DataType::Bf16)) => 3,
     };
-    (coll << 4) | (u32::from(p.quant.is_some()) << 3) | ty
+    (coll << 4) | ty
 }
 
 /// What one rank tells the others at set-up.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct PeerInfo {
     pid: u32,
+    /// [`identity::process_token`]: what tells processes apart (process ids of different PID
+    /// namespaces of one machine can be equal).
+    token: u64,
+    /// [`identity::Build::id`] of the rank's flashcomm.
+    build: u64,
     host: u64,
     uuid: [u8; 16],
     arena: u64,
@@ -238,8 +283,16 @@ impl PeerInfo {
         v.extend_from_slice(&self.ipc.unwrap_or([0; 64]));
         v.extend_from_slice(&self.max_grid.to_le_bytes());
         v.push(self.transport.code());
+        v.resize(120, 0);
+        v.extend_from_slice(&self.token.to_le_bytes());
+        v.extend_from_slice(&self.build.to_le_bytes());
         v.resize(INFO_BYTES, 0);
         v
+    }
+
+    /// Whether `other` is a rank of this rank's process (then its arena is reached by address).
+    fn same_process(&self, other: &PeerInfo) -> bool {
+        self.host == other.host && self.pid == other.pid && self.token == other.token
     }
 
     fn decode(b: &[u8]) -> Result<PeerInfo, Error> {
@@ -256,6 +309,8 @@ impl PeerInfo {
         ipc.copy_from_slice(&b[49..113]);
         Ok(PeerInfo {
             pid: u32_at(4),
+            token: u64_at(120),
+            build: u64_at(128),
             host: u64_at(8),
             uuid,
             arena: u64_at(32),
@@ -353,6 +408,66 @@ pub struct Communicator {
     /// ones are kept until the communicator is dropped (freeing device memory synchronizes the
     /// device, which would wait for the kernels of ranks that share it and wait for this one).
     scratch: std::sync::Mutex<Vec<DeviceMem>>,
+    /// Set by [`Communicator::defer_release`]: dropping hands the memory to a thread of its own
+    /// instead of freeing it here.
+    deferred: std::sync::Mutex<Option<Deferred>>,
+}
+
+/// How a communicator's drop releases its memory after [`Communicator::defer_release`].
+struct Deferred {
+    done: Release,
+    keep_arena: bool,
+}
+
+/// A dropped communicator's memory on its way to being freed ([`release::in_background`]): ready
+/// once the communicator's last eager launch has finished.
+struct Remains {
+    device: Arc<Device>,
+    launched: bool,
+    event: Event,
+    mappings: Vec<PeerMapping>,
+    local: LocalArena,
+    keep_arena: bool,
+    own_slots: Option<DeviceMem>,
+    host: HostMapped,
+    scratch: Vec<DeviceMem>,
+}
+
+impl Releasable for Remains {
+    fn ready(&mut self) -> Result<bool, String> {
+        if !self.launched {
+            return Ok(true);
+        }
+        let _ctx = self.device.activate().map_err(|e| e.to_string())?;
+        self.event.is_done().map_err(|e| e.to_string())
+    }
+
+    fn free(self) {
+        let Remains {
+            device,
+            event,
+            mut mappings,
+            local,
+            keep_arena,
+            own_slots,
+            host,
+            scratch,
+            ..
+        } = self;
+        // Peers' mappings are closed with this device's context current.
+        if let Ok(_ctx) = device.activate() {
+            mappings.clear();
+        }
+        if keep_arena {
+            // Aborted while peers may still run collectives that write into this arena (a
+            // rank that has not noticed the failure yet): freed, its memory could be handed to
+            // another allocation and overwritten. It stays allocated for the life of the process.
+            std::mem::forget(local);
+        } else {
+            drop(local);
+        }
+        drop((own_slots, host, scratch, event));
+    }
 }
 
 impl Communicator {
@@ -375,8 +490,14 @@ impl Communicator {
         device: i32,
         cfg: CommConfig,
     ) -> Result<Communicator, Error> {
-        let fail_at = cfg.fail_at;
+        let (fail_at, panic_at) = (cfg.fail_at, cfg.panic_at);
+        if panic_at == Some(8) {
+            panic!("panic injected before the transport is chosen");
+        }
         let injected = |step: u32| -> Result<(), Error> {
+            if panic_at == Some(step) {
+                panic!("panic injected at set-up step {step}");
+            }
             if fail_at == Some(step) {
                 return Err(Error::Internal(format!(
                     "failure injected at set-up step {step}"
@@ -399,6 +520,8 @@ impl Communicator {
                     let _ctx = ls.dev.activate()?;
                     PeerInfo {
                         pid: std::process::id(),
+                        token: identity::process_token(),
+                        build: identity::Build::this().id(),
                         host: host_id(),
                         uuid: ls.dev.uuid(),
                         arena: ls.local.addr(),
@@ -540,6 +663,7 @@ impl Communicator {
             quant_models: Vec::new(),
             cfg: cfg.clone(),
             scratch: std::sync::Mutex::new(Vec::new()),
+            deferred: std::sync::Mutex::new(None),
             last: LastLaunch {
                 stream: AtomicUsize::new(0),
                 launched: AtomicBool::new(false),
@@ -581,6 +705,15 @@ impl Communicator {
         let mut mappings = Vec::new();
         for (r, p) in infos.iter().enumerate() {
             let fail = |m: String| Err(Error::Unsupported(m));
+            if p.build != info.build {
+                return fail(format!(
+                    "rank {r} runs another flashcomm build than this rank ({}; build ids {:016x} \
+                     and {:016x}): every rank must run the same build",
+                    identity::Build::this(),
+                    p.build,
+                    info.build
+                ));
+            }
             if p.transport != info.transport {
                 return fail(format!(
                     "rank {r} chose the {} transport, this rank {}",
@@ -599,10 +732,10 @@ impl Communicator {
                 return fail(format!(
                     "rank {r} is on another machine (flashcomm kernels serve one node)"
                 ));
-            } else if p.pid == info.pid && info.transport == Transport::Host {
+            } else if p.same_process(info) && info.transport == Transport::Host {
                 // A portable registration: the creator's address is valid in every context.
                 peers[r] = p.arena;
-            } else if p.pid == info.pid {
+            } else if p.same_process(info) {
                 match Self::in_process_peer(dev, &p.uuid) {
                     Ok(()) => peers[r] = p.arena,
                     Err(e) => return fail(format!("rank {r} (same process): {e}")),
@@ -1186,7 +1319,8 @@ impl Communicator {
 
     /// AllToAll of `count` f16 or bf16 elements per peer with a quantized wire format (width
     /// `q.rs_bits`, one step): each per-peer block is encoded once, as a buffer of its own, and
-    /// decoded by its receiver (`flashcomm_codec::reference::alltoall_quant`). Out of place only.
+    /// decoded by its receiver (`flashcomm_codec::reference::alltoall_quant`). In place or out
+    /// of place.
     pub fn all_to_all_quant(
         &self,
         send: DevicePtr,
@@ -1196,7 +1330,6 @@ impl Communicator {
         q: QuantSpec,
         stream: Stream,
     ) -> Result<Plan, Error> {
-        self.refuse_in_place_alltoall(send, recv, count)?;
         self.run_quant_op(Collective::AlltoAll, send, recv, count, dtype, q, stream)
     }
 
@@ -1241,22 +1374,6 @@ impl Communicator {
         Ok(p)
     }
 
-    /// AllToAll has no in-place form on flashcomm's kernels (the blocks a rank still has to send
-    /// would be overwritten by what arrives).
-    fn refuse_in_place_alltoall(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        count: u64,
-    ) -> Result<(), Error> {
-        if send.addr() == recv.addr() && count > 0 && self.nranks > 1 {
-            return Err(Error::InvalidArgument(
-                "in-place AllToAll is not supported by flashcomm's kernels".into(),
-            ));
-        }
-        Ok(())
-    }
-
     /// Sum ReduceScatter: `recvcount` elements per rank.
     pub fn reduce_scatter(
         &self,
@@ -1294,8 +1411,8 @@ impl Communicator {
     }
 
     /// AllToAll of `count` elements of `elem` bytes per peer (any datatype): block q of `send`
-    /// goes to rank q, block r of `recv` comes from rank r. Out of place only (in place, the
-    /// blocks a rank still has to send would be overwritten by what arrives).
+    /// goes to rank q, block r of `recv` comes from rank r. In place (`send` = `recv`) or out of
+    /// place, as NCCL lets each rank choose (see [`check_buffers`]).
     pub fn all_to_all(
         &self,
         send: DevicePtr,
@@ -1304,7 +1421,6 @@ impl Communicator {
         elem: u64,
         stream: Stream,
     ) -> Result<Plan, Error> {
-        self.refuse_in_place_alltoall(send, recv, count)?;
         let p = self.plan(Collective::AlltoAll, count, elem);
         self.run(&p, send, recv, count, elem, None, stream)?;
         Ok(p)
@@ -1793,8 +1909,46 @@ impl Communicator {
     }
 }
 
+impl Communicator {
+    /// From now on, dropping this communicator (wherever its last reference goes) never blocks:
+    /// its memory goes to a thread of its own that waits for the last eager launch and then
+    /// frees it (`ncclCommAbort` and `ncclCommDestroy`: freeing waits for the device's
+    /// outstanding work, which after a fault may never end). The returned [`Release`] says when
+    /// the memory was freed; a caller waits for it at most a bound. `keep_arena`: the arena is
+    /// never freed (an abort with peers that may still write into it).
+    pub fn defer_release(&self, keep_arena: bool) -> Release {
+        let mut d = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+        let done = d.as_ref().map_or_else(release::pending, |d| d.done.clone());
+        *d = Some(Deferred {
+            done: done.clone(),
+            keep_arena,
+        });
+        done
+    }
+}
+
 impl Drop for Communicator {
     fn drop(&mut self) {
+        let deferred = self
+            .deferred
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(d) = deferred {
+            let remains = Remains {
+                device: self.device.clone(),
+                launched: self.last.launched.load(Ordering::Acquire),
+                event: std::mem::replace(&mut self.last.event, Event::empty()),
+                mappings: std::mem::take(&mut self.mappings),
+                local: std::mem::replace(&mut self.local, LocalArena::Empty),
+                keep_arena: d.keep_arena,
+                own_slots: self.own_slots.take(),
+                host: std::mem::replace(&mut self.host, HostMapped::empty()),
+                scratch: std::mem::take(self.scratch.get_mut().unwrap_or_else(|e| e.into_inner())),
+            };
+            release::in_background(remains, d.done);
+            return;
+        }
         // The arena must outlive every kernel that uses it; peers' mappings are closed with this
         // device's context current. The arena itself and the host words are freed when the fields
         // drop right after (freeing needs no particular current context).
@@ -1808,6 +1962,123 @@ impl Drop for Communicator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn info(pid: u32, token: u64) -> PeerInfo {
+        PeerInfo {
+            pid,
+            token,
+            build: identity::Build::this().id(),
+            host: host_id(),
+            uuid: [7; 16],
+            arena: 0x7f00_0000_0000,
+            arena_bytes: 64 << 20,
+            ipc: Some([3; 64]),
+            max_grid: 132,
+            transport: Transport::Host,
+        }
+    }
+
+    /// Two processes of one machine in different PID namespaces (containers of one pod: same
+    /// host name, same boot id) can have the same process id. Taken for one process, the peer's
+    /// arena would be used at the address it has in the other process (memory of this process
+    /// that is something else). The random process token tells them apart.
+    #[test]
+    fn equal_process_ids_of_different_processes_are_not_one_process() {
+        let a = info(1, identity::process_token());
+        let b = info(1, identity::process_token() ^ 0x5a5a);
+        assert!(!a.same_process(&b), "pid 1 in two containers");
+        assert!(a.same_process(&a.clone()));
+        let back = PeerInfo::decode(&b.encode()).unwrap();
+        assert_eq!(back, b, "the token and the build travel in the record");
+        assert!(!a.same_process(&back));
+        // Another machine with an equal pid and token is not this process either.
+        let far = PeerInfo {
+            host: a.host ^ 1,
+            ..a.clone()
+        };
+        assert!(!a.same_process(&far));
+    }
+
+    /// `flashcommCommSetQuant` is per rank: ranks whose settings differ run one quantized
+    /// collective in different wire formats. Their tags must differ so that the kernels report a
+    /// mismatch rather than decode each other's bytes wrongly (before, the signature carried
+    /// only "quantized", and every setting looked alike).
+    #[test]
+    fn quantized_signatures_differ_by_codec_settings() {
+        let arena = Arena::new(4, 64 << 20).unwrap();
+        let model = CostModel::default_for(4);
+        let base = plan::plan(
+            &arena,
+            &model,
+            Collective::AllReduce,
+            1 << 16,
+            2,
+            16,
+            Choice::Auto,
+            Choice::Auto,
+        );
+        let sig = |coll: Collective, q: QuantSpec, t: DataType| {
+            let mut p = base;
+            p.coll = coll;
+            p.quant = Some(q);
+            call_signature(&p, Some(t))
+        };
+        let spec = |rs, ag, group, spikes| QuantSpec::new(rs, ag, group, spikes).unwrap();
+        let mut specs = Vec::new();
+        for rs in 2..=8u8 {
+            for ag in [rs, 8] {
+                for group in [32, 64, 128, 256] {
+                    for spikes in [0, 2, 4] {
+                        specs.push(spec(rs, ag, group, spikes));
+                    }
+                }
+            }
+        }
+        for coll in [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::AllGather,
+            Collective::AlltoAll,
+        ] {
+            for t in [DataType::F16, DataType::Bf16] {
+                for a in &specs {
+                    let sa = sig(coll, *a, t);
+                    assert!((0x80..0x100).contains(&sa), "quantized: top bit, 8 bits");
+                    for b in &specs {
+                        let differ = [
+                            a.rs_bits != b.rs_bits,
+                            a.ag_bits != b.ag_bits,
+                            a.group != b.group,
+                            a.spikes != b.spikes,
+                        ];
+                        if differ.iter().filter(|d| **d).count() == 1 {
+                            assert_ne!(sa, sig(coll, *b, t), "{coll:?} {t:?} {a:?} vs {b:?}");
+                        }
+                    }
+                }
+            }
+        }
+        // The collective and the datatype always show.
+        let q = spec(4, 4, 128, 2);
+        assert_ne!(
+            sig(Collective::AllReduce, q, DataType::F16),
+            sig(Collective::AllReduce, q, DataType::Bf16)
+        );
+        assert_ne!(
+            sig(Collective::AllGather, q, DataType::F16),
+            sig(Collective::AlltoAll, q, DataType::F16)
+        );
+        // Lossless signatures stay below the quantized ones.
+        for coll in [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::Broadcast,
+        ] {
+            let mut p = base;
+            p.coll = coll;
+            assert!(call_signature(&p, Some(DataType::F32)) < 0x80);
+        }
+    }
 
     #[test]
     fn overlapping_buffers_are_refused_unless_in_place() {
@@ -1837,6 +2108,8 @@ mod tests {
                 (base, 4 * MB),
                 MB,
             ),
+            // AllToAll of 4 ranks in place: one buffer, NCCL's layout (each rank may choose).
+            (Collective::AlltoAll, (base, 4 * MB), (base, 4 * MB), 0),
         ] {
             assert_eq!(
                 check_buffers(coll, send, recv, in_place, 1),
@@ -1867,6 +2140,7 @@ mod tests {
                 (base, 4 * MB),
                 3 * MB,
             ),
+            (Collective::AlltoAll, (base, 4 * MB), (base + MB, 4 * MB), 0),
         ] {
             let e = check_buffers(coll, send, recv, in_place, 1).unwrap_err();
             let Error::InvalidArgument(m) = e else {
@@ -1924,6 +2198,10 @@ mod tests {
                 let sig = call_signature(&p, Some(t));
                 assert!(sig > 0 && sig < 256);
                 assert!(seen.insert(sig), "{coll:?} {t:?}");
+                // The quantized kernels take f16 and bf16 only (f32 is refused before a launch).
+                if t == DataType::F32 {
+                    continue;
+                }
                 let mut q = p;
                 q.quant = Some(QuantSpec::new(4, 4, 128, 2).unwrap());
                 assert!(

@@ -9,7 +9,7 @@ pub use flashcomm_gpu::Error;
 pub use flashcomm_gpu::{
     CaptureRecord, CtxGuard, Device, DeviceMem, DevicePtr, Event, Function, Graph, HostArena,
     HostMapped, IpcMapping, LaunchConfig, OwnStream, Stream, device_count, driver_present, init,
-    mem_info,
+    mem_info, remove_stale_segments,
 };
 
 use flashcomm_kernels::abi::{self, KernelParams};

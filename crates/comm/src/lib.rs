@@ -17,15 +17,19 @@ pub mod bootstrap;
 mod comm;
 pub mod error;
 pub mod gpu;
+pub mod identity;
 pub mod plan;
+mod release;
 mod transport;
 
 pub use bootstrap::{Agreement, Bootstrap, ThreadBootstrap, ThreadGroup};
 pub use comm::{CommConfig, Communicator, Foreign};
 pub use error::Error;
 pub use gpu::{DeviceMem, DevicePtr, Stream};
+pub use identity::Build;
 pub use plan::{
     Algorithm, Choice, Collective, CostModel, DataType, KERNEL_COLLECTIVES, Plan, Protocol,
     QuantChoice, QuantModel, QuantSpec,
 };
+pub use release::Release;
 pub use transport::Transport;

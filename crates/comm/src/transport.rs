@@ -66,16 +66,35 @@ pub(crate) enum LocalArena {
         mem: HostArena,
         name: [u8; NAME_BYTES],
     },
+    /// Nothing (what a communicator leaves in place of the arena it hands on to be freed).
+    Empty,
 }
 
-/// A unique segment name for this process's next arena: `/flashcomm-<pid>-<n>-<time>`.
+/// The prefix of this process's segment names: `flashcomm-<PID namespace>-`, so that names of
+/// creators that died can be told apart from those of live processes of other namespaces.
+fn segment_prefix() -> String {
+    // "pid:[4026531836]": the namespace's inode number.
+    let ns = std::fs::read_link("/proc/self/ns/pid")
+        .ok()
+        .and_then(|l| {
+            let l = l.to_string_lossy().into_owned();
+            l.strip_prefix("pid:[")?
+                .strip_suffix(']')?
+                .parse::<u64>()
+                .ok()
+        })
+        .unwrap_or(0);
+    format!("flashcomm-{ns:x}-")
+}
+
+/// A unique segment name for this process's next arena: `/<prefix><pid>-<n>-<time>`.
 fn segment_name() -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64 & 0xffff_ffff);
-    format!("/flashcomm-{}-{n}-{t:08x}", std::process::id())
+    format!("/{}{}-{n}-{t:08x}", segment_prefix(), std::process::id())
 }
 
 impl LocalArena {
@@ -88,6 +107,9 @@ impl LocalArena {
         match transport {
             Transport::P2p => Ok(LocalArena::Device(DeviceMem::alloc_zeroed(dev, bytes)?)),
             Transport::Host => {
+                // A creator that died between creating its segment and its peers mapping it
+                // (set-up round 2) could not remove the name: remove such names now.
+                crate::gpu::remove_stale_segments(&segment_prefix());
                 let s = segment_name();
                 let mem = HostArena::create_shared(&s, bytes, dev.numa_node())?;
                 let mut name = [0u8; NAME_BYTES];
@@ -100,7 +122,7 @@ impl LocalArena {
     /// The transport this arena serves.
     pub(crate) fn transport(&self) -> Transport {
         match self {
-            LocalArena::Device(_) => Transport::P2p,
+            LocalArena::Device(_) | LocalArena::Empty => Transport::P2p,
             LocalArena::Host { .. } => Transport::Host,
         }
     }
@@ -110,6 +132,7 @@ impl LocalArena {
         match self {
             LocalArena::Device(m) => m.addr(),
             LocalArena::Host { mem, .. } => mem.dev_ptr(),
+            LocalArena::Empty => 0,
         }
     }
 
@@ -123,6 +146,7 @@ impl LocalArena {
                 h[..NAME_BYTES].copy_from_slice(name);
                 Some(h)
             }
+            LocalArena::Empty => None,
         }
     }
 
@@ -134,6 +158,7 @@ impl LocalArena {
                 mem.read(offset, dst);
                 Ok(())
             }
+            LocalArena::Empty => Err(Error::Internal("the arena was released".into())),
         }
     }
 
@@ -203,5 +228,6 @@ mod tests {
         let b = segment_name();
         assert_ne!(a, b);
         assert!(a.len() < NAME_BYTES && a.starts_with('/') && !a[1..].contains('/'));
+        assert!(a[1..].starts_with(&segment_prefix()));
     }
 }

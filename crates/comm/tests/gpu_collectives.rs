@@ -1239,3 +1239,41 @@ fn scattered_alltoall_blocks_anywhere() {
         });
     }
 }
+
+/// AllToAll in place (`send` = `recv`), which NCCL lets each rank choose while its peers pass two
+/// buffers (routing no longer depends on it: docs/architecture.md, "Routing rules"): on 2, 4 and
+/// 8 ranks, both protocols forced, sizes from one element to several rounds per block, every
+/// type the kernels move; rank 0 runs in place and the others out of place on odd calls, every
+/// rank in place on even ones. Exact, checked on the device.
+#[test]
+fn alltoall_in_place() {
+    for n in [2u32, 4, 8] {
+        run_ranks(n, test_config(), |r| {
+            let nn = r.n() as u64;
+            let max = 1u64 << 20;
+            let a = r.alloc((max * nn * 4) as usize);
+            let b = r.alloc((max * nn * 4) as usize);
+            r.sync();
+            let mut salt = 0u32;
+            for proto in [Protocol::Ll, Protocol::Block] {
+                for ty in [TestType::U8, TestType::Bf16, TestType::F32] {
+                    for count in [1u64, 7, 4096, 100_003, max] {
+                        salt += 1;
+                        let in_place = salt.is_multiple_of(2) || r.rank() == 0;
+                        let p = r.comm.plan_forced(
+                            Collective::AlltoAll,
+                            count,
+                            ty.bytes(),
+                            Choice::Auto,
+                            Choice::Force(proto),
+                        );
+                        let recv = if in_place { &a } else { &b };
+                        fill_run_check(r, &p, Collective::AlltoAll, ty, count, salt, &a, recv);
+                    }
+                }
+            }
+            r.sync();
+            r.assert_clean("in-place AllToAll");
+        });
+    }
+}

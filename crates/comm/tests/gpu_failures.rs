@@ -351,3 +351,366 @@ fn a_thousand_set_ups_leak_nothing() {
         }
     });
 }
+
+/// Builds the communicators of `groups` two-rank groups of virtual ranks on device 0, every
+/// rank in a thread of its own (set-up is collective), all before anything spins.
+fn two_rank_groups(groups: usize, cfg: &CommConfig) -> Vec<(Communicator, Communicator)> {
+    let gs: Vec<_> = (0..groups)
+        .map(|_| ThreadGroup::new(2, Duration::from_secs(60)))
+        .collect();
+    let members: Vec<_> = gs.iter().map(|g| g.members()).collect();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = members
+            .iter()
+            .map(|m| {
+                let a = s.spawn(|| Communicator::new(&m[0], 0, cfg.clone()).unwrap());
+                let b = s.spawn(|| Communicator::new(&m[1], 0, cfg.clone()).unwrap());
+                (a, b)
+            })
+            .collect();
+        hs.into_iter()
+            .map(|(a, b)| (a.join().unwrap(), b.join().unwrap()))
+            .collect()
+    })
+}
+
+/// Fault class 3 (H3): abort and destroy return within their bound while other device work is
+/// stuck. A kernel of another communicator waits for a peer that never comes (an NCCL operation
+/// stuck on a dead peer stands for it); freeing device memory waits for the device's outstanding
+/// work, so before, dropping our (idle) communicator blocked in `cuMemFree` until that kernel
+/// ended: for ever. Now the memory goes to a thread of its own: the caller returns at once, and
+/// the memory is freed when the stuck work ends. Abort of a communicator whose own launch is
+/// stuck returns too, and keeps the arena (peers may still write into it).
+#[test]
+fn abort_and_destroy_return_while_other_device_work_is_stuck() {
+    let cfg = CommConfig {
+        calibrate: false,
+        arena_bytes: 8 << 20,
+        ..CommConfig::default()
+    };
+    let mut comms = two_rank_groups(3, &cfg);
+    let (mine_a, mine_b) = comms.pop().unwrap();
+    let (ours_a, ours_b) = comms.pop().unwrap();
+    let (stuck, stuck_peer) = comms.pop().unwrap();
+    let v = Verifier::new(0).unwrap();
+    let _ctx = v.activate().unwrap();
+    let (s1, s2) = (v.stream().unwrap(), v.stream().unwrap());
+    let buf = v.alloc(1 << 16).unwrap();
+    let buf2 = v.alloc(1 << 16).unwrap();
+    // Used once, completed: our communicator is idle.
+    ours_a
+        .all_reduce(buf.as_ptr(), buf.as_ptr(), 1000, DataType::F32, s1)
+        .unwrap();
+    ours_b
+        .all_reduce(buf2.as_ptr(), buf2.as_ptr(), 1000, DataType::F32, s2)
+        .unwrap();
+    s1.synchronize().unwrap();
+    s2.synchronize().unwrap();
+    // The stuck kernel: rank 0 calls, rank 1 never does (no time limit).
+    stuck
+        .all_reduce(buf.as_ptr(), buf.as_ptr(), 1000, DataType::F32, s1)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(stuck.wait_idle_for(Duration::from_millis(10)), Ok(false));
+    // Destroy ours (and our second rank), from a thread, with a watchdog on the caller.
+    let t0 = Instant::now();
+    let (released, returned) = std::thread::scope(|w| {
+        w.spawn(|| {
+            let r = ours_a.defer_release(false);
+            let r_b = ours_b.defer_release(false);
+            drop(ours_a);
+            drop(ours_b);
+            let t = t0.elapsed();
+            (
+                r.wait(Duration::from_millis(500)) && r_b.wait(Duration::ZERO),
+                t,
+            )
+        })
+        .join()
+        .unwrap()
+    });
+    assert!(
+        returned < Duration::from_secs(2),
+        "destroy blocked {returned:?} behind the stuck kernel"
+    );
+    println!("destroy returned after {returned:?}; freed meanwhile: {released}");
+    // Abort of a communicator whose own launch is queued behind the stuck kernel (same stream):
+    // the flag is set, nothing ends the stuck kernel, and abort returns within its bound.
+    mine_a
+        .all_reduce(buf.as_ptr(), buf.as_ptr(), 1000, DataType::F32, s1)
+        .unwrap();
+    let t0 = Instant::now();
+    mine_a.abort();
+    let r = mine_a.defer_release(true);
+    drop(mine_a);
+    assert!(
+        !r.wait(Duration::from_millis(300)),
+        "queued behind the stuck kernel"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    // End the stuck kernel: everything is freed, without anyone waiting in a free.
+    stuck.abort();
+    s1.synchronize().unwrap();
+    assert!(r.wait(Duration::from_secs(10)), "freed once the work ended");
+    mine_b.abort();
+    drop((stuck, stuck_peer, mine_b));
+}
+
+/// A communicator's time limit (`FLASHCOMM_TIMEOUT_MS`) bounds each wait, not the kernel: a
+/// collective that takes longer in total than the limit, but whose every wait is short (both
+/// ranks present), completes. Before, the deadline ran from the kernel's start, and a long
+/// message timed out halfway on a healthy pair of ranks.
+#[test]
+fn a_long_collective_with_short_waits_does_not_time_out() {
+    let count = 64u64 << 20; // 256 MiB of f32 per rank
+    // How long the collective takes without a limit (one block per rank: a long kernel whose
+    // ranks advance in step, so that each wait is short).
+    let untimed = CommConfig {
+        calibrate: false,
+        max_blocks: Some(1),
+        ..CommConfig::default()
+    };
+    let took = std::sync::Mutex::new(Duration::ZERO);
+    run_ranks(2, untimed.clone(), |r| {
+        let buf = r.alloc((count * 4) as usize);
+        r.sync();
+        let t0 = Instant::now();
+        r.comm
+            .all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::F32, r.stream)
+            .unwrap();
+        r.stream.synchronize().unwrap();
+        r.comm.check_status().unwrap();
+        let mut t = took.lock().unwrap();
+        *t = (*t).max(t0.elapsed());
+    });
+    let took = *took.lock().unwrap();
+    // A limit of a quarter of that: the kernel outlives it, no wait does.
+    let limit = took / 4;
+    println!("256 MiB AllReduce on one block: {took:?}; limit per wait {limit:?}");
+    assert!(
+        limit >= Duration::from_millis(5),
+        "the kernel ({took:?}) is too short to outlive a limit its ranks' launch skew cannot reach"
+    );
+    let timed = CommConfig {
+        timeout: limit,
+        ..untimed.clone()
+    };
+    run_ranks(2, timed, |r| {
+        let buf = r.alloc((count * 4) as usize);
+        r.sync();
+        r.comm
+            .all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::F32, r.stream)
+            .unwrap();
+        r.stream.synchronize().unwrap();
+        r.comm
+            .check_status()
+            .expect("no wait lasted the limit, though the kernel did");
+    });
+}
+
+/// Fault class 7: the wait counter and the epoch of `flashcomm/wait_count.h` as the device runs
+/// them (the CPU test checks the host build of the same header): 1,024 polls from 2^31 - 8 make
+/// 8 slow checks and no spurious mismatch, the flag stays clear, two sightings across the wrap
+/// are confirmed, and the epoch skips 0xffffffff.
+#[test]
+fn the_wait_counter_and_the_epoch_behave_at_their_edges_on_the_device() {
+    let v = Verifier::new(0).unwrap();
+    assert_eq!(
+        v.wait_count_on_device().unwrap(),
+        [8, 0, 0, 1, 1, 0xffff_fffe, 1]
+    );
+}
+
+/// Fault class 7, delayed blocks: the multiprocessors are held by blocks that release them at
+/// four different times, so the blocks of both ranks' collectives start hundreds of
+/// milliseconds apart, in no particular order. With no time limit (NCCL's default) every wait
+/// simply lasts, and every collective is exact.
+#[test]
+fn delayed_blocks_still_give_exact_results() {
+    let cfg = CommConfig {
+        calibrate: false,
+        ..CommConfig::default()
+    };
+    let hold_stream = std::sync::Mutex::new(None);
+    run_ranks(2, cfg, |r| {
+        let count = 1u64 << 20;
+        let t = TYPES[0];
+        let buf = r.alloc((count * t.bytes()) as usize);
+        let sms = flashcomm_comm::gpu::Device::open(0).unwrap().sm_count();
+        for round in 0..4u32 {
+            r.v.fill(buf.as_ptr(), count, t, r.rank(), round, r.stream)
+                .unwrap();
+            r.stream.synchronize().unwrap();
+            r.sync();
+            if r.rank() == 0 {
+                let mut s = hold_stream.lock().unwrap();
+                let s = s.get_or_insert_with(|| {
+                    let _ctx = r.v.activate().unwrap();
+                    flashcomm_comm::gpu::Stream::create().unwrap()
+                });
+                r.v.hold(Duration::from_millis(400), sms * 32, *s).unwrap();
+            }
+            r.sync();
+            r.comm
+                .all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::F32, r.stream)
+                .unwrap();
+            r.v.check(
+                buf.as_ptr(),
+                count,
+                count,
+                flashcomm_comm::Collective::AllReduce,
+                t,
+                r.n(),
+                r.rank(),
+                round,
+                r.stream,
+            )
+            .unwrap();
+            r.stream.synchronize().unwrap();
+            r.comm
+                .check_status()
+                .expect("no time limit: delayed blocks just wait");
+            r.assert_clean("delayed blocks");
+        }
+    });
+}
+
+/// Fault class 7, reading outputs after a timeout: rank 1's collective is queued behind a kernel
+/// that holds its stream for longer than the communicator's limit, so rank 0's wait times out
+/// (and asks rank 1 to stop). Afterwards both ranks' outputs can be read back (nothing hangs or
+/// faults), and every later call reports the error at once instead of launching.
+#[test]
+fn outputs_are_readable_after_a_timeout_and_later_calls_fail_at_once() {
+    let limit = Duration::from_millis(200);
+    let cfg = CommConfig {
+        calibrate: false,
+        timeout: limit,
+        ..CommConfig::default()
+    };
+    run_ranks_expecting_errors(2, cfg, |comm, v, stream, m| {
+        let count = 1u64 << 16;
+        let buf = v.alloc((count * 4) as usize).unwrap();
+        m.barrier().unwrap();
+        if m.rank() == 1 {
+            v.hold(Duration::from_secs(2), 1, stream).unwrap();
+        }
+        let t0 = Instant::now();
+        comm.all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::F32, stream)
+            .unwrap();
+        stream.synchronize().unwrap();
+        let first = comm.check_status();
+        if m.rank() == 0 {
+            let e = first.as_ref().expect_err("the limit expired");
+            assert!(matches!(e, Error::Timeout(_)), "{e:?}");
+            assert!(
+                t0.elapsed() < limit + Duration::from_secs(2),
+                "{:?}",
+                t0.elapsed()
+            );
+        }
+        // The outputs can be read (their contents are undefined after an error).
+        let mut host = vec![0u8; (count * 4) as usize];
+        buf.download(0, &mut host, stream).unwrap();
+        m.barrier().unwrap();
+        // Later calls report the error: at once without launching, or (rank 1, whose first
+        // call may have found all of rank 0's data before rank 0 gave up) from a kernel that
+        // stops at its first check of the stop request rank 0 left.
+        let t1 = Instant::now();
+        let again = comm
+            .all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::F32, stream)
+            .and_then(|_| {
+                stream.synchronize()?;
+                comm.check_status()
+            });
+        assert!(
+            again.is_err(),
+            "rank {}: a later call reports the error",
+            m.rank()
+        );
+        assert!(t1.elapsed() < Duration::from_secs(2), "{:?}", t1.elapsed());
+        println!(
+            "rank {}: {first:?}; later call: {:?}",
+            m.rank(),
+            again.err()
+        );
+        m.barrier().unwrap();
+    });
+}
+
+/// Runs `f` on `n` virtual ranks whose communicators are expected to end in an error (no final
+/// status check).
+fn run_ranks_expecting_errors<F>(n: u32, cfg: CommConfig, f: F)
+where
+    F: Fn(&Communicator, &Verifier, flashcomm_comm::Stream, &ThreadBootstrap) + Sync,
+{
+    let group = ThreadGroup::new(n, Duration::from_secs(60));
+    let members = group.members();
+    std::thread::scope(|s| {
+        for m in &members {
+            let cfg = cfg.clone();
+            let f = &f;
+            s.spawn(move || {
+                let comm = Communicator::new(m, 0, cfg).unwrap();
+                let v = Verifier::new(0).unwrap();
+                let _ctx = v.activate().unwrap();
+                let stream = v.stream().unwrap();
+                f(&comm, &v, stream, m);
+                m.barrier().unwrap();
+            });
+        }
+    });
+}
+
+/// Fault class 1 with virtual ranks: set-up panics at each step on one rank of two (a bug in a
+/// local step); the panic is caught and the rank takes part in the next round saying so
+/// (`Agreement::abandon`, as the shim does), so every rank ends with the same verdict after the
+/// same rounds, and the device is fine afterwards.
+#[test]
+fn a_set_up_panic_at_any_step_on_one_rank_ends_alike_on_every_rank() {
+    let base = CommConfig {
+        timeout: Duration::from_secs(2),
+        calibrate: true,
+        arena_bytes: 8 << 20,
+        ..CommConfig::default()
+    };
+    for step in 0..=8u32 {
+        for panicking in 0..2u32 {
+            let group = ThreadGroup::new(2, Duration::from_secs(120));
+            let members = group.members();
+            let got: Vec<(u32, String)> = std::thread::scope(|s| {
+                let hs: Vec<_> = members
+                    .iter()
+                    .map(|m| {
+                        let mut cfg = base.clone();
+                        if m.rank() == panicking {
+                            cfg.panic_at = Some(step);
+                        }
+                        s.spawn(move || {
+                            let c = Counting(m, AtomicU32::new(0));
+                            let mut ag = flashcomm_comm::Agreement::new(&c);
+                            let built =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    Communicator::new_agreed(&mut ag, 0, cfg)
+                                }));
+                            let verdict = match built {
+                                Ok(Ok(_)) => "served".to_string(),
+                                Ok(Err(e)) => e.to_string(),
+                                Err(_) => ag.abandon("a panic".into()).to_string(),
+                            };
+                            (c.1.load(Ordering::Relaxed), verdict)
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert_eq!(got[0], got[1], "step {step}, rank {panicking}: alike");
+            assert!(
+                got[0].1.contains(&format!("rank {panicking}: a panic")),
+                "step {step}: {got:?}"
+            );
+            println!("panic at step {step} on rank {panicking}: {got:?}");
+        }
+    }
+    let ok = set_up(&[base.clone(), base]);
+    assert!(ok.iter().all(|(_, r)| r.is_ok()), "{ok:?}");
+}

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use flashcomm_codec::reference;
 use flashcomm_comm::{
-    Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem,
-    QuantSpec, Stream, Transport,
+    Agreement, Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType,
+    DeviceMem, QuantSpec, Stream, Transport,
 };
 use flashcomm_testkit::FileBootstrap;
 use flashcomm_testkit::verify::{TestType, Verifier};
@@ -183,6 +183,80 @@ fn abort_returns_in_every_process_when_the_launch_is_queued_behind_a_stuck_opera
     others_ended_in_time(&codes, "the abort ended its queued launch in time");
 }
 
+/// Fault class 1 across processes (MPS): set-up fails, or panics, at each step on the last of
+/// four rank processes; every process ends with the same verdict after the same rounds (a panic
+/// is caught and the rank takes part in the next round saying so: `Agreement::abandon`, as the
+/// shim does).
+#[test]
+fn a_set_up_failure_or_panic_in_one_process_ends_alike_in_every_process() {
+    let n = 4;
+    for kind in ["fail", "panic"] {
+        for step in 0..=7u32 {
+            let dir = scratch_dir(&format!("setup-{kind}-{step}"));
+            let mode = format!("setup:{kind}:{step}:{}", n - 1);
+            let mut kids: Vec<Child> = (0..n).map(|r| spawn(&dir, r, n, &mode)).collect();
+            let codes = wait_all(&mut kids, Duration::from_secs(180));
+            let verdicts: Vec<String> = (0..n)
+                .map(|r| {
+                    std::fs::read_to_string(dir.join(format!("verdict-{r}"))).unwrap_or_default()
+                })
+                .collect();
+            let _ = std::fs::remove_dir_all(&dir);
+            assert!(codes.iter().all(|c| *c == Some(0)), "{mode}: {codes:?}");
+            for v in &verdicts {
+                assert_eq!(v, &verdicts[0], "{mode}: every process alike: {verdicts:?}");
+            }
+            assert!(
+                verdicts[0].contains(&format!("rank {}", n - 1)),
+                "{mode}: {}",
+                verdicts[0]
+            );
+            println!("{mode}: {}", verdicts[0]);
+        }
+    }
+}
+
+/// A rank process of the set-up fault test: `spec` is `<kind>:<step>:<failing rank>`.
+fn set_up_with_a_fault(dir: &std::path::Path, rank: u32, n: u32, spec: &str) {
+    let parts: Vec<&str> = spec.split(':').collect();
+    let (kind, step, failing): (&str, u32, u32) = (
+        parts[0],
+        parts[1].parse().unwrap(),
+        parts[2].parse().unwrap(),
+    );
+    let boot = FileBootstrap::new(dir, rank, n, Duration::from_secs(120)).expect("bootstrap");
+    let mut cfg = CommConfig {
+        // Bounds the calibration kernels of the ranks whose peer failed before launching.
+        timeout: Duration::from_secs(5),
+        calibrate: true,
+        arena_bytes: 8 << 20,
+        ..CommConfig::default()
+    };
+    if rank == failing {
+        match kind {
+            "fail" => cfg.fail_at = Some(step),
+            _ => cfg.panic_at = Some(step),
+        }
+    }
+    let mut ag = Agreement::new(&boot);
+    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Communicator::new_agreed(&mut ag, 0, cfg)
+    }));
+    let verdict = match built {
+        Ok(Ok(c)) => {
+            drop(c);
+            "served".to_string()
+        }
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => ag.abandon("a panic".into()).to_string(),
+    };
+    std::fs::write(
+        dir.join(format!("verdict-{rank}")),
+        format!("{} rounds: {verdict}", ag.rounds()),
+    )
+    .unwrap();
+}
+
 fn late_s() -> u64 {
     std::env::var("FLASHCOMM_TEST_LATE_S")
         .ok()
@@ -198,6 +272,10 @@ fn child_process_entry() {
     let mode = parts[4];
     let dir = std::path::PathBuf::from(parts[1]);
     let (rank, n): (u32, u32) = (parts[2].parse().unwrap(), parts[3].parse().unwrap());
+    if let Some(spec) = mode.strip_prefix("setup:") {
+        set_up_with_a_fault(&dir, rank, n, spec);
+        return;
+    }
     // The late and watchdog modes run as NCCL does by default: with no time limit.
     let timeout = match mode {
         "late" | "watchdog" | "queued" | "absent" | "absent2" => Duration::ZERO,

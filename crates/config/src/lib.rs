@@ -19,8 +19,9 @@ use std::fmt;
 
 pub use flashcomm_codec::{Collective, DType};
 pub use values::{
-    Algo, Bounded, Bytes, DebugLevel, FunctionName, GIB, KERNEL_OPS, KIB, LibPath, MIB, OneOf,
-    Proto, QuantBits, QuantChoice, Set, Subsystems, Text, Transport, Value,
+    Algo, Bounded, Bytes, DebugLevel, Fault, FaultPoint, Faults, FunctionName, GIB, KERNEL_OPS,
+    KIB, LibPath, MIB, OneOf, Proto, QuantBits, QuantChoice, Set, Subsystems, Text, Transport,
+    Value,
 };
 
 /// The largest `FLASHCOMM_TIMEOUT_MS`: its nanoseconds still fit in the 64-bit timeout the
@@ -339,6 +340,19 @@ variables! {
         allowed: "an exported function name such as `ncclCommCount`",
         strict: true,
     }
+    /// Fault injection for tests of the set-up's failure paths: a comma list of
+    /// `point[:n][@rank]`, each making communicator set-up fail there on that rank (every rank
+    /// without `@`): `hook-panic` (the creation hook panics first), `exchange-prepare` (the
+    /// exchange's resources cannot be prepared as usual), `exchange-upload:n` (round `n`'s frame
+    /// cannot be placed), `exchange-enqueue:n` (round `n`'s all-gather is refused once),
+    /// `setup-panic:n` (a panic before the communicator's round `n`), `setup-step:n` (set-up step
+    /// `n` fails). Whatever fails where, every rank must end served or with NCCL alike.
+    debug_fault: Option<Faults> = None => {
+        name: "FLASHCOMM_DEBUG_FAULT",
+        kind: "list",
+        allowed: "comma list of `point[:n][@rank]` with point `hook-panic`, `exchange-prepare`, `exchange-upload`, `exchange-enqueue`, `setup-panic`, `setup-step`",
+        strict: true,
+    }
     /// Order graph replays and eager calls of one communicator as NCCL's graph mixing does (on by
     /// default, as NCCL's `NCCL_GRAPH_MIXING_SUPPORT`): the first collective of the communicator
     /// captured into a CUDA graph waits, at each replay, for the communicator's last eager
@@ -467,11 +481,31 @@ pub struct Problem {
     pub strict: bool,
 }
 
+/// How many characters of a bad value a message shows (a value may be arbitrarily long).
+const SHOWN_CHARS: usize = 200;
+
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}={:?} is not valid", self.variable, self.value)?;
+        let chars = self.value.chars().count();
+        if chars > SHOWN_CHARS {
+            let head: String = self.value.chars().take(SHOWN_CHARS).collect();
+            write!(
+                f,
+                "{}={head:?}... ({} bytes) is not valid",
+                self.variable,
+                self.value.len()
+            )?;
+        } else {
+            write!(f, "{}={:?} is not valid", self.variable, self.value)?;
+        }
         if let Some(d) = &self.detail {
-            write!(f, " ({d})")?;
+            // A detail may quote the value too.
+            if d.chars().count() > 2 * SHOWN_CHARS {
+                let head: String = d.chars().take(2 * SHOWN_CHARS).collect();
+                write!(f, " ({head}...)")?;
+            } else {
+                write!(f, " ({d})")?;
+            }
         }
         write!(f, "; allowed: {}", self.allowed)
     }
@@ -636,6 +670,10 @@ impl Config {
         let mut problems = Vec::new();
         let mut unknown = Vec::new();
         let mut set_names = Vec::new();
+        // The value of each variable read so far: a process's environment can hold two entries
+        // of one name, and `getenv` (NCCL's, and every other reader's in the process) returns
+        // the first; so does this.
+        let mut first: Vec<(&'static str, std::ffi::OsString)> = Vec::new();
         for (k, v) in vars {
             let Some(key) = k.as_ref().to_str() else {
                 continue;
@@ -646,6 +684,23 @@ impl Config {
                 }
                 continue;
             };
+            if let Some((_, earlier)) = first.iter().find(|(n, _)| *n == spec.name) {
+                if earlier.as_os_str() != v.as_ref() {
+                    problems.push(Problem {
+                        variable: spec.name,
+                        value: v.as_ref().to_string_lossy().into_owned(),
+                        allowed: spec.allowed,
+                        detail: Some(format!(
+                            "set twice in the environment; the first value, {:?}, is used, as \
+                             getenv reads it",
+                            earlier.to_string_lossy()
+                        )),
+                        strict: false,
+                    });
+                }
+                continue;
+            }
+            first.push((spec.name, v.as_ref().to_os_string()));
             let Some(raw) = v.as_ref().to_str() else {
                 problems.push(Problem {
                     variable: spec.name,

@@ -79,6 +79,119 @@ impl Value for LibPath {
     }
 }
 
+/// Where a fault can be injected into a communicator's set-up (`FLASHCOMM_DEBUG_FAULT`, tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultPoint {
+    /// The creation hook panics before anything else (before the exchange's first round).
+    HookPanic,
+    /// The exchange's resources (device, stream, buffers) cannot be prepared as usual.
+    ExchangePrepare,
+    /// This rank's frame of round `n` cannot be copied to where the all-gather reads it (nor
+    /// the failure frame that replaces it).
+    ExchangeUpload,
+    /// The real all-gather of round `n` refuses the call once (a transient error).
+    ExchangeEnqueue,
+    /// A local step of the set-up panics before round `n` of the communicator's own rounds
+    /// (`n` = 0: before the transport is chosen; `n` = 1..: set-up step `n - 1`).
+    SetupPanic,
+    /// Set-up step `n` fails (an allocation, a driver call or a launch failing there).
+    SetupStep,
+}
+
+impl FaultPoint {
+    const ALL: [(&'static str, FaultPoint); 6] = [
+        ("hook-panic", FaultPoint::HookPanic),
+        ("exchange-prepare", FaultPoint::ExchangePrepare),
+        ("exchange-upload", FaultPoint::ExchangeUpload),
+        ("exchange-enqueue", FaultPoint::ExchangeEnqueue),
+        ("setup-panic", FaultPoint::SetupPanic),
+        ("setup-step", FaultPoint::SetupStep),
+    ];
+
+    /// The point's name in `FLASHCOMM_DEBUG_FAULT`.
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(_, p)| *p == self)
+            .map_or("?", |(n, _)| n)
+    }
+}
+
+/// One injected fault: `point[:n][@rank]` (`n`: the round or step, default 0; no rank: every rank).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    /// Where.
+    pub point: FaultPoint,
+    /// Which round or step.
+    pub n: u32,
+    /// Which rank (of the communicator being set up); `None`: every rank.
+    pub rank: Option<u32>,
+}
+
+/// Faults injected into communicator set-up, for tests of the failure paths
+/// (`FLASHCOMM_DEBUG_FAULT`): a comma list of [`Fault`]s.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Faults(pub Vec<Fault>);
+
+impl Faults {
+    /// The fault at `point` for `rank`, if one is injected: its `n`.
+    pub fn at(&self, point: FaultPoint, rank: u32) -> Option<u32> {
+        self.0
+            .iter()
+            .find(|f| f.point == point && f.rank.is_none_or(|r| r == rank))
+            .map(|f| f.n)
+    }
+}
+
+impl Value for Faults {
+    fn parse(raw: &str) -> Result<Self, Option<String>> {
+        let mut out = Vec::new();
+        for item in raw.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (what, rank) = match item.split_once('@') {
+                Some((w, r)) => (
+                    w,
+                    Some(r.trim().parse::<u32>().map_err(|_| {
+                        Some(format!("{item:?}: the rank after @ is not a number"))
+                    })?),
+                ),
+                None => (item, None),
+            };
+            let (name, n) = match what.split_once(':') {
+                Some((p, n)) => (
+                    p.trim(),
+                    n.trim()
+                        .parse::<u32>()
+                        .map_err(|_| Some(format!("{item:?}: the number after : is not one")))?,
+                ),
+                None => (what.trim(), 0),
+            };
+            let point = FaultPoint::ALL
+                .iter()
+                .find(|(p, _)| *p == name)
+                .map(|(_, p)| *p)
+                .ok_or_else(|| Some(format!("{item:?}: no fault point {name:?}")))?;
+            out.push(Fault { point, n, rank });
+        }
+        if out.is_empty() {
+            return Err(None);
+        }
+        Ok(Faults(out))
+    }
+    fn show(&self) -> String {
+        self.0
+            .iter()
+            .map(|f| {
+                let mut t = format!("{}:{}", f.point.name(), f.n);
+                if let Some(r) = f.rank {
+                    t.push_str(&format!("@{r}"));
+                }
+                t
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
 /// The name of an exported API function (`ncclX` or `pncclX`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FunctionName(pub String);

@@ -43,6 +43,90 @@ fn os_error(during: &'static str) -> Error {
     }
 }
 
+/// What a peer's segment must be before it is mapped: a regular file of exactly `bytes` (a
+/// shorter one would fault the first access past its end; a longer one is not the segment the
+/// set-up record describes), owned by this process's user (the creator makes it `0600`). A
+/// segment that fails these checks is refused with the reason; nothing is mapped.
+fn check_segment(fd: i32, bytes: usize) -> Result<(), Error> {
+    // SAFETY: an all-zero `stat` is a valid value to be overwritten.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `fd` is an open descriptor; `st` is a valid out pointer.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(os_error("checking a shared host arena"));
+    }
+    let refuse = |detail: String| Error::Cuda {
+        during: "checking a shared host arena",
+        detail,
+    };
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(refuse("it is not a shared-memory segment".into()));
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if st.st_uid != me {
+        return Err(refuse(format!(
+            "it belongs to user {}, not to this process's user {me}",
+            st.st_uid
+        )));
+    }
+    if u64::try_from(st.st_size).ok() != Some(bytes as u64) {
+        return Err(refuse(format!(
+            "it holds {} bytes, the set-up record says {bytes}",
+            st.st_size
+        )));
+    }
+    Ok(())
+}
+
+/// Whether process `pid` exists (in this process's PID namespace).
+fn process_exists(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Removes the names of shared segments that a process which no longer exists created and could
+/// not remove (it died before every peer had mapped them): `/dev/shm/<prefix><pid>-...` owned by
+/// this process's user whose `<pid>` is gone. The prefix names this process's PID namespace
+/// (the caller's choice), so a live process of another namespace that shares `/dev/shm` is never
+/// taken for a dead one. Returns how many names were removed. Memory a surviving peer still maps
+/// stays with that peer; only the name goes.
+pub fn remove_stale_segments(prefix: &str) -> usize {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return 0;
+    };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let mut removed = 0;
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+            continue;
+        };
+        let Some(pid) = rest
+            .split('-')
+            .next()
+            .and_then(|p| p.parse::<i32>().ok())
+            .filter(|&p| p > 0)
+        else {
+            continue;
+        };
+        use std::os::unix::fs::MetadataExt;
+        let mine = entry.metadata().is_ok_and(|m| m.uid() == me);
+        if !mine || process_exists(pid) {
+            continue;
+        }
+        let Ok(c) = CString::new(format!("/{}", name.to_string_lossy())) else {
+            continue;
+        };
+        // SAFETY: removes a name (not memory) of a segment whose creator is gone.
+        if unsafe { libc::shm_unlink(c.as_ptr()) } == 0 {
+            removed += 1;
+        }
+    }
+    removed
+}
+
 impl HostArena {
     /// `bytes` of pinned host memory for ranks of this process (a context must be current).
     pub fn alloc(bytes: usize) -> Result<HostArena, Error> {
@@ -98,6 +182,11 @@ impl HostArena {
         let fd = unsafe { libc::shm_open(cname.as_ptr(), flags, 0o600) };
         if fd < 0 {
             return Err(os_error("opening a shared host arena"));
+        }
+        if !create && let Err(e) = check_segment(fd, bytes) {
+            // SAFETY: closes the descriptor opened above.
+            unsafe { libc::close(fd) };
+            return Err(e);
         }
         let unlink_on_error = |e: Error| {
             if create {
@@ -247,5 +336,89 @@ impl Drop for HostArena {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A segment made here by hand, as another rank (or someone else) would have made it.
+    fn make_segment(name: &str, bytes: usize) {
+        let c = CString::new(name).unwrap();
+        // SAFETY: valid name; creates a fresh segment.
+        let fd = unsafe {
+            libc::shm_open(
+                c.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR,
+                0o600,
+            )
+        };
+        assert!(fd >= 0, "{name}: {}", std::io::Error::last_os_error());
+        // SAFETY: `fd` was just opened.
+        unsafe {
+            assert_eq!(libc::ftruncate(fd, bytes as libc::off_t), 0);
+            libc::close(fd);
+        }
+    }
+
+    fn unlink(name: &str) {
+        let c = CString::new(name).unwrap();
+        // SAFETY: valid name.
+        unsafe { libc::shm_unlink(c.as_ptr()) };
+    }
+
+    /// A peer's segment shorter than the set-up record says (a bad record, or a planted name) is
+    /// refused before it is mapped: mapped, the first access past its end would kill the process
+    /// (SIGBUS), and registered with the GPU, a kernel's.
+    #[test]
+    fn a_segment_of_the_wrong_size_or_owner_is_refused_before_mapping() {
+        let name = format!("/flashcomm-test-size-{}", std::process::id());
+        make_segment(&name, 4096);
+        let e = HostArena::open_shared(&name, 1 << 20)
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("holds 4096 bytes"), "{e}");
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            // Another user's segment (only root can make one here).
+            let c = CString::new(name.as_str()).unwrap();
+            // SAFETY: valid name; the descriptor is closed right after the chown.
+            unsafe {
+                let fd = libc::shm_open(c.as_ptr(), libc::O_RDWR, 0);
+                assert!(fd >= 0);
+                assert_eq!(libc::fchown(fd, 65534, 65534), 0);
+                libc::close(fd);
+            }
+            let e = HostArena::open_shared(&name, 4096).err().expect("refused");
+            assert!(e.to_string().contains("belongs to user 65534"), "{e}");
+        }
+        unlink(&name);
+    }
+
+    /// A creator that died before its peers mapped its segment leaves the name behind; the next
+    /// set-up of this user in this namespace removes it. Live creators' names stay, and so do
+    /// names of other namespaces (their processes are not visible from here).
+    #[test]
+    fn names_of_dead_creators_are_removed() {
+        let prefix = format!("flashcomm-test-{}-", std::process::id());
+        let dead = {
+            let mut c = std::process::Command::new("true").spawn().unwrap();
+            let pid = c.id();
+            c.wait().unwrap();
+            pid
+        };
+        let stale = format!("/{prefix}{dead}-0-0");
+        let live = format!("/{prefix}{}-0-0", std::process::id());
+        let other = format!("/flashcomm-test-other-{}-{dead}-0-0", std::process::id());
+        for n in [&stale, &live, &other] {
+            make_segment(n, 64);
+        }
+        assert_eq!(remove_stale_segments(&prefix), 1);
+        let exists = |n: &str| std::path::Path::new(&format!("/dev/shm{n}")).exists();
+        assert!(!exists(&stale), "the dead creator's name is gone");
+        assert!(exists(&live) && exists(&other));
+        unlink(&live);
+        unlink(&other);
     }
 }

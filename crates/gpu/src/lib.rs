@@ -26,7 +26,7 @@ mod host_arena;
 mod module;
 
 pub use caller::{OwnStream, SavedContext, current_device, driver_loaded};
-pub use host_arena::HostArena;
+pub use host_arena::{HostArena, remove_stale_segments};
 pub use module::{Function, LaunchConfig, Module, launch, launch_overlapped};
 
 /// What can go wrong in a driver call.
@@ -107,6 +107,24 @@ impl Stream {
         let st = unsafe { result::stream::is_capturing(self.0) }
             .map_err(cuda("querying stream capture"))?;
         Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// The calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`): needs no
+    /// creation, so it is there when a stream of our own could not be made.
+    pub fn per_thread() -> Stream {
+        Stream(2usize as sys::CUstream)
+    }
+
+    /// `Ok(true)` when all work queued on the stream has finished.
+    pub fn is_idle(&self) -> Result<bool, Error> {
+        // SAFETY: a valid stream handle of the current context (or a special value the driver
+        // accepts).
+        let r = unsafe { sys::cuStreamQuery(self.0) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check(other, "querying a stream").map(|()| false),
+        }
     }
 
     /// Blocks until all work queued on the stream has finished.
@@ -644,6 +662,44 @@ impl HostMapped {
         unsafe { std::ptr::read_volatile(self.host.add(offset) as *const u64) }
     }
 
+    /// Copies `src` to byte `offset` (volatile stores: the device may read the memory).
+    pub fn write_bytes(&self, offset: usize, src: &[u8]) {
+        assert!(
+            offset
+                .checked_add(src.len())
+                .is_some_and(|e| e <= self.bytes),
+            "host-mapped write out of bounds"
+        );
+        for (i, b) in src.iter().enumerate() {
+            // SAFETY: in bounds (asserted); a plain byte store, volatile for the device's reads.
+            unsafe { std::ptr::write_volatile(self.host.add(offset + i), *b) };
+        }
+    }
+
+    /// Copies bytes at `offset` into `dst` (volatile loads: the device may have written them).
+    pub fn read_bytes(&self, offset: usize, dst: &mut [u8]) {
+        assert!(
+            offset
+                .checked_add(dst.len())
+                .is_some_and(|e| e <= self.bytes),
+            "host-mapped read out of bounds"
+        );
+        for (i, d) in dst.iter_mut().enumerate() {
+            // SAFETY: in bounds (asserted); a plain byte load, volatile for the device's writes.
+            *d = unsafe { std::ptr::read_volatile(self.host.add(offset + i)) };
+        }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether the allocation is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
     /// Volatile write of the u32 at byte `offset`.
     pub fn write_u32(&self, offset: usize, v: u32) {
         assert!(offset + 4 <= self.bytes && offset.is_multiple_of(4));
@@ -652,8 +708,23 @@ impl HostMapped {
     }
 }
 
+impl HostMapped {
+    /// A value that owns nothing (dropping it frees nothing): what an owner leaves in place of
+    /// words it hands on to be freed elsewhere.
+    pub fn empty() -> HostMapped {
+        HostMapped {
+            host: std::ptr::null_mut(),
+            dev: 0,
+            bytes: 0,
+        }
+    }
+}
+
 impl Drop for HostMapped {
     fn drop(&mut self) {
+        if self.host.is_null() {
+            return;
+        }
         // SAFETY: frees the allocation this value owns (kernels that read it have finished).
         let _ = unsafe { result::free_host(self.host as *mut c_void) };
     }
@@ -668,6 +739,12 @@ unsafe impl Send for Event {}
 unsafe impl Sync for Event {}
 
 impl Event {
+    /// A value that owns no event (dropping it destroys nothing; it must not be used): what an
+    /// owner leaves in place of an event it hands on.
+    pub fn empty() -> Event {
+        Event(std::ptr::null_mut())
+    }
+
     /// Creates an event in the current context.
     pub fn new(timing: bool) -> Result<Event, Error> {
         let flags = if timing {
@@ -779,6 +856,9 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
+        if self.0.is_null() {
+            return;
+        }
         // SAFETY: destroys the event this value owns.
         let _ = unsafe { result::event::destroy(self.0) };
     }

@@ -26,6 +26,10 @@ pub mod image {
     include!(concat!(env!("OUT_DIR"), "/images.rs"));
 }
 
+/// FNV-1a of every CUDA source and header the kernels are built from (the kernel ABI, the
+/// protocols, the CUDA codec): what two builds must share to run one communicator together.
+pub const SOURCE_DIGEST: u64 = include!(concat!(env!("OUT_DIR"), "/source_digest.rs"));
+
 /// Whether this build carries CUDA kernels (false when nvcc was unavailable at build time; every
 /// collective then passes through to the real NCCL).
 pub fn built_with_kernels() -> bool {
@@ -33,12 +37,26 @@ pub fn built_with_kernels() -> bool {
 }
 
 /// The fatbin of module `name`: from `$FLASHCOMM_KERNEL_DIR/<name>.fatbin` when that variable is
-/// set (development and GPU test bundles), else the image embedded at build time.
+/// set (development and GPU test bundles), else the image embedded at build time. A blank value
+/// is unset, as the configuration reads every empty variable (it never means the current folder).
 pub fn image_bytes(
     name: &str,
     embedded: &'static [u8],
 ) -> Result<std::borrow::Cow<'static, [u8]>, Error> {
-    if let Some(dir) = std::env::var_os("FLASHCOMM_KERNEL_DIR") {
+    image_from(
+        std::env::var_os("FLASHCOMM_KERNEL_DIR").as_deref(),
+        name,
+        embedded,
+    )
+}
+
+/// [`image_bytes`] with the folder given: `dir` is the value of `FLASHCOMM_KERNEL_DIR`.
+fn image_from(
+    dir: Option<&std::ffi::OsStr>,
+    name: &str,
+    embedded: &'static [u8],
+) -> Result<std::borrow::Cow<'static, [u8]>, Error> {
+    if let Some(dir) = dir.filter(|d| !d.to_string_lossy().trim().is_empty()) {
         let path = std::path::Path::new(&dir).join(format!("{name}.fatbin"));
         return std::fs::read(&path)
             .map(std::borrow::Cow::Owned)
@@ -97,3 +115,26 @@ impl std::fmt::Display for Error {
 }
 
 impl std::error::Error for Error {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An empty (or blank) `FLASHCOMM_KERNEL_DIR` is unset, as the configuration reads every
+    /// empty variable: the embedded images, never `<name>.fatbin` of the current folder.
+    #[test]
+    fn an_empty_kernel_dir_means_the_embedded_images() {
+        // (Before, "" named the current folder: `m.fatbin` was read from wherever the process ran.)
+        for d in ["", " ", "\t"] {
+            let got = image_from(Some(std::ffi::OsStr::new(d)), "m", b"embedded");
+            assert_eq!(got.map(|g| g.to_vec()), Ok(b"embedded".to_vec()), "{d:?}");
+        }
+        // A folder that is set is used.
+        let dir = std::env::temp_dir().join(format!("flashcomm-kdir2-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("m.fatbin"), b"from the folder").unwrap();
+        let g = image_from(Some(dir.as_os_str()), "m", b"embedded").unwrap();
+        assert_eq!(g.as_ref(), b"from the folder");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -34,7 +34,7 @@ use crate::engage;
 use crate::group;
 use crate::logging::{self, Subsys};
 use crate::policy::{self, decide};
-use crate::registry::{self, CommState};
+use crate::registry::{self, CommState, Setup};
 use crate::serve::{self, Executed};
 use crate::stats::{self, Announced};
 use crate::types::{CollCall, Collective, CommEnd, CommHandle, CommOrigin, Held, P2pCall, Route};
@@ -64,6 +64,7 @@ pub(crate) fn on_comms_created(
     if new.is_empty() {
         return;
     }
+    crate::init::debug_panic_point("flashcommCreationHook");
     for (h, _) in &new {
         logging::info(
             Subsys::Init,
@@ -156,11 +157,16 @@ pub(crate) fn on_comm_resumed(comm: ncclComm_t) {
     }
 }
 
-/// The creation hook panicked (a bug in flashcomm): the new communicators leave the registry
-/// (their calls go to NCCL; whatever flashcomm had built for them is released) and a warning
-/// says so. The real communicators stay the caller's, created as the real call returned.
+/// The creation hook panicked (a bug in flashcomm). A communicator whose set-up exchange had not
+/// begun takes part in its first round saying so (its peers wait in that round:
+/// `serve::refuse`), and every new communicator not set up yet stays with NCCL; one whose set-up
+/// was decided before the panic keeps that outcome (its peers decided alike; forgetting it here
+/// would send this rank's calls elsewhere than theirs). A warning says what happened. The real
+/// communicators stay the caller's, created as the real call returned (`ready`: it returned
+/// success).
 pub(crate) fn on_creation_hook_panicked(
     comms: &[ncclComm_t],
+    ready: bool,
     payload: &(dyn std::any::Any + Send),
 ) {
     let text = crate::init::take_panic_text().unwrap_or_else(|| {
@@ -170,16 +176,69 @@ pub(crate) fn on_creation_hook_panicked(
             .or_else(|| payload.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown panic".to_string())
     });
-    for &c in comms.iter().filter(|c| !c.is_null()) {
-        registry::remove(CommHandle::of(c));
+    let why = format!("internal error in flashcomm's creation hook ({text})");
+    let states: Vec<(CommHandle, Arc<CommState>)> = comms
+        .iter()
+        .filter(|c| !c.is_null())
+        .filter_map(|&c| registry::by_handle(CommHandle::of(c)).map(|s| (CommHandle::of(c), s)))
+        .collect();
+    {
+        let _saved = crate::calls::cuda::SavedContext::save();
+        serve::refuse(&states, ready, &why);
+    }
+    for (h, st) in &states {
+        if !st.is_set_up() {
+            st.set_setup(Setup::NotServed(why.clone()));
+        }
+        let now = if st.served().is_some() {
+            "it stays served (its set-up had completed)"
+        } else {
+            "it stays with NCCL"
+        };
         logging::warn(
             Subsys::Init,
             &format!(
-                "communicator {c:p}: internal error in flashcomm while setting it up ({text}); \
-                 it stays with NCCL"
+                "communicator {h:?}: internal error in flashcomm while setting it up ({text}); \
+                 {now}"
             ),
         );
     }
+}
+
+/// A hook around a destroy, abort, finalize or revoke panicked (a bug in flashcomm): the real call
+/// runs all the same (the export does not return early). The communicator leaves the registry,
+/// so its later calls go to NCCL, which answers them (each of these calls closes it for routing
+/// on every rank anyway); for an abort, flashcomm's kernels of it are told to leave their waits
+/// first. flashcomm's communicator, if any, is released when the last reference goes.
+pub(crate) fn on_end_hook_panicked(
+    hook: &str,
+    comm: ncclComm_t,
+    payload: &(dyn std::any::Any + Send),
+) {
+    let text = crate::init::take_panic_text().unwrap_or_else(|| {
+        payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string())
+    });
+    if !comm.is_null()
+        && let Some(state) = registry::remove(CommHandle::of(comm))
+    {
+        state.close();
+        if hook.contains("Abort")
+            && let Some(c) = state.served()
+        {
+            c.abort();
+        }
+    }
+    logging::warn(
+        Subsys::Init,
+        &format!(
+            "communicator {comm:p}: internal error in flashcomm's {hook} ({text}); the real \
+             library's call runs all the same"
+        ),
+    );
 }
 
 /// Hook of `ncclCommShrink` with `NCCL_SHRINK_ABORT`, before the real shrink: NCCL aborts the
@@ -219,11 +278,26 @@ pub(crate) fn on_comm_aborting(comm: ncclComm_t) -> Option<(CommHandle, Arc<Comm
     let h = CommHandle::of(comm);
     let state = registry::remove(h)?;
     state.close();
+    // A set-up exchange in progress on another thread makes no more calls on the communicator
+    // (the real abort frees it); one in progress may end first (the real abort ends the rest).
+    if !state.gate.abort(ABORT_GATE_WAIT) {
+        logging::info(
+            Subsys::Init,
+            &format!(
+                "communicator {comm:p}: its set-up exchange is inside a call of the real \
+                 library; the real abort ends it"
+            ),
+        );
+    }
     if let Some(c) = state.served() {
         c.abort();
     }
     Some((h, state))
 }
+
+/// How long an abort waits for a call of the set-up exchange in progress (an enqueue or an error
+/// query, microseconds; a call that blocks is one only the real abort ends).
+const ABORT_GATE_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Hook: the real `ncclCommAbort` returned; flashcomm's side is released (bounded wait for the
 /// last launch, see [`serve::release_aborted`]).
@@ -446,7 +520,7 @@ fn run_at<F: FnOnce() -> ncclResult_t>(
 ) -> ncclResult_t {
     let state = registry::get(call.comm);
     let view = state.as_deref().map(|s| s.view(config));
-    let d = decide(call, config, view.as_ref(), depth);
+    let d = decide(call, config, view.as_ref());
     let forward = |f: F| serve::forward_in_order(state.as_deref(), call, in_real_group, f);
     let mut unquantized = false;
     let (route, result, refused) = match (d.route, state.as_deref()) {
@@ -610,7 +684,7 @@ mod tests {
         let mut view = state.view(&config);
         view.served = true;
         view.nranks = 2;
-        let d = policy::decide(&call(comm), &config, Some(&view), 0);
+        let d = policy::decide(&call(comm), &config, Some(&view));
         assert_eq!(d.route, Route::Nccl);
         let why = policy::explain(&d, &call(comm), &config, Some(&view), None);
         assert!(why.contains("suspended"), "{why}");

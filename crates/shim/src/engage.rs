@@ -47,12 +47,11 @@ fn engage_info(msg: &str) {
 }
 
 /// Why a call that flashcomm could have served went to NCCL: the slots of [`MISSED`].
-const MISSED_REASONS: [&str; 10] = [
+const MISSED_REASONS: [&str; 9] = [
     "invalid configuration",
     "communicator not created through flashcomm",
     "communicator not served",
     "communicator finalized or revoked",
-    "grouped",
     "per-call ncclCollConfig_t",
     "below FLASHCOMM_MIN_BYTES",
     "above FLASHCOMM_MAX_BYTES",
@@ -61,7 +60,7 @@ const MISSED_REASONS: [&str; 10] = [
 ];
 
 /// Calls forwarded to NCCL that flashcomm could have served, per reason.
-static MISSED: [AtomicU64; MISSED_REASONS.len()] = [const { AtomicU64::new(0) }; 10];
+static MISSED: [AtomicU64; MISSED_REASONS.len()] = [const { AtomicU64::new(0) }; 9];
 
 /// The slot of [`MISSED`] of a call that took `route` for `why`, if it is one that flashcomm could
 /// have served: a kind, operator and type its kernels take, not kept from them on purpose.
@@ -70,23 +69,17 @@ fn missed_slot(route: Route, why: Why) -> Option<usize> {
         return None;
     }
     match why {
-        Why::NotOurs
-        | Why::NotSum
-        | Why::NotFloat
-        | Why::InPlace
-        | Why::Disabled
-        | Why::OpsExclude => None,
+        Why::NotOurs | Why::NotSum | Why::NotFloat | Why::Disabled | Why::OpsExclude => None,
         Why::PassthroughForced => Some(0),
         Why::UnknownComm => Some(1),
         Why::NotServed => Some(2),
         Why::Closed => Some(3),
-        Why::Grouped => Some(4),
-        Why::CollConfig => Some(5),
-        Why::BelowMin => Some(6),
-        Why::AboveMax => Some(7),
-        Why::QuantNoKernels => Some(8),
+        Why::CollConfig => Some(4),
+        Why::BelowMin => Some(5),
+        Why::AboveMax => Some(6),
+        Why::QuantNoKernels => Some(7),
         // Decided for the kernels, which refused it when it ran.
-        Why::Quantized | Why::Lossless(_) => Some(9),
+        Why::Quantized | Why::Lossless(_) => Some(8),
     }
 }
 
@@ -324,11 +317,10 @@ mod tests {
         );
         assert_eq!(missed_slot(Route::Quantized, Why::Quantized), None);
         assert_eq!(missed_slot(Route::Nccl, Why::NotServed), Some(2));
-        assert_eq!(missed_slot(Route::Nccl, Why::Grouped), Some(4));
-        assert_eq!(missed_slot(Route::Nccl, Why::Quantized), Some(9));
+        assert_eq!(missed_slot(Route::Nccl, Why::Quantized), Some(8));
         assert_eq!(
             missed_slot(Route::Nccl, Why::Lossless(NotQuantized::BelowWindow)),
-            Some(9)
+            Some(8)
         );
         // Every reason has a slot of its own.
         let slots: Vec<usize> = [
@@ -336,7 +328,6 @@ mod tests {
             Why::UnknownComm,
             Why::NotServed,
             Why::Closed,
-            Why::Grouped,
             Why::CollConfig,
             Why::BelowMin,
             Why::AboveMax,
@@ -375,7 +366,7 @@ mod tests {
             summary_line(&t, &missed).unwrap(),
             "flashcomm summary: calls per route: nccl 12 (allreduce 10, broadcast 2), lossless 5 \
              (allgather 5), quantized 0; 10 call(s) went to NCCL that flashcomm's kernels could \
-             have taken (communicator not served 8, grouped 2); flashcomm's kernels moved 5M bytes"
+             have taken (communicator not served 8, per-call ncclCollConfig_t 2); flashcomm's kernels moved 5M bytes"
         );
         assert!(served_any(&t));
         t.calls[Route::Lossless as usize] = [0; Collective::COUNT];

@@ -137,6 +137,43 @@ pub(crate) fn expand_file_name(pattern: &str, host: &str, pid: u32) -> String {
     out
 }
 
+/// Opens the log file `path` for appending without following a link planted at a predictable
+/// name (log files often sit in shared folders such as `/tmp`): the last component must not be
+/// a symbolic link (`O_NOFOLLOW`) and must be a regular file with no other name (a hard link
+/// would let whoever made it choose the file written). `per_process`: the name holds the
+/// process id (`%p`), so no other process writes it: it is created new (`O_EXCL`), and a file
+/// already there (planted, or left by an earlier process with this id) is refused. Names
+/// without `%p` may be shared by every process of a job, so an existing regular file is
+/// appended to, as before.
+pub(crate) fn open_log_file(path: &str, per_process: bool) -> Result<std::fs::File, String> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let mut o = OpenOptions::new();
+    o.append(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC);
+    if per_process {
+        o.create_new(true);
+    } else {
+        o.create(true);
+    }
+    let f = o.open(path).map_err(|e| match e.raw_os_error() {
+        Some(libc::ELOOP) => "it is a symbolic link (refused)".to_string(),
+        Some(libc::EEXIST) => {
+            "it exists already, and its name holds the process id (%p), so no other process \
+             should have made it (refused)"
+                .to_string()
+        }
+        _ => e.to_string(),
+    })?;
+    let m = f.metadata().map_err(|e| e.to_string())?;
+    if !m.file_type().is_file() {
+        return Err("it is not a regular file (refused)".into());
+    }
+    if m.nlink() > 1 {
+        return Err(format!("it has {} names (a hard link; refused)", m.nlink()));
+    }
+    Ok(f)
+}
+
 /// The host name as NCCL prints it (up to the first dot).
 pub(crate) fn host_name() -> String {
     let h = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
@@ -244,22 +281,24 @@ pub(crate) fn install(config: &mut Config) -> Vec<String> {
     let host = host_name();
     let pid = std::process::id();
     let file = match (&config.logging.log_file, &config.logging.nccl_debug_file) {
-        (Some(f), _) => Some(expand_file_name(&f.0, &host, pid)),
-        (None, Some(f)) => Some(format!("{}.flashcomm", expand_file_name(&f.0, &host, pid))),
+        (Some(f), _) => Some((expand_file_name(&f.0, &host, pid), f.0.contains("%p"))),
+        (None, Some(f)) => Some((
+            format!("{}.flashcomm", expand_file_name(&f.0, &host, pid)),
+            f.0.contains("%p"),
+        )),
         (None, None) => None,
     };
-    let file =
-        file.and_then(
-            |path| match OpenOptions::new().create(true).append(true).open(&path) {
-                Ok(f) => Some(Arc::new(f)),
-                Err(e) => {
-                    later.push(format!(
-                        "cannot open log file {path}: {e}; logging to standard error"
-                    ));
-                    None
-                }
-            },
-        );
+    let file = file.and_then(
+        |(path, per_process)| match open_log_file(&path, per_process) {
+            Ok(f) => Some(Arc::new(f)),
+            Err(e) => {
+                later.push(format!(
+                    "cannot open log file {path}: {e}; logging to standard error"
+                ));
+                None
+            }
+        },
+    );
 
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -371,6 +410,50 @@ mod tests {
         );
         assert_eq!(expand_file_name("a%%b%x", "h", 1), "a%%b%x");
         assert_eq!(expand_file_name("plain", "h", 1), "plain");
+    }
+
+    #[test]
+    fn log_files_never_follow_a_planted_link() {
+        let dir = std::env::temp_dir().join(format!("flashcomm-logfile-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("victim");
+        std::fs::write(&victim, b"keep").unwrap();
+        // A symbolic link at the log file's name, for a shared name and a per-process one.
+        for (name, per_process) in [("shared.log", false), ("one.1234.log", true)] {
+            let link = dir.join(name);
+            std::os::unix::fs::symlink(&victim, &link).unwrap();
+            let e = open_log_file(link.to_str().unwrap(), per_process).unwrap_err();
+            assert!(e.contains("symbolic link") || e.contains("exists"), "{e}");
+        }
+        // A hard link to a file of someone else's choosing.
+        let hard = dir.join("hard.log");
+        std::fs::hard_link(&victim, &hard).unwrap();
+        let e = open_log_file(hard.to_str().unwrap(), false).unwrap_err();
+        assert!(e.contains("hard link"), "{e}");
+        assert_eq!(
+            std::fs::read(&victim).unwrap(),
+            b"keep",
+            "nothing written through a link"
+        );
+        // A per-process name that exists already is not taken over.
+        let planted = dir.join("nccl.99.log.flashcomm");
+        std::fs::write(&planted, b"").unwrap();
+        assert!(open_log_file(planted.to_str().unwrap(), true).is_err());
+        // Ordinary files: created, or appended to when the name is shared.
+        use std::io::Write;
+        let fresh = dir.join("fresh.77.log");
+        writeln!(open_log_file(fresh.to_str().unwrap(), true).unwrap(), "a").unwrap();
+        let shared = dir.join("shared2.log");
+        for line in ["a", "b"] {
+            writeln!(
+                open_log_file(shared.to_str().unwrap(), false).unwrap(),
+                "{line}"
+            )
+            .unwrap();
+        }
+        assert_eq!(std::fs::read_to_string(&shared).unwrap(), "a\nb\n");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -1,8 +1,12 @@
 //! The routing policy: where one collective goes, and the words that explain why.
 //!
-//! [`decide`] is a pure function of the call's arguments, the configuration, what was agreed
-//! about the communicator at set-up ([`CommView`]) and this thread's group depth, so every rank
-//! of a correct program takes the same route for the same call. It reads no global state, takes
+//! [`decide`] is a pure function of what NCCL requires to match across the ranks of a correct
+//! program: the call's collective, count, datatype, operator and per-call configuration, the
+//! configuration (agreed at set-up) and what was agreed about the communicator ([`CommView`]).
+//! Facts NCCL lets differ between ranks never enter it: where the buffers lie (in place or not),
+//! and whether the call is made inside `ncclGroupStart`/`ncclGroupEnd` (a group of one call is
+//! the call). So every rank of a correct program takes the same route for the same call (a
+//! property test checks every permutation of those facts). It reads no global state, takes
 //! no lock and allocates nothing, so it is tested here without a communicator, a GPU or the real
 //! library. The rules are in `docs/architecture.md` ("Routing rules").
 //!
@@ -63,8 +67,6 @@ pub(crate) enum Why {
     NotSum,
     /// A reducing collective of an element type other than f32, f16, bf16.
     NotFloat,
-    /// An in-place AllToAll (flashcomm's AllToAll needs distinct buffers).
-    InPlace,
     /// The communicator was not created through flashcomm.
     UnknownComm,
     /// flashcomm does not serve the communicator (see its set-up reason).
@@ -73,8 +75,6 @@ pub(crate) enum Why {
     Closed,
     /// `FLASHCOMM_OPS` excludes the collective.
     OpsExclude,
-    /// Inside `ncclGroupStart`/`End`.
-    Grouped,
     /// A per-call `ncclCollConfig_t` was given.
     CollConfig,
     /// Below `FLASHCOMM_MIN_BYTES`.
@@ -210,22 +210,18 @@ pub(crate) fn float_type(t: ncclDataType_t) -> Option<DataType> {
     }
 }
 
-/// Where `call` goes. A pure function of the call's arguments, the configuration, what was agreed
-/// about the communicator at set-up (`comm`, `None` for a communicator flashcomm never saw) and
-/// this thread's group depth, all identical on every rank of a correct program.
+/// Where `call` goes. A pure function of the call's collective, count, datatype, operator and
+/// per-call configuration, the configuration, and what was agreed about the communicator at
+/// set-up (`comm`, `None` for a communicator flashcomm never saw), all identical on every rank of
+/// a correct program; never of its buffers' addresses or of the thread's group depth.
 ///
-/// In order: pass-through configuration; the kind (AllReduce, ReduceScatter, AllGather); sum and
-/// f32/f16/bf16 for the reducing ones; a communicator flashcomm serves and that is still open;
-/// `FLASHCOMM_OPS`; not grouped; no per-call config; then an AllReduce is quantized when both
+/// In order: pass-through configuration; the kind (AllReduce, ReduceScatter, AllGather,
+/// AllToAll); sum and f32/f16/bf16 for the reducing ones; a communicator flashcomm serves and
+/// that is still open; `FLASHCOMM_OPS`; no per-call config; then an AllReduce is quantized when both
 /// widths quantize, the type is in `FLASHCOMM_QUANT_DTYPES`, `allreduce` in `FLASHCOMM_QUANT_OPS`
 /// and the size in the quantization window (widths without kernels go to NCCL); otherwise the size
 /// must lie in `[FLASHCOMM_MIN_BYTES, FLASHCOMM_MAX_BYTES]` for the lossless kernels.
-pub(crate) fn decide(
-    call: &CollCall,
-    config: &Config,
-    comm: Option<&CommView>,
-    group_depth: u32,
-) -> Decision {
+pub(crate) fn decide(call: &CollCall, config: &Config, comm: Option<&CommView>) -> Decision {
     let s = &config.settings;
     if config.passthrough_forced.is_some() {
         return Decision::nccl(Why::PassthroughForced);
@@ -238,14 +234,6 @@ pub(crate) fn decide(
     }
     let op = call.kind;
     let dtype = float_type(call.datatype);
-    // (A grouped all-to-all is judged on its shape; where its blocks lie changes only how
-    // flashcomm runs it.)
-    if call.kind == Collective::AlltoAll
-        && call.sendbuff == call.recvbuff.cast_const()
-        && call.api != GROUPED_ALLTOALL
-    {
-        return Decision::nccl(Why::InPlace);
-    }
     if call.kind.reduces() {
         if call.op != Some(ncclRedOp_t::ncclSum) {
             return Decision::nccl(Why::NotSum);
@@ -265,9 +253,6 @@ pub(crate) fn decide(
     }
     if !s.ops.contains(&op) {
         return Decision::nccl(Why::OpsExclude);
-    }
-    if group_depth > 0 {
-        return Decision::nccl(Why::Grouped);
     }
     if !call.config.is_null() {
         return Decision::nccl(Why::CollConfig);
@@ -348,7 +333,6 @@ pub(crate) fn explain(
             "flashcomm's kernels implement only AllReduce, ReduceScatter, AllGather and AllToAll"
                 .into()
         }
-        Why::InPlace => "an in-place AllToAll (flashcomm's AllToAll needs distinct buffers)".into(),
         Why::NotSum => format!(
             "reduction operator {} is not ncclSum",
             call.op.map_or(-1, |o| o.0 as i64)
@@ -372,7 +356,6 @@ pub(crate) fn explain(
                 .collect::<Vec<_>>()
                 .join(",")
         ),
-        Why::Grouped => "inside ncclGroupStart/ncclGroupEnd (grouped calls go to NCCL)".into(),
         Why::CollConfig => "a per-call ncclCollConfig_t was given".into(),
         Why::BelowMin => format!("{bytes} bytes is below FLASHCOMM_MIN_BYTES={}", s.min_bytes),
         Why::AboveMax => format!("{bytes} bytes is above FLASHCOMM_MAX_BYTES={}", s.max_bytes),
@@ -542,7 +525,7 @@ pub(crate) mod tests {
             // in-place call).
             let c = cfg(&[]);
             assert_eq!(
-                decide(&a.call, &c, Some(&served(&c)), 0).route,
+                decide(&a.call, &c, Some(&served(&c))).route,
                 Route::Lossless
             );
         }
@@ -621,7 +604,7 @@ pub(crate) mod tests {
     }
 
     /// A call of `kind` on `bytes` bytes of `dtype` (sum for the reducing kinds), out of place
-    /// for AllToAll (whose in-place form goes to NCCL).
+    /// for AllToAll.
     pub(crate) fn coll(kind: Collective, dtype: ncclDataType_t, bytes: u64) -> CollCall {
         let elem = crate::args::element_size(dtype).unwrap();
         let recv = if kind == Collective::AlltoAll {
@@ -657,7 +640,7 @@ pub(crate) mod tests {
     /// The decision for `c` on a served, open, ungrouped communicator with the settings of `vars`.
     pub(crate) fn route_of(vars: &[(&str, &str)], c: &CollCall) -> Decision {
         let config = cfg(vars);
-        decide(c, &config, Some(&served(&config)), 0)
+        decide(c, &config, Some(&served(&config)))
     }
 
     pub(crate) const BF16: ncclDataType_t = ncclDataType_t::ncclBfloat16;
@@ -702,19 +685,16 @@ pub(crate) mod tests {
         let config = cfg(&[("FLASHCOMM_QUANT_BITS", "4")]);
         let mut view = served(&config);
         let call = coll(AR, BF16, 1 << 20);
-        assert_eq!(
-            decide(&call, &config, Some(&view), 0).route,
-            Route::Quantized
-        );
+        assert_eq!(decide(&call, &config, Some(&view)).route, Route::Quantized);
         view.nranks = 1;
         assert_eq!(
-            decide(&call, &config, Some(&view), 0),
+            decide(&call, &config, Some(&view)),
             lossless(NotQuantized::OneRank)
         );
     }
 
     #[test]
-    fn alltoall_is_served_out_of_place_of_any_type_and_forwarded_in_place() {
+    fn alltoall_is_served_of_any_type_in_place_or_not() {
         use Collective::AlltoAll;
         let a2a = |dt| CollCall {
             sendbuff: 0x1000 as *const std::ffi::c_void,
@@ -730,9 +710,11 @@ pub(crate) mod tests {
             let d = route_of(&[], &a2a(dt));
             assert_eq!(d.route, Route::Lossless, "{dt:?}");
         }
+        // In place as well: NCCL lets one rank pass one buffer and another two (before, the
+        // in-place rank went to NCCL and its peers to flashcomm's kernels: a hang).
         let mut c = a2a(BF16);
         c.recvbuff = c.sendbuff.cast_mut();
-        assert_eq!(route_of(&[], &c), Decision::nccl(Why::InPlace));
+        assert_eq!(route_of(&[], &c).route, Route::Lossless);
         assert_eq!(
             route_of(&[("FLASHCOMM_OPS", "allreduce")], &a2a(BF16)),
             Decision::nccl(Why::OpsExclude)
@@ -838,17 +820,14 @@ pub(crate) mod tests {
         let config = cfg(&[("FLASHCOMM_QUANT_BITS", "4")]);
         let c = coll(AR, BF16, 4096);
         let view = served(&config);
-        assert_eq!(decide(&c, &config, Some(&view), 0).route, Route::Quantized);
-        assert_eq!(
-            decide(&c, &config, None, 0),
-            Decision::nccl(Why::UnknownComm)
-        );
+        assert_eq!(decide(&c, &config, Some(&view)).route, Route::Quantized);
+        assert_eq!(decide(&c, &config, None), Decision::nccl(Why::UnknownComm));
         let not_served = CommView {
             served: false,
             ..view
         };
         assert_eq!(
-            decide(&c, &config, Some(&not_served), 0),
+            decide(&c, &config, Some(&not_served)),
             Decision::nccl(Why::NotServed)
         );
         let closed = CommView {
@@ -856,21 +835,15 @@ pub(crate) mod tests {
             ..view
         };
         assert_eq!(
-            decide(&c, &config, Some(&closed), 0),
+            decide(&c, &config, Some(&closed)),
             Decision::nccl(Why::Closed)
         );
-        for depth in [1, 2] {
-            assert_eq!(
-                decide(&c, &config, Some(&view), depth),
-                Decision::nccl(Why::Grouped)
-            );
-        }
         let with_config = CollCall {
             config: 0x40usize as *const ncclCollConfig_t,
             ..c
         };
         assert_eq!(
-            decide(&with_config, &config, Some(&view), 0),
+            decide(&with_config, &config, Some(&view)),
             Decision::nccl(Why::CollConfig)
         );
     }
@@ -1062,5 +1035,124 @@ pub(crate) mod tests {
             route_of(&vars, &coll(AR, BF16, 4 * MIB)),
             lossless(NotQuantized::AboveWindow)
         );
+    }
+
+    /// Fault class 6: the route is identical under every permutation of the facts NCCL does not
+    /// require to match across ranks: where the buffers lie (distinct, in place, NCCL's in-place
+    /// layouts of ReduceScatter and AllGather at any rank, odd addresses), the stream, and
+    /// whether the call is made inside a group (a group of one call is the call). Before, an
+    /// in-place AllToAll and a grouped call went to NCCL while their peers' ungrouped
+    /// out-of-place twins went to flashcomm's kernels (a hang).
+    #[test]
+    fn the_route_is_the_same_under_every_fact_nccl_lets_differ() {
+        let configs = [
+            cfg(&[]),
+            cfg(&[("FLASHCOMM_QUANT_BITS", "4")]),
+            cfg(&[
+                ("FLASHCOMM_QUANT_BITS", "3"),
+                (
+                    "FLASHCOMM_QUANT_OPS",
+                    "allreduce,alltoall,allgather,reducescatter",
+                ),
+                ("FLASHCOMM_QUANT_MIN_BYTES", "2K"),
+            ]),
+            cfg(&[("FLASHCOMM_MIN_BYTES", "1K"), ("FLASHCOMM_MAX_BYTES", "1M")]),
+            cfg(&[("FLASHCOMM_OPS", "allreduce,alltoall")]),
+        ];
+        let kinds = [AR, RS, AG, A2A, Collective::Broadcast, Collective::Reduce];
+        let dtypes = [
+            F32,
+            F16,
+            BF16,
+            ncclDataType_t::ncclInt8,
+            ncclDataType_t::ncclUint64,
+        ];
+        let counts: [usize; 4] = [1, 1000, 1 << 20, usize::MAX / 16];
+        let ops = [
+            ncclRedOp_t::ncclSum,
+            ncclRedOp_t::ncclMax,
+            ncclRedOp_t(ncclRedOp_t::ncclNumOps.0 + 3),
+        ];
+        let mut checked = 0u64;
+        for config in &configs {
+            let base = served(config);
+            let mut views = vec![None];
+            for nranks in [1u64, 2, 4, 8] {
+                views.push(Some(CommView { nranks, ..base }));
+            }
+            views.push(Some(CommView {
+                served: false,
+                nranks: 0,
+                ..base
+            }));
+            views.push(Some(CommView {
+                closed: true,
+                ..base
+            }));
+            for view in &views {
+                let n = view.map_or(4, |v| v.nranks.max(1));
+                for &kind in &kinds {
+                    for &dt in &dtypes {
+                        let elem = crate::args::element_size(dt).unwrap();
+                        for &count in &counts {
+                            for op in ops {
+                                for coll_config in [0usize, 0x40] {
+                                    let core = CollCall {
+                                        api: "ncclTest",
+                                        kind,
+                                        count,
+                                        datatype: dt,
+                                        op: kind.reduces().then_some(op),
+                                        config: coll_config as *const ncclCollConfig_t,
+                                        bytes: count as u64 * elem,
+                                        ..call(0x7000usize as ncclComm_t)
+                                    };
+                                    let first = decide(&core, config, view.as_ref());
+                                    for local in rank_local_facts(&core, n) {
+                                        // A group of one call is the call: the depth is not an
+                                        // input of the decision at all.
+                                        assert_eq!(
+                                            decide(&local, config, view.as_ref()),
+                                            first,
+                                            "{kind:?} {dt:?} count {count} op {op:?} view \
+                                             {view:?}: {local:?}"
+                                        );
+                                        checked += 1;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 100_000, "{checked}");
+    }
+
+    /// The same call as rank after rank of `n` may make it: buffers anywhere (apart, in place,
+    /// in NCCL's in-place layouts at every rank, odd addresses, at the top of the address
+    /// space), on any stream.
+    fn rank_local_facts(core: &CollCall, n: u64) -> Vec<CollCall> {
+        let mut out = Vec::new();
+        let per_rank = core.bytes;
+        for stream in [0usize, 0x5000] {
+            let with = |send: u64, recv: u64| CollCall {
+                sendbuff: send as usize as *const std::ffi::c_void,
+                recvbuff: recv as usize as *mut std::ffi::c_void,
+                stream: stream as *mut _,
+                ..*core
+            };
+            out.push(with(0x1000_0000, 0x9000_0000));
+            out.push(with(0x1000_0000, 0x1000_0000));
+            out.push(with(0x1000_0001, 0x2000_0003));
+            out.push(with(u64::MAX - 15, 0x10));
+            for r in 0..n {
+                let at = r.saturating_mul(per_rank);
+                // ReduceScatter: recvbuff inside sendbuff; AllGather: sendbuff inside recvbuff.
+                out.push(with(0x4000_0000, 0x4000_0000u64.saturating_add(at)));
+                out.push(with(0x4000_0000u64.saturating_add(at), 0x4000_0000));
+            }
+        }
+        out
     }
 }

@@ -25,7 +25,7 @@ use crate::calls::nccl::Identity;
 use crate::calls::os::PerProcess;
 use crate::policy::CommView;
 use crate::stats::{Announced, Counters};
-use crate::types::{CommHandle, CommOrigin};
+use crate::types::{CommHandle, CommOrigin, ExchangeGate};
 
 /// Whether flashcomm's kernels serve a communicator, decided once, collectively, at set-up.
 pub(crate) enum Setup {
@@ -57,6 +57,10 @@ pub(crate) struct CommState {
     pub(crate) announced: Announced,
     /// Whether a device error was already logged by `ncclCommGetAsyncError`.
     async_warned: AtomicBool,
+    /// Between the set-up exchange and an abort from another thread.
+    pub(crate) gate: Arc<ExchangeGate>,
+    /// Whether the set-up exchange began (its first round is, or was, under way).
+    exchange: AtomicBool,
 }
 
 impl std::fmt::Debug for CommState {
@@ -87,6 +91,8 @@ impl CommState {
             quant: QuantCell::new(),
             announced: Announced::new(),
             async_warned: AtomicBool::new(false),
+            gate: Arc::new(ExchangeGate::default()),
+            exchange: AtomicBool::new(false),
         }
     }
 
@@ -114,6 +120,11 @@ impl CommState {
     /// Records the outcome of the set-up (once; later calls are ignored).
     pub(crate) fn set_setup(&self, setup: Setup) {
         let _ = self.setup.set(setup);
+    }
+
+    /// The set-up exchange begins now; `false` when it had begun already.
+    pub(crate) fn exchange_begins(&self) -> bool {
+        !self.exchange.swap(true, Ordering::SeqCst)
     }
 
     /// Whether the set-up has been decided.
@@ -457,7 +468,7 @@ mod tests {
             quant: own,
             ..served(&config)
         };
-        assert_eq!(decide(&c, &config, Some(&view), 0), quantized(2, 8, 64, 0));
+        assert_eq!(decide(&c, &config, Some(&view)), quantized(2, 8, 64, 0));
         let view = CommView {
             quant: QuantSettings {
                 min_bytes: 8192,
@@ -466,7 +477,7 @@ mod tests {
             ..served(&config)
         };
         assert_eq!(
-            decide(&c, &config, Some(&view), 0),
+            decide(&c, &config, Some(&view)),
             lossless(NotQuantized::BelowWindow)
         );
         // And through the registry state.
@@ -483,16 +494,14 @@ mod tests {
     fn decisions_explain_themselves() {
         let config = cfg(&[("FLASHCOMM_QUANT_BITS", "4"), ("FLASHCOMM_MIN_BYTES", "1K")]);
         let c = coll(AR, BF16, 4096);
-        let d = decide(&c, &config, Some(&served(&config)), 0);
+        let d = decide(&c, &config, Some(&served(&config)));
         let text = explain(&d, &c, &config, None, None);
         assert!(
             text.contains("4K bytes of bf16 quantized with rs 4 bits"),
             "{text}"
         );
-        let d = decide(&c, &config, Some(&served(&config)), 1);
-        assert!(explain(&d, &c, &config, None, None).contains("ncclGroupStart"));
         let small = coll(AG, F32, 4);
-        let d = decide(&small, &config, Some(&served(&config)), 0);
+        let d = decide(&small, &config, Some(&served(&config)));
         let text = explain(&d, &small, &config, None, None);
         assert!(
             text.contains("4 bytes is below FLASHCOMM_MIN_BYTES=1K"),
@@ -500,7 +509,7 @@ mod tests {
         );
         let st = CommState::new(CommOrigin::InitRank, true);
         st.set_setup(Setup::NotServed("no GPU driver".into()));
-        let d = decide(&c, &config, Some(&st.view(&config)), 0);
+        let d = decide(&c, &config, Some(&st.view(&config)));
         assert_eq!(d, Decision::nccl(Why::NotServed));
         let text = explain(
             &d,

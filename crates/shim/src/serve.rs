@@ -27,22 +27,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flashcomm_comm::{
-    Agreement, Algorithm, Bootstrap, Choice, CommConfig, Communicator, Error as CommError,
+    Agreement, Algorithm, Bootstrap, Build, Choice, CommConfig, Communicator, Error as CommError,
     Protocol, QuantChoice, Stream, ThreadGroup, Transport,
 };
 use flashcomm_config::{
-    Algo, Config, Proto, QuantChoice as ConfigQuantChoice, Transport as ConfigTransport,
+    Algo, Config, FaultPoint, Proto, QuantChoice as ConfigQuantChoice, Transport as ConfigTransport,
 };
 use flashcomm_nccl_sys::ncclResult_t;
 
-use crate::bootstrap::NcclBootstrap;
+use crate::bootstrap::{ExchangeFaults, NcclBootstrap};
 use crate::calls::cuda::{OwnStream, SavedContext, check_pointers, user_blocks, user_buffers};
 use crate::calls::nccl::{self, Identity};
 use crate::error::Error;
 use crate::logging::{self, Subsys};
 use crate::policy::{self, Decision};
 use crate::registry::{CommState, Setup};
-use crate::types::{CollCall, Collective, CommHandle, Held, P2pCall};
+use crate::types::{CollCall, Collective, CommHandle, CommOrigin, Held, P2pCall};
 
 /// flashcomm's communicator settings from the configuration (identical on every rank when the
 /// environment is, which flashcomm requires of every `FLASHCOMM_*` variable).
@@ -137,12 +137,13 @@ pub(crate) fn entry_verdict(config: &Config, nranks: u32) -> Result<(), String> 
     Ok(())
 }
 
-/// What a rank brings to the set-up: its verdict ([`entry_verdict`]) and the digest of its
-/// configuration ([`Config::agreement_digest`]).
+/// What a rank brings to the set-up: its verdict ([`entry_verdict`]), the digest of its
+/// configuration ([`Config::agreement_digest`]) and the flashcomm build it runs ([`Build`]).
 #[derive(Clone, Debug)]
 pub(crate) struct Entry {
     pub(crate) verdict: Result<(), String>,
     pub(crate) digest: u64,
+    pub(crate) build: Build,
 }
 
 impl Entry {
@@ -150,25 +151,41 @@ impl Entry {
         Entry {
             verdict: entry_verdict(config, nranks),
             digest: config.agreement_digest(),
+            build: Build::this(),
         }
     }
 }
 
-/// The first round of every set-up: every rank's verdict and configuration digest. Every rank
-/// gets the same answer: `Ok` only when every rank may serve and every digest is equal (ranks
-/// that run with different `FLASHCOMM_*` settings would route or encode differently).
+/// The first round of every set-up: every rank's verdict, configuration digest and build. Every
+/// rank gets the same answer: `Ok` only when every rank may serve, every rank runs the same
+/// flashcomm build (version, kernel sources and codec wire format: other kernels would read other
+/// tags and layouts) and every digest is equal (ranks that run with different `FLASHCOMM_*`
+/// settings would route or encode differently).
 pub(crate) fn agree_on_entry(ag: &mut Agreement<'_>, entry: &Entry) -> Result<(), String> {
     let all = ag
-        .round(
-            entry
-                .verdict
-                .clone()
-                .map(|()| entry.digest.to_le_bytes().to_vec()),
-        )
+        .round(entry.verdict.clone().map(|()| {
+            let mut v = entry.digest.to_le_bytes().to_vec();
+            v.extend_from_slice(&entry.build.to_bytes());
+            v
+        }))
         .map_err(|e| match e {
             CommError::Unsupported(m) => m,
             other => other.to_string(),
         })?;
+    let build = |b: &Vec<u8>| b.get(8..).and_then(Build::from_bytes).map(|(b, _)| b);
+    let first_build = all.first().and_then(build);
+    for (r, b) in all.iter().enumerate() {
+        let theirs = build(b);
+        if theirs.is_none() || theirs != first_build {
+            return Err(format!(
+                "rank {r} runs {} and rank 0 runs {} (every rank must run the same flashcomm build)",
+                theirs.map_or_else(|| "another flashcomm build".to_string(), |b| b.to_string()),
+                first_build
+                    .as_ref()
+                    .map_or_else(|| "another flashcomm build".to_string(), |b| b.to_string()),
+            ));
+        }
+    }
     let digest = |b: &Vec<u8>| b.get(..8).and_then(|d| <[u8; 8]>::try_from(d).ok());
     let first = all.first().and_then(digest);
     for (r, b) in all.iter().enumerate() {
@@ -182,25 +199,70 @@ pub(crate) fn agree_on_entry(ag: &mut Agreement<'_>, entry: &Entry) -> Result<()
     Ok(())
 }
 
-/// Builds one rank over `boot`: the entry round, then [`Communicator::new_agreed`].
+/// Builds one rank over `boot`: the entry round, then [`Communicator::new_agreed`]. A panic in
+/// a local step (a bug in flashcomm) does not leave the exchange early: the rank takes part in
+/// the next round saying so ([`Agreement::abandon`]), so every rank stops there alike.
 fn build(
     boot: &dyn Bootstrap,
     device: i32,
     entry: &Entry,
     cfg: &CommConfig,
 ) -> Result<Communicator, String> {
-    let mut ag = Agreement::new(boot);
-    agree_on_entry(&mut ag, entry)?;
-    Communicator::new_agreed(&mut ag, device, cfg.clone()).map_err(|e| match e {
+    let message = |e: CommError| match e {
         CommError::Unsupported(m) => m,
         other => other.to_string(),
+    };
+    let mut ag = Agreement::new(boot);
+    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        agree_on_entry(&mut ag, entry)?;
+        Communicator::new_agreed(&mut ag, device, cfg.clone()).map_err(message)
+    }));
+    match built {
+        Ok(r) => r,
+        Err(payload) => Err(message(ag.abandon(format!(
+            "internal error in flashcomm's set-up ({})",
+            panic_text(payload.as_ref())
+        )))),
+    }
+}
+
+/// The text of a caught panic (the hook's stash, else the payload).
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    crate::init::take_panic_text().unwrap_or_else(|| {
+        payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string())
     })
+}
+
+/// The faults `FLASHCOMM_DEBUG_FAULT` injects into rank `rank`'s set-up (tests only): those of
+/// the exchange, and `cfg` with the communicator's own (`setup-panic`, `setup-step`).
+fn faults_of(config: &Config, rank: u32, cfg: &CommConfig) -> (ExchangeFaults, CommConfig) {
+    let Some(f) = &config.settings.debug_fault else {
+        return (ExchangeFaults::default(), cfg.clone());
+    };
+    let ex = ExchangeFaults {
+        prepare: f.at(FaultPoint::ExchangePrepare, rank).is_some(),
+        upload: f.at(FaultPoint::ExchangeUpload, rank),
+        enqueue: f.at(FaultPoint::ExchangeEnqueue, rank),
+    };
+    let cfg = CommConfig {
+        panic_at: f
+            .at(FaultPoint::SetupPanic, rank)
+            .map(|n| if n == 0 { 8 } else { n - 1 }),
+        fail_at: f.at(FaultPoint::SetupStep, rank).or(cfg.fail_at),
+        ..cfg.clone()
+    };
+    (ex, cfg)
 }
 
 /// Builds flashcomm's communicator of one rank, exchanging over the real NCCL. The exchange's
 /// all-gathers are complete when this returns (each round waits for its own).
 fn build_over_nccl(
     h: CommHandle,
+    state: &CommState,
     id: Identity,
     entry: &Entry,
     cfg: &CommConfig,
@@ -211,9 +273,93 @@ fn build_over_nccl(
     {
         return Err(why.clone());
     }
-    let boot = NcclBootstrap::new(h, id.rank as u32, id.nranks as u32, id.device)
-        .map_err(|e| format!("cannot prepare the set-up exchange: {e}"))?;
-    build(&boot, id.device, entry, cfg)
+    let config = &crate::init::state().config;
+    let (faults, cfg) = faults_of(config, id.rank as u32, cfg);
+    state.exchange_begins();
+    let boot = NcclBootstrap::new(
+        h,
+        id.rank as u32,
+        id.nranks as u32,
+        id.device,
+        state.gate.clone(),
+        faults,
+    )
+    .map_err(|e| {
+        let why = format!("this rank cannot take part in the set-up exchange: {e}");
+        logging::warn(
+            Subsys::Init,
+            &format!(
+                "communicator {h:?}: {why}; the other ranks wait for it in their set-up, as they \
+                 would for its next NCCL call"
+            ),
+        );
+        why
+    })?;
+    build(&boot, id.device, entry, &cfg)
+}
+
+/// Ranks whose creation hook failed (panicked) before their set-up exchange began: each takes
+/// part in its exchange's first round saying why, so that its peers, which wait in that round,
+/// stop there too and keep the communicator with NCCL alike; one thread per communicator (some
+/// may be ranks of one communicator, whose rounds must progress together). Nothing to do for a
+/// communicator that has no exchange over NCCL (not ready, non-blocking, one rank,
+/// `ncclCommInitAll`'s in-process ones) or whose exchange already began.
+pub(crate) fn refuse(comms: &[(CommHandle, Arc<CommState>)], ready: bool, why: &str) {
+    let todo: Vec<&(CommHandle, Arc<CommState>)> = comms
+        .iter()
+        .filter(|(_, st)| {
+            ready
+                && st.blocking
+                && st.origin != CommOrigin::InitAll
+                && !st.is_set_up()
+                && st.exchange_begins()
+        })
+        .collect();
+    std::thread::scope(|s| {
+        for (h, st) in todo {
+            let spawned = std::thread::Builder::new()
+                .name("flashcomm-setup".into())
+                .spawn_scoped(s, move || {
+                    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        let id = nccl::identity(h.raw())?;
+                        if id.nranks <= 1 {
+                            return Ok(());
+                        }
+                        let boot = NcclBootstrap::new(
+                            *h,
+                            id.rank as u32,
+                            id.nranks as u32,
+                            id.device,
+                            st.gate.clone(),
+                            ExchangeFaults::default(),
+                        )?;
+                        // Every rank stops in this round, naming the lowest failing rank.
+                        let verdict = match Agreement::new(&boot).round(Err(why.to_string())) {
+                            Err(CommError::Unsupported(m)) => m,
+                            Err(e) => e.to_string(),
+                            Ok(_) => why.to_string(),
+                        };
+                        st.set_setup(Setup::NotServed(verdict));
+                        Ok::<(), String>(())
+                    }));
+                    if !matches!(refused, Ok(Ok(()))) {
+                        logging::warn(
+                            Subsys::Init,
+                            &format!(
+                                "communicator {h:?}: could not tell the other ranks that its \
+                                 set-up failed; they may wait in theirs"
+                            ),
+                        );
+                    }
+                });
+            if spawned.is_err() {
+                logging::warn(
+                    Subsys::Init,
+                    &format!("communicator {h:?}: cannot start a thread to end its set-up"),
+                );
+            }
+        }
+    });
 }
 
 fn joined(r: std::thread::Result<Result<Communicator, String>>) -> Result<Communicator, String> {
@@ -269,13 +415,14 @@ fn build_concurrently(
     std::thread::scope(|s| {
         let handles: Vec<_> = todo
             .iter()
-            .map(|&(h, _, id)| {
+            .map(|(h, st, id)| {
+                let (h, id) = (*h, *id);
                 std::thread::Builder::new()
                     .name("flashcomm-setup".into())
                     .spawn_scoped(s, move || {
                         // Communicators of one group may differ in size: each has its own verdict.
                         let entry = Entry::of(config, id.nranks as u32);
-                        build_over_nccl(h, id, &entry, cfg)
+                        build_over_nccl(h, st, id, &entry, cfg)
                     })
             })
             .collect();
@@ -332,7 +479,15 @@ pub(crate) fn set_up(comms: &[(CommHandle, Arc<CommState>)], init_all: bool, rea
     let mut refused = None;
     for (h, st) in comms {
         match reachable(*h, st, ready) {
-            Ok(id) => todo.push((*h, st.clone(), id)),
+            Ok(id) => {
+                // Fault injection (tests): the creation hook panics here, before the exchange.
+                if let Some(f) = &config.settings.debug_fault
+                    && f.at(FaultPoint::HookPanic, id.rank as u32).is_some()
+                {
+                    panic!("panic injected into the creation hook (FLASHCOMM_DEBUG_FAULT)");
+                }
+                todo.push((*h, st.clone(), id))
+            }
             Err(why) => {
                 refused.get_or_insert_with(|| why.clone());
                 finish(*h, st, Err(why));
@@ -359,9 +514,9 @@ pub(crate) fn set_up(comms: &[(CommHandle, Arc<CommState>)], init_all: bool, rea
     let results = if init_all {
         let entry = Entry::of(config, todo.len() as u32);
         build_in_process(&todo, &entry, &cfg)
-    } else if let [(h, _, id)] = todo.as_slice() {
+    } else if let [(h, st, id)] = todo.as_slice() {
         let entry = Entry::of(config, id.nranks as u32);
-        vec![build_over_nccl(*h, *id, &entry, &cfg)]
+        vec![build_over_nccl(*h, st, *id, &entry, &cfg)]
     } else {
         build_concurrently(&todo, config, &cfg)
     };
@@ -371,73 +526,81 @@ pub(crate) fn set_up(comms: &[(CommHandle, Arc<CommState>)], init_all: bool, rea
 }
 
 /// Releases flashcomm's side of a communicator that is being destroyed (`abort`: aborted),
-/// before the real library sees the call: an abort first asks the kernels to leave their waits;
-/// then the last launch is waited for and the state dropped (the arena is freed when no call in
-/// flight on another thread still holds it).
+/// before the real library sees the call: an abort first asks the kernels to leave their waits.
+/// The memory goes to a thread of its own, which frees it once the last launch has finished
+/// (`Communicator::defer_release`); this waits for that at most [`DESTROY_WAIT`] and returns
+/// either way, so a destroy never hangs in a free behind device work that does not end (another
+/// communicator's kernel waiting for a dead peer). The arena is freed when no call in flight on
+/// another thread still holds the communicator.
 pub(crate) fn tear_down(h: CommHandle, state: Arc<CommState>, abort: bool) {
     let _saved = SavedContext::save();
-    if let Some(c) = state.served() {
-        if abort {
-            c.abort();
-        }
-        if let Err(e) = c.wait_idle() {
-            logging::info(
-                Subsys::Init,
-                &format!("communicator {h:?}: waiting for flashcomm's last kernel failed: {e}"),
-            );
-        }
-        drop(state);
-        // The count makes a leak visible from outside (tests/c/lifecycle.c reads these lines).
-        logging::info(
+    let Some(c) = state.served() else {
+        return;
+    };
+    if abort {
+        c.abort();
+    }
+    let released = c.defer_release(abort && c.nranks() > 1);
+    drop(state);
+    if !released.wait(DESTROY_WAIT) {
+        logging::warn(
             Subsys::Init,
             &format!(
-                "communicator {h:?}: flashcomm's communicator released; streams of flashcomm's \
-                 own live in the process: {}",
-                OwnStream::live()
+                "communicator {h:?}: flashcomm's memory is not freed {DESTROY_WAIT:?} after the \
+                 destroy (its last kernel has not finished, or freeing waits for device work that \
+                 does not end); it is freed when that work ends, and the destroy goes on"
             ),
         );
         return;
     }
-    drop(state);
+    // The count makes a leak visible from outside (tests/c/lifecycle.c reads these lines).
+    logging::info(
+        Subsys::Init,
+        &format!(
+            "communicator {h:?}: flashcomm's communicator released; streams of flashcomm's own \
+             live in the process: {}",
+            OwnStream::live()
+        ),
+    );
 }
 
-/// How long `ncclCommAbort` waits, after the real abort returned, for flashcomm's last launch
-/// of the communicator to finish (it left its waits when the abort flag was set; it only stays
-/// when it is queued behind work the abort does not end).
+/// How long `ncclCommDestroy` waits for flashcomm's memory of the communicator to be freed (its
+/// last kernel finished, then the frees) before it goes on without: NCCL's destroy flushes the
+/// communicator's work, so a correct program's kernels have finished long before.
+pub(crate) const DESTROY_WAIT: Duration = Duration::from_secs(10);
+
+/// How long `ncclCommAbort` waits, after the real abort returned, for flashcomm's memory of the
+/// communicator to be freed (its last launch left its waits when the abort flag was set; it only
+/// stays when it is queued behind work the abort does not end).
 pub(crate) const ABORT_WAIT: Duration = Duration::from_secs(2);
 
-/// Releases flashcomm's side of an aborted communicator, after the real abort returned: waits at
-/// most [`ABORT_WAIT`] for the last launch; if it has not finished, the communicator's memory is
-/// left allocated for good (freeing it under a kernel that may still run would be worse than the
-/// leak) and abort returns anyway.
+/// Releases flashcomm's side of an aborted communicator, after the real abort returned: its
+/// memory goes to a thread of its own that frees it once the last launch has finished
+/// (`Communicator::defer_release`), and this waits at most [`ABORT_WAIT`] for that: abort returns
+/// whatever the device does (no free ever runs on this thread). The arena itself is kept for
+/// good when there are peers: one that has not noticed the failure may still write into it.
 pub(crate) fn release_aborted(h: CommHandle, state: Arc<CommState>) {
     let _saved = SavedContext::save();
-    if let Some(c) = state.served() {
-        match c.wait_idle_for(ABORT_WAIT) {
-            Ok(true) => {}
-            Ok(false) => {
-                logging::warn(
-                    Subsys::Init,
-                    &format!(
-                        "communicator {h:?}: flashcomm's last kernel is still queued {ABORT_WAIT:?} \
-                         after ncclCommAbort (behind work that does not finish); its memory is \
-                         left allocated"
-                    ),
-                );
-                std::mem::forget(state);
-                return;
-            }
-            Err(e) => logging::info(
-                Subsys::Init,
-                &format!("communicator {h:?}: waiting for flashcomm's last kernel failed: {e}"),
-            ),
-        }
+    let Some(c) = state.served() else {
+        return;
+    };
+    let released = c.defer_release(c.nranks() > 1);
+    drop(state);
+    if released.wait(ABORT_WAIT) {
         logging::info(
             Subsys::Init,
             &format!("communicator {h:?}: flashcomm's communicator released after abort"),
         );
+    } else {
+        logging::warn(
+            Subsys::Init,
+            &format!(
+                "communicator {h:?}: flashcomm's last kernel is still queued {ABORT_WAIT:?} \
+                 after ncclCommAbort (behind work that does not finish), or freeing waits for such \
+                 work; its memory is freed when that work ends, or never, and abort returns"
+            ),
+        );
     }
-    drop(state);
 }
 
 /// Forwards a call on a communicator flashcomm serves to NCCL in the communicator's order: after
@@ -660,6 +823,14 @@ mod tests {
     /// Runs the entry round on one thread per rank, rank `r` with environment `envs[r]`;
     /// returns every rank's (rounds run, outcome).
     fn entry_round(envs: &[Vec<(&str, &str)>]) -> Vec<(u32, Result<(), String>)> {
+        entry_round_built(envs, &vec![Build::this(); envs.len()])
+    }
+
+    /// [`entry_round`] with rank `r` running build `builds[r]`.
+    fn entry_round_built(
+        envs: &[Vec<(&str, &str)>],
+        builds: &[Build],
+    ) -> Vec<(u32, Result<(), String>)> {
         let n = envs.len() as u32;
         let group = ThreadGroup::new(n, Duration::ZERO);
         let members = group.members();
@@ -667,10 +838,14 @@ mod tests {
             let hs: Vec<_> = members
                 .iter()
                 .zip(envs)
-                .map(|(m, env)| {
+                .zip(builds)
+                .map(|((m, env), build)| {
                     s.spawn(move || {
                         let config = Config::from_vars(env.iter().copied());
-                        let entry = Entry::of(&config, n);
+                        let entry = Entry {
+                            build: build.clone(),
+                            ..Entry::of(&config, n)
+                        };
                         let c = Counting(m, AtomicU32::new(0));
                         let mut ag = Agreement::new(&c);
                         let r = agree_on_entry(&mut ag, &entry);
@@ -750,6 +925,39 @@ mod tests {
         let envs = vec![vec![("FLASHCOMM_MAX_RANKS", "2")]; 3];
         let why = all_alike(&entry_round(&envs)).unwrap_err();
         assert!(why.contains("more than FLASHCOMM_MAX_RANKS=2"), "{why}");
+    }
+
+    /// Ranks of one communicator that run different flashcomm builds (another version, other
+    /// kernel sources, another codec wire format) would read each other's tags and layouts
+    /// wrongly, whatever their settings: every rank stays with NCCL and says which builds met.
+    #[test]
+    fn a_different_flashcomm_build_on_one_rank_keeps_every_rank_with_nccl() {
+        let this = Build::this();
+        let others = [
+            Build {
+                version: "0.0.9".into(),
+                ..this.clone()
+            },
+            Build {
+                kernels: this.kernels ^ 0x10,
+                ..this.clone()
+            },
+            Build {
+                codec: this.codec + 1,
+                ..this.clone()
+            },
+        ];
+        for other in others {
+            let mut builds = vec![this.clone(); 3];
+            builds[2] = other.clone();
+            let why =
+                all_alike(&entry_round_built(&[vec![], vec![], vec![]], &builds)).unwrap_err();
+            assert!(
+                why.contains("rank 2 runs") && why.contains(&other.to_string()),
+                "{why}"
+            );
+            assert!(why.contains("the same flashcomm build"), "{why}");
+        }
     }
 
     #[test]

@@ -1,11 +1,13 @@
 //! The call types: what one collective call is, where it can go, and how communicators begin and
 //! end. Plain data shared by every layer above.
 //!
-//! Owns: [`Route`], [`Collective`], [`CollCall`], [`P2pCall`], [`Held`], [`CommHandle`], [`CommOrigin`], [`CommEnd`].
+//! Owns: [`Route`], [`Collective`], [`CollCall`], [`P2pCall`], [`Held`], [`CommHandle`], [`CommOrigin`], [`CommEnd`], [`ExchangeGate`].
 //! May import: nothing of this crate (the bottom of the module graph). [`Collective`] is the
 //! tree's one collective enum, re-exported from the configuration crate.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use flashcomm_nccl_sys::{cudaStream_t, ncclCollConfig_t, ncclComm_t, ncclDataType_t, ncclRedOp_t};
 
@@ -187,4 +189,75 @@ pub(crate) enum CommEnd {
     Destroy,
     /// `ncclCommAbort`: it is gone after this.
     Abort,
+}
+
+/// Between a communicator's set-up exchange (which calls the real library on it from the
+/// creating thread) and an `ncclCommAbort` of it from another thread (a watchdog): once the abort
+/// has begun, the exchange makes no more calls on the communicator (the real abort frees it), and
+/// the abort lets a call in progress end first, for a bounded time.
+#[derive(Debug, Default)]
+pub(crate) struct ExchangeGate {
+    aborting: AtomicBool,
+    in_call: AtomicBool,
+}
+
+impl ExchangeGate {
+    /// Before the exchange calls the real library: `false` when the communicator is being
+    /// aborted (then the call must not be made).
+    pub(crate) fn enter(&self) -> bool {
+        self.in_call.store(true, Ordering::SeqCst);
+        if self.aborting.load(Ordering::SeqCst) {
+            self.in_call.store(false, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    /// After such a call returned.
+    pub(crate) fn leave(&self) {
+        self.in_call.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether an abort has begun.
+    pub(crate) fn is_aborting(&self) -> bool {
+        self.aborting.load(Ordering::SeqCst)
+    }
+
+    /// An abort begins: no new call is made from now on; waits at most `limit` for a call in
+    /// progress to return. `false`: one had not (it may be one that only the real abort ends).
+    pub(crate) fn abort(&self, limit: Duration) -> bool {
+        self.aborting.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + limit;
+        while self.in_call.load(Ordering::SeqCst) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_abort_waits_for_the_call_in_progress_and_stops_the_next() {
+        let g = std::sync::Arc::new(ExchangeGate::default());
+        assert!(g.enter());
+        let g2 = g.clone();
+        let t = std::thread::spawn(move || g2.abort(Duration::from_secs(10)));
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(g.is_aborting());
+        g.leave();
+        assert!(t.join().unwrap(), "the call in progress ended first");
+        assert!(!g.enter(), "no call after the abort began");
+        // A call that never returns (one only the real abort ends) bounds the wait.
+        let g = ExchangeGate::default();
+        assert!(g.enter());
+        let t0 = Instant::now();
+        assert!(!g.abort(Duration::from_millis(50)));
+        assert!(t0.elapsed() < Duration::from_secs(2));
+    }
 }

@@ -348,6 +348,42 @@ fn a_panic_in_the_creation_hook_leaves_the_communicator_to_nccl() {
     );
 }
 
+/// A panic in flashcomm's hook around ncclCommDestroy or ncclCommAbort (a bug) must not skip the
+/// real call: the real communicator would leak, or an abort would not end its operations.
+#[test]
+fn a_panic_in_the_destroy_or_abort_hook_still_runs_the_real_call() {
+    let name = "a_panic_in_the_destroy_or_abort_hook_still_runs_the_real_call";
+    if is_child(name) {
+        let Both { ours, fake } = both();
+        let comm = init_rank(&ours);
+        let abort = std::env::var("FLASHCOMM_DEBUG_PANIC").unwrap() == "flashcommAbortHook";
+        let (call, counter) = if abort {
+            ("ncclCommAbort", "fake_abort_calls")
+        } else {
+            ("ncclCommDestroy", "fake_destroy_calls")
+        };
+        assert_eq!(
+            ours.comm_call(call, comm),
+            SUCCESS,
+            "the real call's result"
+        );
+        assert_eq!(fake.int(counter), 1, "the real {call} ran");
+        // The communicator is gone for flashcomm too.
+        let (rc, _) = ours.stats(comm);
+        assert_eq!(rc, INVALID_ARGUMENT);
+        return;
+    }
+    for hook in ["flashcommEndHook", "flashcommAbortHook"] {
+        let out = child(name, &[("FLASHCOMM_DEBUG_PANIC", hook)]);
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("internal error in flashcomm's {hook}"))
+                && err.contains("the real library's call runs all the same"),
+            "{err}"
+        );
+    }
+}
+
 #[test]
 fn a_panic_in_a_function_without_result_code_returns_its_default() {
     let name = "a_panic_in_a_function_without_result_code_returns_its_default";

@@ -19,15 +19,18 @@ pub struct FileBootstrap {
 }
 
 impl FileBootstrap {
-    /// Rank `rank` of `size` exchanging through `dir` (created if missing).
+    /// Rank `rank` of `size` exchanging through `dir` (created if missing, readable and
+    /// writable by this user only). What the folder holds is trusted (it carries the set-up
+    /// records: IPC handles, segment names), so a folder that already exists must be a real
+    /// folder, not a symbolic link, owned by this user and writable by nobody else: one made in
+    /// a shared place such as `/tmp` under a predictable name by someone else is refused.
     pub fn new(
         dir: &Path,
         rank: u32,
         size: u32,
         timeout: Duration,
     ) -> Result<FileBootstrap, Error> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::Bootstrap(format!("cannot create {}: {e}", dir.display())))?;
+        private_folder(dir)?;
         Ok(FileBootstrap {
             dir: dir.to_path_buf(),
             rank,
@@ -36,6 +39,46 @@ impl FileBootstrap {
             round: Mutex::new(0),
         })
     }
+}
+
+/// The user of this process (the owner of `/proc/self`).
+fn this_user() -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").ok().map(|m| m.uid())
+}
+
+/// Creates `dir` (mode 0700, parents as needed), or checks that the folder already there is one
+/// this user alone controls (see [`FileBootstrap::new`]).
+pub fn private_folder(dir: &Path) -> Result<(), Error> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let fail = |why: String| Error::Bootstrap(format!("exchange folder {}: {why}", dir.display()));
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| fail(format!("cannot create: {e}")))?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(fail(format!("cannot create: {e}"))),
+    }
+    let m = std::fs::symlink_metadata(dir).map_err(|e| fail(e.to_string()))?;
+    if m.file_type().is_symlink() || !m.is_dir() {
+        return Err(fail(
+            "not a folder (a symbolic link or a file): refused".into(),
+        ));
+    }
+    if this_user().is_some_and(|me| me != m.uid()) {
+        return Err(fail(format!(
+            "owned by user {}, not by this user: refused",
+            m.uid()
+        )));
+    }
+    if m.permissions().mode() & 0o022 != 0 {
+        return Err(fail(format!(
+            "writable by other users (mode {:o}): refused",
+            m.permissions().mode() & 0o777
+        )));
+    }
+    Ok(())
 }
 
 impl Bootstrap for FileBootstrap {
@@ -105,5 +148,36 @@ mod tests {
             }
         });
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The folder carries the set-up records that ranks trust (IPC handles, segment names): one
+    /// that someone else could have made or can write is refused, not used.
+    #[test]
+    fn a_folder_others_control_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let base = std::env::temp_dir().join(format!("flashcomm-fb-trust-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).unwrap();
+        let t = Duration::from_secs(1);
+        // Pre-created, writable by everyone (what a folder made in /tmp by another user allows).
+        let open = base.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = FileBootstrap::new(&open, 0, 1, t).err().expect("refused");
+        assert!(e.to_string().contains("writable by other users"), "{e}");
+        // A symbolic link to a folder elsewhere.
+        let target = base.join("target");
+        std::fs::create_dir(&target).unwrap();
+        let link = base.join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let e = FileBootstrap::new(&link, 0, 1, t).err().expect("refused");
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        // A new folder is made private; an existing private one is fine.
+        let fresh = base.join("a/b/fresh");
+        FileBootstrap::new(&fresh, 0, 1, t).unwrap();
+        let mode = std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        FileBootstrap::new(&fresh, 0, 1, t).unwrap();
+        let _ = std::fs::remove_dir_all(&base);
     }
 }

@@ -24,7 +24,7 @@ pub mod pull_reference;
 pub mod reference;
 pub mod verify;
 
-pub use file_bootstrap::FileBootstrap;
+pub use file_bootstrap::{FileBootstrap, private_folder};
 
 use std::collections::HashMap;
 use std::ffi::CString;

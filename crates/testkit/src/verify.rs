@@ -88,7 +88,22 @@ struct FcTestCompare {
     errors: u64,
 }
 
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct FcTestHold {
+    ns: u64,
+    pad: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct FcTestWaitCount {
+    out: u64,
+}
+
 const _: () = {
+    assert!(std::mem::size_of::<FcTestHold>() == 16);
+    assert!(std::mem::size_of::<FcTestWaitCount>() == 8);
     assert!(std::mem::size_of::<FcTestFill>() == 32);
     assert!(std::mem::size_of::<FcTestCheck>() == 56);
     assert!(std::mem::size_of::<FcTestCompare>() == 32);
@@ -97,6 +112,8 @@ const _: () = {
 impl crate::codec_launch::TestParams for FcTestFill {}
 impl crate::codec_launch::TestParams for FcTestCheck {}
 impl crate::codec_launch::TestParams for FcTestCompare {}
+impl crate::codec_launch::TestParams for FcTestHold {}
+impl crate::codec_launch::TestParams for FcTestWaitCount {}
 
 const GRID: u32 = 264;
 const BLOCK: u32 = 256;
@@ -116,7 +133,13 @@ impl Verifier {
         let _ctx = device.activate()?;
         let kernels = Kernels::for_context(device.context())?;
         // Found now, before any collective spins: a lookup is then a map read.
-        for name in ["fc_test_fill", "fc_test_check", "fc_test_compare"] {
+        for name in [
+            "fc_test_fill",
+            "fc_test_check",
+            "fc_test_compare",
+            "fc_test_hold",
+            "fc_test_wait_count",
+        ] {
             kernels.function(name)?;
         }
         let errors = DeviceMem::alloc_zeroed(&device, 16)?;
@@ -244,6 +267,54 @@ impl Verifier {
         let mut b = [0u8; 16];
         b[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
         Ok(self.errors.upload(0, &b, self.stream)?)
+    }
+
+    /// Launches `grid` blocks on `stream` that each hold their multiprocessor for `hold` (they
+    /// delay the blocks of kernels launched after them on other streams, and everything after
+    /// them on `stream`).
+    pub fn hold(&self, hold: std::time::Duration, grid: u32, stream: Stream) -> Result<(), Error> {
+        let _ctx = self.device.activate()?;
+        let f = self.kernels.function("fc_test_hold")?;
+        let p = FcTestHold {
+            ns: hold.as_nanos().min(u64::MAX as u128) as u64,
+            pad: 0,
+        };
+        crate::codec_launch::launch_test(
+            f,
+            LaunchConfig {
+                grid: grid.max(1),
+                block: 32,
+                smem: 0,
+            },
+            stream,
+            &p,
+        )
+    }
+
+    /// The wait counter and epoch arithmetic of `flashcomm/wait_count.h` as the device runs it
+    /// (see `fc_test_wait_count`): seven numbers.
+    pub fn wait_count_on_device(&self) -> Result<[u32; 7], Error> {
+        let _ctx = self.device.activate()?;
+        let out = DeviceMem::alloc_zeroed(&self.device, 32)?;
+        let f = self.kernels.function("fc_test_wait_count")?;
+        let p = FcTestWaitCount { out: out.addr() };
+        crate::codec_launch::launch_test(
+            f,
+            LaunchConfig {
+                grid: 1,
+                block: 32,
+                smem: 0,
+            },
+            self.stream,
+            &p,
+        )?;
+        let mut b = [0u8; 28];
+        out.download(0, &mut b, self.stream)?;
+        let mut v = [0u32; 7];
+        for (i, x) in v.iter_mut().enumerate() {
+            *x = u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap());
+        }
+        Ok(v)
     }
 
     /// Allocates device memory on this verifier's device.

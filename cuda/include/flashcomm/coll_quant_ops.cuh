@@ -24,7 +24,9 @@
 // a barrier at the end of each round orders every clear of a frame before the block's next sends
 // (the warp that clears a frame is not the warp that next writes to that peer).
 // Preconditions (host): nranks <= 8; same grid and params on every rank; buffers aligned to the
-// element size; AllToAll out of place.
+// element size. AllToAll may be in place: the barrier between sending and receiving orders every
+// read of chunk k of every input block before every write of chunk k of any output block, and
+// only this block touches chunk k.
 #pragma once
 #include "flashcomm/coll_quant.cuh"
 

@@ -26,15 +26,18 @@
 // * Epochs live on the device (one word per block index in the arena header, advanced by every
 //   block at its end; see finish), so a CUDA graph replays correctly any number of times.
 // * Every wait polls with a budget: it checks this rank's abort word (set by peers that gave up),
-//   the host abort flag (ncclCommAbort) and, when a timeout is set (timeout_ns != 0), a deadline
-//   (globaltimer). With no timeout a wait lasts until the data arrives or an abort word is set,
-//   as NCCL's own waits do. A thread that gives up
+//   the host abort flag (ncclCommAbort) and, when a timeout is set (timeout_ns != 0), how long
+//   this wait has lasted (globaltimer, from its first slow check: the limit bounds each wait, not
+//   the kernel, so a long collective whose every wait is short never times out). With no timeout
+//   a wait lasts until the data arrives or an abort word is set, as NCCL's own waits do. A thread
+//   that gives up
 //   records why in the host-mapped status (first error wins), asks every peer to stop, and from
 //   then on skips all waits, so the kernel always finishes.
 #pragma once
 #include <stdint.h>
 #include "flashcomm/params.h"
 #include "flashcomm/ptx.cuh"
+#include "flashcomm/wait_count.h"
 
 // Frame and line sizes (FC_FRAME_*, FC_LL_*) come from params.h, generated from the host's ABI.
 
@@ -43,7 +46,6 @@ namespace fc {
 // Per-thread view of the running collective.
 struct Ctx {
   uint64_t seq;
-  uint64_t deadline;
   uint32_t tag;     // BLOCK frames: (seq % (2^24 - 1) + 1) << 8 | sig
   uint32_t ll0;     // LL lines, first half: seq + 1 (never 0)
   uint32_t ll1;     // LL lines, second half: ll0 ^ sig << 24
@@ -89,13 +91,6 @@ __device__ __forceinline__ Ctx begin_after_wait(const FcCollParams& p) {
   c.ll0 = (uint32_t)c.seq + 1u;
   c.ll1 = c.ll0 ^ (((p.flags >> FC_FLAG_SIG_SHIFT) & 0xffu) << 24);
   c.half = (uint32_t)(c.seq & 1);
-  // timeout_ns == 0: no time limit (NCCL's behaviour: wait until the work completes or the
-  // application aborts), and no clock read. Otherwise the deadline saturates instead of wrapping.
-  c.deadline = ~0ull;
-  if (p.timeout_ns != 0) {
-    const uint64_t now = globaltimer_ns();
-    c.deadline = p.timeout_ns > ~0ull - now ? ~0ull : now + p.timeout_ns;
-  }
   c.reuse = false;
   c.dead = false;
   allow_next_launch(p);
@@ -111,10 +106,8 @@ __device__ __forceinline__ Ctx begin(const FcCollParams& p) {
 // b, b + G, b + 2G, ... (G = gridDim.x) below FC_MAX_BLOCKS. No word is read by another block of
 // this kernel (block b' < G reads only word b'), so no atomic and no grid-wide count is needed,
 // and the next kernel on this rank (stream order) sees every word advanced whatever its grid.
-// The epoch is a u32 that never reaches 0xffffffff (whose LL tag seq + 1 would be 0, the value of
-// a line never written): after 0xfffffffe comes 1, so the half parity still alternates, and the
-// frame tags of calls two apart still differ (tag_of reduces modulo 2^24 - 1).
-__device__ __forceinline__ uint32_t next_epoch(uint32_t seq) { return seq + 1u == 0xffffffffu ? 1u : seq + 1u; }
+// The epoch never reaches 0xffffffff (next_epoch, wait_count.h), and the frame tags of calls two
+// apart still differ at its wrap (tag_of reduces modulo 2^24 - 1).
 
 __device__ __forceinline__ void finish(const FcCollParams& p, const Ctx& c) {
   __syncthreads();
@@ -168,35 +161,41 @@ __device__ __forceinline__ void give_up(const FcCollParams& p, Ctx& c, uint32_t 
 
 // Budget check inside a polling loop. Returns true when the thread must stop waiting.
 struct Waiter {
-  uint32_t spins = 0;
-  // The next call of stop() runs the slow checks (abort words, deadline): the caller may look for
-  // a foreign LL line first.
-  __device__ __forceinline__ bool slow_next() const { return ((spins + 1) & 127u) == 0; }
+  // Polls, and the foreign-line flag of the previous slow check (wait_count.h: the count never
+  // carries into the flag, however long the wait).
+  WaitCount n;
+  // When this wait's first slow check ran (globaltimer), with a timeout set; 0 before.
+  uint64_t since = 0;
+  // The next call of stop() runs the slow checks (abort words, time limit): the caller may look
+  // for a foreign LL line first.
+  __device__ __forceinline__ bool slow_next() const { return n.slow_next(); }
   // At a slow check: whether a foreign LL line was seen now (`seen`) and at the previous slow
   // check too, 128 polls earlier. A torn read (a new first half beside an old second half, which
   // can pass ll_foreign when the epoch is a multiple of 2^24) does not last that long; a peer
-  // running another collective does. The flag lives in the top bit of `spins` (no register more
-  // in the polling loops, which are tight on registers).
-  __device__ __forceinline__ bool confirm_foreign(bool seen) {
-    const bool before = (spins & 0x80000000u) != 0;
-    spins = seen ? (spins | 0x80000000u) : (spins & 0x7fffffffu);
-    return seen && before;
-  }
+  // running another collective does.
+  __device__ __forceinline__ bool confirm_foreign(bool seen) { return n.confirm_foreign(seen); }
   __device__ __forceinline__ bool stop(const FcCollParams& p, Ctx& c, uint32_t peer) {
     if (c.dead) return true;
-    ++spins;
-    if ((spins & 127u) != 0) return false;
+    if (!n.tick()) return false;
     if (ld_volatile_u32(arena_local(p) + FC_HDR_ABORT_REQ) != 0) {
       give_up(p, c, FC_STATUS_PEER_ABORTED, peer, 0);
       return true;
     }
-    if ((spins & 4095u) == 0 && ld_volatile_u32(reinterpret_cast<const void*>(p.abort_flag)) != 0) {
+    if (n.every_4096() && ld_volatile_u32(reinterpret_cast<const void*>(p.abort_flag)) != 0) {
       give_up(p, c, FC_STATUS_ABORTED, peer, 0);
       return true;
     }
-    if (c.deadline != ~0ull && globaltimer_ns() > c.deadline) {
-      give_up(p, c, FC_STATUS_TIMEOUT, peer, 0);
-      return true;
+    // timeout_ns == 0: no time limit (NCCL's behaviour: wait until the work completes or the
+    // application aborts), and no clock read. Otherwise this wait's own time is measured (no sum
+    // to overflow: the limit is compared with a difference of two clock reads).
+    if (p.timeout_ns != 0) {
+      const uint64_t now = globaltimer_ns();
+      if (since == 0) {
+        since = now;
+      } else if (now - since > p.timeout_ns) {
+        give_up(p, c, FC_STATUS_TIMEOUT, peer, 0);
+        return true;
+      }
     }
     return false;
   }

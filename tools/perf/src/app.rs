@@ -72,6 +72,7 @@ fn parse_process(v: &str, ranks: u32) -> Result<(u32, PathBuf), String> {
 /// waits. When a rank fails the others get some seconds to report, then are stopped. Exit status:
 /// rank 0's when every rank ended with 0 or 1 (only rank 0 counts wrong elements), else 2.
 fn launch(o: &Options, argv: &[String]) -> i32 {
+    use std::os::unix::fs::DirBuilderExt;
     use std::process::{Command, Stdio};
     use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
     let exe = match std::env::current_exe() {
@@ -85,7 +86,14 @@ fn launch(o: &Options, argv: &[String]) -> i32 {
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     let dir = std::env::temp_dir().join(format!("flashcomm-perf-{}-{stamp}", std::process::id()));
-    if let Err(e) = std::fs::create_dir_all(&dir) {
+    // A new folder of this user's alone (the name is predictable: one that someone else made
+    // first is refused, its records are not trusted).
+    if let Err(e) = std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| e.to_string())
+        .and_then(|()| flashcomm_testkit::private_folder(&dir).map_err(|e| e.to_string()))
+    {
         eprintln!("flashcomm-perf: cannot create {}: {e}", dir.display());
         return 2;
     }

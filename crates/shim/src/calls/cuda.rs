@@ -11,7 +11,7 @@
 //! Owns: [`user_buffers`], [`user_blocks`], [`check_pointers`].
 //! May import: `types`.
 
-pub(crate) use flashcomm_gpu::{OwnStream, SavedContext, current_device};
+pub(crate) use flashcomm_gpu::{OwnStream, SavedContext, current_device, driver_loaded};
 use flashcomm_gpu::{PointerKind, pointer_kind};
 
 use flashcomm_comm::DevicePtr;

@@ -116,25 +116,42 @@ fn created(
     // The real communicator exists now and is the caller's: a panic in flashcomm's hook must
     // not turn the call into a failure (the caller would never destroy it). It is caught here;
     // the communicator then stays with NCCL and the real result is returned.
+    let ready = result == ncclResult_t::ncclSuccess;
     let hooked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        crate::init::debug_panic_point("flashcommCreationHook");
-        dispatch::on_comms_created(
-            &comms,
-            origin,
-            result == ncclResult_t::ncclSuccess,
-            config_blocking(config),
-        );
+        dispatch::on_comms_created(&comms, origin, ready, config_blocking(config));
     }));
     if let Err(payload) = hooked {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            dispatch::on_creation_hook_panicked(&comms, payload.as_ref());
+            dispatch::on_creation_hook_panicked(&comms, ready, payload.as_ref());
         }));
+    }
+}
+
+/// Runs a hook of flashcomm's around a real call that must run whatever the hook does (destroy,
+/// abort, finalize, revoke): a panic in the hook is caught and reported here, so that the real
+/// call still runs and its result is returned (otherwise the boundary would answer
+/// `ncclInternalError` without ever calling it, and the real communicator would leak, or, for an
+/// abort, stay stuck).
+fn hook<R>(name: &'static str, comm: ncclComm_t, f: impl FnOnce() -> R) -> Option<R> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        crate::init::debug_panic_point(name);
+        f()
+    })) {
+        Ok(r) => Some(r),
+        Err(payload) => {
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                dispatch::on_end_hook_panicked(name, comm, payload.as_ref());
+            }));
+            None
+        }
     }
 }
 
 /// Before an ending call.
 fn ending(comm: ncclComm_t, end: CommEnd) {
-    dispatch::on_comm_destroying(comm, end);
+    hook("flashcommEndHook", comm, || {
+        dispatch::on_comm_destroying(comm, end);
+    });
 }
 
 thread_local! {
@@ -491,9 +508,11 @@ nccl_api! {
     /// abort runs (ending any NCCL operation ours may be queued behind), and only then is our
     /// last launch waited for, bounded, before flashcomm's memory is freed.
     fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
-        let pending = dispatch::on_comm_aborting(comm);
+        let pending = hook("flashcommAbortHook", comm, || dispatch::on_comm_aborting(comm)).flatten();
         let real = call_real!(ABORT, (comm) -> ncclResult_t);
-        dispatch::on_comm_aborted(pending);
+        if pending.is_some() {
+            hook("flashcommAbortedHook", comm, || dispatch::on_comm_aborted(pending));
+        }
         forwarded!(real)
     }
 

@@ -63,7 +63,10 @@ int ncclCommInitRankConfig(void** comm, int nranks, struct { char internal[128];
   return 0;
 }
 
-int ncclCommDestroy(void* comm) { (void)comm; return 0; }
+int fake_destroy_calls = 0;
+int fake_abort_calls = 0;
+int ncclCommDestroy(void* comm) { (void)comm; fake_destroy_calls++; return 0; }
+int ncclCommAbort(void* comm) { (void)comm; fake_abort_calls++; return 0; }
 /* Fails without a message (as NCCL does for some bad arguments) when comm is NULL. */
 int ncclCommFinalize(void* comm) { return comm ? 0 : 4; }
 int ncclCommCount(void* comm, int* count) { (void)comm; *count = fake_nranks; return 0; }
