@@ -1144,7 +1144,7 @@ mod tests {
         assert_eq!(
             line("FLASHCOMM_PROTO"),
             "FLASHCOMM_PROTO=auto  # not valid: FLASHCOMM_PROTO=\"fast\" is not valid; allowed: \
-             `auto`, `ll`, `block`"
+             `auto`, `ll`, `block`, `pull`, `direct`"
         );
         assert!(
             line("FLASHCOMM_QUANT_BITS").contains("# not valid: FLASHCOMM_QUANT_BITS=\"9\""),
