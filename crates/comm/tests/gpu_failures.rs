@@ -224,7 +224,8 @@ fn abort_returns_when_our_launch_is_queued_behind_a_stuck_operation() {
         let v = Verifier::new(0).unwrap();
         let _ctx = v.activate().unwrap();
         let stream = v.stream().unwrap();
-        let stream_b = v.stream().unwrap();
+        // A stream of its own (the verifier has one stream: asking twice gives the same one).
+        let stream_b = flashcomm_comm::Stream::create().unwrap();
         let a = v.alloc(1 << 16).unwrap();
         let b = v.alloc(1 << 16).unwrap();
         let c = v.alloc(1 << 16).unwrap();
@@ -395,7 +396,9 @@ fn abort_and_destroy_return_while_other_device_work_is_stuck() {
     eprintln!("stage: set-up done");
     let v = Verifier::new(0).unwrap();
     let _ctx = v.activate().unwrap();
-    let (s1, s2) = (v.stream().unwrap(), v.stream().unwrap());
+    // Two streams: each rank of a pair on its own (the verifier has one stream; on one stream,
+    // rank 0's kernel would wait for rank 1's, queued behind it, for ever).
+    let (s1, s2) = (v.stream().unwrap(), flashcomm_comm::Stream::create().unwrap());
     let buf = v.alloc(1 << 16).unwrap();
     let buf2 = v.alloc(1 << 16).unwrap();
     // Used once, completed: our communicator is idle.
