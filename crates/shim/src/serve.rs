@@ -684,7 +684,7 @@ fn report(call: &CollCall, e: CommError) -> ncclResult_t {
     match e {
         CommError::InvalidArgument(_) => Error::invalid_argument(sub, msg),
         CommError::InvalidUsage(_) => Error::invalid_usage(sub, msg),
-        CommError::Cuda { .. } => Error::cuda(sub, msg),
+        CommError::Cuda(_) => Error::cuda(sub, msg),
         CommError::Remote(_) => Error::remote(sub, msg),
         CommError::Timeout(_) => Error::timeout(sub, msg),
         CommError::Bootstrap(_) => Error::system(sub, msg),

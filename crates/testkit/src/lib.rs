@@ -65,7 +65,7 @@ impl TestKernels {
             return Err(Error::NoKernels);
         }
         if !flashcomm_gpu::driver_present() {
-            return Err(Error::NoDriver);
+            return Err(Error::Cuda(flashcomm_gpu::Error::NoDriver));
         }
         let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
         let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
