@@ -21,9 +21,9 @@ use std::fmt;
 pub use flashcomm_codec::{Collective, DType};
 pub use quant::QuantSettings;
 pub use values::{
-    Algo, Bounded, Bytes, DebugLevel, Fault, FaultPoint, Faults, FunctionName, GIB, KERNEL_OPS,
-    KIB, LibPath, MIB, OneOf, Proto, QuantBits, QuantChoice, Set, Subsystems, Text, Transport,
-    Value,
+    Algorithm, Bounded, Bytes, Choice, DebugLevel, Fault, FaultPoint, Faults, FunctionName, GIB,
+    KERNEL_OPS, KIB, Keyword, LibPath, MIB, OneOf, Protocol, QuantBits, QuantChoice, Set,
+    Subsystems, Text, Transport, Value,
 };
 
 /// The largest `FLASHCOMM_TIMEOUT_MS`: its nanoseconds still fit in the 64-bit timeout the
@@ -144,7 +144,7 @@ variables! {
         strict: true,
     }
     /// Device protocol of the kernels: chosen per call, or forced.
-    proto: Proto = Proto::Auto => {
+    proto: Choice<Protocol> = Choice::Auto => {
         name: "FLASHCOMM_PROTO",
         kind: "keyword",
         allowed: "`auto`, `ll`, `block`, `pull`, `direct`",
@@ -154,14 +154,14 @@ variables! {
     /// IPC (`p2p`), pinned host memory every GPU maps (`host`, across PCIe, for GPUs without
     /// peer access), or `auto`: `p2p` where every pair of ranks has peer access, `host`
     /// otherwise.
-    transport: Transport = Transport::Auto => {
+    transport: Choice<Transport> = Choice::Auto => {
         name: "FLASHCOMM_TRANSPORT",
         kind: "keyword",
         allowed: "`auto`, `p2p`, `host`",
         strict: true,
     }
     /// All-reduce algorithm: chosen per call, or forced.
-    algo: Algo = Algo::Auto => {
+    algo: Choice<Algorithm> = Choice::Auto => {
         name: "FLASHCOMM_ALGO",
         kind: "keyword",
         allowed: "`auto`, `oneshot`, `twoshot`",
@@ -918,7 +918,7 @@ mod tests {
             ("UNRELATED", "x"),
         ]);
         assert_eq!(c.passthrough_forced, None, "{:?}", c.problems);
-        assert_eq!(c.settings.proto, Proto::Ll);
+        assert_eq!(c.settings.proto, Choice::Force(Protocol::Ll));
         assert_eq!(c.settings.max_bytes, Bytes(16 * MIB));
         assert_eq!(c.quant_rs_bits(), QuantBits::Bits(4));
         assert_eq!(c.quant_ag_bits(), QuantBits::Bits(8));
@@ -975,7 +975,7 @@ mod tests {
         assert!(reason.contains("forwards every call to NCCL"), "{reason}");
         assert!(c.passthrough());
         // The bad variables keep their defaults.
-        assert_eq!(c.settings.proto, Proto::Auto);
+        assert_eq!(c.settings.proto, Choice::Auto);
         assert_eq!(c.problems.len(), 2);
     }
 

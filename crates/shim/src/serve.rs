@@ -27,12 +27,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flashcomm_comm::{
-    Agreement, Algorithm, Bootstrap, Build, Choice, CommConfig, Communicator, Error as CommError,
-    Protocol, QuantChoice, Stream, ThreadGroup, Transport,
+    Agreement, Bootstrap, Build, CommConfig, Communicator, Error as CommError, Stream, ThreadGroup,
 };
-use flashcomm_config::{
-    Algo, Config, FaultPoint, Proto, QuantChoice as ConfigQuantChoice, Transport as ConfigTransport,
-};
+use flashcomm_config::{Config, FaultPoint};
 use flashcomm_nccl_sys::ncclResult_t;
 
 use crate::bootstrap::{ExchangeFaults, NcclBootstrap};
@@ -56,29 +53,12 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
             .map_or(Duration::ZERO, |ms| Duration::from_millis(ms.0)),
         arena_bytes: s.arena_bytes.0,
         pull_bytes: s.pull_bytes.0,
-        algo: match s.algo {
-            Algo::Auto => Choice::Auto,
-            Algo::Oneshot => Choice::Force(Algorithm::OneShot),
-            Algo::Twoshot => Choice::Force(Algorithm::TwoShot),
-        },
-        proto: match s.proto {
-            Proto::Auto => Choice::Auto,
-            Proto::Ll => Choice::Force(Protocol::Ll),
-            Proto::Block => Choice::Force(Protocol::Block),
-            Proto::Pull => Choice::Force(Protocol::Pull),
-            Proto::Direct => Choice::Force(Protocol::Direct),
-        },
-        transport: match s.transport {
-            ConfigTransport::Auto => Choice::Auto,
-            ConfigTransport::P2p => Choice::Force(Transport::P2p),
-            ConfigTransport::Host => Choice::Force(Transport::Host),
-        },
+        algo: s.algo,
+        proto: s.proto,
+        transport: s.transport,
         calibrate: true,
         quant_calibrate: policy::allreduce_quant_spec(config).into_iter().collect(),
-        quant_choice: match s.quant_choice {
-            ConfigQuantChoice::Auto => QuantChoice::Auto,
-            ConfigQuantChoice::Always => QuantChoice::Always,
-        },
+        quant_choice: s.quant_choice,
         graph_mixing: s.graph_mixing,
         early_launch: s.early_launch,
         ..CommConfig::default()
@@ -980,7 +960,7 @@ mod tests {
         let cfg = |vars: &[(&str, &str)]| comm_config(&Config::from_vars(vars.iter().copied()));
         let none = cfg(&[]);
         assert!(none.quant_calibrate.is_empty());
-        assert_eq!(none.quant_choice, QuantChoice::Auto);
+        assert_eq!(none.quant_choice, flashcomm_comm::QuantChoice::Auto);
         let q4 = cfg(&[
             ("FLASHCOMM_QUANT_BITS", "4"),
             ("FLASHCOMM_QUANT_GROUP", "64"),
@@ -998,7 +978,7 @@ mod tests {
             pair.quant_calibrate,
             vec![QuantSpec::new(3, 8, 128, 2).unwrap()]
         );
-        assert_eq!(pair.quant_choice, QuantChoice::Always);
+        assert_eq!(pair.quant_choice, flashcomm_comm::QuantChoice::Always);
         // Not for AllReduce, or a pair without kernels (it goes to NCCL): nothing to time.
         let ops = cfg(&[
             ("FLASHCOMM_QUANT_BITS", "4"),

@@ -31,7 +31,7 @@ use flashcomm_codec::{Element, Format, bf16, f16};
 use flashcomm_comm::gpu::{Event, HostArena, IpcMapping};
 use flashcomm_comm::{
     Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DeviceMem, DevicePtr, Plan,
-    Protocol, QuantChoice, QuantSpec, Stream, ThreadGroup, Transport,
+    QuantSpec, Stream, ThreadGroup, Transport,
 };
 use flashcomm_testkit::FileBootstrap;
 use flashcomm_testkit::pull_reference::{PullReference, Stages};
@@ -40,10 +40,7 @@ use flashcomm_testkit::verify::{TestType, Verifier};
 use serde::{Deserialize, Serialize};
 
 use crate::accuracy::{self, AccuracyStats, QuantAlgo, QuantOp};
-use crate::args::{
-    AlgoChoice, Dtype, Impl, Launch, Mode, Options, ProtoChoice, QuantChoiceArg, RefLaunch,
-    TransportChoice, Width,
-};
+use crate::args::{Dtype, Impl, Launch, Mode, Options, RefLaunch, Width};
 use crate::ffi::{self, Nccl, NcclComm};
 use crate::inputs;
 use crate::report::{Measure, Outcome, PullRow, QuantInfo, Row, Variant};
@@ -76,7 +73,7 @@ pub fn jobs(o: &Options) -> Vec<Job> {
                 if o.copy_baseline {
                     variants.push(Variant::Copy);
                 }
-                if o.transport == TransportChoice::Host {
+                if o.transport == Choice::Force(Transport::Host) {
                     variants.push(Variant::Link);
                     variants.push(Variant::LinkBoth);
                 }
@@ -133,24 +130,6 @@ fn test_type(d: Dtype) -> TestType {
         Dtype::Bf16 => TestType::Bf16,
         Dtype::F16 => TestType::F16,
         Dtype::F32 => TestType::F32,
-    }
-}
-
-fn algo_choice(a: AlgoChoice) -> Choice<Algorithm> {
-    match a {
-        AlgoChoice::Auto => Choice::Auto,
-        AlgoChoice::OneShot => Choice::Force(Algorithm::OneShot),
-        AlgoChoice::TwoShot => Choice::Force(Algorithm::TwoShot),
-    }
-}
-
-fn proto_choice(p: ProtoChoice) -> Choice<Protocol> {
-    match p {
-        ProtoChoice::Auto => Choice::Auto,
-        ProtoChoice::Ll => Choice::Force(Protocol::Ll),
-        ProtoChoice::Block => Choice::Force(Protocol::Block),
-        ProtoChoice::Pull => Choice::Force(Protocol::Pull),
-        ProtoChoice::Direct => Choice::Force(Protocol::Direct),
     }
 }
 
@@ -540,19 +519,12 @@ fn rank_main(
     let rank = boot.rank();
     let cfg = CommConfig {
         timeout: Duration::from_secs(o.timeout_s),
-        algo: algo_choice(o.algo),
-        proto: proto_choice(o.proto),
-        transport: match o.transport {
-            TransportChoice::Auto => Choice::Auto,
-            TransportChoice::P2p => Choice::Force(Transport::P2p),
-            TransportChoice::Host => Choice::Force(Transport::Host),
-        },
+        algo: o.algo,
+        proto: o.proto,
+        transport: o.transport,
         calibrate: o.calibrate,
         quant_calibrate: allreduce_quant_specs(o),
-        quant_choice: match o.quant_choice {
-            QuantChoiceArg::Always => QuantChoice::Always,
-            QuantChoiceArg::Auto => QuantChoice::Auto,
-        },
+        quant_choice: o.quant_choice,
         early_launch: o.early_launch,
         graph_mixing: o.graph_mixing,
         ..CommConfig::default()
@@ -595,7 +567,7 @@ fn rank_main(
     // The reference AllReduce: set up (it allocates) before any collective runs; ranks publish
     // their inboxes through the team (threads of one process: the arguments check the mode).
     // The link baseline's pinned host buffer: rank 0 alone times it.
-    let link = if o.transport == TransportChoice::Host && rank == 0 {
+    let link = if o.transport == Choice::Force(Transport::Host) && rank == 0 {
         let bytes = jobs
             .iter()
             .filter(|j| matches!(j.variant, Variant::Link | Variant::LinkBoth))
@@ -1093,8 +1065,8 @@ impl Rank<'_> {
                 self.o.coll,
                 job.shape.call_count,
                 job.dtype.bytes(),
-                algo_choice(self.o.algo),
-                proto_choice(self.o.proto),
+                self.o.algo,
+                self.o.proto,
             )),
             _ => None,
         };
@@ -1267,9 +1239,7 @@ impl Rank<'_> {
         // The same verdict on every rank: planning is pure.
         let plan = match (self.comm.as_ref(), op) {
             (None, _) => return skipped("flashcomm is not set up".into()),
-            (Some(c), None) => {
-                c.plan_all_reduce_quant(count, dt, spec, algo_choice(self.o.algo), true)
-            }
+            (Some(c), None) => c.plan_all_reduce_quant(count, dt, spec, self.o.algo, true),
             (Some(c), Some(_)) => c.plan_quant_op(self.o.coll, count, dt, spec),
         };
         let plan = match plan {

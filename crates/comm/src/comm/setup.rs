@@ -13,7 +13,7 @@ use crate::error::Error;
 use crate::gpu::{self, Device, DeviceMem, Event, HostMapped, OwnStream};
 use crate::identity;
 use crate::plan::{Algorithm, Arena, Choice, CostModel, DataType, Protocol};
-use crate::transport::{LocalArena, PeerMapping, Transport};
+use crate::transport::{self, LocalArena, PeerMapping, Transport};
 
 use super::{CaptureMark, CommConfig, Communicator, HOST_BYTES, LastLaunch};
 
@@ -56,7 +56,7 @@ impl PeerInfo {
         v.push(self.ipc.is_some() as u8);
         v.extend_from_slice(&self.ipc.unwrap_or([0; 64]));
         v.extend_from_slice(&self.max_grid.to_le_bytes());
-        v.push(self.transport.code());
+        v.push(transport::code(self.transport));
         v.resize(120, 0);
         v.extend_from_slice(&self.token.to_le_bytes());
         v.extend_from_slice(&self.build.to_le_bytes());
@@ -91,7 +91,7 @@ impl PeerInfo {
             arena_bytes: u64_at(40),
             ipc: (b[48] != 0).then_some(ipc),
             max_grid: u32_at(113),
-            transport: Transport::from_code(b[117]).ok_or_else(|| {
+            transport: transport::from_code(b[117]).ok_or_else(|| {
                 Error::Bootstrap("a peer's set-up record names no transport".into())
             })?,
         })

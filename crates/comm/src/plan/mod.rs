@@ -37,18 +37,9 @@ pub const KERNEL_COLLECTIVES: [Collective; 4] = [
 
 /// Element types of the reducing collectives: the codec's, the one datatype enum of the tree.
 pub use flashcomm_codec::DType as DataType;
-/// How readiness travels with the data, and the AllReduce algorithms: the kernel catalogue's.
-pub use flashcomm_kernels::catalog::{Algorithm, Protocol};
-
-/// A choice that is either automatic or forced.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Choice<T> {
-    /// Let the cost model decide.
-    #[default]
-    Auto,
-    /// Always this one (where it is valid).
-    Force(T),
-}
+/// How readiness travels with the data, the AllReduce algorithms, a forced or automatic choice
+/// and whether quantizing must pay: the codec crate's words, declared there once.
+pub use flashcomm_codec::{Algorithm, Choice, Protocol, QuantChoice};
 
 /// Codec settings of a quantized AllReduce (the wire format of docs/codec.md): the width of the
 /// first step (the only step of one-shot), the width of the all-gather step of two-step, the group
@@ -124,21 +115,6 @@ pub const QUANT_THREADS: u32 = 256;
 /// At 256 KiB it is not so: 8 ranks on the host transport, one-shot took 1.5-3x two-step's time
 /// (docs/perf.md).
 pub const QUANT_TWO_STEP_MIN_BLOCKS: u64 = 64;
-
-/// Whether a quantized AllReduce runs where the lossless kernels are predicted to be faster
-/// (`FLASHCOMM_QUANT_CHOICE`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum QuantChoice {
-    /// Quantize where it pays: a call asked to be quantized runs the quantized kernels only where
-    /// the calibrated model ([`QuantModel`]) predicts them faster than the lossless plan by more
-    /// than [`TIE_FACTOR`]; elsewhere it runs the lossless kernels, whose result carries no
-    /// quantization error. Without a measurement for the call's codec settings (no calibration,
-    /// or settings changed after set-up) every call is quantized.
-    #[default]
-    Auto,
-    /// Every call asked to be quantized is.
-    Always,
-}
 
 /// Everything a launch needs besides buffers: chosen variant and geometry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
