@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 mod quant;
+pub mod testing;
 pub mod values;
 
 use std::ffi::OsStr;
@@ -466,6 +467,7 @@ pub const BUILD_VARIABLES: &[&str] = &[
     "FLASHCOMM_TEST_SEED",
     "FLASHCOMM_TEST_CHILD",
     "FLASHCOMM_BLESS",
+    "FLASHCOMM_TEST_SKIPS",
 ];
 
 /// A variable with a value the library cannot use.

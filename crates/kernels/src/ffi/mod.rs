@@ -235,7 +235,10 @@ mod tests {
     #[test]
     fn every_cuda_source_is_embedded() {
         if !crate::built_with_kernels() {
-            eprintln!("built without kernels (no nvcc): nothing to check");
+            flashcomm_config::testing::skipped(
+                "kernels: every_cuda_source_is_embedded",
+                "built without kernels (nvcc was not found)",
+            );
             return;
         }
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../cuda");
