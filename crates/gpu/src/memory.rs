@@ -72,6 +72,11 @@ pub struct DevicePtr {
 }
 
 impl DevicePtr {
+    /// An empty range: promises nothing, so it is safe to make (a call with it moves nothing).
+    pub fn empty() -> DevicePtr {
+        DevicePtr { addr: 0, len: 0 }
+    }
+
     /// Wraps a raw device address range.
     ///
     /// # Safety

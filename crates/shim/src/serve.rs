@@ -27,7 +27,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flashcomm_comm::{
-    Agreement, Bootstrap, Build, CommConfig, Communicator, Error as CommError, Stream, ThreadGroup,
+    Agreement, Bootstrap, Build, CommConfig, Communicator, Error as CommError, Request, Stream,
+    ThreadGroup,
 };
 use flashcomm_config::{Config, FaultPoint};
 use flashcomm_nccl_sys::ncclResult_t;
@@ -704,37 +705,28 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
     let stream = Stream(call.stream.cast());
     let count = call.count as u64;
     let dtype = policy::float_type(call.datatype);
-    let r = match (call.kind, dtype, d.quant) {
-        (Collective::AllReduce, Some(t), Some(q)) => {
-            // Outside the lossless kernels' window a call asked to be quantized stays quantized
-            // whatever the cost model says: the window says the lossless kernels must not take it.
-            let s = &crate::init::state().config.settings;
-            let lossless_allowed = (s.min_bytes.0..=s.max_bytes.0).contains(&call.bytes);
-            c.all_reduce_quant(send, recv, count, t, q, lossless_allowed, stream)
+    let req = match (call.kind, dtype, d.quant) {
+        (Collective::AllReduce | Collective::ReduceScatter, Some(t), _)
+        | (Collective::AllGather | Collective::AlltoAll, Some(t), Some(_)) => {
+            Request::typed(call.kind, count, t)
         }
-        (Collective::AllReduce, Some(t), None) => c.all_reduce(send, recv, count, t, stream),
-        (Collective::ReduceScatter, Some(t), Some(q)) => {
-            c.reduce_scatter_quant(send, recv, count, t, q, stream)
-        }
-        (Collective::ReduceScatter, Some(t), None) => {
-            c.reduce_scatter(send, recv, count, t, stream)
-        }
-        (Collective::AllGather, Some(t), Some(q)) => {
-            c.all_gather_quant(send, recv, count, t, q, stream)
-        }
-        (Collective::AlltoAll, Some(t), Some(q)) => {
-            c.all_to_all_quant(send, recv, count, t, q, stream)
-        }
-        (Collective::AllGather, _, _) => {
-            let elem = call.bytes / count.max(1);
-            c.all_gather(send, recv, count, elem, stream)
-        }
-        (Collective::AlltoAll, _, _) => {
-            let elem = call.bytes / count.max(1);
-            c.all_to_all(send, recv, count, elem, stream)
+        (Collective::AllGather | Collective::AlltoAll, _, _) => {
+            Request::bytes(call.kind, count, call.bytes / count.max(1))
         }
         _ => return Executed::Refused(Cow::Borrowed("not a call flashcomm's kernels take")),
     };
+    let req = match (d.quant, dtype) {
+        (Some(q), Some(_)) => {
+            // Outside the lossless kernels' window a call asked to be quantized stays quantized
+            // whatever the cost model says: the window says the lossless kernels must not take it.
+            let s = &crate::init::state().config.settings;
+            let lossless_allowed = call.kind == Collective::AllReduce
+                && (s.min_bytes.0..=s.max_bytes.0).contains(&call.bytes);
+            req.quantized(q, lossless_allowed)
+        }
+        _ => req,
+    };
+    let r = c.execute(&req.between(send, recv).on(stream));
     match r {
         Ok(p) if d.quant.is_some() && p.quant.is_none() => {
             Executed::Unquantized(ncclResult_t::ncclSuccess)
@@ -747,7 +739,7 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
 
 /// Runs the AllToAll a Send/Recv group forms on flashcomm's kernels: directly when its blocks
 /// form one send and one receive buffer, otherwise through the communicator's scratch
-/// (`Communicator::all_to_all_scattered`).
+/// (a scattered [`Request`]).
 pub(crate) fn execute_grouped(
     state: &CommState,
     g: &policy::GroupedAlltoAll,
@@ -769,7 +761,10 @@ pub(crate) fn execute_grouped(
         user_blocks(&g.send, call.bytes),
         user_blocks(&g.recv, call.bytes),
     );
-    match c.all_to_all_scattered(&send, &recv, count, elem, Stream(call.stream.cast())) {
+    let req = Request::bytes(Collective::AlltoAll, count, elem)
+        .scattered(&send, &recv)
+        .on(Stream(call.stream.cast()));
+    match c.execute(&req) {
         Ok(_) => Executed::Done(ncclResult_t::ncclSuccess),
         Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
         Err(e) => Executed::Done(report(call, e)),

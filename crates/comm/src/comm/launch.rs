@@ -8,9 +8,9 @@ use crate::abi::{self, FcCollParams};
 use crate::error::Error;
 use crate::gpu::{self, DeviceMem, DevicePtr, Stream};
 use crate::plan::{
-    self, Algorithm, Choice, Collective, DataType, Plan, Protocol, QuantChoice, QuantModel,
-    QuantSpec,
+    self, Algorithm, Collective, DataType, Plan, Protocol, QuantChoice, QuantModel, QuantSpec,
 };
+use crate::request::{Buffers, Request};
 
 use super::{Communicator, HOST_ABORT, HOST_STATUS};
 
@@ -120,121 +120,56 @@ fn call_signature(p: &Plan, dtype: Option<DataType>) -> u32 {
 }
 
 impl Communicator {
-    /// The plan for a call (pure; identical on every rank for identical arguments).
-    pub fn plan(&self, coll: Collective, count: u64, elem: u64) -> Plan {
-        plan::plan(
-            &self.arena,
-            &self.model,
-            coll,
-            count,
-            elem,
-            self.max_grid,
-            self.cfg.algo,
-            self.cfg.proto,
-        )
-    }
-
-    /// The plan for a call with the algorithm and protocol forced (falls back where the forced
-    /// choice is invalid for this count, exactly as the overrides in [`CommConfig`](super::CommConfig) do).
-    pub fn plan_forced(
-        &self,
-        coll: Collective,
-        count: u64,
-        elem: u64,
-        algo: Choice<Algorithm>,
-        proto: Choice<Protocol>,
-    ) -> Plan {
-        plan::plan(
-            &self.arena,
-            &self.model,
-            coll,
-            count,
-            elem,
-            self.max_grid,
-            algo,
-            proto,
-        )
-    }
-
-    /// Sum AllReduce of `count` elements.
-    pub fn all_reduce(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        count: u64,
-        dtype: DataType,
-        stream: Stream,
-    ) -> Result<Plan, Error> {
-        let p = self.plan(Collective::AllReduce, count, dtype.bytes());
-        self.run(&p, send, recv, count, dtype.bytes(), Some(dtype), stream)?;
-        Ok(p)
-    }
-
-    /// Sum AllReduce of `count` f16 or bf16 elements with a quantized wire format. Every rank's
-    /// result is bitwise identical (each rank decodes the same bytes in the same order); the error
-    /// against the exact sum is bounded as docs/codec.md states for one or two quantization steps.
-    /// Under [`QuantChoice::Auto`], where quantizing does not pay and `lossless_allowed` (the
-    /// caller's windows let the lossless kernels take this size), the lossless kernels run
-    /// instead ([`Communicator::plan_all_reduce_quant`]); the returned plan says which ran.
-    #[allow(clippy::too_many_arguments)]
-    pub fn all_reduce_quant(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        count: u64,
-        dtype: DataType,
-        q: QuantSpec,
-        lossless_allowed: bool,
-        stream: Stream,
-    ) -> Result<Plan, Error> {
-        let p = self.plan_all_reduce_quant(count, dtype, q, self.cfg.algo, lossless_allowed)?;
-        self.run(&p, send, recv, count, dtype.bytes(), Some(dtype), stream)?;
-        Ok(p)
-    }
-
-    /// The plan of a quantized AllReduce (algorithm forced or chosen by the cost model, from
-    /// the calibrated times of `q` where measured).
-    pub fn plan_quant(
-        &self,
-        count: u64,
-        dtype: DataType,
-        q: QuantSpec,
-        algo: Choice<Algorithm>,
-    ) -> Result<Plan, Error> {
-        plan::plan_quant(
+    /// The plan of a request: exactly what [`Communicator::execute`] runs for it (pure; the
+    /// same on every rank for the same request). A lossless call is planned by the cost model
+    /// (or as forced); a quantized AllReduce runs the quantized kernels, or, under
+    /// [`QuantChoice::Auto`] where quantizing does not pay ([`plan::quant_pays`]) and the request
+    /// allows it, the lossless plan (whose `quant` is `None`); a quantized AllGather, AllToAll or
+    /// ReduceScatter is one quantization step at `q.rs_bits`. Refuses what the kernels refuse
+    /// (a quantized f32 call, widths without kernels). A pinned plan ([`Request::pinned`]) is
+    /// the plan.
+    pub fn plan(&self, req: &Request<'_>) -> Result<Plan, Error> {
+        if let Some(p) = req.pinned {
+            return Ok(p);
+        }
+        let algo = req.algo.unwrap_or(self.cfg.algo);
+        let proto = req.proto.unwrap_or(self.cfg.proto);
+        let lossless = |coll, elem| {
+            plan::plan(
+                &self.arena,
+                &self.model,
+                coll,
+                req.count,
+                elem,
+                self.max_grid,
+                algo,
+                proto,
+            )
+        };
+        let Some(q) = req.quant else {
+            return Ok(lossless(req.coll, req.elem));
+        };
+        let dtype = req.dtype.ok_or_else(|| {
+            Error::InvalidArgument("a quantized call needs an element type".into())
+        })?;
+        if req.coll != Collective::AllReduce {
+            return plan::plan_quant_op(&self.arena, req.coll, req.count, dtype, q, self.max_grid);
+        }
+        let quant = plan::plan_quant(
             &self.arena,
             &self.model,
             self.quant_model(q),
-            count,
+            req.count,
             dtype,
             q,
             self.max_grid,
             algo,
-        )
-    }
-
-    /// The plan of an AllReduce asked to be quantized with `q`: the quantized plan
-    /// ([`Communicator::plan_quant`]) or, under [`QuantChoice::Auto`] where it does not pay
-    /// ([`plan::quant_pays`]) and `lossless_allowed`, the lossless plan of the call (its `quant`
-    /// is `None`). `lossless_allowed` false (the shim: the size lies outside the lossless
-    /// kernels' window, `FLASHCOMM_MIN_BYTES`..`FLASHCOMM_MAX_BYTES`) keeps the quantized plan, as
-    /// asked. Pure and identical on every rank (the models are agreed at set-up, the windows are
-    /// the same everywhere). Refuses what the quantized kernels refuse (f32, widths without
-    /// kernels) whichever it would choose.
-    pub fn plan_all_reduce_quant(
-        &self,
-        count: u64,
-        dtype: DataType,
-        q: QuantSpec,
-        algo: Choice<Algorithm>,
-        lossless_allowed: bool,
-    ) -> Result<Plan, Error> {
-        let quant = self.plan_quant(count, dtype, q, algo)?;
-        if self.cfg.quant_choice == QuantChoice::Always || !lossless_allowed {
+        )?;
+        if self.cfg.quant_choice == QuantChoice::Always || !req.lossless_allowed {
             return Ok(quant);
         }
-        let lossless = self.plan(Collective::AllReduce, count, dtype.bytes());
-        let bytes = count * dtype.bytes();
+        let lossless = lossless(Collective::AllReduce, dtype.bytes());
+        let bytes = req.count * dtype.bytes();
         Ok(
             if plan::quant_pays(&self.model, &lossless, self.quant_model(q), &quant, bytes) {
                 quant
@@ -244,175 +179,53 @@ impl Communicator {
         )
     }
 
+    /// Runs a request: its plan ([`Communicator::plan`]), launched on its stream after this
+    /// communicator's previous operation; returns the plan that ran. Every rank must run the
+    /// same requests in the same order.
+    ///
+    /// A quantized call's result is bitwise identical on every rank (each rank decodes the same
+    /// bytes in the same order), within the error bound docs/codec.md states for its steps.
+    /// Contiguous buffers may be in place as NCCL lays them out (see [`check_buffers`]).
+    /// Scattered blocks (an AllToAll of `ncclSend`/`ncclRecv` with one buffer per peer) are
+    /// gathered into a scratch buffer of the communicator's device, exchanged by the AllToAll
+    /// kernel and scattered out: 2 x nranks device copies more, all on the stream. The scratch
+    /// (2 x nranks x count x elem bytes) is allocated at the first call that needs more than the
+    /// last one and kept; under graph capture, where allocating is not allowed, a call that needs
+    /// more is refused as [`Error::Unsupported`] (the caller sends it to NCCL, which every rank
+    /// does alike: the scratch's size follows the calls, which are the same on every rank).
+    pub fn execute(&self, req: &Request<'_>) -> Result<Plan, Error> {
+        let p = self.plan(req)?;
+        match req.buffers {
+            Buffers::Contiguous { send, recv } => {
+                self.run(&p, send, recv, req.count, req.elem, req.dtype, req.stream)?
+            }
+            Buffers::Scattered { send, recv } => {
+                if req.coll != Collective::AlltoAll || p.quant.is_some() {
+                    return Err(Error::Unsupported(
+                        "scattered blocks are a lossless AllToAll's only".into(),
+                    ));
+                }
+                self.run_scattered(&p, send, recv, req.count, req.elem, req.stream)?
+            }
+        }
+        Ok(p)
+    }
+
     /// The calibrated times of the quantized AllReduce with codec settings `q`, if measured.
     pub fn quant_model(&self, q: QuantSpec) -> Option<&QuantModel> {
         self.quant_models.iter().find(|m| m.spec == q)
     }
 
-    /// The plan of a quantized AllGather, AllToAll or ReduceScatter of `count` values per block
-    /// (one quantization step at `q.rs_bits`).
-    pub fn plan_quant_op(
+    /// The scattered AllToAll of [`Communicator::execute`] with plan `p`.
+    fn run_scattered(
         &self,
-        coll: Collective,
-        count: u64,
-        dtype: DataType,
-        q: QuantSpec,
-    ) -> Result<Plan, Error> {
-        plan::plan_quant_op(&self.arena, coll, count, dtype, q, self.max_grid)
-    }
-
-    /// AllGather of `sendcount` f16 or bf16 elements with a quantized wire format (width
-    /// `q.rs_bits`, one step): every rank's input is encoded once and every rank, its owner too,
-    /// decodes every rank's bytes, so every rank holds the same values
-    /// (`flashcomm_codec::reference::allgather_quant`). In place as NCCL's (the send buffer at
-    /// rank x sendcount elements into the receive buffer) or out of place.
-    pub fn all_gather_quant(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        sendcount: u64,
-        dtype: DataType,
-        q: QuantSpec,
-        stream: Stream,
-    ) -> Result<Plan, Error> {
-        self.run_quant_op(
-            Collective::AllGather,
-            send,
-            recv,
-            sendcount,
-            dtype,
-            q,
-            stream,
-        )
-    }
-
-    /// AllToAll of `count` f16 or bf16 elements per peer with a quantized wire format (width
-    /// `q.rs_bits`, one step): each per-peer block is encoded once, as a buffer of its own, and
-    /// decoded by its receiver (`flashcomm_codec::reference::alltoall_quant`). In place or out
-    /// of place.
-    pub fn all_to_all_quant(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        count: u64,
-        dtype: DataType,
-        q: QuantSpec,
-        stream: Stream,
-    ) -> Result<Plan, Error> {
-        self.run_quant_op(Collective::AlltoAll, send, recv, count, dtype, q, stream)
-    }
-
-    /// Sum ReduceScatter of `recvcount` f16 or bf16 elements per rank with a quantized wire
-    /// format (width `q.rs_bits`, one step): each shard is encoded once; its owner decodes the N
-    /// encodings in rank order, sums them in f32 and rounds to the element type
-    /// (`flashcomm_codec::reference::reducescatter_quant`).
-    pub fn reduce_scatter_quant(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        recvcount: u64,
-        dtype: DataType,
-        q: QuantSpec,
-        stream: Stream,
-    ) -> Result<Plan, Error> {
-        self.run_quant_op(
-            Collective::ReduceScatter,
-            send,
-            recv,
-            recvcount,
-            dtype,
-            q,
-            stream,
-        )
-    }
-
-    /// Plans and runs one of the one-step quantized collectives.
-    #[allow(clippy::too_many_arguments)]
-    fn run_quant_op(
-        &self,
-        coll: Collective,
-        send: DevicePtr,
-        recv: DevicePtr,
-        count: u64,
-        dtype: DataType,
-        q: QuantSpec,
-        stream: Stream,
-    ) -> Result<Plan, Error> {
-        let p = self.plan_quant_op(coll, count, dtype, q)?;
-        self.run(&p, send, recv, count, dtype.bytes(), Some(dtype), stream)?;
-        Ok(p)
-    }
-
-    /// Sum ReduceScatter: `recvcount` elements per rank.
-    pub fn reduce_scatter(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        recvcount: u64,
-        dtype: DataType,
-        stream: Stream,
-    ) -> Result<Plan, Error> {
-        let p = self.plan(Collective::ReduceScatter, recvcount, dtype.bytes());
-        self.run(
-            &p,
-            send,
-            recv,
-            recvcount,
-            dtype.bytes(),
-            Some(dtype),
-            stream,
-        )?;
-        Ok(p)
-    }
-
-    /// AllGather of `sendcount` elements of `elem` bytes each (any datatype).
-    pub fn all_gather(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        sendcount: u64,
-        elem: u64,
-        stream: Stream,
-    ) -> Result<Plan, Error> {
-        let p = self.plan(Collective::AllGather, sendcount, elem);
-        self.run(&p, send, recv, sendcount, elem, None, stream)?;
-        Ok(p)
-    }
-
-    /// AllToAll of `count` elements of `elem` bytes per peer (any datatype): block q of `send`
-    /// goes to rank q, block r of `recv` comes from rank r. In place (`send` = `recv`) or out of
-    /// place, as NCCL lets each rank choose (see [`check_buffers`]).
-    pub fn all_to_all(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        count: u64,
-        elem: u64,
-        stream: Stream,
-    ) -> Result<Plan, Error> {
-        let p = self.plan(Collective::AlltoAll, count, elem);
-        self.run(&p, send, recv, count, elem, None, stream)?;
-        Ok(p)
-    }
-
-    /// AllToAll whose blocks lie anywhere: `send[q]` (`count` elements of `elem` bytes) goes to
-    /// rank q, `recv[r]` receives what rank r sent to this rank; blocks may overlap one another.
-    /// What a group of `ncclSend`/`ncclRecv` with one buffer per peer is. The blocks are gathered
-    /// into a scratch buffer of the communicator's device, exchanged by the AllToAll kernel, and
-    /// scattered out: 2 x nranks device copies more than [`Communicator::all_to_all`], all on
-    /// `stream`, ordered after the communicator's previous operation like a launch. The scratch
-    /// (2 x nranks x count x elem bytes) is allocated at the first call that needs more than the
-    /// last one and kept; under graph capture, where allocating is not allowed, a call that needs
-    /// more is refused as [`Error::Unsupported`] (the caller sends it to NCCL, which every rank
-    /// does alike: the scratch's size follows the calls, which are the same on every rank).
-    pub fn all_to_all_scattered(
-        &self,
+        p: &Plan,
         send: &[DevicePtr],
         recv: &[DevicePtr],
         count: u64,
         elem: u64,
         stream: Stream,
-    ) -> Result<Plan, Error> {
+    ) -> Result<(), Error> {
         let n = self.nranks as usize;
         let block = count
             .checked_mul(elem)
@@ -429,10 +242,9 @@ impl Communicator {
                 "an AllToAll block is smaller than {block} bytes"
             )));
         }
-        let p = self.plan(Collective::AlltoAll, count, elem);
         self.check_status()?;
         if block == 0 {
-            return Ok(p);
+            return Ok(());
         }
         let total = block
             .checked_mul(n as u64)
@@ -459,7 +271,7 @@ impl Communicator {
             mem.slice(q * block as usize, block as usize)
                 .copy_from(*b, block, stream)?;
         }
-        self.run(&p, s_in, s_out, count, elem, None, stream)?;
+        self.run(p, s_in, s_out, count, elem, None, stream)?;
         for (r, b) in recv.iter().enumerate() {
             b.copy_from(
                 mem.slice(half + r * block as usize, block as usize),
@@ -468,12 +280,12 @@ impl Communicator {
             )?;
         }
         self.order_after(stream, capturing, false)?;
-        Ok(p)
+        Ok(())
     }
 
-    /// Runs a plan (from [`Communicator::plan`], possibly with the algorithm or protocol changed
-    /// for testing; every rank must run the same plan).
-    pub fn run(
+    /// Runs plan `p` of a call with contiguous buffers (every rank runs the same plan).
+    #[allow(clippy::too_many_arguments)]
+    fn run(
         &self,
         p: &Plan,
         send: DevicePtr,
@@ -688,7 +500,7 @@ impl Communicator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{Arena, CostModel};
+    use crate::plan::{Arena, Choice, CostModel};
 
     /// `flashcommCommSetQuant` is per rank: ranks whose settings differ run one quantized
     /// collective in different wire formats. Their tags must differ so that the kernels report a

@@ -172,9 +172,10 @@ pub struct Communicator {
     quant_models: Vec<QuantModel>,
     cfg: CommConfig,
     last: LastLaunch,
-    /// The scratch of [`Communicator::all_to_all_scattered`]: the last is in use; earlier, smaller
-    /// ones are kept until the communicator is dropped (freeing device memory synchronizes the
-    /// device, which would wait for the kernels of ranks that share it and wait for this one).
+    /// The scratch of a scattered AllToAll ([`Communicator::execute`]): the last is in use;
+    /// earlier, smaller ones are kept until the communicator is dropped (freeing device memory
+    /// synchronizes the device, which would wait for the kernels of ranks that share it and wait
+    /// for this one).
     scratch: std::sync::Mutex<Vec<DeviceMem>>,
     /// Set by [`Communicator::defer_release`]: dropping hands the memory to a thread of its own
     /// instead of freeing it here.

@@ -235,7 +235,7 @@ pub fn plan(
 ) -> Plan {
     let n = arena.nranks;
     if n == 1 {
-        // One rank exchanges nothing (`Communicator::run` copies, or does nothing in place): no
+        // One rank exchanges nothing (`Communicator::execute` copies, or does nothing in place): no
         // plan is weighed, so the trivial call costs no cost-model lookups.
         let (grid, threads) = shape_for(Protocol::Ll, 0, 1);
         let (sub_bytes, chunk_bytes) = arena.chunking(Protocol::Ll, grid);
@@ -273,7 +273,7 @@ pub fn plan(
         },
         // ReduceScatter has the cost structure of the first half of two-shot, AllGather and
         // AllToAll of one-shot's push; each uses the corresponding model row. (The other kinds
-        // never reach a kernel: `Communicator::run` refuses them.)
+        // never reach a kernel: `Communicator::execute` refuses them.)
         Collective::ReduceScatter => TWO_SHOT,
         _ => ONE_SHOT,
     };
