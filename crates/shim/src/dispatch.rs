@@ -370,14 +370,14 @@ pub(crate) fn group_started(depth: u32, config: &Config) {
 /// receives the group exactly as the caller wrote it. Held: a send or receive of a
 /// communicator whose size the real library told, to a peer within it (NCCL itself answers a
 /// peer out of range, so that call is not held).
-pub(crate) fn hold_in_group(call: &CollCall, peer: Option<i32>, config: &Config) -> bool {
+pub(crate) fn hold_in_group(call: &CollCall, config: &Config) -> bool {
     // The setting first: with it off (the default) the per-call path reads no thread-local.
     if !config.settings.grouped_alltoall || !group::holding() {
         return false;
     }
     if matches!(call.kind, Collective::Send | Collective::Recv)
         && call.null_buffer().is_none()
-        && let Some(peer) = peer
+        && let Some(peer) = call.root_or_peer
         && let Some(id) = registry::get(call.comm).and_then(|s| s.identity())
         && (0..id.nranks).contains(&peer)
     {

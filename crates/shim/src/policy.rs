@@ -11,10 +11,10 @@
 //! library. The rules are in `docs/architecture.md` ("Routing rules").
 //!
 //! Owns: [`CommView`], [`Decision`], [`Why`], [`NotQuantized`], [`decide`], [`explain`],
-//! [`float_type`], [`GroupedAlltoAll`], [`GROUPED_ALLTOALL`], [`alltoall_of`].
+//! [`GroupedAlltoAll`], [`GROUPED_ALLTOALL`], [`alltoall_of`].
 //! May import: `types`.
 
-use flashcomm_comm::{DataType, QuantSpec};
+use flashcomm_comm::QuantSpec;
 use flashcomm_config::{Config, KERNEL_OPS, QuantSettings};
 use flashcomm_nccl_sys::{ncclDataType_t, ncclRedOp_t};
 
@@ -193,21 +193,14 @@ pub(crate) fn alltoall_of(held: &[Held], nranks: i32) -> Option<GroupedAlltoAll>
             stream: first.stream,
             config: std::ptr::null(),
             bytes: b,
+            elem: first.elem,
+            dtype: first.dtype,
+            root_or_peer: None,
         },
         send,
         recv,
         contiguous,
     })
-}
-
-/// The element type of a reducing collective flashcomm's kernels take.
-pub(crate) fn float_type(t: ncclDataType_t) -> Option<DataType> {
-    match t {
-        ncclDataType_t::ncclFloat32 => Some(DataType::F32),
-        ncclDataType_t::ncclFloat16 => Some(DataType::F16),
-        ncclDataType_t::ncclBfloat16 => Some(DataType::Bf16),
-        _ => None,
-    }
 }
 
 /// Where `call` goes. A pure function of the call's collective, count, datatype, operator and
@@ -233,7 +226,7 @@ pub(crate) fn decide(call: &CollCall, config: &Config, comm: Option<&CommView>) 
         return Decision::nccl(Why::NotOurs);
     }
     let op = call.kind;
-    let dtype = float_type(call.datatype);
+    let dtype = call.dtype;
     if call.kind.reduces() {
         if call.op != Some(ncclRedOp_t::ncclSum) {
             return Decision::nccl(Why::NotSum);
@@ -422,6 +415,7 @@ pub(crate) mod tests {
     //! The decision table, and helpers the registry's and the dispatch's tests share.
 
     use super::*;
+    use crate::types::DataType;
     use flashcomm_config::{KIB, MIB};
     use flashcomm_nccl_sys::{ncclCollConfig_t, ncclComm_t};
 
@@ -438,6 +432,9 @@ pub(crate) mod tests {
             stream: std::ptr::null_mut(),
             config: std::ptr::null(),
             bytes: 16,
+            elem: 4,
+            dtype: Some(DataType::F32),
+            root_or_peer: None,
         }
     }
 
@@ -620,6 +617,8 @@ pub(crate) mod tests {
             op: kind.reduces().then_some(ncclRedOp_t::ncclSum),
             count: (bytes / elem) as usize,
             bytes,
+            elem,
+            dtype: crate::args::flashcomm_type(dtype),
             ..call(0x7000usize as ncclComm_t)
         }
     }
@@ -1105,6 +1104,8 @@ pub(crate) mod tests {
                                         op: kind.reduces().then_some(op),
                                         config: coll_config as *const ncclCollConfig_t,
                                         bytes: count as u64 * elem,
+                                        elem,
+                                        dtype: crate::args::flashcomm_type(dt),
                                         ..call(0x7000usize as ncclComm_t)
                                     };
                                     let first = decide(&core, config, view.as_ref());

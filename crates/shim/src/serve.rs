@@ -704,14 +704,14 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
     }
     let stream = Stream(call.stream.cast());
     let count = call.count as u64;
-    let dtype = policy::float_type(call.datatype);
+    let dtype = call.dtype;
     let req = match (call.kind, dtype, d.quant) {
         (Collective::AllReduce | Collective::ReduceScatter, Some(t), _)
         | (Collective::AllGather | Collective::AlltoAll, Some(t), Some(_)) => {
             Request::typed(call.kind, count, t)
         }
         (Collective::AllGather | Collective::AlltoAll, _, _) => {
-            Request::bytes(call.kind, count, call.bytes / count.max(1))
+            Request::bytes(call.kind, count, call.elem)
         }
         _ => return Executed::Refused(Cow::Borrowed("not a call flashcomm's kernels take")),
     };
@@ -756,7 +756,7 @@ pub(crate) fn execute_grouped(
         return Executed::Done(report(call, e));
     }
     let count = call.count as u64;
-    let elem = call.bytes / count.max(1);
+    let elem = call.elem;
     let (send, recv) = (
         user_blocks(&g.send, call.bytes),
         user_blocks(&g.recv, call.bytes),

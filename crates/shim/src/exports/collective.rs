@@ -40,6 +40,10 @@ pub(crate) fn collective(
         );
     }
     let checked = args::check(&a);
+    let (elem, bytes, dtype) = match checked {
+        Checked::Routed { elem, bytes, dtype } => (elem, bytes, dtype),
+        Checked::Forward => (0, 0, None),
+    };
     let call = CollCall {
         api: a.api,
         kind: a.kind,
@@ -51,10 +55,10 @@ pub(crate) fn collective(
         comm: a.comm,
         stream: extra.stream,
         config: extra.config,
-        bytes: match checked {
-            Checked::Bytes(bytes) => bytes,
-            Checked::Forward => 0,
-        },
+        bytes,
+        elem,
+        dtype,
+        root_or_peer: extra.root_or_peer,
     };
     let config = &crate::init::state().config;
     if checked == Checked::Forward {
@@ -62,7 +66,7 @@ pub(crate) fn collective(
         return dispatch::pass_through(&call, config, forward);
     }
     // Inside a group that holds its Send/Recv calls back (FLASHCOMM_GROUPED_ALLTOALL).
-    if dispatch::hold_in_group(&call, extra.root_or_peer, config) {
+    if dispatch::hold_in_group(&call, config) {
         return ncclResult_t::ncclSuccess;
     }
     dispatch::run(&call, config, forward)
