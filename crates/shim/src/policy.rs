@@ -11,14 +11,14 @@
 //! library. The rules are in `docs/architecture.md` ("Routing rules").
 //!
 //! Owns: [`CommView`], [`Decision`], [`Why`], [`NotQuantized`], [`decide`], [`explain`],
-//! [`GroupedAlltoAll`], [`GROUPED_ALLTOALL`], [`alltoall_of`].
+//! [`GROUPED_ALLTOALL`] (the name a grouped AllToAll's call carries; the group is `grouped`'s).
 //! May import: `types`.
 
 use flashcomm_comm::QuantSpec;
 use flashcomm_config::{Config, KERNEL_OPS, QuantSettings};
 use flashcomm_nccl_sys::{ncclDataType_t, ncclRedOp_t};
 
-use crate::types::{CollCall, Collective, Held, P2pCall, Route};
+use crate::types::{CollCall, Collective, Route};
 
 /// What [`decide`] knows about a communicator: state agreed at set-up (identical on every rank)
 /// and its quantization settings.
@@ -113,95 +113,6 @@ impl Decision {
 
 /// The `api` name of the AllToAll a Send/Recv group forms ([`alltoall_of`]).
 pub(crate) const GROUPED_ALLTOALL: &str = "ncclSend/ncclRecv group";
-
-/// An all-to-all formed by a group of `ncclSend`/`ncclRecv` ([`alltoall_of`]).
-#[derive(Debug, Clone)]
-pub(crate) struct GroupedAlltoAll {
-    /// The AllToAll the routing rules judge (`api` [`GROUPED_ALLTOALL`]). When `contiguous`, its
-    /// buffers are the send and receive buffers the blocks form; otherwise the first blocks.
-    pub(crate) call: CollCall,
-    /// Block p to send to rank p, and block p to receive from rank p.
-    pub(crate) send: Vec<u64>,
-    pub(crate) recv: Vec<u64>,
-    /// The blocks form one send buffer and one receive buffer (block p at `p x bytes`), apart:
-    /// flashcomm's AllToAll runs on them directly, otherwise through its scratch.
-    pub(crate) contiguous: bool,
-}
-
-/// The all-to-all a group of held-back `ncclSend`/`ncclRecv` calls forms, if it forms one: all
-/// on one communicator of `nranks` ranks, one stream, one datatype, one count, no per-call
-/// configuration; exactly one send and one receive for every rank (this one included); where
-/// the buffers lie does not matter. A pure function of the shape of this rank's calls, never of
-/// addresses: every rank whose group has the same shape finds the same answer (why
-/// `FLASHCOMM_GROUPED_ALLTOALL` is a promise the application makes).
-pub(crate) fn alltoall_of(held: &[Held], nranks: i32) -> Option<GroupedAlltoAll> {
-    // Nested group calls are no-ops for the group's meaning.
-    let held: Vec<P2pCall> = held
-        .iter()
-        .filter_map(|h| match h {
-            Held::P2p(p) => Some(*p),
-            Held::GroupStart | Held::GroupEnd => None,
-        })
-        .collect();
-    let n = usize::try_from(nranks).ok().filter(|&n| n > 0)?;
-    let first = held.first()?.call;
-    if held.len() != 2 * n || first.count == 0 {
-        return None;
-    }
-    let (mut send, mut recv) = (vec![None; n], vec![None; n]);
-    for p in &held {
-        let c = &p.call;
-        let same = c.comm == first.comm
-            && c.stream == first.stream
-            && c.datatype == first.datatype
-            && c.count == first.count
-            && c.bytes == first.bytes
-            && c.config.is_null();
-        let slot = match c.kind {
-            Collective::Send => send.get_mut(usize::try_from(p.peer).ok()?)?,
-            Collective::Recv => recv.get_mut(usize::try_from(p.peer).ok()?)?,
-            _ => return None,
-        };
-        if !same || slot.is_some() {
-            return None;
-        }
-        *slot = Some(match c.kind {
-            Collective::Send => c.sendbuff as u64,
-            _ => c.recvbuff as u64,
-        });
-    }
-    // 2n calls, none twice: every slot is filled.
-    let send: Vec<u64> = send.into_iter().collect::<Option<_>>()?;
-    let recv: Vec<u64> = recv.into_iter().collect::<Option<_>>()?;
-    let b = first.bytes;
-    let run = |v: &[u64]| (0..n as u64).all(|p| Some(v[p as usize]) == v[0].checked_add(p * b));
-    let span = b.checked_mul(n as u64);
-    let apart = span.is_some_and(|span| {
-        send[0].saturating_add(span) <= recv[0] || recv[0].saturating_add(span) <= send[0]
-    });
-    let contiguous = run(&send) && run(&recv) && apart;
-    Some(GroupedAlltoAll {
-        call: CollCall {
-            api: GROUPED_ALLTOALL,
-            kind: Collective::AlltoAll,
-            sendbuff: send[0] as *const std::ffi::c_void,
-            recvbuff: recv[0] as *mut std::ffi::c_void,
-            count: first.count,
-            datatype: first.datatype,
-            op: None,
-            comm: first.comm,
-            stream: first.stream,
-            config: std::ptr::null(),
-            bytes: b,
-            elem: first.elem,
-            dtype: first.dtype,
-            root_or_peer: None,
-        },
-        send,
-        recv,
-        contiguous,
-    })
-}
 
 /// Where `call` goes. A pure function of the call's collective, count, datatype, operator and
 /// per-call configuration, the configuration, and what was agreed about the communicator at
@@ -415,7 +326,8 @@ pub(crate) mod tests {
     //! The decision table, and helpers the registry's and the dispatch's tests share.
 
     use super::*;
-    use crate::types::DataType;
+    use crate::grouped::alltoall_of;
+    use crate::types::{DataType, Held, P2pCall};
     use flashcomm_config::{KIB, MIB};
     use flashcomm_nccl_sys::{ncclCollConfig_t, ncclComm_t};
 

@@ -34,7 +34,7 @@ use flashcomm_config::{Config, FaultPoint};
 use flashcomm_nccl_sys::ncclResult_t;
 
 use crate::bootstrap::{ExchangeFaults, NcclBootstrap};
-use crate::calls::cuda::{OwnStream, SavedContext, check_pointers, user_blocks, user_buffers};
+use crate::calls::cuda::{OwnStream, SavedContext, check_pointers, user_buffers};
 use crate::calls::nccl::{self, Identity};
 use crate::error::Error;
 use crate::logging::{self, Subsys};
@@ -610,7 +610,7 @@ pub(crate) fn forward_in_order(
 }
 
 /// Gives a held-back `ncclSend`/`ncclRecv` to the real library, unchanged (see
-/// `dispatch::hold_in_group`).
+/// `grouped::hold_in_group`).
 pub(crate) fn forward_p2p(p: &P2pCall) -> ncclResult_t {
     let c = &p.call;
     let (send, buf) = match c.kind {
@@ -659,7 +659,8 @@ pub(crate) enum Executed {
     Refused(Cow<'static, str>),
 }
 
-fn report(call: &CollCall, e: CommError) -> ncclResult_t {
+/// The NCCL error of a failed served call, reported (message and `ncclGetLastError`).
+pub(crate) fn report(call: &CollCall, e: CommError) -> ncclResult_t {
     let sub = Subsys::of(call.kind);
     let msg = format!("{} on communicator {:p}: {e}", call.api, call.comm);
     match e {
@@ -731,40 +732,6 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
         Ok(p) if d.quant.is_some() && p.quant.is_none() => {
             Executed::Unquantized(ncclResult_t::ncclSuccess)
         }
-        Ok(_) => Executed::Done(ncclResult_t::ncclSuccess),
-        Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
-        Err(e) => Executed::Done(report(call, e)),
-    }
-}
-
-/// Runs the AllToAll a Send/Recv group forms on flashcomm's kernels: directly when its blocks
-/// form one send and one receive buffer, otherwise through the communicator's scratch
-/// (a scattered [`Request`]).
-pub(crate) fn execute_grouped(
-    state: &CommState,
-    g: &policy::GroupedAlltoAll,
-    d: &Decision,
-) -> Executed {
-    if g.contiguous {
-        return execute(state, &g.call, d);
-    }
-    let Some(c) = state.served() else {
-        return Executed::Refused(Cow::Borrowed("flashcomm does not serve the communicator"));
-    };
-    let call = &g.call;
-    if let Err(e) = c.check_status() {
-        return Executed::Done(report(call, e));
-    }
-    let count = call.count as u64;
-    let elem = call.elem;
-    let (send, recv) = (
-        user_blocks(&g.send, call.bytes),
-        user_blocks(&g.recv, call.bytes),
-    );
-    let req = Request::bytes(Collective::AlltoAll, count, elem)
-        .scattered(&send, &recv)
-        .on(Stream(call.stream.cast()));
-    match c.execute(&req) {
         Ok(_) => Executed::Done(ncclResult_t::ncclSuccess),
         Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
         Err(e) => Executed::Done(report(call, e)),

@@ -2,7 +2,7 @@
 //! the router, or the real library as it is for a call flashcomm does not route.
 //!
 //! Owns: [`Extra`], [`collective`].
-//! May import: `exports::boundary`, `args`, `error`, `init`, `types`, `dispatch`.
+//! May import: `exports::boundary`, `args`, `error`, `init`, `types`, `dispatch`, `grouped`.
 
 use flashcomm_nccl_sys::{cudaStream_t, ncclCollConfig_t, ncclResult_t};
 
@@ -10,6 +10,7 @@ use crate::args::{self, Args, Checked};
 use crate::dispatch;
 use crate::error::Error;
 use crate::exports::boundary::unavailable;
+use crate::grouped;
 use crate::types::CollCall;
 
 /// What the checks do not look at.
@@ -62,11 +63,15 @@ pub(crate) fn collective(
     };
     let config = &crate::init::state().config;
     if checked == Checked::Forward {
-        // Not a call flashcomm routes: the real library answers it, as it would without us.
-        return dispatch::pass_through(&call, config, forward);
+        // Not a call flashcomm routes: the real library answers it, as it would without us
+        // (after the calls a group held back: NCCL receives the group as written).
+        if config.settings.grouped_alltoall && grouped::holding() {
+            grouped::stop_holding(config);
+        }
+        return dispatch::pass_through(&call, forward);
     }
     // Inside a group that holds its Send/Recv calls back (FLASHCOMM_GROUPED_ALLTOALL).
-    if dispatch::hold_in_group(&call, config) {
+    if grouped::hold_in_group(&call, config) {
         return ncclResult_t::ncclSuccess;
     }
     dispatch::run(&call, config, forward)
