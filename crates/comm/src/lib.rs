@@ -31,8 +31,8 @@ pub use error::Error;
 pub use gpu::{DeviceMem, DevicePtr, Stream};
 pub use identity::Build;
 pub use plan::{
-    Algorithm, Choice, Collective, CostModel, DataType, KERNEL_COLLECTIVES, Plan, Protocol,
-    QuantChoice, QuantModel, QuantSpec,
+    Algorithm, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantChoice, QuantModel,
+    QuantSpec,
 };
 pub use release::Release;
 pub use request::{Buffers, Request};

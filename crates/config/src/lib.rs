@@ -23,8 +23,8 @@ pub use flashcomm_codec::{Collective, DType};
 pub use quant::QuantSettings;
 pub use values::{
     Algorithm, Bounded, Bytes, Choice, DebugLevel, Fault, FaultPoint, Faults, FunctionName, GIB,
-    KERNEL_OPS, KIB, Keyword, LibPath, MIB, OneOf, Protocol, QuantBits, QuantChoice, Set,
-    Subsystems, Text, Transport, Value,
+    KIB, Keyword, LibPath, MIB, OneOf, Protocol, QuantBits, QuantChoice, Set, Subsystems, Text,
+    Transport, Value,
 };
 
 /// The largest `FLASHCOMM_TIMEOUT_MS`: its nanoseconds still fit in the 64-bit timeout the
@@ -138,7 +138,7 @@ variables! {
         strict: true,
     }
     /// Which collectives flashcomm's kernels may take; the others always go to NCCL.
-    ops: Set<Collective> = Set(KERNEL_OPS.to_vec()) => {
+    ops: Set<Collective> = Set(Collective::KERNELS.to_vec()) => {
         name: "FLASHCOMM_OPS",
         kind: "list",
         allowed: "comma list of `allreduce`, `reducescatter`, `allgather`, `alltoall`; or `none`",

@@ -343,21 +343,15 @@ impl Value for QuantChoice {
     }
 }
 
-/// The collectives flashcomm's kernels implement: the kinds `FLASHCOMM_OPS` and
-/// `FLASHCOMM_QUANT_OPS` may name.
-pub const KERNEL_OPS: [Collective; 4] = [
-    Collective::AllReduce,
-    Collective::ReduceScatter,
-    Collective::AllGather,
-    Collective::AlltoAll,
-];
-
 /// A collective kind (the tree's one collective enum), as `FLASHCOMM_OPS` spells it: one of
-/// [`KERNEL_OPS`].
+/// [`Collective::KERNELS`].
 impl Value for Collective {
     fn parse(raw: &str) -> Result<Self, Option<String>> {
         let t = raw.trim().to_ascii_lowercase();
-        KERNEL_OPS.into_iter().find(|k| k.name() == t).ok_or(None)
+        Collective::KERNELS
+            .into_iter()
+            .find(|k| k.name() == t)
+            .ok_or(None)
     }
     fn show(&self) -> String {
         self.name().to_string()

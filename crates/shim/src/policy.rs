@@ -15,7 +15,7 @@
 //! May import: `types`.
 
 use flashcomm_comm::QuantSpec;
-use flashcomm_config::{Config, KERNEL_OPS, QuantSettings};
+use flashcomm_config::{Config, QuantSettings};
 use flashcomm_nccl_sys::{ncclDataType_t, ncclRedOp_t};
 
 use crate::types::{CollCall, Collective, Route};
@@ -133,7 +133,7 @@ pub(crate) fn decide(call: &CollCall, config: &Config, comm: Option<&CommView>) 
     if s.disable {
         return Decision::nccl(Why::Disabled);
     }
-    if !KERNEL_OPS.contains(&call.kind) {
+    if !Collective::KERNELS.contains(&call.kind) {
         return Decision::nccl(Why::NotOurs);
     }
     let op = call.kind;

@@ -16,7 +16,7 @@ use clap::{CommandFactory, Parser, ValueEnum};
 pub use flashcomm_comm::Collective;
 
 /// The collectives flashcomm-perf measures (flashcomm's kernels implement them).
-pub const COLLECTIVES: [Collective; 4] = flashcomm_comm::KERNEL_COLLECTIVES;
+pub const COLLECTIVES: [Collective; 4] = Collective::KERNELS;
 
 /// Where the ranks live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -23,17 +23,9 @@ pub use cost::{
 pub use select::{plan, plan_quant, plan_quant_op, quant_pays, quant_shape};
 
 /// The kind of a collective: the tree's one collective enum. flashcomm's kernels implement
-/// AllReduce, ReduceScatter, AllGather and AllToAll ([`KERNEL_COLLECTIVES`]); the communicator
+/// AllReduce, ReduceScatter, AllGather and AllToAll ([`Collective::KERNELS`]); the communicator
 /// refuses the other kinds.
 pub use flashcomm_codec::Collective;
-
-/// The collectives flashcomm's kernels implement.
-pub const KERNEL_COLLECTIVES: [Collective; 4] = [
-    Collective::AllReduce,
-    Collective::ReduceScatter,
-    Collective::AllGather,
-    Collective::AlltoAll,
-];
 
 /// Element types of the reducing collectives: the codec's, the one datatype enum of the tree.
 pub use flashcomm_codec::DType as DataType;
