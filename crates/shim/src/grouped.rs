@@ -306,3 +306,174 @@ pub(crate) fn execute(state: &CommState, g: &GroupedAlltoAll, d: &Decision) -> E
         Err(e) => Executed::Done(serve::report(call, e)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::decide;
+    use crate::policy::tests::{call, cfg, served};
+    use crate::types::Route;
+    use flashcomm_nccl_sys::{ncclComm_t, ncclDataType_t};
+
+    /// PyTorch's equal-split pattern: for each peer, a send then a receive, 256 bytes each (64
+    /// f32), from 0x10000 and into 0x20000, on communicator 0x1.
+    fn pairs(n: i32) -> Vec<P2pCall> {
+        let one = |kind, peer: i32| {
+            let off = peer as usize * 256;
+            P2pCall {
+                call: CollCall {
+                    api: "p2p",
+                    kind,
+                    sendbuff: if kind == Collective::Send {
+                        (0x10000 + off) as *const _
+                    } else {
+                        std::ptr::null()
+                    },
+                    recvbuff: if kind == Collective::Recv {
+                        (0x20000 + off) as *mut _
+                    } else {
+                        std::ptr::null_mut()
+                    },
+                    count: 64,
+                    op: None,
+                    bytes: 256,
+                    ..call(1 as ncclComm_t)
+                },
+                peer,
+            }
+        };
+        (0..n)
+            .flat_map(|p| [one(Collective::Send, p), one(Collective::Recv, p)])
+            .collect()
+    }
+
+    #[test]
+    fn an_equal_send_recv_group_is_an_alltoall() {
+        for n in [1, 2, 8] {
+            let a = alltoall_of(&held(&pairs(n)), n).expect("an all-to-all");
+            assert_eq!(
+                (a.call.kind, a.call.count, a.call.bytes),
+                (Collective::AlltoAll, 64, 256)
+            );
+            assert_eq!(
+                (a.call.sendbuff as usize, a.call.recvbuff as usize),
+                (0x10000, 0x20000)
+            );
+            assert!(a.contiguous);
+            // Any order of the calls.
+            let mut rev = pairs(n);
+            rev.reverse();
+            assert!(alltoall_of(&held(&rev), n).is_some_and(|a| a.contiguous));
+            // Nested group calls among them change nothing.
+            let mut nested = held(&pairs(n));
+            nested.insert(1, Held::GroupStart);
+            nested.push(Held::GroupEnd);
+            assert!(alltoall_of(&nested, n).is_some_and(|a| a.contiguous));
+        }
+    }
+
+    #[test]
+    fn where_the_blocks_lie_decides_only_how_it_runs() {
+        let n = 4;
+        let mut scattered = pairs(n);
+        scattered[2].call.sendbuff = 0x90000 as _;
+        let mut overlapping = pairs(n);
+        for p in overlapping
+            .iter_mut()
+            .filter(|p| p.call.kind == Collective::Recv)
+        {
+            p.call.recvbuff = (p.call.recvbuff as usize - 0x10000 + 0x100) as *mut _;
+        }
+        let mut aliased = pairs(n);
+        for p in aliased
+            .iter_mut()
+            .filter(|p| p.call.kind == Collective::Recv)
+        {
+            p.call.recvbuff = (p.call.recvbuff as usize - 0x10000) as *mut _;
+        }
+        for g in [scattered, overlapping, aliased] {
+            let a = alltoall_of(&held(&g), n).expect("an all-to-all still");
+            assert!(!a.contiguous);
+            assert_eq!(a.send.len(), 4);
+            // The routing rules judge it like any AllToAll (an aliased first block is not an
+            // in-place call).
+            let c = cfg(&[]);
+            assert_eq!(
+                decide(&a.call, &c, Some(&served(&c))).route,
+                Route::Lossless
+            );
+        }
+    }
+
+    fn held(calls: &[P2pCall]) -> Vec<Held> {
+        calls.iter().copied().map(Held::P2p).collect()
+    }
+
+    #[test]
+    fn any_other_group_is_not_an_alltoall() {
+        let n = 4;
+        type Change = Box<dyn Fn(&mut Vec<P2pCall>)>;
+        let bad: Vec<(&str, Change)> = vec![
+            (
+                "a call missing",
+                Box::new(|g| {
+                    g.pop();
+                }),
+            ),
+            (
+                "a call twice",
+                Box::new(|g| {
+                    let x = g[0];
+                    g[1] = x;
+                }),
+            ),
+            (
+                "one count differs",
+                Box::new(|g| {
+                    g[2].call.count = 32;
+                    g[2].call.bytes = 128;
+                }),
+            ),
+            (
+                "another datatype",
+                Box::new(|g| {
+                    g[3].call.datatype = ncclDataType_t::ncclInt32;
+                }),
+            ),
+            (
+                "another stream",
+                Box::new(|g| {
+                    g[4].call.stream = 8 as _;
+                }),
+            ),
+            (
+                "another communicator",
+                Box::new(|g| {
+                    g[5].call.comm = 2 as _;
+                }),
+            ),
+            (
+                "a peer out of range",
+                Box::new(|g| {
+                    g[1].peer = 4;
+                }),
+            ),
+            (
+                "a collective among them",
+                Box::new(|g| {
+                    g[0].call.kind = Collective::AllReduce;
+                }),
+            ),
+        ];
+        for (what, change) in bad {
+            let mut g = pairs(n);
+            change(&mut g);
+            assert!(alltoall_of(&held(&g), n).is_none(), "{what}");
+        }
+        assert!(
+            alltoall_of(&held(&pairs(4)), 8).is_none(),
+            "fewer ranks than the communicator's"
+        );
+        assert!(alltoall_of(&[], 1).is_none());
+    }
+}
