@@ -52,10 +52,10 @@ failed=$(grep -o '[0-9]* failed' "$log" | awk '{s+=$1} END {print s+0}')
 skipped=$(grep -c . "$skips" || true)
 # A skipped test returned without failing, so cargo counted it as passed: it is not.
 passed=$((passed - skipped))
-echo "$passed passed, $failed failed, $skipped skipped"
 if [ "$skipped" -gt 0 ]; then
   echo "skipped (something they need is missing):"
   sed 's/^/  /' "$skips"
 fi
+echo "$passed passed, $failed failed, $skipped skipped"
 [ "$status" -eq 0 ] && [ "$research_status" -eq 0 ] && [ "$wheel_status" -eq 0 ] \
   && [ "$multigpu_status" -eq 0 ] && [ "$demo_status" -eq 0 ] && [ "$failed" -eq 0 ]
