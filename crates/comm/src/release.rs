@@ -8,9 +8,18 @@
 //! to a thread of its own, which waits until the communicator's last launch has finished (its
 //! memory must outlive every kernel that uses it) and then frees; the caller waits for that at
 //! most a bound and returns either way. Whatever never becomes free is leaked, as NCCL leaks what
-//! it cannot free; a thread stuck in a free is the only thing that waits.
+//! it cannot free.
+//!
+//! A free that waits is not harmless even on a thread of its own: while `cuMemFree` waits for
+//! the device, the driver holds other threads' launches behind it, so a free that waits for a
+//! stuck kernel stops every thread of the process at its next launch, including the thread that
+//! would end the stuck kernel with `ncclCommAbort`. So the thread frees only once no watched
+//! communicator of the process ([`Registry::watch`]) has work outstanding: while one is stuck,
+//! nothing is freed under it, and memory that never becomes free that way is leaked. Work the
+//! application or the real NCCL leaves stuck is not seen; a free can wait behind that, as the
+//! real NCCL's own frees do.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// What a release thread frees: something to wait for, then something to drop.
@@ -61,10 +70,51 @@ impl Release {
     }
 }
 
-/// Frees `r` on a thread of its own once it is ready, and says when through `done` (a release
-/// the caller made beforehand, [`Release`]). A thread that cannot be started leaks `r` (freeing
-/// it here could block the caller).
-pub(crate) fn in_background<R: Releasable>(r: R, done: Release) {
+/// Something whose device work a free must not wait behind: a live communicator's launches.
+pub(crate) trait Activity: Send + Sync + 'static {
+    /// `Ok(true)`: nothing of it is outstanding on the device; `Err`: it cannot be told (a
+    /// failed device), which does not hold frees back.
+    fn idle(&self) -> Result<bool, String>;
+}
+
+/// The communicators of the process whose work holds frees back (weakly held: a dropped one
+/// leaves by itself).
+pub(crate) struct Registry(Mutex<Vec<Weak<dyn Activity>>>);
+
+/// Every communicator of the process.
+pub(crate) static LIVE: Registry = Registry::new();
+
+impl Registry {
+    pub(crate) const fn new() -> Registry {
+        Registry(Mutex::new(Vec::new()))
+    }
+
+    /// From now on, no release frees while `a` has work outstanding. Once at set-up, never on a
+    /// call.
+    pub(crate) fn watch(&self, a: Weak<dyn Activity>) {
+        let mut live = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        live.retain(|w| w.strong_count() > 0);
+        live.push(a);
+    }
+
+    /// Whether no watched communicator has work outstanding now.
+    pub(crate) fn quiet(&self) -> bool {
+        let live: Vec<Arc<dyn Activity>> = self
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        live.iter().all(|a| !matches!(a.idle(), Ok(false)))
+    }
+}
+
+/// Frees `r` on a thread of its own once it is ready and no communicator of `registry` has work
+/// outstanding, and says when through `done` (a release the caller made beforehand,
+/// [`Release`]). A thread that cannot be started leaks `r` (freeing it here could block the
+/// caller).
+pub(crate) fn in_background<R: Releasable>(r: R, done: Release, registry: &'static Registry) {
     let slot = Arc::new(Mutex::new(Some(r)));
     let theirs = slot.clone();
     let started = std::thread::Builder::new()
@@ -75,7 +125,12 @@ pub(crate) fn in_background<R: Releasable>(r: R, done: Release) {
             };
             // Not yet (an error means the device cannot tell: free at once).
             let mut pause = Duration::from_micros(20);
-            while let Ok(false) = r.ready() {
+            loop {
+                match r.ready() {
+                    Ok(false) => {}
+                    Ok(true) if !registry.quiet() => {}
+                    _ => break,
+                }
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(50));
             }
@@ -127,9 +182,10 @@ mod tests {
         }
     }
 
-    fn release(
+    fn release_in(
         polls: Option<u32>,
         gate: Option<std::sync::mpsc::Receiver<()>>,
+        registry: &'static Registry,
     ) -> (Release, Arc<AtomicU32>) {
         let freed = Arc::new(AtomicU32::new(0));
         let done = pending();
@@ -140,8 +196,59 @@ mod tests {
                 gate,
             },
             done.clone(),
+            registry,
         );
         (done, freed)
+    }
+
+    fn release(
+        polls: Option<u32>,
+        gate: Option<std::sync::mpsc::Receiver<()>>,
+    ) -> (Release, Arc<AtomicU32>) {
+        static NONE: Registry = Registry::new();
+        release_in(polls, gate, &NONE)
+    }
+
+    /// Another communicator's kernel, stuck until `stuck` is cleared.
+    struct Kernel {
+        stuck: std::sync::atomic::AtomicBool,
+    }
+
+    impl Activity for Kernel {
+        fn idle(&self) -> Result<bool, String> {
+            Ok(!self.stuck.load(Ordering::SeqCst))
+        }
+    }
+
+    /// Fault class 3, the other communicators: a communicator whose own work is done is not
+    /// freed while another communicator of the process is stuck (the free would hold every
+    /// thread's launches, the abort's too), and is freed once that one ends; a dropped
+    /// communicator holds nothing back.
+    #[test]
+    fn nothing_is_freed_while_another_communicator_is_stuck() {
+        static LIVE: Registry = Registry::new();
+        let stuck = Arc::new(Kernel {
+            stuck: std::sync::atomic::AtomicBool::new(true),
+        });
+        let weak: Weak<dyn Activity> = Arc::downgrade(&(stuck.clone() as Arc<dyn Activity>));
+        LIVE.watch(weak);
+        let (r, freed) = release_in(Some(0), None, &LIVE);
+        assert!(
+            !r.wait(Duration::from_millis(200)),
+            "freed under a stuck kernel"
+        );
+        assert_eq!(freed.load(Ordering::SeqCst), 0);
+        stuck.stuck.store(false, Ordering::SeqCst);
+        assert!(
+            r.wait(Duration::from_secs(10)),
+            "freed once the kernel ended"
+        );
+        assert_eq!(freed.load(Ordering::SeqCst), 1);
+        // Stuck again, then dropped (its communicator destroyed): it no longer holds frees.
+        stuck.stuck.store(true, Ordering::SeqCst);
+        drop(stuck);
+        let (r, _) = release_in(Some(0), None, &LIVE);
+        assert!(r.wait(Duration::from_secs(10)));
     }
 
     /// Fault class 3 without a GPU: whatever the memory's users and the frees do, the caller's

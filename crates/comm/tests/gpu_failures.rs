@@ -417,6 +417,7 @@ fn abort_and_destroy_return_while_other_device_work_is_stuck() {
     let (mine_a, mine_b) = comms.pop().unwrap();
     let (ours_a, ours_b) = comms.pop().unwrap();
     let (stuck, stuck_peer) = comms.pop().unwrap();
+    eprintln!("stage: set-up done");
     let v = Verifier::new(0).unwrap();
     let _ctx = v.activate().unwrap();
     let (s1, s2) = (v.stream().unwrap(), v.stream().unwrap());
@@ -447,8 +448,10 @@ fn abort_and_destroy_return_while_other_device_work_is_stuck() {
                 .on(s1),
         )
         .unwrap();
+    eprintln!("stage: stuck kernel launched");
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(stuck.wait_idle_for(Duration::from_millis(10)), Ok(false));
+    eprintln!("stage: destroying ours");
     // Destroy ours (and our second rank), from a thread, with a watchdog on the caller.
     let t0 = Instant::now();
     let (released, returned) = std::thread::scope(|w| {
@@ -471,6 +474,7 @@ fn abort_and_destroy_return_while_other_device_work_is_stuck() {
         "destroy blocked {returned:?} behind the stuck kernel"
     );
     println!("destroy returned after {returned:?}; freed meanwhile: {released}");
+    eprintln!("stage: aborting a queued launch");
     // Abort of a communicator whose own launch is queued behind the stuck kernel (same stream):
     // the flag is set, nothing ends the stuck kernel, and abort returns within its bound.
     mine_a
@@ -489,6 +493,7 @@ fn abort_and_destroy_return_while_other_device_work_is_stuck() {
         "queued behind the stuck kernel"
     );
     assert!(t0.elapsed() < Duration::from_secs(2));
+    eprintln!("stage: ending the stuck kernel");
     // End the stuck kernel: everything is freed, without anyone waiting in a free.
     stuck.abort();
     s1.synchronize().unwrap();

@@ -119,6 +119,8 @@ const HOST_BYTES: usize = 128;
 /// Written only by the launching thread (NCCL allows one thread at a time per communicator), so
 /// atomics suffice: no lock on the call path.
 struct LastLaunch {
+    /// The device the launches go to (its context answers queries of `event`).
+    device: Arc<Device>,
     /// The stream of the last eager launch (its raw handle as an integer).
     stream: AtomicUsize,
     /// Whether any eager launch happened (`stream` is meaningful).
@@ -132,6 +134,16 @@ struct LastLaunch {
     /// communicator was captured into), beside its chain, which every captured operation of
     /// that capture joins. Touched only while capturing, never on an eager call.
     capture: std::sync::Mutex<CaptureMark>,
+}
+
+impl release::Activity for LastLaunch {
+    fn idle(&self) -> Result<bool, String> {
+        if !self.launched.load(Ordering::Acquire) {
+            return Ok(true);
+        }
+        let _ctx = self.device.activate().map_err(|e| e.to_string())?;
+        self.event.is_done().map_err(|e| e.to_string())
+    }
 }
 
 /// Graph mixing's state of the capture in progress.
@@ -171,7 +183,8 @@ pub struct Communicator {
     /// every rank; empty without calibration).
     quant_models: Vec<QuantModel>,
     cfg: CommConfig,
-    last: LastLaunch,
+    /// Shared with the release registry ([`release::LIVE`]), which asks it before any free.
+    last: Arc<LastLaunch>,
     /// The scratch of a scattered AllToAll ([`Communicator::execute`]): the last is in use;
     /// earlier, smaller ones are kept until the communicator is dropped (freeing device memory
     /// synchronizes the device, which would wait for the kernels of ranks that share it and wait
@@ -192,8 +205,7 @@ struct Deferred {
 /// once the communicator's last eager launch has finished.
 struct Remains {
     device: Arc<Device>,
-    launched: bool,
-    event: Event,
+    last: Arc<LastLaunch>,
     mappings: Vec<PeerMapping>,
     local: LocalArena,
     keep_arena: bool,
@@ -204,17 +216,13 @@ struct Remains {
 
 impl Releasable for Remains {
     fn ready(&mut self) -> Result<bool, String> {
-        if !self.launched {
-            return Ok(true);
-        }
-        let _ctx = self.device.activate().map_err(|e| e.to_string())?;
-        self.event.is_done().map_err(|e| e.to_string())
+        release::Activity::idle(&*self.last)
     }
 
     fn free(self) {
         let Remains {
             device,
-            event,
+            last,
             mut mappings,
             local,
             keep_arena,
@@ -235,7 +243,7 @@ impl Releasable for Remains {
         } else {
             drop(local);
         }
-        drop((own_slots, host, scratch, event));
+        drop((own_slots, host, scratch, last));
     }
 }
 
@@ -304,8 +312,7 @@ impl Drop for Communicator {
         if let Some(d) = deferred {
             let remains = Remains {
                 device: self.device.clone(),
-                launched: self.last.launched.load(Ordering::Acquire),
-                event: std::mem::replace(&mut self.last.event, Event::empty()),
+                last: self.last.clone(),
                 mappings: std::mem::take(&mut self.mappings),
                 local: std::mem::replace(&mut self.local, LocalArena::Empty),
                 keep_arena: d.keep_arena,
@@ -313,7 +320,7 @@ impl Drop for Communicator {
                 host: std::mem::replace(&mut self.host, HostMapped::empty()),
                 scratch: std::mem::take(self.scratch.get_mut().unwrap_or_else(|e| e.into_inner())),
             };
-            release::in_background(remains, d.done);
+            release::in_background(remains, d.done, &release::LIVE);
             return;
         }
         // The arena must outlive every kernel that uses it; peers' mappings are closed with this

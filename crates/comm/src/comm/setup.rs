@@ -13,6 +13,7 @@ use crate::error::Error;
 use crate::gpu::{self, Device, DeviceMem, Event, HostMapped, OwnStream};
 use crate::identity;
 use crate::plan::{Algorithm, Arena, Choice, CostModel, DataType, Protocol};
+use crate::release;
 use crate::transport::{self, LocalArena, PeerMapping, Transport};
 
 use super::{CaptureMark, CommConfig, Communicator, HOST_BYTES, LastLaunch};
@@ -315,14 +316,17 @@ impl Communicator {
             cfg: cfg.clone(),
             scratch: std::sync::Mutex::new(Vec::new()),
             deferred: std::sync::Mutex::new(None),
-            last: LastLaunch {
+            last: Arc::new(LastLaunch {
+                device: dev.clone(),
                 stream: AtomicUsize::new(0),
                 launched: AtomicBool::new(false),
                 captured: AtomicBool::new(false),
                 event,
                 capture: std::sync::Mutex::new(CaptureMark::default()),
-            },
+            }),
         };
+        let watched: Arc<dyn release::Activity> = comm.last.clone();
+        release::LIVE.watch(Arc::downgrade(&watched));
         // Steps 5 and 6 (rounds 6, 7 and, with codec settings to time, 7q), the same on every
         // rank since `cfg` is.
         if cfg.calibrate && nranks > 1 {
