@@ -386,7 +386,7 @@ pub(crate) fn run<F: FnOnce() -> ncclResult_t>(
         config,
         depth,
         depth > 0,
-        |st, d| serve::execute(st, call, d),
+        |st, d| serve::execute(st, call, d, config),
         forward_real,
     )
 }

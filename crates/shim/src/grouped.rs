@@ -137,7 +137,7 @@ fn release_held(held: Vec<Held>, config: &Config) -> ncclResult_t {
             config,
             1,
             true,
-            |st, d| serve::execute(st, &p.call, d),
+            |st, d| serve::execute(st, &p.call, d, config),
             || serve::forward_p2p(p),
         )
     })
@@ -180,7 +180,7 @@ pub(crate) fn group_ending(config: &Config) -> Option<ncclResult_t> {
             config,
             0,
             true,
-            |st, d| execute(st, &g, d),
+            |st, d| execute(st, &g, d, config),
             || forward_held(&held, serve::forward_p2p),
         ),
         None => release_held(held, config),
@@ -280,9 +280,14 @@ pub(crate) fn alltoall_of(held: &[Held], nranks: i32) -> Option<GroupedAlltoAll>
 /// Runs the AllToAll a Send/Recv group forms on flashcomm's kernels: directly when its blocks
 /// form one send and one receive buffer, otherwise through the communicator's scratch
 /// (a scattered [`Request`]).
-pub(crate) fn execute(state: &CommState, g: &GroupedAlltoAll, d: &Decision) -> Executed {
+pub(crate) fn execute(
+    state: &CommState,
+    g: &GroupedAlltoAll,
+    d: &Decision,
+    config: &Config,
+) -> Executed {
     if g.contiguous {
-        return serve::execute(state, &g.call, d);
+        return serve::execute(state, &g.call, d, config);
     }
     let Some(c) = state.served() else {
         return Executed::Refused(Cow::Borrowed("flashcomm does not serve the communicator"));

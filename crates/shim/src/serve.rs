@@ -677,7 +677,12 @@ pub(crate) fn report(call: &CollCall, e: CommError) -> ncclResult_t {
 
 /// Runs a call [`policy::decide`] sent to flashcomm's kernels. Allocates no device memory and
 /// does not synchronize (the communicator's collectives do neither), so it may be captured.
-pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Executed {
+pub(crate) fn execute(
+    state: &CommState,
+    call: &CollCall,
+    d: &Decision,
+    config: &Config,
+) -> Executed {
     let Some(c) = state.served() else {
         return Executed::Refused(Cow::Borrowed("flashcomm does not serve the communicator"));
     };
@@ -698,7 +703,7 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
     let Some((send, recv)) = user_buffers(call, u64::from(c.nranks())) else {
         return Executed::Refused(Cow::Borrowed("the buffer sizes overflow"));
     };
-    if crate::init::state().config.settings.check_pointers
+    if config.settings.check_pointers
         && let Err(msg) = check_pointers(call, &send, &recv, c.device())
     {
         return Executed::Done(report(call, CommError::InvalidArgument(msg)));
@@ -720,7 +725,7 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
         (Some(q), Some(_)) => {
             // Outside the lossless kernels' window a call asked to be quantized stays quantized
             // whatever the cost model says: the window says the lossless kernels must not take it.
-            let s = &crate::init::state().config.settings;
+            let s = &config.settings;
             let lossless_allowed = call.kind == Collective::AllReduce
                 && (s.min_bytes.0..=s.max_bytes.0).contains(&call.bytes);
             req.quantized(q, lossless_allowed)
