@@ -45,6 +45,15 @@ impl Collective {
     /// Number of kinds.
     pub const COUNT: usize = Self::ALL.len();
 
+    /// The kinds flashcomm's kernels implement (the others always go to NCCL): the kinds
+    /// `FLASHCOMM_OPS` and `FLASHCOMM_QUANT_OPS` may name, and the ones flashcomm-perf measures.
+    pub const KERNELS: [Collective; 4] = [
+        Collective::AllReduce,
+        Collective::ReduceScatter,
+        Collective::AllGather,
+        Collective::AlltoAll,
+    ];
+
     /// The kind's index (its position in [`Collective::ALL`]).
     pub const fn index(self) -> usize {
         self as usize

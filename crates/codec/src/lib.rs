@@ -9,7 +9,8 @@
 //! * [`error_bound`] gives the per-element guarantee that the tests check.
 //! * [`DType`] and [`Collective`] are the tree's one element-type and one collective enum, and
 //!   [`rng`] its one seeded generator: they live here, in the lowest crate, so every crate above
-//!   shares them.
+//!   shares them; so do the other words of a call's route ([`Protocol`], [`Algorithm`],
+//!   [`Transport`], [`QuantChoice`], [`Choice`]).
 //! * [`reference`](mod@reference) holds the quantized all-reduce algorithms as the GPU computes them.
 //!
 //! Decoders validate lengths and headers and never panic on arbitrary bytes.
@@ -24,6 +25,7 @@ mod format;
 pub mod reference;
 pub mod rng;
 mod tables;
+mod words;
 
 pub use codec::{
     decode, decode_accumulate, decode_f32, encode, encode_to_vec, error_bound, error_bound_f32,
@@ -38,6 +40,7 @@ pub use format::{
 };
 pub use half::{bf16, f16};
 pub use tables::{ErrorRow, effective_bits_markdown, error_rows, error_table_markdown};
+pub use words::{Algorithm, Choice, Keyword, Protocol, QuantChoice, Transport};
 
 /// The version of the wire format this crate specifies (`docs/codec.md`, "wire format, version
 /// 1"). Ranks compare it at set-up: a rank that encodes another version never decodes with this

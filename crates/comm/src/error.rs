@@ -10,13 +10,9 @@ pub enum Error {
     /// This communicator, call or machine cannot use flashcomm's kernels; the caller should pass
     /// the call through to the real NCCL.
     Unsupported(String),
-    /// A CUDA driver call failed.
-    Cuda {
-        /// What was being done.
-        during: &'static str,
-        /// The driver's error code.
-        detail: String,
-    },
+    /// A CUDA driver call failed: the one CUDA error type, [`flashcomm_gpu::Error`], wrapped
+    /// (always its `Cuda` variant: a missing driver is [`Error::Unsupported`]).
+    Cuda(flashcomm_gpu::Error),
     /// The exchange with the other ranks failed.
     Bootstrap(String),
     /// A peer gave up, was aborted, or ran a different collective (reported by the device).
@@ -34,7 +30,7 @@ impl std::fmt::Display for Error {
             Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
             Error::InvalidUsage(m) => write!(f, "invalid usage: {m}"),
             Error::Unsupported(m) => write!(f, "not supported by flashcomm kernels: {m}"),
-            Error::Cuda { during, detail } => write!(f, "CUDA error while {during}: {detail}"),
+            Error::Cuda(e) => e.fmt(f),
             Error::Bootstrap(m) => write!(f, "exchange between ranks failed: {m}"),
             Error::Remote(m) => write!(f, "remote error: {m}"),
             Error::Timeout(m) => write!(f, "timeout: {m}"),
@@ -48,7 +44,7 @@ impl std::error::Error for Error {}
 impl From<flashcomm_kernels::Error> for Error {
     fn from(e: flashcomm_kernels::Error) -> Self {
         match e {
-            flashcomm_kernels::Error::Cuda { during, detail } => Error::Cuda { during, detail },
+            flashcomm_kernels::Error::Cuda(e) => e.into(),
             other => Error::Unsupported(other.to_string()),
         }
     }
@@ -57,7 +53,7 @@ impl From<flashcomm_kernels::Error> for Error {
 impl From<flashcomm_gpu::Error> for Error {
     fn from(e: flashcomm_gpu::Error) -> Self {
         match e {
-            flashcomm_gpu::Error::Cuda { during, detail } => Error::Cuda { during, detail },
+            e @ flashcomm_gpu::Error::Cuda { .. } => Error::Cuda(e),
             other => Error::Unsupported(other.to_string()),
         }
     }

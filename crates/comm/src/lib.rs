@@ -7,7 +7,9 @@
 //! AllReduce, ReduceScatter and AllGather on flashcomm's kernels, and reports device-side
 //! failures (a peer that never arrives, an abort, ranks calling different collectives) through
 //! [`Communicator::check_status`]. It knows nothing of the NCCL ABI: the shim maps NCCL calls onto
-//! it and passes everything else through to the real NCCL.
+//! it and passes everything else through to the real NCCL. A call is one [`Request`]; the
+//! communicator has one entry to plan it ([`Communicator::plan`]) and one to run it
+//! ([`Communicator::execute`]), and the plan is what `execute` runs.
 //!
 //! `unsafe` code is confined to the [`gpu`] module.
 #![deny(unsafe_code)]
@@ -20,6 +22,7 @@ pub mod gpu;
 pub mod identity;
 pub mod plan;
 mod release;
+pub mod request;
 mod transport;
 
 pub use bootstrap::{Agreement, Bootstrap, ThreadBootstrap, ThreadGroup};
@@ -28,8 +31,9 @@ pub use error::Error;
 pub use gpu::{DeviceMem, DevicePtr, Stream};
 pub use identity::Build;
 pub use plan::{
-    Algorithm, Choice, Collective, CostModel, DataType, KERNEL_COLLECTIVES, Plan, Protocol,
-    QuantChoice, QuantModel, QuantSpec,
+    Algorithm, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantChoice, QuantModel,
+    QuantSpec,
 };
 pub use release::Release;
+pub use request::{Buffers, Request};
 pub use transport::Transport;

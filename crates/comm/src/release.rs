@@ -233,10 +233,16 @@ mod tests {
         let weak: Weak<dyn Activity> = Arc::downgrade(&(stuck.clone() as Arc<dyn Activity>));
         LIVE.watch(weak);
         let (r, freed) = release_in(Some(0), None, &LIVE);
-        assert!(!r.wait(Duration::from_millis(200)), "freed under a stuck kernel");
+        assert!(
+            !r.wait(Duration::from_millis(200)),
+            "freed under a stuck kernel"
+        );
         assert_eq!(freed.load(Ordering::SeqCst), 0);
         stuck.stuck.store(false, Ordering::SeqCst);
-        assert!(r.wait(Duration::from_secs(10)), "freed once the kernel ended");
+        assert!(
+            r.wait(Duration::from_secs(10)),
+            "freed once the kernel ended"
+        );
         assert_eq!(freed.load(Ordering::SeqCst), 1);
         // Stuck again, then dropped (its communicator destroyed): it no longer holds frees.
         stuck.stuck.store(true, Ordering::SeqCst);

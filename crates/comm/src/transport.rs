@@ -20,37 +20,23 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::error::Error;
 use crate::gpu::{Device, DeviceMem, HostArena, IpcMapping, Stream};
 
-/// The memory a rank's arena lives in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Transport {
-    /// Device memory, reached through peer access or CUDA IPC.
-    P2p,
-    /// Pinned host memory mapped into every GPU.
-    Host,
+/// Where the arenas live: the codec crate's word, declared there once.
+pub use flashcomm_codec::Transport;
+
+/// The transport's code in the set-up record.
+pub(crate) fn code(t: Transport) -> u8 {
+    match t {
+        Transport::P2p => 1,
+        Transport::Host => 2,
+    }
 }
 
-impl Transport {
-    /// The name in logs and the benchmark's JSON (`p2p`, `host`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Transport::P2p => "p2p",
-            Transport::Host => "host",
-        }
-    }
-
-    pub(crate) fn code(self) -> u8 {
-        match self {
-            Transport::P2p => 1,
-            Transport::Host => 2,
-        }
-    }
-
-    pub(crate) fn from_code(c: u8) -> Option<Transport> {
-        match c {
-            1 => Some(Transport::P2p),
-            2 => Some(Transport::Host),
-            _ => None,
-        }
+/// The transport a set-up record's code names.
+pub(crate) fn from_code(c: u8) -> Option<Transport> {
+    match c {
+        1 => Some(Transport::P2p),
+        2 => Some(Transport::Host),
+        _ => None,
     }
 }
 
@@ -217,9 +203,9 @@ mod tests {
     #[test]
     fn codes_round_trip() {
         for t in [Transport::P2p, Transport::Host] {
-            assert_eq!(Transport::from_code(t.code()), Some(t));
+            assert_eq!(from_code(code(t)), Some(t));
         }
-        assert_eq!(Transport::from_code(0), None);
+        assert_eq!(from_code(0), None);
     }
 
     #[test]

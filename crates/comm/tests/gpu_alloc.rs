@@ -12,6 +12,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
 use common::{run_ranks, test_config};
+use flashcomm_comm::{Collective, Request};
 use flashcomm_comm::{DataType, QuantSpec};
 
 /// The system allocator, counting the allocations of threads that asked to be watched.
@@ -69,22 +70,39 @@ fn served_calls_do_not_allocate() {
         let s = r.stream;
         let ar = || {
             r.comm
-                .all_reduce(send.as_ptr(), recv.as_ptr(), n, DataType::Bf16, s)
+                .execute(
+                    &Request::typed(Collective::AllReduce, n, DataType::Bf16)
+                        .between(send.as_ptr(), recv.as_ptr())
+                        .on(s),
+                )
                 .unwrap();
         };
         let arq = || {
             r.comm
-                .all_reduce_quant(send.as_ptr(), recv.as_ptr(), n, DataType::Bf16, q, true, s)
+                .execute(
+                    &Request::typed(Collective::AllReduce, n, DataType::Bf16)
+                        .quantized(q, true)
+                        .between(send.as_ptr(), recv.as_ptr())
+                        .on(s),
+                )
                 .unwrap();
         };
         let rs = || {
             r.comm
-                .reduce_scatter(send.as_ptr(), recv.as_ptr(), n / 2, DataType::Bf16, s)
+                .execute(
+                    &Request::typed(Collective::ReduceScatter, n / 2, DataType::Bf16)
+                        .between(send.as_ptr(), recv.as_ptr())
+                        .on(s),
+                )
                 .unwrap();
         };
         let ag = || {
             r.comm
-                .all_gather(send.as_ptr(), recv.as_ptr(), n / 2, 2, s)
+                .execute(
+                    &Request::bytes(Collective::AllGather, n / 2, 2)
+                        .between(send.as_ptr(), recv.as_ptr())
+                        .on(s),
+                )
                 .unwrap();
         };
         let calls: [(&str, &dyn Fn()); 4] = [

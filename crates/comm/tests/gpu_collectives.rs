@@ -9,6 +9,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use flashcomm_comm::Request;
 use flashcomm_comm::{
     Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DeviceMem, DevicePtr, Plan,
     Protocol, ThreadGroup, Transport,
@@ -69,22 +70,21 @@ fn sweep_on(n: u32, cfg: CommConfig, max: u64) {
                 r.v.fill(send.as_ptr(), send_elems, ty, r.rank(), salt, r.stream)
                     .unwrap();
                 recv.fill(0xA5, r.stream).unwrap();
-                let p = r.comm.plan_forced(
-                    coll,
-                    count,
-                    elem,
-                    Choice::Force(algo),
-                    Choice::Force(proto),
-                );
+                let p = r
+                    .comm
+                    .plan(
+                        &Request::bytes(coll, count, elem)
+                            .forced(Choice::Force(algo), Choice::Force(proto)),
+                    )
+                    .unwrap();
                 r.comm
-                    .run(
-                        &p,
-                        send.slice(0, (send_elems * elem) as usize),
-                        recv.slice(0, (recv_elems * elem) as usize),
-                        count,
-                        elem,
-                        ty.dtype(),
-                        r.stream,
+                    .execute(
+                        &Request::pinned(p, count, ty.dtype(), elem)
+                            .between(
+                                send.slice(0, (send_elems * elem) as usize),
+                                recv.slice(0, (recv_elems * elem) as usize),
+                            )
+                            .on(r.stream),
                     )
                     .unwrap();
                 r.v.check(
@@ -179,11 +179,20 @@ fn one_rank_in_place_and_quantized_are_exact() {
                 let dt = ty.dtype().unwrap();
                 if quant {
                     r.comm
-                        .all_reduce_quant(send.as_ptr(), out.as_ptr(), count, dt, q, true, r.stream)
+                        .execute(
+                            &Request::typed(Collective::AllReduce, count, dt)
+                                .quantized(q, true)
+                                .between(send.as_ptr(), out.as_ptr())
+                                .on(r.stream),
+                        )
                         .unwrap();
                 } else {
                     r.comm
-                        .all_reduce(send.as_ptr(), out.as_ptr(), count, dt, r.stream)
+                        .execute(
+                            &Request::typed(Collective::AllReduce, count, dt)
+                                .between(send.as_ptr(), out.as_ptr())
+                                .on(r.stream),
+                        )
                         .unwrap();
                 }
                 r.v.check(
@@ -307,22 +316,21 @@ fn random_values_match_cpu_reference() {
                     for proto in Protocol::ALL {
                         recv.fill(0xA5, r.stream).unwrap();
                         let elem = ty.bytes();
-                        let p = r.comm.plan_forced(
-                            Collective::AllReduce,
-                            count,
-                            elem,
-                            Choice::Force(algo),
-                            Choice::Force(proto),
-                        );
+                        let p = r
+                            .comm
+                            .plan(
+                                &Request::bytes(Collective::AllReduce, count, elem)
+                                    .forced(Choice::Force(algo), Choice::Force(proto)),
+                            )
+                            .unwrap();
                         r.comm
-                            .run(
-                                &p,
-                                send.slice(0, (count * elem) as usize),
-                                recv.slice(0, (count * elem) as usize),
-                                count,
-                                elem,
-                                ty.dtype(),
-                                r.stream,
+                            .execute(
+                                &Request::pinned(p, count, ty.dtype(), elem)
+                                    .between(
+                                        send.slice(0, (count * elem) as usize),
+                                        recv.slice(0, (count * elem) as usize),
+                                    )
+                                    .on(r.stream),
                             )
                             .unwrap();
                         r.sync();
@@ -365,16 +373,20 @@ fn in_place_and_misaligned() {
                             r.stream,
                         )
                         .unwrap();
-                        let p = r.comm.plan_forced(
-                            Collective::AllReduce,
-                            count,
-                            2,
-                            Choice::Force(algo),
-                            Choice::Force(proto),
-                        );
+                        let p = r
+                            .comm
+                            .plan(
+                                &Request::bytes(Collective::AllReduce, count, 2)
+                                    .forced(Choice::Force(algo), Choice::Force(proto)),
+                            )
+                            .unwrap();
                         let io = buf.slice(offset, bytes);
                         r.comm
-                            .run(&p, io, io, count, 2, ty.dtype(), r.stream)
+                            .execute(
+                                &Request::pinned(p, count, ty.dtype(), 2)
+                                    .between(io, io)
+                                    .on(r.stream),
+                            )
                             .unwrap();
                         r.v.check(
                             io,
@@ -400,14 +412,20 @@ fn in_place_and_misaligned() {
                 let out = buf.slice(3, (count * n) as usize);
                 let mine = buf.slice(3 + (count * r.rank() as u64) as usize, count as usize);
                 r.v.fill(mine, count, ty, r.rank(), salt, r.stream).unwrap();
-                let p = r.comm.plan_forced(
-                    Collective::AllGather,
-                    count,
-                    1,
-                    Choice::Auto,
-                    Choice::Force(proto),
-                );
-                r.comm.run(&p, mine, out, count, 1, None, r.stream).unwrap();
+                let p = r
+                    .comm
+                    .plan(
+                        &Request::bytes(Collective::AllGather, count, 1)
+                            .forced(Choice::Auto, Choice::Force(proto)),
+                    )
+                    .unwrap();
+                r.comm
+                    .execute(
+                        &Request::pinned(p, count, None, 1)
+                            .between(mine, out)
+                            .on(r.stream),
+                    )
+                    .unwrap();
                 r.v.check(
                     out,
                     count * n,
@@ -461,15 +479,19 @@ fn pull_with_rank_local_buffers() {
                         };
                         r.v.fill(input, count, ty, r.rank(), salt, r.stream)
                             .unwrap();
-                        let p = r.comm.plan_forced(
-                            Collective::AllReduce,
-                            count,
-                            2,
-                            Choice::Force(algo),
-                            Choice::Force(proto),
-                        );
+                        let p = r
+                            .comm
+                            .plan(
+                                &Request::bytes(Collective::AllReduce, count, 2)
+                                    .forced(Choice::Force(algo), Choice::Force(proto)),
+                            )
+                            .unwrap();
                         r.comm
-                            .run(&p, input, output, count, 2, ty.dtype(), r.stream)
+                            .execute(
+                                &Request::pinned(p, count, ty.dtype(), 2)
+                                    .between(input, output)
+                                    .on(r.stream),
+                            )
                             .unwrap();
                         r.v.check(
                             output,
@@ -598,16 +620,18 @@ fn graph_capture_and_replay() {
                 other => unreachable!("{other} is not replayed"),
             };
             let out = if i % 2 == 0 { &recv } else { &recv2 };
-            let p = r.comm.plan_forced(*coll, *count, elem, *algo, *proto);
+            let p = r
+                .comm
+                .plan(&Request::bytes(*coll, *count, elem).forced(*algo, *proto))
+                .unwrap();
             r.comm
-                .run(
-                    &p,
-                    send.slice(i * (4 << 20), (se * elem) as usize),
-                    out.slice(0, (re * elem) as usize),
-                    *count,
-                    elem,
-                    ty.dtype(),
-                    r.stream,
+                .execute(
+                    &Request::pinned(p, *count, ty.dtype(), elem)
+                        .between(
+                            send.slice(i * (4 << 20), (se * elem) as usize),
+                            out.slice(0, (re * elem) as usize),
+                        )
+                        .on(r.stream),
                 )
                 .unwrap();
             r.v.check(
@@ -665,14 +689,13 @@ fn fill_run_check(
     r.v.fill(send.as_ptr(), se, ty, r.rank(), salt, r.stream)
         .unwrap();
     r.comm
-        .run(
-            p,
-            send.slice(0, (se * elem) as usize),
-            recv.slice(0, (re * elem) as usize),
-            count,
-            elem,
-            ty.dtype(),
-            r.stream,
+        .execute(
+            &Request::pinned(*p, count, ty.dtype(), elem)
+                .between(
+                    send.slice(0, (se * elem) as usize),
+                    recv.slice(0, (re * elem) as usize),
+                )
+                .on(r.stream),
         )
         .unwrap();
     r.v.check(
@@ -705,17 +728,19 @@ fn stress_words() -> impl Iterator<Item = u64> {
 /// communicator's plan.
 fn stress_plan(r: &Rank, x: u64, coll: Collective, ty: TestType, count: u64) -> Plan {
     if coll != Collective::AllReduce {
-        return r.comm.plan(coll, count, ty.bytes());
+        return r
+            .comm
+            .plan(&Request::bytes(coll, count, ty.bytes()))
+            .unwrap();
     }
     let proto = Protocol::ALL[((x >> 40) % 4) as usize];
     let algo = Algorithm::ALL[((x >> 44) % 2) as usize];
-    r.comm.plan_forced(
-        coll,
-        count,
-        ty.bytes(),
-        Choice::Force(algo),
-        Choice::Force(proto),
-    )
+    r.comm
+        .plan(
+            &Request::bytes(coll, count, ty.bytes())
+                .forced(Choice::Force(algo), Choice::Force(proto)),
+        )
+        .unwrap()
 }
 
 /// One call of the stress sequence from a random word: the collective (AllReduce twice as often
@@ -841,12 +866,14 @@ fn missing_rank_times_out_and_process_goes_on() {
                 m.barrier().unwrap();
                 if m.rank() != 3 {
                     let t = Instant::now();
-                    comm.all_reduce(
-                        buf.as_ptr(),
-                        buf.as_ptr(),
-                        1000,
-                        flashcomm_comm::DataType::Bf16,
-                        stream,
+                    comm.execute(
+                        &Request::typed(
+                            Collective::AllReduce,
+                            1000,
+                            flashcomm_comm::DataType::Bf16,
+                        )
+                        .between(buf.as_ptr(), buf.as_ptr())
+                        .on(stream),
                     )
                     .unwrap();
                     stream.synchronize().unwrap();
@@ -862,12 +889,14 @@ fn missing_rank_times_out_and_process_goes_on() {
                     println!("rank {} left after {took:?}: {err}", m.rank());
                     // The next call reports the failure too.
                     assert!(
-                        comm.all_reduce(
-                            buf.as_ptr(),
-                            buf.as_ptr(),
-                            1000,
-                            flashcomm_comm::DataType::Bf16,
-                            stream
+                        comm.execute(
+                            &Request::typed(
+                                Collective::AllReduce,
+                                1000,
+                                flashcomm_comm::DataType::Bf16
+                            )
+                            .between(buf.as_ptr(), buf.as_ptr())
+                            .on(stream)
                         )
                         .is_err()
                     );
@@ -884,12 +913,10 @@ fn missing_rank_times_out_and_process_goes_on() {
         r.v.fill(buf.as_ptr(), 1000, TestType::F32, r.rank(), 1, r.stream)
             .unwrap();
         r.comm
-            .all_reduce(
-                buf.as_ptr(),
-                buf.as_ptr(),
-                1000,
-                flashcomm_comm::DataType::F32,
-                r.stream,
+            .execute(
+                &Request::typed(Collective::AllReduce, 1000, flashcomm_comm::DataType::F32)
+                    .between(buf.as_ptr(), buf.as_ptr())
+                    .on(r.stream),
             )
             .unwrap();
         r.v.check(
@@ -924,12 +951,10 @@ fn disagreeing_ranks_get_an_error() {
         m.barrier().unwrap();
         let count = if m.rank() == 0 { 1000 } else { 4 << 20 };
         let t = Instant::now();
-        comm.all_reduce(
-            buf.as_ptr(),
-            buf.as_ptr(),
-            count,
-            flashcomm_comm::DataType::Bf16,
-            stream,
+        comm.execute(
+            &Request::typed(Collective::AllReduce, count, flashcomm_comm::DataType::Bf16)
+                .between(buf.as_ptr(), buf.as_ptr())
+                .on(stream),
         )
         .unwrap();
         stream.synchronize().unwrap();
@@ -961,17 +986,26 @@ fn epochs_wrap_around_without_a_wrong_result() {
             for (i, x) in (0..64u32).zip(stress_words().skip(777)) {
                 let (coll, ty, count, p) = if i % 8 == 3 {
                     let (ty, count) = (TestType::Bf16, 1u64 << 20);
-                    let p = r.comm.plan_forced(
-                        Collective::AllReduce,
-                        count,
-                        ty.bytes(),
-                        Choice::Force(Algorithm::OneShot),
-                        Choice::Force(Protocol::Ll),
-                    );
+                    let p = r
+                        .comm
+                        .plan(
+                            &Request::bytes(Collective::AllReduce, count, ty.bytes()).forced(
+                                Choice::Force(Algorithm::OneShot),
+                                Choice::Force(Protocol::Ll),
+                            ),
+                        )
+                        .unwrap();
                     (Collective::AllReduce, ty, count, p)
                 } else {
                     let (coll, ty, count) = stress_call(x, nn);
-                    (coll, ty, count, r.comm.plan(coll, count, ty.bytes()))
+                    (
+                        coll,
+                        ty,
+                        count,
+                        r.comm
+                            .plan(&Request::bytes(coll, count, ty.bytes()))
+                            .unwrap(),
+                    )
                 };
                 fill_run_check(r, &p, coll, ty, count, i, &send, &recv);
             }
@@ -1001,23 +1035,18 @@ fn ranks_with_different_datatypes_report_a_mismatch() {
             flashcomm_comm::DataType::F16
         };
         let count = 4096;
-        let p = comm.plan_forced(
-            Collective::AllReduce,
-            count,
-            2,
-            Choice::Force(Algorithm::OneShot),
-            Choice::Force(Protocol::Ll),
-        );
+        let p = comm
+            .plan(&Request::bytes(Collective::AllReduce, count, 2).forced(
+                Choice::Force(Algorithm::OneShot),
+                Choice::Force(Protocol::Ll),
+            ))
+            .unwrap();
         m.barrier().unwrap();
         let t = Instant::now();
-        comm.run(
-            &p,
-            buf.slice(0, 8192),
-            buf.slice(0, 8192),
-            count,
-            2,
-            Some(dt),
-            stream,
+        comm.execute(
+            &Request::pinned(p, count, Some(dt), 2)
+                .between(buf.slice(0, 8192), buf.slice(0, 8192))
+                .on(stream),
         )
         .unwrap();
         stream.synchronize().unwrap();
@@ -1088,8 +1117,14 @@ fn graph_replays_and_eager_calls_on_two_streams() {
         r.sync();
         let (gt, gcount) = (TestType::Bf16, 4096u64);
         let (et, ecount) = (TestType::F32, 3001u64);
-        let gp = r.comm.plan(Collective::AllReduce, gcount, gt.bytes());
-        let ep = r.comm.plan(Collective::AllReduce, ecount, et.bytes());
+        let gp = r
+            .comm
+            .plan(&Request::bytes(Collective::AllReduce, gcount, gt.bytes()))
+            .unwrap();
+        let ep = r
+            .comm
+            .plan(&Request::bytes(Collective::AllReduce, ecount, et.bytes()))
+            .unwrap();
         let call = |p: &Plan,
                     ty: TestType,
                     count: u64,
@@ -1101,14 +1136,10 @@ fn graph_replays_and_eager_calls_on_two_streams() {
                 .unwrap();
             let bytes = (count * ty.bytes()) as usize;
             r.comm
-                .run(
-                    p,
-                    send.slice(0, bytes),
-                    recv.slice(0, bytes),
-                    count,
-                    ty.bytes(),
-                    ty.dtype(),
-                    s,
+                .execute(
+                    &Request::pinned(*p, count, ty.dtype(), ty.bytes())
+                        .between(send.slice(0, bytes), recv.slice(0, bytes))
+                        .on(s),
                 )
                 .unwrap();
             r.v.check(
@@ -1128,7 +1159,12 @@ fn graph_replays_and_eager_calls_on_two_streams() {
         // replay; the record node beside the chain must wait for all three.
         let gp2 = r
             .comm
-            .plan(Collective::AllReduce, gcount / 2 + 5, gt.bytes());
+            .plan(&Request::bytes(
+                Collective::AllReduce,
+                gcount / 2 + 5,
+                gt.bytes(),
+            ))
+            .unwrap();
         r.stream.begin_capture().unwrap();
         call(&gp, gt, gcount, 7, &ga, &gb, r.stream);
         call(&gp2, gt, gcount / 2 + 5, 8, &ga, &gb, r.stream);
@@ -1158,7 +1194,7 @@ fn graph_replays_and_eager_calls_on_two_streams() {
 }
 
 /// AllToAll with blocks anywhere (what a group of `ncclSend`/`ncclRecv` with one buffer per
-/// peer is, `Communicator::all_to_all_scattered`): send and receive blocks in shuffled places
+/// peer is, a scattered `Request`): send and receive blocks in shuffled places
 /// with gaps between them, and blocks received in place of the blocks sent (a list all-to-all
 /// with the same tensors); 2, 4 and 8 ranks, 2- and 4-byte elements, 1 to 256 Ki elements
 /// per block; bitwise exact, and every rank's layout different from the others'.
@@ -1208,7 +1244,11 @@ fn scattered_alltoall_blocks_anywhere() {
                             .unwrap();
                         }
                         r.comm
-                            .all_to_all_scattered(&sends, &recvs, count, elem, r.stream)
+                            .execute(
+                                &Request::bytes(Collective::AlltoAll, count, elem)
+                                    .scattered(&sends, &recvs)
+                                    .on(r.stream),
+                            )
                             .unwrap();
                         // Gather what arrived into one buffer and check it as an AllToAll result.
                         for (q, b) in recvs.iter().enumerate() {
@@ -1260,13 +1300,13 @@ fn alltoall_in_place() {
                     for count in [1u64, 7, 4096, 100_003, max] {
                         salt += 1;
                         let in_place = salt.is_multiple_of(2) || r.rank() == 0;
-                        let p = r.comm.plan_forced(
-                            Collective::AlltoAll,
-                            count,
-                            ty.bytes(),
-                            Choice::Auto,
-                            Choice::Force(proto),
-                        );
+                        let p = r
+                            .comm
+                            .plan(
+                                &Request::bytes(Collective::AlltoAll, count, ty.bytes())
+                                    .forced(Choice::Auto, Choice::Force(proto)),
+                            )
+                            .unwrap();
                         let recv = if in_place { &a } else { &b };
                         fill_run_check(r, &p, Collective::AlltoAll, ty, count, salt, &a, recv);
                     }

@@ -17,6 +17,7 @@ use flashcomm_comm::gpu::OwnStream;
 use flashcomm_comm::{
     Bootstrap, CommConfig, Communicator, DataType, Error, ThreadBootstrap, ThreadGroup,
 };
+use flashcomm_comm::{Collective, Request};
 use flashcomm_testkit::verify::Verifier;
 
 /// Counts the rounds a rank ran.
@@ -126,7 +127,11 @@ fn a_late_peer_completes_without_a_timeout() {
         }
         let t0 = Instant::now();
         r.comm
-            .all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::Bf16, r.stream)
+            .execute(
+                &Request::typed(Collective::AllReduce, count, DataType::Bf16)
+                    .between(buf.as_ptr(), buf.as_ptr())
+                    .on(r.stream),
+            )
             .unwrap();
         r.stream.synchronize().unwrap();
         r.comm.check_status().expect("no error for a late peer");
@@ -169,8 +174,12 @@ fn abort_from_a_watchdog_thread_ends_a_wait_for_a_peer_that_never_comes() {
                 let buf = v.alloc(1 << 20).unwrap();
                 m.barrier().unwrap();
                 if m.rank() == 0 {
-                    comm.all_reduce(buf.as_ptr(), buf.as_ptr(), 1000, DataType::Bf16, stream)
-                        .unwrap();
+                    comm.execute(
+                        &Request::typed(Collective::AllReduce, 1000, DataType::Bf16)
+                            .between(buf.as_ptr(), buf.as_ptr())
+                            .on(stream),
+                    )
+                    .unwrap();
                     let aborted_at =
                         common::abort_from_another_thread(&comm, Duration::from_secs(1));
                     assert_eq!(comm.wait_idle_for(Duration::from_secs(5)), Ok(true));
@@ -230,12 +239,24 @@ fn abort_returns_when_our_launch_is_queued_behind_a_stuck_operation() {
         let b = v.alloc(1 << 16).unwrap();
         let c = v.alloc(1 << 16).unwrap();
         stuck
-            .all_reduce(a.as_ptr(), a.as_ptr(), 1000, DataType::F32, stream)
+            .execute(
+                &Request::typed(Collective::AllReduce, 1000, DataType::F32)
+                    .between(a.as_ptr(), a.as_ptr())
+                    .on(stream),
+            )
             .unwrap();
-        ours.all_reduce(b.as_ptr(), b.as_ptr(), 1000, DataType::F32, stream)
-            .unwrap();
+        ours.execute(
+            &Request::typed(Collective::AllReduce, 1000, DataType::F32)
+                .between(b.as_ptr(), b.as_ptr())
+                .on(stream),
+        )
+        .unwrap();
         ours_b
-            .all_reduce(c.as_ptr(), c.as_ptr(), 1000, DataType::F32, stream_b)
+            .execute(
+                &Request::typed(Collective::AllReduce, 1000, DataType::F32)
+                    .between(c.as_ptr(), c.as_ptr())
+                    .on(stream_b),
+            )
             .unwrap();
         std::thread::sleep(Duration::from_millis(300));
         assert_eq!(
@@ -305,8 +326,12 @@ fn a_thousand_set_ups_leak_nothing() {
                 let mut streams = 0;
                 for i in 0..cycles {
                     let comm = Communicator::new(m, 0, cfg.clone()).unwrap();
-                    comm.all_reduce(buf.as_ptr(), buf.as_ptr(), 256, DataType::F32, stream)
-                        .unwrap();
+                    comm.execute(
+                        &Request::typed(Collective::AllReduce, 256, DataType::F32)
+                            .between(buf.as_ptr(), buf.as_ptr())
+                            .on(stream),
+                    )
+                    .unwrap();
                     stream.synchronize().unwrap();
                     comm.check_status().unwrap();
                     drop(comm);
@@ -403,16 +428,28 @@ fn abort_and_destroy_return_while_other_device_work_is_stuck() {
     let buf2 = v.alloc(1 << 16).unwrap();
     // Used once, completed: our communicator is idle.
     ours_a
-        .all_reduce(buf.as_ptr(), buf.as_ptr(), 1000, DataType::F32, s1)
+        .execute(
+            &Request::typed(Collective::AllReduce, 1000, DataType::F32)
+                .between(buf.as_ptr(), buf.as_ptr())
+                .on(s1),
+        )
         .unwrap();
     ours_b
-        .all_reduce(buf2.as_ptr(), buf2.as_ptr(), 1000, DataType::F32, s2)
+        .execute(
+            &Request::typed(Collective::AllReduce, 1000, DataType::F32)
+                .between(buf2.as_ptr(), buf2.as_ptr())
+                .on(s2),
+        )
         .unwrap();
     s1.synchronize().unwrap();
     s2.synchronize().unwrap();
     // The stuck kernel: rank 0 calls, rank 1 never does (no time limit).
     stuck
-        .all_reduce(buf.as_ptr(), buf.as_ptr(), 1000, DataType::F32, s1)
+        .execute(
+            &Request::typed(Collective::AllReduce, 1000, DataType::F32)
+                .between(buf.as_ptr(), buf.as_ptr())
+                .on(s1),
+        )
         .unwrap();
     eprintln!("stage: stuck kernel launched");
     std::thread::sleep(Duration::from_millis(200));
@@ -444,7 +481,11 @@ fn abort_and_destroy_return_while_other_device_work_is_stuck() {
     // Abort of a communicator whose own launch is queued behind the stuck kernel (same stream):
     // the flag is set, nothing ends the stuck kernel, and abort returns within its bound.
     mine_a
-        .all_reduce(buf.as_ptr(), buf.as_ptr(), 1000, DataType::F32, s1)
+        .execute(
+            &Request::typed(Collective::AllReduce, 1000, DataType::F32)
+                .between(buf.as_ptr(), buf.as_ptr())
+                .on(s1),
+        )
         .unwrap();
     let t0 = Instant::now();
     mine_a.abort();
@@ -484,7 +525,11 @@ fn a_long_collective_with_short_waits_does_not_time_out() {
         r.sync();
         let t0 = Instant::now();
         r.comm
-            .all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::F32, r.stream)
+            .execute(
+                &Request::typed(Collective::AllReduce, count, DataType::F32)
+                    .between(buf.as_ptr(), buf.as_ptr())
+                    .on(r.stream),
+            )
             .unwrap();
         r.stream.synchronize().unwrap();
         r.comm.check_status().unwrap();
@@ -507,7 +552,11 @@ fn a_long_collective_with_short_waits_does_not_time_out() {
         let buf = r.alloc((count * 4) as usize);
         r.sync();
         r.comm
-            .all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::F32, r.stream)
+            .execute(
+                &Request::typed(Collective::AllReduce, count, DataType::F32)
+                    .between(buf.as_ptr(), buf.as_ptr())
+                    .on(r.stream),
+            )
             .unwrap();
         r.stream.synchronize().unwrap();
         r.comm
@@ -560,7 +609,11 @@ fn delayed_blocks_still_give_exact_results() {
             }
             r.sync();
             r.comm
-                .all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::F32, r.stream)
+                .execute(
+                    &Request::typed(Collective::AllReduce, count, DataType::F32)
+                        .between(buf.as_ptr(), buf.as_ptr())
+                        .on(r.stream),
+                )
                 .unwrap();
             r.v.check(
                 buf.as_ptr(),
@@ -603,8 +656,12 @@ fn outputs_are_readable_after_a_timeout_and_later_calls_fail_at_once() {
             v.hold(Duration::from_secs(2), 1, stream).unwrap();
         }
         let t0 = Instant::now();
-        comm.all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::F32, stream)
-            .unwrap();
+        comm.execute(
+            &Request::typed(Collective::AllReduce, count, DataType::F32)
+                .between(buf.as_ptr(), buf.as_ptr())
+                .on(stream),
+        )
+        .unwrap();
         stream.synchronize().unwrap();
         let first = comm.check_status();
         if m.rank() == 0 {
@@ -625,7 +682,11 @@ fn outputs_are_readable_after_a_timeout_and_later_calls_fail_at_once() {
         // stops at its first check of the stop request rank 0 left.
         let t1 = Instant::now();
         let again = comm
-            .all_reduce(buf.as_ptr(), buf.as_ptr(), count, DataType::F32, stream)
+            .execute(
+                &Request::typed(Collective::AllReduce, count, DataType::F32)
+                    .between(buf.as_ptr(), buf.as_ptr())
+                    .on(stream),
+            )
             .and_then(|_| {
                 stream.synchronize()?;
                 comm.check_status()

@@ -17,6 +17,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use flashcomm_codec::reference;
+use flashcomm_comm::Request;
 use flashcomm_comm::{
     Agreement, Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType,
     DeviceMem, QuantSpec, Stream, Transport,
@@ -330,15 +331,14 @@ fn child_process_entry() {
                 };
                 let elem = ty.bytes();
                 v.fill(send.as_ptr(), se, ty, rank, salt, s).unwrap();
-                let p = comm.plan(coll, count, elem);
-                comm.run(
-                    &p,
-                    send.slice(0, (se * elem) as usize),
-                    recv.slice(0, (re * elem) as usize),
-                    count,
-                    elem,
-                    ty.dtype(),
-                    s,
+                let p = comm.plan(&Request::bytes(coll, count, elem)).unwrap();
+                comm.execute(
+                    &Request::pinned(p, count, ty.dtype(), elem)
+                        .between(
+                            send.slice(0, (se * elem) as usize),
+                            recv.slice(0, (re * elem) as usize),
+                        )
+                        .on(s),
                 )
                 .unwrap();
                 v.check(recv.as_ptr(), re, count, coll, ty, n, rank, salt, s)
@@ -366,8 +366,12 @@ fn child_process_entry() {
                 std::thread::sleep(Duration::from_secs(late_s()));
             }
             let t0 = Instant::now();
-            comm.all_reduce(send.as_ptr(), recv.as_ptr(), count, DataType::Bf16, s)
-                .unwrap();
+            comm.execute(
+                &Request::typed(Collective::AllReduce, count, DataType::Bf16)
+                    .between(send.as_ptr(), recv.as_ptr())
+                    .on(s),
+            )
+            .unwrap();
             v.check(
                 recv.as_ptr(),
                 count,
@@ -396,10 +400,18 @@ fn child_process_entry() {
         "queued" => {
             let stuck = second.as_ref().expect("built above");
             stuck
-                .all_reduce(send.as_ptr(), send.as_ptr(), 1000, DataType::Bf16, s)
+                .execute(
+                    &Request::typed(Collective::AllReduce, 1000, DataType::Bf16)
+                        .between(send.as_ptr(), send.as_ptr())
+                        .on(s),
+                )
                 .unwrap();
-            comm.all_reduce(send.as_ptr(), recv.as_ptr(), 1000, DataType::Bf16, s)
-                .unwrap();
+            comm.execute(
+                &Request::typed(Collective::AllReduce, 1000, DataType::Bf16)
+                    .between(send.as_ptr(), recv.as_ptr())
+                    .on(s),
+            )
+            .unwrap();
             std::thread::sleep(Duration::from_millis(300));
             let queued = comm.wait_idle_for(Duration::from_millis(10)) == Ok(false);
             let t0 = Instant::now();
@@ -427,8 +439,12 @@ fn child_process_entry() {
             );
         }
         "watchdog" => {
-            comm.all_reduce(send.as_ptr(), recv.as_ptr(), 1000, DataType::Bf16, s)
-                .unwrap();
+            comm.execute(
+                &Request::typed(Collective::AllReduce, 1000, DataType::Bf16)
+                    .between(send.as_ptr(), recv.as_ptr())
+                    .on(s),
+            )
+            .unwrap();
             let aborted_at = common::abort_from_another_thread(&comm, Duration::from_secs(1));
             let idle = comm.wait_idle_for(Duration::from_secs(5));
             let took = aborted_at.elapsed();
@@ -459,8 +475,12 @@ fn child_process_entry() {
             }
             std::thread::sleep(Duration::from_millis(500));
             let t = Instant::now();
-            comm.all_reduce(send.as_ptr(), recv.as_ptr(), 1000, DataType::Bf16, s)
-                .unwrap();
+            comm.execute(
+                &Request::typed(Collective::AllReduce, 1000, DataType::Bf16)
+                    .between(send.as_ptr(), recv.as_ptr())
+                    .on(s),
+            )
+            .unwrap();
             // The error arrives as the device status (timeout) or, if the dead peer's memory
             // became unreachable, as a CUDA error of the stream.
             let err = s
@@ -549,16 +569,16 @@ fn quantized_checks(
         send.upload(0, &mine, s).unwrap();
         recv.fill(0xA5, s).unwrap();
         let p = comm
-            .plan_quant(count as u64, dtype, q, Choice::Force(algo))
+            .plan(
+                &Request::typed(Collective::AllReduce, count as u64, dtype)
+                    .quantized(q, false)
+                    .with_algo(Choice::Force(algo)),
+            )
             .expect("quantized plan");
-        comm.run(
-            &p,
-            send.slice(0, bytes),
-            recv.slice(0, bytes),
-            count as u64,
-            2,
-            Some(dtype),
-            s,
+        comm.execute(
+            &Request::pinned(p, count as u64, Some(dtype), 2)
+                .between(send.slice(0, bytes), recv.slice(0, bytes))
+                .on(s),
         )
         .unwrap();
         let mut got = vec![0u8; bytes];
@@ -611,22 +631,24 @@ fn graph_replay(
     )
     .unwrap();
     recv.fill(0xA5, s).unwrap();
-    let lp = comm.plan(Collective::AllReduce, count, ty.bytes());
+    let lp = comm
+        .plan(&Request::bytes(Collective::AllReduce, count, ty.bytes()))
+        .unwrap();
     let q = QuantSpec::new(rs, ag, group, spikes).unwrap();
     let qp = comm
-        .plan_quant(qcount as u64, dtype, q, Choice::Force(algo))
+        .plan(
+            &Request::typed(Collective::AllReduce, qcount as u64, dtype)
+                .quantized(q, false)
+                .with_algo(Choice::Force(algo)),
+        )
         .expect("quantized plan");
     s.synchronize().unwrap();
     boot.barrier().unwrap();
     s.begin_capture().unwrap();
-    comm.run(
-        &lp,
-        send.slice(lin, lbytes),
-        recv.slice(0, lbytes),
-        count,
-        ty.bytes(),
-        ty.dtype(),
-        s,
+    comm.execute(
+        &Request::pinned(lp, count, ty.dtype(), ty.bytes())
+            .between(send.slice(lin, lbytes), recv.slice(0, lbytes))
+            .on(s),
     )
     .unwrap();
     v.check(
@@ -641,14 +663,10 @@ fn graph_replay(
         s,
     )
     .unwrap();
-    comm.run(
-        &qp,
-        send.slice(0, qbytes),
-        recv.slice(qout, qbytes),
-        qcount as u64,
-        2,
-        Some(dtype),
-        s,
+    comm.execute(
+        &Request::pinned(qp, qcount as u64, Some(dtype), 2)
+            .between(send.slice(0, qbytes), recv.slice(qout, qbytes))
+            .on(s),
     )
     .unwrap();
     let graph = s.end_capture().expect("capture");

@@ -12,6 +12,7 @@ use std::sync::Mutex;
 
 use common::*;
 use flashcomm_codec::reference;
+use flashcomm_comm::Request;
 use flashcomm_comm::{
     Algorithm, Bootstrap, Choice, Collective, CommConfig, DataType, DevicePtr, QuantChoice,
     QuantSpec, plan,
@@ -198,17 +199,17 @@ fn quantized(n: u32) {
             recv.fill(0xA5, r.stream).unwrap();
             let p = r
                 .comm
-                .plan_quant(case.count as u64, case.dtype, case.q, case.algo)
+                .plan(
+                    &Request::typed(Collective::AllReduce, case.count as u64, case.dtype)
+                        .quantized(case.q, false)
+                        .with_algo(case.algo),
+                )
                 .expect("plan");
             r.comm
-                .run(
-                    &p,
-                    send.slice(0, bytes),
-                    recv.slice(0, bytes),
-                    case.count as u64,
-                    2,
-                    Some(case.dtype),
-                    r.stream,
+                .execute(
+                    &Request::pinned(p, case.count as u64, Some(case.dtype), 2)
+                        .between(send.slice(0, bytes), recv.slice(0, bytes))
+                        .on(r.stream),
                 )
                 .unwrap();
             r.sync();
@@ -289,17 +290,17 @@ fn quantized_large(n: u32, q: QuantSpec, dtype: DataType) {
         let rank0 = r.shared.addrs.lock().unwrap()[0];
         let p = r
             .comm
-            .plan_quant(count as u64, dtype, q, Choice::Auto)
+            .plan(
+                &Request::typed(Collective::AllReduce, count as u64, dtype)
+                    .quantized(q, false)
+                    .with_algo(Choice::Auto),
+            )
             .expect("plan");
         r.comm
-            .run(
-                &p,
-                send.slice(0, bytes),
-                recv.slice(0, bytes),
-                count as u64,
-                2,
-                Some(dtype),
-                r.stream,
+            .execute(
+                &Request::pinned(p, count as u64, Some(dtype), 2)
+                    .between(send.slice(0, bytes), recv.slice(0, bytes))
+                    .on(r.stream),
             )
             .unwrap();
         r.sync();
@@ -372,30 +373,26 @@ fn quantized_graph_replay() {
         for (q, algo) in specs {
             let p = r
                 .comm
-                .plan_quant(count as u64, DataType::Bf16, q, Choice::Force(algo))
+                .plan(
+                    &Request::typed(Collective::AllReduce, count as u64, DataType::Bf16)
+                        .quantized(q, false)
+                        .with_algo(Choice::Force(algo)),
+                )
                 .unwrap();
             r.comm
-                .run(
-                    &p,
-                    send.as_ptr(),
-                    eager.as_ptr(),
-                    count as u64,
-                    2,
-                    Some(DataType::Bf16),
-                    r.stream,
+                .execute(
+                    &Request::pinned(p, count as u64, Some(DataType::Bf16), 2)
+                        .between(send.as_ptr(), eager.as_ptr())
+                        .on(r.stream),
                 )
                 .unwrap();
             r.sync();
             r.stream.begin_capture().unwrap();
             r.comm
-                .run(
-                    &p,
-                    send.as_ptr(),
-                    replay.as_ptr(),
-                    count as u64,
-                    2,
-                    Some(DataType::Bf16),
-                    r.stream,
+                .execute(
+                    &Request::pinned(p, count as u64, Some(DataType::Bf16), 2)
+                        .between(send.as_ptr(), replay.as_ptr())
+                        .on(r.stream),
                 )
                 .unwrap();
             r.v.compare(
@@ -488,12 +485,20 @@ fn quantized_where_it_pays() {
                     .collect();
                 let bytes = count * 2;
                 let p = c
-                    .plan_all_reduce_quant(count as u64, DataType::Bf16, q, Choice::Auto, true)
+                    .plan(
+                        &Request::typed(Collective::AllReduce, count as u64, DataType::Bf16)
+                            .quantized(q, true)
+                            .with_algo(Choice::Auto),
+                    )
                     .unwrap();
                 // Outside the lossless window (the shim's FLASHCOMM_MIN_BYTES/MAX_BYTES) the
                 // call stays quantized.
                 let kept = c
-                    .plan_all_reduce_quant(count as u64, DataType::Bf16, q, Choice::Auto, false)
+                    .plan(
+                        &Request::typed(Collective::AllReduce, count as u64, DataType::Bf16)
+                            .quantized(q, false)
+                            .with_algo(Choice::Auto),
+                    )
                     .unwrap();
                 assert!(
                     kept.quant.is_some(),
@@ -501,9 +506,15 @@ fn quantized_where_it_pays() {
                 );
                 // The rule, from the agreed models.
                 let quant = c
-                    .plan_quant(count as u64, DataType::Bf16, q, Choice::Auto)
+                    .plan(
+                        &Request::typed(Collective::AllReduce, count as u64, DataType::Bf16)
+                            .quantized(q, false)
+                            .with_algo(Choice::Auto),
+                    )
                     .unwrap();
-                let lossless = c.plan(Collective::AllReduce, count as u64, 2);
+                let lossless = c
+                    .plan(&Request::bytes(Collective::AllReduce, count as u64, 2))
+                    .unwrap();
                 let pays = plan::quant_pays(
                     c.cost_model(),
                     &lossless,
@@ -528,14 +539,11 @@ fn quantized_where_it_pays() {
                 .unwrap();
                 recv.fill(0xA5, r.stream).unwrap();
                 let ran = c
-                    .all_reduce_quant(
-                        send.slice(0, bytes),
-                        recv.slice(0, bytes),
-                        count as u64,
-                        DataType::Bf16,
-                        q,
-                        true,
-                        r.stream,
+                    .execute(
+                        &Request::typed(Collective::AllReduce, count as u64, DataType::Bf16)
+                            .quantized(q, true)
+                            .between(send.slice(0, bytes), recv.slice(0, bytes))
+                            .on(r.stream),
                     )
                     .unwrap();
                 assert_eq!(ran, p, "the call runs the plan chosen: {what}");
@@ -620,7 +628,11 @@ fn quantized_where_it_pays() {
         for &count in &counts {
             let p = r
                 .comm
-                .plan_all_reduce_quant(count as u64, DataType::Bf16, specs[0], Choice::Auto, true)
+                .plan(
+                    &Request::typed(Collective::AllReduce, count as u64, DataType::Bf16)
+                        .quantized(specs[0], true)
+                        .with_algo(Choice::Auto),
+                )
                 .unwrap();
             assert!(p.quant.is_some(), "always quantized: count {count}");
         }
@@ -739,14 +751,10 @@ fn quantized_oneshot_rounds(n: u32, max_blocks: u32, specs: &[(QuantSpec, usize)
                     recv.fill(0xA5, r.stream).unwrap();
                     r.sync();
                     r.comm
-                        .run(
-                            &p,
-                            send.slice(0, bytes),
-                            recv.slice(0, bytes),
-                            count as u64,
-                            2,
-                            Some(dtype),
-                            r.stream,
+                        .execute(
+                            &Request::pinned(p, count as u64, Some(dtype), 2)
+                                .between(send.slice(0, bytes), recv.slice(0, bytes))
+                                .on(r.stream),
                         )
                         .unwrap();
                     r.sync();

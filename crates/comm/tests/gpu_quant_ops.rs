@@ -14,6 +14,7 @@ use std::sync::Mutex;
 
 use common::*;
 use flashcomm_codec::{Element, Format, reference};
+use flashcomm_comm::Request;
 use flashcomm_comm::{Bootstrap, Collective, DataType, QuantSpec};
 use half::{bf16, f16};
 
@@ -203,15 +204,24 @@ fn launch(
 ) -> u32 {
     let count = c.count as u64;
     let p = match c.coll {
-        Collective::AllGather => r
-            .comm
-            .all_gather_quant(send, recv, count, c.dtype, c.q, r.stream),
-        Collective::AlltoAll => r
-            .comm
-            .all_to_all_quant(send, recv, count, c.dtype, c.q, r.stream),
-        _ => r
-            .comm
-            .reduce_scatter_quant(send, recv, count, c.dtype, c.q, r.stream),
+        Collective::AllGather => r.comm.execute(
+            &Request::typed(Collective::AllGather, count, c.dtype)
+                .quantized(c.q, false)
+                .between(send, recv)
+                .on(r.stream),
+        ),
+        Collective::AlltoAll => r.comm.execute(
+            &Request::typed(Collective::AlltoAll, count, c.dtype)
+                .quantized(c.q, false)
+                .between(send, recv)
+                .on(r.stream),
+        ),
+        _ => r.comm.execute(
+            &Request::typed(Collective::ReduceScatter, count, c.dtype)
+                .quantized(c.q, false)
+                .between(send, recv)
+                .on(r.stream),
+        ),
     }
     .unwrap_or_else(|e| panic!("{c:?}: {e}"));
     assert_eq!(p.quant.map(|q| q.rs_bits), Some(c.q.rs_bits));
@@ -349,7 +359,9 @@ fn quantized_ops_graph_replay() {
             }
             r.sync();
             r.assert_clean(&format!("100 replays of quantized {coll:?}"));
-            let f32_refused = r.comm.plan_quant_op(coll, 1000, DataType::F32, q);
+            let f32_refused = r
+                .comm
+                .plan(&Request::typed(coll, 1000, DataType::F32).quantized(q, false));
             assert!(
                 matches!(f32_refused, Err(flashcomm_comm::Error::Unsupported(_))),
                 "{coll:?} f32: {f32_refused:?}"

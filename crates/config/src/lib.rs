@@ -12,16 +12,19 @@
 //! `NCCL_DEBUG*` value only falls back to that variable's default, as NCCL itself does.
 #![forbid(unsafe_code)]
 
+mod quant;
+pub mod testing;
 pub mod values;
 
 use std::ffi::OsStr;
 use std::fmt;
 
 pub use flashcomm_codec::{Collective, DType};
+pub use quant::QuantSettings;
 pub use values::{
-    Algo, Bounded, Bytes, DebugLevel, Fault, FaultPoint, Faults, FunctionName, GIB, KERNEL_OPS,
-    KIB, LibPath, MIB, OneOf, Proto, QuantBits, QuantChoice, Set, Subsystems, Text, Transport,
-    Value,
+    Algorithm, Bounded, Bytes, Choice, DebugLevel, Fault, FaultPoint, Faults, FunctionName, GIB,
+    KIB, Keyword, LibPath, MIB, OneOf, Protocol, QuantBits, QuantChoice, Set, Subsystems, Text,
+    Transport, Value,
 };
 
 /// The largest `FLASHCOMM_TIMEOUT_MS`: its nanoseconds still fit in the 64-bit timeout the
@@ -135,14 +138,14 @@ variables! {
         strict: true,
     }
     /// Which collectives flashcomm's kernels may take; the others always go to NCCL.
-    ops: Set<Collective> = Set(KERNEL_OPS.to_vec()) => {
+    ops: Set<Collective> = Set(Collective::KERNELS.to_vec()) => {
         name: "FLASHCOMM_OPS",
         kind: "list",
         allowed: "comma list of `allreduce`, `reducescatter`, `allgather`, `alltoall`; or `none`",
         strict: true,
     }
     /// Device protocol of the kernels: chosen per call, or forced.
-    proto: Proto = Proto::Auto => {
+    proto: Choice<Protocol> = Choice::Auto => {
         name: "FLASHCOMM_PROTO",
         kind: "keyword",
         allowed: "`auto`, `ll`, `block`, `pull`, `direct`",
@@ -152,14 +155,14 @@ variables! {
     /// IPC (`p2p`), pinned host memory every GPU maps (`host`, across PCIe, for GPUs without
     /// peer access), or `auto`: `p2p` where every pair of ranks has peer access, `host`
     /// otherwise.
-    transport: Transport = Transport::Auto => {
+    transport: Choice<Transport> = Choice::Auto => {
         name: "FLASHCOMM_TRANSPORT",
         kind: "keyword",
         allowed: "`auto`, `p2p`, `host`",
         strict: true,
     }
     /// All-reduce algorithm: chosen per call, or forced.
-    algo: Algo = Algo::Auto => {
+    algo: Choice<Algorithm> = Choice::Auto => {
         name: "FLASHCOMM_ALGO",
         kind: "keyword",
         allowed: "`auto`, `oneshot`, `twoshot`",
@@ -464,6 +467,7 @@ pub const BUILD_VARIABLES: &[&str] = &[
     "FLASHCOMM_TEST_SEED",
     "FLASHCOMM_TEST_CHILD",
     "FLASHCOMM_BLESS",
+    "FLASHCOMM_TEST_SKIPS",
 ];
 
 /// A variable with a value the library cannot use.
@@ -508,115 +512,6 @@ impl fmt::Display for Problem {
             }
         }
         write!(f, "; allowed: {}", self.allowed)
-    }
-}
-
-/// The quantization settings of one communicator: the widths of both steps, the group, the
-/// spikes and the window of message sizes (bytes per rank) that may be quantized. Which
-/// collectives and element types may be quantized stays process-wide (`FLASHCOMM_QUANT_OPS`,
-/// `FLASHCOMM_QUANT_DTYPES`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct QuantSettings {
-    /// Width of the reduce-scatter step (the only step of one-shot).
-    pub rs_bits: QuantBits,
-    /// Width of the all-gather step.
-    pub ag_bits: QuantBits,
-    /// Width of the quantized AllGather collective.
-    pub allgather_bits: QuantBits,
-    /// Width of the quantized ReduceScatter collective.
-    pub reducescatter_bits: QuantBits,
-    /// Width of the quantized AllToAll collective.
-    pub alltoall_bits: QuantBits,
-    /// Values per group: 32, 64, 128 or 256.
-    pub group: u32,
-    /// Extreme values kept exactly per group: 0, 2 or 4.
-    pub spikes: u32,
-    /// Smallest message (bytes per rank) that may be quantized.
-    pub min_bytes: u64,
-    /// Largest message (bytes per rank) that may be quantized.
-    pub max_bytes: u64,
-}
-
-impl QuantSettings {
-    /// The group-quantization widths `(reduce-scatter, all-gather)`, when both steps quantize.
-    /// `None` when either step is `off` or `16`: the AllReduce stays lossless.
-    pub fn widths(&self) -> Option<(u8, u8)> {
-        match (self.rs_bits, self.ag_bits) {
-            (QuantBits::Bits(r), QuantBits::Bits(a)) => Some((r, a)),
-            _ => None,
-        }
-    }
-
-    /// The width of a one-step quantized collective (AllGather, ReduceScatter, AllToAll), when
-    /// it quantizes; `None` when it stays lossless (and for AllReduce: see
-    /// [`QuantSettings::widths`]).
-    pub fn op_bits(&self, coll: Collective) -> Option<u8> {
-        let b = match coll {
-            Collective::AllGather => self.allgather_bits,
-            Collective::ReduceScatter => self.reducescatter_bits,
-            Collective::AlltoAll => self.alltoall_bits,
-            _ => return None,
-        };
-        match b {
-            QuantBits::Bits(n) => Some(n),
-            _ => None,
-        }
-    }
-
-    /// Whether a message of `bytes` (per rank) lies inside the quantization window.
-    pub fn in_window(&self, bytes: u64) -> bool {
-        (self.min_bytes..=self.max_bytes).contains(&bytes)
-    }
-
-    /// Checks values that came from outside the environment (the C API): widths, group, spikes
-    /// and the window. The message says what is wrong.
-    pub fn validate(&self) -> Result<(), String> {
-        if ![32, 64, 128, 256].contains(&self.group) {
-            return Err(format!("group {} (allowed: 32, 64, 128, 256)", self.group));
-        }
-        if ![0, 2, 4].contains(&self.spikes) {
-            return Err(format!("spikes {} (allowed: 0, 2, 4)", self.spikes));
-        }
-        for b in [
-            self.rs_bits,
-            self.ag_bits,
-            self.allgather_bits,
-            self.reducescatter_bits,
-            self.alltoall_bits,
-        ] {
-            if let QuantBits::Bits(n) = b
-                && !(2..=8).contains(&n)
-            {
-                return Err(format!(
-                    "width {n} bits (allowed: 2..=8, or 16 for lossless)"
-                ));
-            }
-        }
-        if self.min_bytes > self.max_bytes {
-            return Err(format!(
-                "min_bytes {} is larger than max_bytes {}",
-                self.min_bytes, self.max_bytes
-            ));
-        }
-        Ok(())
-    }
-}
-
-impl fmt::Display for QuantSettings {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "rs {} bits, ag {} bits, allgather {} bits, reducescatter {} bits, alltoall {} bits, group {}, spikes {}, window [{}, {}]",
-            self.rs_bits.show(),
-            self.ag_bits.show(),
-            self.allgather_bits.show(),
-            self.reducescatter_bits.show(),
-            self.alltoall_bits.show(),
-            self.group,
-            self.spikes,
-            Bytes(self.min_bytes),
-            Bytes(self.max_bytes)
-        )
     }
 }
 
@@ -1025,7 +920,7 @@ mod tests {
             ("UNRELATED", "x"),
         ]);
         assert_eq!(c.passthrough_forced, None, "{:?}", c.problems);
-        assert_eq!(c.settings.proto, Proto::Ll);
+        assert_eq!(c.settings.proto, Choice::Force(Protocol::Ll));
         assert_eq!(c.settings.max_bytes, Bytes(16 * MIB));
         assert_eq!(c.quant_rs_bits(), QuantBits::Bits(4));
         assert_eq!(c.quant_ag_bits(), QuantBits::Bits(8));
@@ -1082,7 +977,7 @@ mod tests {
         assert!(reason.contains("forwards every call to NCCL"), "{reason}");
         assert!(c.passthrough());
         // The bad variables keep their defaults.
-        assert_eq!(c.settings.proto, Proto::Auto);
+        assert_eq!(c.settings.proto, Choice::Auto);
         assert_eq!(c.problems.len(), 2);
     }
 

@@ -320,72 +320,38 @@ macro_rules! keyword_enum {
     };
 }
 
-keyword_enum! {
-    /// Where the communicators' arenas live.
-    Transport {
-        /// `p2p` where every pair of ranks has peer access, `host` otherwise.
-        Auto = "auto",
-        /// Device memory, reached through peer access or CUDA IPC.
-        P2p = "p2p",
-        /// Pinned host memory mapped into every GPU.
-        Host = "host",
+/// The words of a call's route (protocol, algorithm, transport, quantization choice, a forced or
+/// automatic choice): declared once in the codec crate; the configuration parses into them.
+pub use flashcomm_codec::{Algorithm, Choice, Keyword, Protocol, QuantChoice, Transport};
+
+/// `auto`, or one of `T`'s keywords.
+impl<T: Keyword> Value for Choice<T> {
+    fn parse(raw: &str) -> Result<Self, Option<String>> {
+        Choice::from_keyword(raw).ok_or(None)
+    }
+    fn show(&self) -> String {
+        self.keyword().to_string()
     }
 }
 
-keyword_enum! {
-    /// The device protocol of our kernels.
-    Proto {
-        /// Chosen per call by the cost model.
-        Auto = "auto",
-        /// Low-latency: flag and payload in one 16-byte store.
-        Ll = "ll",
-        /// Block protocol: payload blocks followed by a readiness tag.
-        Block = "block",
-        /// Pull protocol (AllReduce): inputs staged in each rank's own arena, loaded by peers.
-        Pull = "pull",
-        /// Pull protocol (AllReduce), loads straight from the peers' buffers where ranks share a
-        /// process and device; elsewhere as `pull`.
-        Direct = "direct",
+impl Value for QuantChoice {
+    fn parse(raw: &str) -> Result<Self, Option<String>> {
+        QuantChoice::from_keyword(raw).ok_or(None)
+    }
+    fn show(&self) -> String {
+        self.name().to_string()
     }
 }
-
-keyword_enum! {
-    /// Whether a quantized AllReduce runs where the lossless kernels are faster.
-    QuantChoice {
-        /// Quantize where the calibrated cost model predicts it faster than lossless.
-        Auto = "auto",
-        /// Quantize every call that asks for it.
-        Always = "always",
-    }
-}
-
-keyword_enum! {
-    /// The algorithm of our all-reduce.
-    Algo {
-        /// Chosen per call by the cost model.
-        Auto = "auto",
-        /// Every rank reads every peer's input and reduces locally.
-        Oneshot = "oneshot",
-        /// Reduce-scatter, then all-gather.
-        Twoshot = "twoshot",
-    }
-}
-
-/// The collectives flashcomm's kernels implement: the kinds `FLASHCOMM_OPS` and
-/// `FLASHCOMM_QUANT_OPS` may name.
-pub const KERNEL_OPS: [Collective; 4] = [
-    Collective::AllReduce,
-    Collective::ReduceScatter,
-    Collective::AllGather,
-    Collective::AlltoAll,
-];
 
 /// A collective kind (the tree's one collective enum), as `FLASHCOMM_OPS` spells it: one of
-/// [`KERNEL_OPS`].
+/// [`Collective::KERNELS`].
 impl Value for Collective {
     fn parse(raw: &str) -> Result<Self, Option<String>> {
         let t = raw.trim().to_ascii_lowercase();
-        KERNEL_OPS.into_iter().find(|k| k.name() == t).ok_or(None)
+        Collective::KERNELS
+            .into_iter()
+            .find(|k| k.name() == t)
+            .ok_or(None)
     }
     fn show(&self) -> String {
         self.name().to_string()
@@ -619,8 +585,11 @@ mod tests {
             vec![Collective::AlltoAll]
         );
         assert!(Set::<Collective>::parse(",").is_err());
-        assert_eq!(Proto::parse("LL"), Ok(Proto::Ll));
-        assert!(Algo::parse("threeshot").is_err());
+        assert_eq!(
+            Choice::<Protocol>::parse("LL"),
+            Ok(Choice::Force(Protocol::Ll))
+        );
+        assert!(Choice::<Algorithm>::parse("threeshot").is_err());
     }
 
     #[test]

@@ -2,11 +2,12 @@
 //! from the call's shape with a few integer operations, so a launch needs neither a name nor a
 //! lookup. [`crate::Kernels`] resolves the whole table once when it loads the modules.
 //!
-//! This file is plain data and `const fn`s that import nothing of flashcomm but the codec's `DType`: `xtask` includes it
+//! This file is plain data and `const fn`s that import nothing of flashcomm but the codec's words
+//! (`DType`, `Protocol`, `Algorithm`, declared there once): `xtask` includes it
 //! to generate the CUDA instantiation list (`cuda/include/flashcomm/instances.h`), so the kernels
 //! that exist and the kernels the host believes exist come from this one table.
 
-pub use flashcomm_codec::DType;
+pub use flashcomm_codec::{Algorithm, DType, Protocol};
 
 /// The CUDA element type of `t`.
 pub const fn cuda_type(t: DType) -> &'static str {
@@ -19,92 +20,6 @@ pub const fn cuda_type(t: DType) -> &'static str {
 
 /// Element types of the reducing kernels, in table order (`DType::code`).
 pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
-
-/// How readiness travels with the data (and, for the two push protocols against PULL, who moves
-/// it: the sender stores into its peers' arenas, or the receiver loads from its peers).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Protocol {
-    /// Push: 16-byte lines with a tag beside every 4 bytes of data: lowest latency, half the
-    /// payload density.
-    Ll,
-    /// Push: frames with one tag written after a fence: full density, one fence per frame.
-    Block,
-    /// Pull, staged: each rank copies its input into its own arena and publishes one flag line
-    /// per (peer, block, stage); peers load from there. AllReduce only.
-    Pull,
-    /// Pull, direct: peers load straight from the user's buffers (ranks of one process on one
-    /// device), and each block ends with a "done" flag exchange. AllReduce only.
-    Direct,
-}
-
-impl Protocol {
-    /// Every protocol, in table order.
-    pub const ALL: [Protocol; 4] = [
-        Protocol::Ll,
-        Protocol::Block,
-        Protocol::Pull,
-        Protocol::Direct,
-    ];
-
-    /// The push protocols, the ones every collective has kernels of (ReduceScatter, AllGather
-    /// and AllToAll have no PULL kernels).
-    pub const PUSH: [Protocol; 2] = [Protocol::Ll, Protocol::Block];
-
-    /// Kernel-name fragment (also the protocol's name in settings and tables).
-    pub const fn name(self) -> &'static str {
-        match self {
-            Protocol::Ll => "ll",
-            Protocol::Block => "block",
-            Protocol::Pull => "pull",
-            Protocol::Direct => "direct",
-        }
-    }
-
-    /// Position in [`Protocol::ALL`].
-    pub const fn index(self) -> usize {
-        match self {
-            Protocol::Ll => 0,
-            Protocol::Block => 1,
-            Protocol::Pull => 2,
-            Protocol::Direct => 3,
-        }
-    }
-
-    /// Whether this is a pull protocol (AllReduce only).
-    pub const fn pulls(self) -> bool {
-        matches!(self, Protocol::Pull | Protocol::Direct)
-    }
-}
-
-/// AllReduce algorithms.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Algorithm {
-    /// Every rank pushes its whole input to every peer and reduces all of them.
-    OneShot,
-    /// Reduce-scatter to shard owners, then all-gather of the reduced shards.
-    TwoShot,
-}
-
-impl Algorithm {
-    /// Both algorithms, in table order.
-    pub const ALL: [Algorithm; 2] = [Algorithm::OneShot, Algorithm::TwoShot];
-
-    /// Kernel-name fragment.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Algorithm::OneShot => "oneshot",
-            Algorithm::TwoShot => "twoshot",
-        }
-    }
-
-    /// Position in [`Algorithm::ALL`].
-    pub const fn index(self) -> usize {
-        match self {
-            Algorithm::OneShot => 0,
-            Algorithm::TwoShot => 1,
-        }
-    }
-}
 
 /// Element types of the quantized kernels, in table order.
 pub const QUANT_DTYPES: [DType; 2] = [DType::F16, DType::Bf16];

@@ -60,9 +60,11 @@ fn image_from(
         let path = std::path::Path::new(&dir).join(format!("{name}.fatbin"));
         return std::fs::read(&path)
             .map(std::borrow::Cow::Owned)
-            .map_err(|e| Error::Cuda {
-                during: "reading a kernel image",
-                detail: format!("{}: {e}", path.display()),
+            .map_err(|e| {
+                Error::Cuda(flashcomm_gpu::Error::Cuda {
+                    during: "reading a kernel image",
+                    detail: format!("{}: {e}", path.display()),
+                })
             });
     }
     if embedded.is_empty() {
@@ -81,15 +83,9 @@ pub fn module_names() -> Vec<&'static str> {
 pub enum Error {
     /// The library was built without kernels.
     NoKernels,
-    /// No CUDA driver library could be loaded.
-    NoDriver,
-    /// A CUDA driver call failed.
-    Cuda {
-        /// What was being done.
-        during: &'static str,
-        /// The driver's error name and message.
-        detail: String,
-    },
+    /// No CUDA driver library could be loaded, or a CUDA driver call failed: the one CUDA error
+    /// type, [`flashcomm_gpu::Error`], wrapped.
+    Cuda(flashcomm_gpu::Error),
     /// The named kernel is in none of the embedded modules.
     MissingKernel(String),
     /// A launcher refused its arguments (sizes, alignment, formats).
@@ -103,11 +99,7 @@ impl std::fmt::Display for Error {
                 f,
                 "this flashcomm build carries no CUDA kernels (nvcc was not found at build time)"
             ),
-            Error::NoDriver => write!(
-                f,
-                "the CUDA driver library (libcuda.so.1) could not be loaded"
-            ),
-            Error::Cuda { during, detail } => write!(f, "CUDA error while {during}: {detail}"),
+            Error::Cuda(e) => e.fmt(f),
             Error::MissingKernel(n) => write!(f, "kernel {n} is not in the embedded CUDA modules"),
             Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
         }

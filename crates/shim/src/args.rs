@@ -6,18 +6,21 @@
 //! overflows) goes to the real NCCL untouched, uncounted, and the real library's answer is the
 //! answer, so a program cannot tell flashcomm is there: the same code, the same
 //! `ncclGetLastError`, the same treatment inside a group, and datatypes or operators of a newer
-//! real library reach it unchanged. Everything else ([`Checked::Bytes`]) goes through the router,
+//! real library reach it unchanged. Everything else ([`Checked::Routed`]) goes through the router,
 //! which forwards it too unless flashcomm serves the communicator; only then do flashcomm's own
 //! checks apply (`CollCall::null_buffer`, `serve::execute`).
 //!
-//! Owns: [`Args`], [`Checked`], [`check`], [`element_size`].
+//! The call is typed here, once: its element size, its size in bytes and flashcomm's element
+//! type ([`flashcomm_type`]); everything after reads them from the call.
+//!
+//! Owns: [`Args`], [`Checked`], [`check`], [`element_size`], [`flashcomm_type`].
 //! May import: `types`.
 
 use std::ffi::c_void;
 
 use flashcomm_nccl_sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t};
 
-use crate::types::Collective;
+use crate::types::{Collective, DataType};
 
 /// The arguments to check.
 #[derive(Debug, Clone, Copy)]
@@ -46,8 +49,16 @@ pub(crate) enum Checked {
     /// Not a call flashcomm routes: it goes to the real library as it is, and the real library's
     /// answer is the answer.
     Forward,
-    /// A call the router decides: `count` x element size bytes (per rank).
-    Bytes(u64),
+    /// A call the router decides: its element size, `count` x element size bytes (per rank),
+    /// and flashcomm's element type where it has one.
+    Routed {
+        /// Bytes of one element.
+        elem: u64,
+        /// Bytes per rank.
+        bytes: u64,
+        /// flashcomm's element type ([`flashcomm_type`]).
+        dtype: Option<DataType>,
+    },
 }
 
 /// Size of one element, for a datatype below `ncclNumTypes`.
@@ -62,6 +73,16 @@ pub(crate) fn element_size(datatype: ncclDataType_t) -> Option<u64> {
         ncclDataType_t::ncclInt64 | ncclDataType_t::ncclUint64 | ncclDataType_t::ncclFloat64 => 8,
         _ => return None,
     })
+}
+
+/// flashcomm's element type of an NCCL datatype: the types its reducing kernels take.
+pub(crate) fn flashcomm_type(t: ncclDataType_t) -> Option<DataType> {
+    match t {
+        ncclDataType_t::ncclFloat32 => Some(DataType::F32),
+        ncclDataType_t::ncclFloat16 => Some(DataType::F16),
+        ncclDataType_t::ncclBfloat16 => Some(DataType::Bf16),
+        _ => None,
+    }
 }
 
 /// Classifies one collective call. Pure: a few comparisons, no allocation.
@@ -85,7 +106,11 @@ pub(crate) fn check(a: &Args) -> Checked {
         return Checked::Forward;
     }
     match (a.count as u64).checked_mul(size) {
-        Some(bytes) => Checked::Bytes(bytes),
+        Some(bytes) => Checked::Routed {
+            elem: size,
+            bytes,
+            dtype: flashcomm_type(a.datatype),
+        },
         None => Checked::Forward,
     }
 }
@@ -93,6 +118,13 @@ pub(crate) fn check(a: &Args) -> Checked {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Ten bf16 elements.
+    const BF16_20: Checked = Checked::Routed {
+        elem: 2,
+        bytes: 20,
+        dtype: Some(DataType::Bf16),
+    };
 
     fn args() -> Args {
         Args {
@@ -109,7 +141,7 @@ mod tests {
 
     #[test]
     fn good_call() {
-        assert_eq!(check(&args()), Checked::Bytes(20));
+        assert_eq!(check(&args()), BF16_20);
     }
 
     #[test]
@@ -140,7 +172,7 @@ mod tests {
                 datatype: ncclDataType_t(dt),
                 ..args()
             };
-            assert!(matches!(check(&a), Checked::Bytes(_)), "{dt}");
+            assert!(matches!(check(&a), Checked::Routed { .. }), "{dt}");
         }
     }
 
@@ -152,7 +184,7 @@ mod tests {
                 op: Some(ncclRedOp_t(op)),
                 ..args()
             };
-            assert_eq!(check(&a), Checked::Bytes(20), "{op}");
+            assert_eq!(check(&a), BF16_20, "{op}");
         }
         // Negative values (above ncclMaxRedOp as unsigned) are the real library's to answer.
         for op in [-1i32, -5, i32::MIN] {
@@ -183,7 +215,7 @@ mod tests {
             recvbuff: std::ptr::null_mut(),
             ..args()
         };
-        assert_eq!(check(&a), Checked::Bytes(20));
+        assert_eq!(check(&a), BF16_20);
         let a = Args {
             count: usize::MAX,
             datatype: ncclDataType_t::ncclFloat64,
@@ -195,7 +227,14 @@ mod tests {
             datatype: ncclDataType_t::ncclUint8,
             ..args()
         };
-        assert_eq!(check(&a), Checked::Bytes(u64::MAX));
+        assert_eq!(
+            check(&a),
+            Checked::Routed {
+                elem: 1,
+                bytes: u64::MAX,
+                dtype: None
+            }
+        );
     }
 
     #[test]

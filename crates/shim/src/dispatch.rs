@@ -18,10 +18,9 @@
 //! library runs, and nothing on the path allocates device memory or synchronizes, so routed
 //! calls may be captured into CUDA graphs.
 //!
-//! Owns: the hooks the exports call ([`run`], [`pass_through`], [`on_comms_created`],
-//! [`on_comm_destroying`], [`on_comm_suspend`], [`on_comm_resumed`], [`group_started`],
-//! [`hold_in_group`], [`hold_group_call`], [`hold_in_group_released`], [`group_ending`], [`group_ended`],
-//! [`async_error`]).
+//! Owns: the hooks the exports call ([`run`], [`run_at`], [`pass_through`],
+//! [`on_comms_created`], [`on_comm_destroying`], [`on_comm_suspend`], [`on_comm_resumed`],
+//! [`group_ended`], [`async_error`]).
 //! May import: `types`, `logging`, `stats`, `policy`, `registry`, `group`, `serve`.
 
 use std::borrow::Cow;
@@ -37,7 +36,7 @@ use crate::policy::{self, decide};
 use crate::registry::{self, CommState, Setup};
 use crate::serve::{self, Executed};
 use crate::stats::{self, Announced};
-use crate::types::{CollCall, Collective, CommEnd, CommHandle, CommOrigin, Held, P2pCall, Route};
+use crate::types::{CollCall, CommEnd, CommHandle, CommOrigin, Route};
 
 /// Hook: the real library created `comms` (one, or `ncclCommInitAll`'s list) and returned success
 /// (`ready`) or `ncclInProgress` (a non-blocking communicator still initializing).
@@ -355,140 +354,19 @@ pub(crate) fn group_simulated(depth: u32) {
     group_ended(depth, ncclResult_t::ncclInvalidUsage);
 }
 
-/// Hook of `ncclGroupStart` (after the real one succeeded, `depth` the depth now): the outermost
-/// group of a thread holds its Send/Recv calls back when `FLASHCOMM_GROUPED_ALLTOALL` is on.
-pub(crate) fn group_started(depth: u32, config: &Config) {
-    if depth == 1 && config.settings.grouped_alltoall {
-        group::hold_from_now();
-    }
-}
-
-/// A checked call made inside a group while the group holds its Send/Recv calls back. Returns
-/// true when the call was held (the export returns success; the real library sees it later, at
-/// the group's end, unless the group runs as flashcomm's AllToAll). Anything else ends the
-/// holding: the calls held so far go to the real library first, in their order, so NCCL
-/// receives the group exactly as the caller wrote it. Held: a send or receive of a
-/// communicator whose size the real library told, to a peer within it (NCCL itself answers a
-/// peer out of range, so that call is not held).
-pub(crate) fn hold_in_group(call: &CollCall, peer: Option<i32>, config: &Config) -> bool {
-    // The setting first: with it off (the default) the per-call path reads no thread-local.
-    if !config.settings.grouped_alltoall || !group::holding() {
-        return false;
-    }
-    if matches!(call.kind, Collective::Send | Collective::Recv)
-        && call.null_buffer().is_none()
-        && let Some(peer) = peer
-        && let Some(id) = registry::get(call.comm).and_then(|s| s.identity())
-        && (0..id.nranks).contains(&peer)
-    {
-        return group::hold(Held::P2p(P2pCall { call: *call, peer }));
-    }
-    stop_holding(config);
-    false
-}
-
-/// Ends the holding of this thread's group, if it holds: the calls held so far go to the real
-/// library now, in their order; a failure among them is returned again by the group's end.
-fn stop_holding(config: &Config) {
-    let r = release_held(group::take_held(), config);
-    if r != ncclResult_t::ncclSuccess {
-        // NCCL returns a failed call's error again from the group's end.
-        RELEASE_FAILURE.with(|f| f.set(Some(f.get().unwrap_or(r))));
-    }
-}
-
 /// A call flashcomm does not route (`args::check`: no communicator, a datatype or operator the
 /// pinned header does not know, nothing to move, a size that overflows): given to the real
-/// library as it is, so its answer is the answer. Calls a group holds back go first (NCCL
-/// receives the group as written); on a communicator flashcomm serves, the call is ordered
+/// library as it is, so its answer is the answer (calls a group held back went first:
+/// `grouped::stop_holding`); on a communicator flashcomm serves, the call is ordered
 /// after flashcomm's work like any forwarded call. Not counted in the statistics.
 pub(crate) fn pass_through<F: FnOnce() -> ncclResult_t>(
     call: &CollCall,
-    config: &Config,
     forward_real: F,
 ) -> ncclResult_t {
-    if config.settings.grouped_alltoall && group::holding() {
-        stop_holding(config);
-    }
     let state = (!call.comm.is_null())
         .then(|| registry::get(call.comm))
         .flatten();
     serve::forward_in_order(state.as_deref(), call, group::depth() > 0, forward_real)
-}
-
-thread_local! {
-    /// The first failure of held calls given back before the group's end (returned by it).
-    static RELEASE_FAILURE: std::cell::Cell<Option<ncclResult_t>> = const { std::cell::Cell::new(None) };
-}
-
-/// Gives held calls to the real library in their order, each Send/Recv through `p2p`; returns
-/// the first failure, if any.
-fn forward_held(held: &[Held], p2p: impl Fn(&P2pCall) -> ncclResult_t) -> ncclResult_t {
-    let mut result = ncclResult_t::ncclSuccess;
-    for h in held {
-        let r = match h {
-            Held::P2p(p) => p2p(p),
-            Held::GroupStart | Held::GroupEnd => serve::forward_group_call(h),
-        };
-        if result == ncclResult_t::ncclSuccess {
-            result = r;
-        }
-    }
-    result
-}
-
-/// Ends the holding of this thread's group: the calls held so far go to the real library now,
-/// in their order (before `ncclGroupSimulateEnd`). Returns the first failure, if any.
-pub(crate) fn hold_in_group_released(config: &Config) -> ncclResult_t {
-    release_held(group::take_held(), config)
-}
-
-/// Gives held calls to the real library, in their order, each counted as the NCCL route of its
-/// kind (inside the real group, which is still open). Returns the first failure, if any.
-fn release_held(held: Vec<Held>, config: &Config) -> ncclResult_t {
-    forward_held(&held, |p| {
-        run_at(&p.call, config, 1, true, None, || serve::forward_p2p(p))
-    })
-}
-
-/// Hook of a nested `ncclGroupStart` (`start`) or `ncclGroupEnd` while the thread's group holds
-/// its calls back: held too, so the real library receives every call in the caller's order.
-/// Returns whether it was held (the export returns success without calling the real library).
-pub(crate) fn hold_group_call(start: bool) -> bool {
-    group::holding()
-        && group::hold(if start {
-            Held::GroupStart
-        } else {
-            Held::GroupEnd
-        })
-}
-
-/// Hook of the outermost `ncclGroupEnd`, before the real one runs: the Send/Recv calls the group
-/// held back run as flashcomm's AllToAll when they form one ([`policy::alltoall_of`]) and the
-/// routing rules send that AllToAll to flashcomm's kernels; otherwise they go to the real library
-/// in their order. A recognized group counts as one `alltoall` call on the route it took.
-/// `None` when nothing was held.
-pub(crate) fn group_ending(config: &Config) -> Option<ncclResult_t> {
-    let earlier = RELEASE_FAILURE.with(std::cell::Cell::take);
-    let held = group::take_held();
-    if held.is_empty() {
-        return earlier;
-    }
-    let first = held.iter().find_map(|h| match h {
-        Held::P2p(p) => Some(p.call.comm),
-        Held::GroupStart | Held::GroupEnd => None,
-    });
-    let nranks = first
-        .and_then(registry::get)
-        .and_then(|s| s.identity())
-        .map_or(0, |id| id.nranks);
-    let r = match policy::alltoall_of(&held, nranks) {
-        Some(g) => run_at(&g.call, config, 0, true, Some(&g), || {
-            forward_held(&held, serve::forward_p2p)
-        }),
-        None => release_held(held, config),
-    };
-    Some(earlier.unwrap_or(r))
 }
 
 /// (kind, route) pairs already logged for communicators flashcomm never saw.
@@ -503,19 +381,26 @@ pub(crate) fn run<F: FnOnce() -> ncclResult_t>(
     forward_real: F,
 ) -> ncclResult_t {
     let depth = group::depth();
-    run_at(call, config, depth, depth > 0, None, forward_real)
+    run_at(
+        call,
+        config,
+        depth,
+        depth > 0,
+        |st, d| serve::execute(st, call, d, config),
+        forward_real,
+    )
 }
 
 /// [`run`] at group depth `depth` (what the decision sees), with `in_real_group` when a
 /// forwarded call lands inside a group the real library still holds open (NCCL enqueues it at
-/// the group's end, so it is not ordered here), and `grouped` when `call` is the AllToAll a
-/// Send/Recv group forms (its blocks may lie anywhere).
-fn run_at<F: FnOnce() -> ncclResult_t>(
+/// the group's end, so it is not ordered here); `serve_it` runs it on flashcomm's kernels
+/// (`serve::execute`, or `grouped::execute` for the AllToAll a Send/Recv group forms).
+pub(crate) fn run_at<F: FnOnce() -> ncclResult_t>(
     call: &CollCall,
     config: &Config,
     depth: u32,
     in_real_group: bool,
-    grouped: Option<&policy::GroupedAlltoAll>,
+    serve_it: impl FnOnce(&CommState, &policy::Decision) -> Executed,
     forward_real: F,
 ) -> ncclResult_t {
     let state = registry::get(call.comm);
@@ -524,10 +409,7 @@ fn run_at<F: FnOnce() -> ncclResult_t>(
     let forward = |f: F| serve::forward_in_order(state.as_deref(), call, in_real_group, f);
     let mut unquantized = false;
     let (route, result, refused) = match (d.route, state.as_deref()) {
-        (Route::Lossless | Route::Quantized, Some(st)) => match match grouped {
-            Some(g) => serve::execute_grouped(st, g, &d),
-            None => serve::execute(st, call, &d),
-        } {
+        (Route::Lossless | Route::Quantized, Some(st)) => match serve_it(st, &d) {
             Executed::Done(r) => (d.route, r, None),
             Executed::Invalid(r) => return r,
             Executed::Unquantized(r) => {

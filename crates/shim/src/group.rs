@@ -5,26 +5,20 @@
 //! thread-local load.
 //!
 //! Owns: the depth ([`started`], [`ending`], [`depth`]), the deferred set-ups ([`defer`],
-//! [`take_deferred`]), the `ncclSend`/`ncclRecv` calls held back while a group may still turn
-//! out to be an all-to-all ([`hold_from_now`], [`holding`], [`hold`], [`take_held`]), and the
-//! failure flashcomm itself gave a call of the group ([`failed`], [`real_failed`],
-//! [`take_failure`]).
+//! [`take_deferred`]), and the failure flashcomm itself gave a call of the group ([`failed`],
+//! [`real_failed`], [`take_failure`]). The Send/Recv calls a group holds back are `grouped`'s.
 //! May import: `types`.
 
 use std::cell::{Cell, RefCell};
 
 use flashcomm_nccl_sys::ncclResult_t;
 
-use crate::types::{CommHandle, Held};
+use crate::types::CommHandle;
 
 thread_local! {
     static GROUP_DEPTH: Cell<u32> = const { Cell::new(0) };
     /// Communicators created inside the current group, set up when it ends.
     static PENDING: RefCell<Vec<CommHandle>> = const { RefCell::new(Vec::new()) };
-    /// `Some`: Send/Recv calls (and nested group calls) of the current outermost group held back
-    /// so far, in call order (`FLASHCOMM_GROUPED_ALLTOALL`); `None`: not holding (off, outside a
-    /// group, or the group already proved not to be an all-to-all and its calls went to NCCL).
-    static HELD: RefCell<Option<Vec<Held>>> = const { RefCell::new(None) };
     /// The newest failure flashcomm itself returned from a call inside the current group (code
     /// and message), unless a later call failed in the real library: the group's result.
     static FAILED: RefCell<Option<(ncclResult_t, String)>> = const { RefCell::new(None) };
@@ -66,32 +60,6 @@ pub(crate) fn ending() -> u32 {
 /// The current `ncclGroupStart` depth of this thread.
 pub(crate) fn depth() -> u32 {
     GROUP_DEPTH.with(Cell::get)
-}
-
-/// The outermost group started: hold its Send/Recv calls from now on.
-pub(crate) fn hold_from_now() {
-    HELD.with(|h| *h.borrow_mut() = Some(Vec::new()));
-}
-
-/// Whether this thread's group is holding its Send/Recv calls back.
-pub(crate) fn holding() -> bool {
-    HELD.with(|h| h.borrow().is_some())
-}
-
-/// Holds `p` back (when holding; returns whether it did).
-pub(crate) fn hold(p: Held) -> bool {
-    HELD.with(|h| match h.borrow_mut().as_mut() {
-        Some(v) => {
-            v.push(p);
-            true
-        }
-        None => false,
-    })
-}
-
-/// The calls held back so far, in call order; holding stops.
-pub(crate) fn take_held() -> Vec<Held> {
-    HELD.with(|h| h.borrow_mut().take().unwrap_or_default())
 }
 
 /// Remembers communicators to set up when the outermost group ends.

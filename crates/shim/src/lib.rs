@@ -15,11 +15,12 @@
 //!
 //! | module | owns | may import |
 //! |---|---|---|
-//! | `exports::api` | the NCCL exports we inspect: versions, errors, collectives, communicator lifecycle, groups | `exports::collective`, `exports::boundary`, `dispatch`, `group`, `args`, `calls::real`, `error`, `logging`, `last_error`, `init`, `types` |
+//! | `exports::api` | the NCCL exports we inspect: versions, errors, collectives, communicator lifecycle, groups | `exports::collective`, `exports::boundary`, `grouped`, `dispatch`, `group`, `args`, `calls::real`, `error`, `logging`, `last_error`, `init`, `types` |
 //! | `exports::forwarders` | the generated plain forwarders | `exports::boundary` |
 //! | `exports::ext` | flashcomm's own C API (`include/flashcomm.h`) | `exports::boundary`, `registry`, `stats`, `init`, `error`, `logging`, `types` |
-//! | `exports::collective` | the common path of the collective exports: checks, then dispatch | `exports::boundary`, `dispatch`, `args`, `init`, `error`, `types` |
+//! | `exports::collective` | the common path of the collective exports: checks, then dispatch | `exports::boundary`, `grouped`, `dispatch`, `args`, `init`, `error`, `types` |
 //! | `exports::boundary` | the panic boundary, the export macros, signature checks, a group call flashcomm fails inside a group | `calls::real`, `calls::nccl`, `group`, `init`, `error`, `logging`, `last_error` |
+//! | `grouped` | the AllToAll a group of `ncclSend`/`ncclRecv` forms: its calls held back, recognized, run as flashcomm's AllToAll or given to NCCL in order | `dispatch`, `serve`, `registry`, `policy`, `calls::cuda`, `types` |
 //! | `dispatch` | the hooks of the exports: run one call (lookup, decision, serve or forward, count), communicator and group events | `serve`, `engage`, `registry`, `group`, `policy`, `stats`, `logging`, `init`, `calls::cuda`, `types` |
 //! | `serve` | flashcomm's communicator behind a served NCCL communicator: set-up, routed calls, teardown | `engage`, `bootstrap`, `registry`, `policy`, `calls::nccl`, `init`, `error`, `logging`, `calls::cuda`, `types` |
 //! | `engage` | the "flashcomm is on" line, the forwarded calls flashcomm could have served, the exit summary | `registry`, `policy`, `stats`, `calls::real`, `init`, `logging`, `calls::os`, `types` |
@@ -50,6 +51,7 @@ mod engage;
 mod error;
 mod exports;
 mod group;
+mod grouped;
 mod init;
 mod last_error;
 mod logging;

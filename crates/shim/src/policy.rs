@@ -11,14 +11,14 @@
 //! library. The rules are in `docs/architecture.md` ("Routing rules").
 //!
 //! Owns: [`CommView`], [`Decision`], [`Why`], [`NotQuantized`], [`decide`], [`explain`],
-//! [`float_type`], [`GroupedAlltoAll`], [`GROUPED_ALLTOALL`], [`alltoall_of`].
+//! [`GROUPED_ALLTOALL`] (the name a grouped AllToAll's call carries; the group is `grouped`'s).
 //! May import: `types`.
 
-use flashcomm_comm::{DataType, QuantSpec};
-use flashcomm_config::{Config, KERNEL_OPS, QuantSettings};
+use flashcomm_comm::QuantSpec;
+use flashcomm_config::{Config, QuantSettings};
 use flashcomm_nccl_sys::{ncclDataType_t, ncclRedOp_t};
 
-use crate::types::{CollCall, Collective, Held, P2pCall, Route};
+use crate::types::{CollCall, Collective, Route};
 
 /// What [`decide`] knows about a communicator: state agreed at set-up (identical on every rank)
 /// and its quantization settings.
@@ -114,102 +114,6 @@ impl Decision {
 /// The `api` name of the AllToAll a Send/Recv group forms ([`alltoall_of`]).
 pub(crate) const GROUPED_ALLTOALL: &str = "ncclSend/ncclRecv group";
 
-/// An all-to-all formed by a group of `ncclSend`/`ncclRecv` ([`alltoall_of`]).
-#[derive(Debug, Clone)]
-pub(crate) struct GroupedAlltoAll {
-    /// The AllToAll the routing rules judge (`api` [`GROUPED_ALLTOALL`]). When `contiguous`, its
-    /// buffers are the send and receive buffers the blocks form; otherwise the first blocks.
-    pub(crate) call: CollCall,
-    /// Block p to send to rank p, and block p to receive from rank p.
-    pub(crate) send: Vec<u64>,
-    pub(crate) recv: Vec<u64>,
-    /// The blocks form one send buffer and one receive buffer (block p at `p x bytes`), apart:
-    /// flashcomm's AllToAll runs on them directly, otherwise through its scratch.
-    pub(crate) contiguous: bool,
-}
-
-/// The all-to-all a group of held-back `ncclSend`/`ncclRecv` calls forms, if it forms one: all
-/// on one communicator of `nranks` ranks, one stream, one datatype, one count, no per-call
-/// configuration; exactly one send and one receive for every rank (this one included); where
-/// the buffers lie does not matter. A pure function of the shape of this rank's calls, never of
-/// addresses: every rank whose group has the same shape finds the same answer (why
-/// `FLASHCOMM_GROUPED_ALLTOALL` is a promise the application makes).
-pub(crate) fn alltoall_of(held: &[Held], nranks: i32) -> Option<GroupedAlltoAll> {
-    // Nested group calls are no-ops for the group's meaning.
-    let held: Vec<P2pCall> = held
-        .iter()
-        .filter_map(|h| match h {
-            Held::P2p(p) => Some(*p),
-            Held::GroupStart | Held::GroupEnd => None,
-        })
-        .collect();
-    let n = usize::try_from(nranks).ok().filter(|&n| n > 0)?;
-    let first = held.first()?.call;
-    if held.len() != 2 * n || first.count == 0 {
-        return None;
-    }
-    let (mut send, mut recv) = (vec![None; n], vec![None; n]);
-    for p in &held {
-        let c = &p.call;
-        let same = c.comm == first.comm
-            && c.stream == first.stream
-            && c.datatype == first.datatype
-            && c.count == first.count
-            && c.bytes == first.bytes
-            && c.config.is_null();
-        let slot = match c.kind {
-            Collective::Send => send.get_mut(usize::try_from(p.peer).ok()?)?,
-            Collective::Recv => recv.get_mut(usize::try_from(p.peer).ok()?)?,
-            _ => return None,
-        };
-        if !same || slot.is_some() {
-            return None;
-        }
-        *slot = Some(match c.kind {
-            Collective::Send => c.sendbuff as u64,
-            _ => c.recvbuff as u64,
-        });
-    }
-    // 2n calls, none twice: every slot is filled.
-    let send: Vec<u64> = send.into_iter().collect::<Option<_>>()?;
-    let recv: Vec<u64> = recv.into_iter().collect::<Option<_>>()?;
-    let b = first.bytes;
-    let run = |v: &[u64]| (0..n as u64).all(|p| Some(v[p as usize]) == v[0].checked_add(p * b));
-    let span = b.checked_mul(n as u64);
-    let apart = span.is_some_and(|span| {
-        send[0].saturating_add(span) <= recv[0] || recv[0].saturating_add(span) <= send[0]
-    });
-    let contiguous = run(&send) && run(&recv) && apart;
-    Some(GroupedAlltoAll {
-        call: CollCall {
-            api: GROUPED_ALLTOALL,
-            kind: Collective::AlltoAll,
-            sendbuff: send[0] as *const std::ffi::c_void,
-            recvbuff: recv[0] as *mut std::ffi::c_void,
-            count: first.count,
-            datatype: first.datatype,
-            op: None,
-            comm: first.comm,
-            stream: first.stream,
-            config: std::ptr::null(),
-            bytes: b,
-        },
-        send,
-        recv,
-        contiguous,
-    })
-}
-
-/// The element type of a reducing collective flashcomm's kernels take.
-pub(crate) fn float_type(t: ncclDataType_t) -> Option<DataType> {
-    match t {
-        ncclDataType_t::ncclFloat32 => Some(DataType::F32),
-        ncclDataType_t::ncclFloat16 => Some(DataType::F16),
-        ncclDataType_t::ncclBfloat16 => Some(DataType::Bf16),
-        _ => None,
-    }
-}
-
 /// Where `call` goes. A pure function of the call's collective, count, datatype, operator and
 /// per-call configuration, the configuration, and what was agreed about the communicator at
 /// set-up (`comm`, `None` for a communicator flashcomm never saw), all identical on every rank of
@@ -229,11 +133,11 @@ pub(crate) fn decide(call: &CollCall, config: &Config, comm: Option<&CommView>) 
     if s.disable {
         return Decision::nccl(Why::Disabled);
     }
-    if !KERNEL_OPS.contains(&call.kind) {
+    if !Collective::KERNELS.contains(&call.kind) {
         return Decision::nccl(Why::NotOurs);
     }
     let op = call.kind;
-    let dtype = float_type(call.datatype);
+    let dtype = call.dtype;
     if call.kind.reduces() {
         if call.op != Some(ncclRedOp_t::ncclSum) {
             return Decision::nccl(Why::NotSum);
@@ -422,6 +326,7 @@ pub(crate) mod tests {
     //! The decision table, and helpers the registry's and the dispatch's tests share.
 
     use super::*;
+    use crate::types::DataType;
     use flashcomm_config::{KIB, MIB};
     use flashcomm_nccl_sys::{ncclCollConfig_t, ncclComm_t};
 
@@ -438,169 +343,10 @@ pub(crate) mod tests {
             stream: std::ptr::null_mut(),
             config: std::ptr::null(),
             bytes: 16,
+            elem: 4,
+            dtype: Some(DataType::F32),
+            root_or_peer: None,
         }
-    }
-
-    /// PyTorch's equal-split pattern: for each peer, a send then a receive, 256 bytes each (64
-    /// f32), from 0x10000 and into 0x20000, on communicator 0x1.
-    fn pairs(n: i32) -> Vec<P2pCall> {
-        let one = |kind, peer: i32| {
-            let off = peer as usize * 256;
-            P2pCall {
-                call: CollCall {
-                    api: "p2p",
-                    kind,
-                    sendbuff: if kind == Collective::Send {
-                        (0x10000 + off) as *const _
-                    } else {
-                        std::ptr::null()
-                    },
-                    recvbuff: if kind == Collective::Recv {
-                        (0x20000 + off) as *mut _
-                    } else {
-                        std::ptr::null_mut()
-                    },
-                    count: 64,
-                    op: None,
-                    bytes: 256,
-                    ..call(1 as ncclComm_t)
-                },
-                peer,
-            }
-        };
-        (0..n)
-            .flat_map(|p| [one(Collective::Send, p), one(Collective::Recv, p)])
-            .collect()
-    }
-
-    #[test]
-    fn an_equal_send_recv_group_is_an_alltoall() {
-        for n in [1, 2, 8] {
-            let a = alltoall_of(&held(&pairs(n)), n).expect("an all-to-all");
-            assert_eq!(
-                (a.call.kind, a.call.count, a.call.bytes),
-                (Collective::AlltoAll, 64, 256)
-            );
-            assert_eq!(
-                (a.call.sendbuff as usize, a.call.recvbuff as usize),
-                (0x10000, 0x20000)
-            );
-            assert!(a.contiguous);
-            // Any order of the calls.
-            let mut rev = pairs(n);
-            rev.reverse();
-            assert!(alltoall_of(&held(&rev), n).is_some_and(|a| a.contiguous));
-            // Nested group calls among them change nothing.
-            let mut nested = held(&pairs(n));
-            nested.insert(1, Held::GroupStart);
-            nested.push(Held::GroupEnd);
-            assert!(alltoall_of(&nested, n).is_some_and(|a| a.contiguous));
-        }
-    }
-
-    #[test]
-    fn where_the_blocks_lie_decides_only_how_it_runs() {
-        let n = 4;
-        let mut scattered = pairs(n);
-        scattered[2].call.sendbuff = 0x90000 as _;
-        let mut overlapping = pairs(n);
-        for p in overlapping
-            .iter_mut()
-            .filter(|p| p.call.kind == Collective::Recv)
-        {
-            p.call.recvbuff = (p.call.recvbuff as usize - 0x10000 + 0x100) as *mut _;
-        }
-        let mut aliased = pairs(n);
-        for p in aliased
-            .iter_mut()
-            .filter(|p| p.call.kind == Collective::Recv)
-        {
-            p.call.recvbuff = (p.call.recvbuff as usize - 0x10000) as *mut _;
-        }
-        for g in [scattered, overlapping, aliased] {
-            let a = alltoall_of(&held(&g), n).expect("an all-to-all still");
-            assert!(!a.contiguous);
-            assert_eq!(a.send.len(), 4);
-            // The routing rules judge it like any AllToAll (an aliased first block is not an
-            // in-place call).
-            let c = cfg(&[]);
-            assert_eq!(
-                decide(&a.call, &c, Some(&served(&c))).route,
-                Route::Lossless
-            );
-        }
-    }
-
-    fn held(calls: &[P2pCall]) -> Vec<Held> {
-        calls.iter().copied().map(Held::P2p).collect()
-    }
-
-    #[test]
-    fn any_other_group_is_not_an_alltoall() {
-        let n = 4;
-        type Change = Box<dyn Fn(&mut Vec<P2pCall>)>;
-        let bad: Vec<(&str, Change)> = vec![
-            (
-                "a call missing",
-                Box::new(|g| {
-                    g.pop();
-                }),
-            ),
-            (
-                "a call twice",
-                Box::new(|g| {
-                    let x = g[0];
-                    g[1] = x;
-                }),
-            ),
-            (
-                "one count differs",
-                Box::new(|g| {
-                    g[2].call.count = 32;
-                    g[2].call.bytes = 128;
-                }),
-            ),
-            (
-                "another datatype",
-                Box::new(|g| {
-                    g[3].call.datatype = ncclDataType_t::ncclInt32;
-                }),
-            ),
-            (
-                "another stream",
-                Box::new(|g| {
-                    g[4].call.stream = 8 as _;
-                }),
-            ),
-            (
-                "another communicator",
-                Box::new(|g| {
-                    g[5].call.comm = 2 as _;
-                }),
-            ),
-            (
-                "a peer out of range",
-                Box::new(|g| {
-                    g[1].peer = 4;
-                }),
-            ),
-            (
-                "a collective among them",
-                Box::new(|g| {
-                    g[0].call.kind = Collective::AllReduce;
-                }),
-            ),
-        ];
-        for (what, change) in bad {
-            let mut g = pairs(n);
-            change(&mut g);
-            assert!(alltoall_of(&held(&g), n).is_none(), "{what}");
-        }
-        assert!(
-            alltoall_of(&held(&pairs(4)), 8).is_none(),
-            "fewer ranks than the communicator's"
-        );
-        assert!(alltoall_of(&[], 1).is_none());
     }
 
     /// A call of `kind` on `bytes` bytes of `dtype` (sum for the reducing kinds), out of place
@@ -620,6 +366,8 @@ pub(crate) mod tests {
             op: kind.reduces().then_some(ncclRedOp_t::ncclSum),
             count: (bytes / elem) as usize,
             bytes,
+            elem,
+            dtype: crate::args::flashcomm_type(dtype),
             ..call(0x7000usize as ncclComm_t)
         }
     }
@@ -1105,6 +853,8 @@ pub(crate) mod tests {
                                         op: kind.reduces().then_some(op),
                                         config: coll_config as *const ncclCollConfig_t,
                                         bytes: count as u64 * elem,
+                                        elem,
+                                        dtype: crate::args::flashcomm_type(dt),
                                         ..call(0x7000usize as ncclComm_t)
                                     };
                                     let first = decide(&core, config, view.as_ref());

@@ -27,16 +27,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flashcomm_comm::{
-    Agreement, Algorithm, Bootstrap, Build, Choice, CommConfig, Communicator, Error as CommError,
-    Protocol, QuantChoice, Stream, ThreadGroup, Transport,
+    Agreement, Bootstrap, Build, CommConfig, Communicator, Error as CommError, Request, Stream,
+    ThreadGroup,
 };
-use flashcomm_config::{
-    Algo, Config, FaultPoint, Proto, QuantChoice as ConfigQuantChoice, Transport as ConfigTransport,
-};
+use flashcomm_config::{Config, FaultPoint};
 use flashcomm_nccl_sys::ncclResult_t;
 
 use crate::bootstrap::{ExchangeFaults, NcclBootstrap};
-use crate::calls::cuda::{OwnStream, SavedContext, check_pointers, user_blocks, user_buffers};
+use crate::calls::cuda::{OwnStream, SavedContext, check_pointers, user_buffers};
 use crate::calls::nccl::{self, Identity};
 use crate::error::Error;
 use crate::logging::{self, Subsys};
@@ -56,29 +54,12 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
             .map_or(Duration::ZERO, |ms| Duration::from_millis(ms.0)),
         arena_bytes: s.arena_bytes.0,
         pull_bytes: s.pull_bytes.0,
-        algo: match s.algo {
-            Algo::Auto => Choice::Auto,
-            Algo::Oneshot => Choice::Force(Algorithm::OneShot),
-            Algo::Twoshot => Choice::Force(Algorithm::TwoShot),
-        },
-        proto: match s.proto {
-            Proto::Auto => Choice::Auto,
-            Proto::Ll => Choice::Force(Protocol::Ll),
-            Proto::Block => Choice::Force(Protocol::Block),
-            Proto::Pull => Choice::Force(Protocol::Pull),
-            Proto::Direct => Choice::Force(Protocol::Direct),
-        },
-        transport: match s.transport {
-            ConfigTransport::Auto => Choice::Auto,
-            ConfigTransport::P2p => Choice::Force(Transport::P2p),
-            ConfigTransport::Host => Choice::Force(Transport::Host),
-        },
+        algo: s.algo,
+        proto: s.proto,
+        transport: s.transport,
         calibrate: true,
         quant_calibrate: policy::allreduce_quant_spec(config).into_iter().collect(),
-        quant_choice: match s.quant_choice {
-            ConfigQuantChoice::Auto => QuantChoice::Auto,
-            ConfigQuantChoice::Always => QuantChoice::Always,
-        },
+        quant_choice: s.quant_choice,
         graph_mixing: s.graph_mixing,
         early_launch: s.early_launch,
         ..CommConfig::default()
@@ -629,7 +610,7 @@ pub(crate) fn forward_in_order(
 }
 
 /// Gives a held-back `ncclSend`/`ncclRecv` to the real library, unchanged (see
-/// `dispatch::hold_in_group`).
+/// `grouped::hold_in_group`).
 pub(crate) fn forward_p2p(p: &P2pCall) -> ncclResult_t {
     let c = &p.call;
     let (send, buf) = match c.kind {
@@ -678,13 +659,14 @@ pub(crate) enum Executed {
     Refused(Cow<'static, str>),
 }
 
-fn report(call: &CollCall, e: CommError) -> ncclResult_t {
+/// The NCCL error of a failed served call, reported (message and `ncclGetLastError`).
+pub(crate) fn report(call: &CollCall, e: CommError) -> ncclResult_t {
     let sub = Subsys::of(call.kind);
     let msg = format!("{} on communicator {:p}: {e}", call.api, call.comm);
     match e {
         CommError::InvalidArgument(_) => Error::invalid_argument(sub, msg),
         CommError::InvalidUsage(_) => Error::invalid_usage(sub, msg),
-        CommError::Cuda { .. } => Error::cuda(sub, msg),
+        CommError::Cuda(_) => Error::cuda(sub, msg),
         CommError::Remote(_) => Error::remote(sub, msg),
         CommError::Timeout(_) => Error::timeout(sub, msg),
         CommError::Bootstrap(_) => Error::system(sub, msg),
@@ -695,7 +677,12 @@ fn report(call: &CollCall, e: CommError) -> ncclResult_t {
 
 /// Runs a call [`policy::decide`] sent to flashcomm's kernels. Allocates no device memory and
 /// does not synchronize (the communicator's collectives do neither), so it may be captured.
-pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Executed {
+pub(crate) fn execute(
+    state: &CommState,
+    call: &CollCall,
+    d: &Decision,
+    config: &Config,
+) -> Executed {
     let Some(c) = state.served() else {
         return Executed::Refused(Cow::Borrowed("flashcomm does not serve the communicator"));
     };
@@ -716,80 +703,40 @@ pub(crate) fn execute(state: &CommState, call: &CollCall, d: &Decision) -> Execu
     let Some((send, recv)) = user_buffers(call, u64::from(c.nranks())) else {
         return Executed::Refused(Cow::Borrowed("the buffer sizes overflow"));
     };
-    if crate::init::state().config.settings.check_pointers
+    if config.settings.check_pointers
         && let Err(msg) = check_pointers(call, &send, &recv, c.device())
     {
         return Executed::Done(report(call, CommError::InvalidArgument(msg)));
     }
     let stream = Stream(call.stream.cast());
     let count = call.count as u64;
-    let dtype = policy::float_type(call.datatype);
-    let r = match (call.kind, dtype, d.quant) {
-        (Collective::AllReduce, Some(t), Some(q)) => {
-            // Outside the lossless kernels' window a call asked to be quantized stays quantized
-            // whatever the cost model says: the window says the lossless kernels must not take it.
-            let s = &crate::init::state().config.settings;
-            let lossless_allowed = (s.min_bytes.0..=s.max_bytes.0).contains(&call.bytes);
-            c.all_reduce_quant(send, recv, count, t, q, lossless_allowed, stream)
+    let dtype = call.dtype;
+    let req = match (call.kind, dtype, d.quant) {
+        (Collective::AllReduce | Collective::ReduceScatter, Some(t), _)
+        | (Collective::AllGather | Collective::AlltoAll, Some(t), Some(_)) => {
+            Request::typed(call.kind, count, t)
         }
-        (Collective::AllReduce, Some(t), None) => c.all_reduce(send, recv, count, t, stream),
-        (Collective::ReduceScatter, Some(t), Some(q)) => {
-            c.reduce_scatter_quant(send, recv, count, t, q, stream)
-        }
-        (Collective::ReduceScatter, Some(t), None) => {
-            c.reduce_scatter(send, recv, count, t, stream)
-        }
-        (Collective::AllGather, Some(t), Some(q)) => {
-            c.all_gather_quant(send, recv, count, t, q, stream)
-        }
-        (Collective::AlltoAll, Some(t), Some(q)) => {
-            c.all_to_all_quant(send, recv, count, t, q, stream)
-        }
-        (Collective::AllGather, _, _) => {
-            let elem = call.bytes / count.max(1);
-            c.all_gather(send, recv, count, elem, stream)
-        }
-        (Collective::AlltoAll, _, _) => {
-            let elem = call.bytes / count.max(1);
-            c.all_to_all(send, recv, count, elem, stream)
+        (Collective::AllGather | Collective::AlltoAll, _, _) => {
+            Request::bytes(call.kind, count, call.elem)
         }
         _ => return Executed::Refused(Cow::Borrowed("not a call flashcomm's kernels take")),
     };
+    let req = match (d.quant, dtype) {
+        (Some(q), Some(_)) => {
+            // Outside the lossless kernels' window a call asked to be quantized stays quantized
+            // whatever the cost model says: the window says the lossless kernels must not take it.
+            let s = &config.settings;
+            let lossless_allowed = call.kind == Collective::AllReduce
+                && (s.min_bytes.0..=s.max_bytes.0).contains(&call.bytes);
+            req.quantized(q, lossless_allowed)
+        }
+        _ => req,
+    };
+    let r = c.execute(&req.between(send, recv).on(stream));
     match r {
         Ok(p) if d.quant.is_some() && p.quant.is_none() => {
             Executed::Unquantized(ncclResult_t::ncclSuccess)
         }
-        Ok(_) => Executed::Done(ncclResult_t::ncclSuccess),
-        Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
-        Err(e) => Executed::Done(report(call, e)),
-    }
-}
-
-/// Runs the AllToAll a Send/Recv group forms on flashcomm's kernels: directly when its blocks
-/// form one send and one receive buffer, otherwise through the communicator's scratch
-/// (`Communicator::all_to_all_scattered`).
-pub(crate) fn execute_grouped(
-    state: &CommState,
-    g: &policy::GroupedAlltoAll,
-    d: &Decision,
-) -> Executed {
-    if g.contiguous {
-        return execute(state, &g.call, d);
-    }
-    let Some(c) = state.served() else {
-        return Executed::Refused(Cow::Borrowed("flashcomm does not serve the communicator"));
-    };
-    let call = &g.call;
-    if let Err(e) = c.check_status() {
-        return Executed::Done(report(call, e));
-    }
-    let count = call.count as u64;
-    let elem = call.bytes / count.max(1);
-    let (send, recv) = (
-        user_blocks(&g.send, call.bytes),
-        user_blocks(&g.recv, call.bytes),
-    );
-    match c.all_to_all_scattered(&send, &recv, count, elem, Stream(call.stream.cast())) {
         Ok(_) => Executed::Done(ncclResult_t::ncclSuccess),
         Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
         Err(e) => Executed::Done(report(call, e)),
@@ -980,7 +927,7 @@ mod tests {
         let cfg = |vars: &[(&str, &str)]| comm_config(&Config::from_vars(vars.iter().copied()));
         let none = cfg(&[]);
         assert!(none.quant_calibrate.is_empty());
-        assert_eq!(none.quant_choice, QuantChoice::Auto);
+        assert_eq!(none.quant_choice, flashcomm_comm::QuantChoice::Auto);
         let q4 = cfg(&[
             ("FLASHCOMM_QUANT_BITS", "4"),
             ("FLASHCOMM_QUANT_GROUP", "64"),
@@ -998,7 +945,7 @@ mod tests {
             pair.quant_calibrate,
             vec![QuantSpec::new(3, 8, 128, 2).unwrap()]
         );
-        assert_eq!(pair.quant_choice, QuantChoice::Always);
+        assert_eq!(pair.quant_choice, flashcomm_comm::QuantChoice::Always);
         // Not for AllReduce, or a pair without kernels (it goes to NCCL): nothing to time.
         let ops = cfg(&[
             ("FLASHCOMM_QUANT_BITS", "4"),

@@ -41,8 +41,12 @@ impl Route {
 
 /// The kind of a collective call: the tree's one collective enum.
 pub(crate) use flashcomm_config::Collective;
+/// flashcomm's element type: the tree's one element-type enum.
+pub(crate) use flashcomm_config::DType as DataType;
 
-/// One collective call, as the export received it (arguments already checked).
+/// One collective call, typed once where its arguments are checked (`args::check`): what the
+/// export received, its size, flashcomm's element type and its root or peer. Everything after
+/// reads it; nothing derives the type or the size again.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CollCall {
     /// The export's name (`ncclAllReduce`, `ncclBcast`, `ncclAllGatherConfig`, ...).
@@ -68,6 +72,12 @@ pub(crate) struct CollCall {
     pub(crate) config: *const ncclCollConfig_t,
     /// `count` x the element size (0 for a call that is only forwarded).
     pub(crate) bytes: u64,
+    /// Bytes of one element (0 for a call that is only forwarded).
+    pub(crate) elem: u64,
+    /// flashcomm's element type (f32, f16, bf16); `None` for the other datatypes.
+    pub(crate) dtype: Option<DataType>,
+    /// Root (broadcast, reduce) or peer (send, receive).
+    pub(crate) root_or_peer: Option<i32>,
 }
 
 impl CollCall {

@@ -190,7 +190,10 @@ fn a_missing_real_library_is_a_clear_error() {
     }
     // This test assumes no NCCL in the system folders of the test machine.
     if discovery_finds_system_nccl() {
-        eprintln!("skipped: this machine has an NCCL in a system folder");
+        flashcomm_config::testing::skipped(
+            "shim: a_missing_real_library_is_a_clear_error",
+            "this machine has an NCCL in a system folder",
+        );
         return;
     }
     run_child(

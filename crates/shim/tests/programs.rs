@@ -149,7 +149,10 @@ fn test_values(rng: &mut Rng, n: usize, scale: f32) -> Vec<flashcomm_codec::bf16
 #[test]
 fn torch_quant_emulation_matches_the_cpu_reference() {
     if !numpy_available() {
-        eprintln!("skipped: numpy is not installed (torch_quant.py's emulation needs it)");
+        flashcomm_config::testing::skipped(
+            "shim: torch_quant_emulation_matches_the_cpu_reference",
+            "numpy is not installed (torch_quant.py's emulation needs it)",
+        );
         return;
     }
     use flashcomm_codec::{DType, Format, bf16, reference};

@@ -51,9 +51,11 @@ pub struct Codec {
 }
 
 fn cuda_err(during: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::Cuda {
-        during,
-        detail: format!("{e:?}"),
+    move |e| {
+        Error::Cuda(flashcomm_gpu::Error::Cuda {
+            during,
+            detail: format!("{e:?}"),
+        })
     }
 }
 

@@ -65,7 +65,7 @@ impl TestKernels {
             return Err(Error::NoKernels);
         }
         if !flashcomm_gpu::driver_present() {
-            return Err(Error::NoDriver);
+            return Err(Error::Cuda(flashcomm_gpu::Error::NoDriver));
         }
         let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
         let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -127,7 +127,10 @@ mod tests {
         let mut embedded = super::module_names();
         embedded.sort();
         if super::image::IMAGES.is_empty() {
-            eprintln!("built without kernels (no nvcc): nothing to check");
+            flashcomm_config::testing::skipped(
+                "testkit: every_test_source_is_embedded",
+                "built without kernels (nvcc was not found)",
+            );
             return;
         }
         assert_eq!(embedded, sources);

@@ -17,7 +17,10 @@ fn bindings_are_current() {
     let paths = match bindings::HeaderPaths::from_env() {
         Ok(p) => p,
         Err(why) => {
-            eprintln!("skipped: the NCCL or CUDA headers are not available: {why}");
+            flashcomm_config::testing::skipped(
+                "xtask: bindings_are_current",
+                &format!("the NCCL or CUDA headers are not available: {why}"),
+            );
             return;
         }
     };
@@ -32,7 +35,10 @@ fn bindings_are_current() {
                 .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_default();
             if msg.to_lowercase().contains("libclang") {
-                eprintln!("skipped: libclang is not available: {msg}");
+                flashcomm_config::testing::skipped(
+                    "xtask: bindings_are_current",
+                    &format!("libclang is not available: {msg}"),
+                );
                 return;
             }
             std::panic::resume_unwind(payload);

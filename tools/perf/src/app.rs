@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::args::{self, Command, Impl, Launch, Mode, Options, Preset, RefLaunch, TransportChoice};
+use crate::args::{
+    self, Algorithm, Choice, Command, Impl, Launch, Mode, Options, Preset, RefLaunch, Transport,
+};
 use crate::ffi::Nccl;
 use crate::report::{self, Layout, Table};
 use crate::run;
@@ -288,10 +290,10 @@ pub fn settings(o: &Options, gpus: &[String], nccl: Option<&Nccl>, argv: &[Strin
         quant: o.quant.iter().map(|w| w.to_string()).collect(),
         group: o.group,
         spikes: o.spikes,
-        quant_choice: format!("{:?}", o.quant_choice).to_lowercase(),
-        algo: format!("{:?}", o.algo).to_lowercase(),
-        proto: format!("{:?}", o.proto).to_lowercase(),
-        transport: format!("{:?}", o.transport).to_lowercase(),
+        quant_choice: o.quant_choice.name().to_string(),
+        algo: o.algo.to_string(),
+        proto: o.proto.to_string(),
+        transport: o.transport.to_string(),
         inplace: o.inplace,
         copy_baseline: o.copy_baseline,
         preset: o.preset.map(|p| match p {
@@ -406,7 +408,7 @@ pub fn header_lines(o: &Options, gpus: &[String], nccl: Option<&Nccl>) -> Vec<St
             o.seed,
             o.check_values
         ));
-        if o.quant_choice == args::QuantChoiceArg::Auto {
+        if o.quant_choice == args::QuantChoice::Auto {
             v.push("# --quant-choice auto: a quantized row whose plan reads lossless:<plan> ran the lossless kernels (the cost model timed at set-up predicts quantizing no more than 3% faster at that size); it is timed and checked as a lossless row, and its relL2, maxerr and effbits are N/A".into());
         }
     }
@@ -492,7 +494,7 @@ fn layout(o: &Options) -> Layout {
         vs_nccl: o.impls.contains(&Impl::Nccl) && o.impls.contains(&Impl::Flashcomm),
         vs_copy: o.copy_baseline,
         vs_ref: o.impls.contains(&Impl::Reference),
-        vs_link: o.transport == TransportChoice::Host,
+        vs_link: o.transport == Choice::Force(Transport::Host),
         vs_best: o.impls.contains(&Impl::Flashcomm)
             && o.impls.iter().any(|i| *i != Impl::Flashcomm),
     }
@@ -587,9 +589,9 @@ fn run_program(
             &format!(
                 "latency: flashcomm {} AllReduce vs a device-to-device copy of the same bytes ({} {} ranks, {}; per-call time; ratio = flashcomm / copy)",
                 match o.algo {
-                    args::AlgoChoice::OneShot => "one-shot",
-                    args::AlgoChoice::TwoShot => "two-shot",
-                    args::AlgoChoice::Auto => "(auto)",
+                    Choice::Force(Algorithm::OneShot) => "one-shot",
+                    Choice::Force(Algorithm::TwoShot) => "two-shot",
+                    Choice::Auto => "(auto)",
                 },
                 o.ranks,
                 o.mode.name(),

@@ -16,7 +16,7 @@ use clap::{CommandFactory, Parser, ValueEnum};
 pub use flashcomm_comm::Collective;
 
 /// The collectives flashcomm-perf measures (flashcomm's kernels implement them).
-pub const COLLECTIVES: [Collective; 4] = flashcomm_comm::KERNEL_COLLECTIVES;
+pub const COLLECTIVES: [Collective; 4] = Collective::KERNELS;
 
 /// Where the ranks live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -113,56 +113,9 @@ pub use flashcomm_codec::DType as Dtype;
 /// Every type, in the order `-d all` runs them.
 pub const DTYPES: [Dtype; 3] = [Dtype::Bf16, Dtype::F16, Dtype::F32];
 
-/// Forced AllReduce algorithm.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum AlgoChoice {
-    /// The cost model decides.
-    Auto,
-    /// One-shot.
-    #[value(name = "oneshot")]
-    OneShot,
-    /// Two-shot (reduce-scatter + all-gather; "two-step" for the quantized AllReduce).
-    #[value(name = "twoshot", alias = "twostep")]
-    TwoShot,
-}
-
-/// Forced device protocol.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ProtoChoice {
-    /// The cost model decides.
-    Auto,
-    /// Low-latency 16-byte lines.
-    #[value(alias = "LL")]
-    Ll,
-    /// 4 KiB frames.
-    Block,
-    /// Pull (AllReduce): inputs staged in each rank's arena, loaded by the peers.
-    Pull,
-    /// Pull (AllReduce) straight from the peers' buffers (ranks of one process and device).
-    Direct,
-}
-
-/// Where flashcomm's arenas live (`FLASHCOMM_TRANSPORT`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum TransportChoice {
-    /// Peer access where every pair of ranks has it, host memory otherwise.
-    Auto,
-    /// Device memory through peer access or CUDA IPC.
-    P2p,
-    /// Pinned host memory: every byte crosses PCIe twice.
-    Host,
-}
-
-/// Whether a quantized AllReduce row runs the quantized kernels at sizes where they are slower
-/// (`FLASHCOMM_QUANT_CHOICE`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum QuantChoiceArg {
-    /// Every call of a quantized row is quantized: the row times that width's kernels.
-    Always,
-    /// As the library does by default: quantized only where the calibrated cost model predicts
-    /// it faster than lossless, otherwise the lossless kernels (the row's plan says which).
-    Auto,
-}
+/// The words of the route a row forces (`--algo`, `--proto`, `--transport`, `--quant-choice`):
+/// the library's own types, declared once in the codec crate.
+pub use flashcomm_codec::{Algorithm, Choice, Keyword, Protocol, QuantChoice, Transport};
 
 /// One quantized width: bits of the reduce-scatter step (the only step of one-shot) and of the
 /// all-gather step.
@@ -253,13 +206,13 @@ pub struct Options {
     /// `--spikes`: extreme values kept exactly per group.
     pub spikes: u8,
     /// `--quant-choice`: quantized AllReduce rows quantize every call, or only where it pays.
-    pub quant_choice: QuantChoiceArg,
+    pub quant_choice: QuantChoice,
     /// `--algo`.
-    pub algo: AlgoChoice,
+    pub algo: Choice<Algorithm>,
     /// `--proto`.
-    pub proto: ProtoChoice,
+    pub proto: Choice<Protocol>,
     /// `--transport`.
-    pub transport: TransportChoice,
+    pub transport: Choice<Transport>,
     /// `--json`.
     pub json: Option<PathBuf>,
     /// `--svg`.
@@ -310,10 +263,10 @@ impl Default for Options {
             quant: Vec::new(),
             group: 128,
             spikes: 2,
-            quant_choice: QuantChoiceArg::Always,
-            algo: AlgoChoice::Auto,
-            proto: ProtoChoice::Auto,
-            transport: TransportChoice::Auto,
+            quant_choice: QuantChoice::Always,
+            algo: Choice::Auto,
+            proto: Choice::Auto,
+            transport: Choice::Auto,
             json: None,
             svg: None,
             device: 0,
@@ -505,6 +458,26 @@ fn coll_value(v: &str) -> Result<Collective, String> {
         })
 }
 
+/// `auto`, or one of `T`'s keywords (ASCII case ignored).
+fn choice_value<T: Keyword>(v: &str) -> Result<Choice<T>, String> {
+    Choice::from_keyword(v).ok_or_else(|| {
+        let names: Vec<&str> = T::KEYWORDS.iter().map(|k| k.keyword()).collect();
+        format!("'{v}' is none of auto, {}", names.join(", "))
+    })
+}
+
+/// `--algo`: as [`choice_value`], and `twostep` (the quantized AllReduce's name) for `twoshot`.
+fn algo_value(v: &str) -> Result<Choice<Algorithm>, String> {
+    if v.trim().eq_ignore_ascii_case("twostep") {
+        return Ok(Choice::Force(Algorithm::TwoShot));
+    }
+    choice_value(v)
+}
+
+fn quant_choice_value(v: &str) -> Result<QuantChoice, String> {
+    QuantChoice::from_keyword(v).ok_or_else(|| format!("'{v}' is none of always, auto"))
+}
+
 fn size_value(v: &str) -> Result<u64, String> {
     parse_size(v).map_err(|e| e.0)
 }
@@ -637,17 +610,17 @@ struct Cli {
     /// auto (quantized only where the cost model calibrated at set-up predicts it faster than
     /// lossless, as FLASHCOMM_QUANT_CHOICE=auto does; a row that ran the lossless kernels has
     /// the plan lossless:<plan> and is checked as a lossless row) [always]
-    #[arg(long = "quant-choice", value_name = "c", help_heading = FLASHCOMM)]
-    quant_choice: Option<QuantChoiceArg>,
-    /// Forced AllReduce algorithm [auto]
-    #[arg(long, value_name = "a", help_heading = FLASHCOMM)]
-    algo: Option<AlgoChoice>,
-    /// Forced device protocol [auto]
-    #[arg(long, value_name = "p", help_heading = FLASHCOMM)]
-    proto: Option<ProtoChoice>,
+    #[arg(long = "quant-choice", value_name = "c", value_parser = quant_choice_value, help_heading = FLASHCOMM)]
+    quant_choice: Option<QuantChoice>,
+    /// Forced AllReduce algorithm: auto | oneshot | twoshot (twostep) [auto]
+    #[arg(long, value_name = "a", value_parser = algo_value, help_heading = FLASHCOMM)]
+    algo: Option<Choice<Algorithm>>,
+    /// Forced device protocol: auto | ll | block | pull | direct [auto]
+    #[arg(long, value_name = "p", value_parser = choice_value::<Protocol>, help_heading = FLASHCOMM)]
+    proto: Option<Choice<Protocol>>,
     /// Where flashcomm's arenas live: auto | p2p | host (pinned host memory, across PCIe) [auto]
-    #[arg(long, value_name = "t", help_heading = FLASHCOMM)]
-    transport: Option<TransportChoice>,
+    #[arg(long, value_name = "t", value_parser = choice_value::<Transport>, help_heading = FLASHCOMM)]
+    transport: Option<Choice<Transport>>,
     /// How the timed calls are issued [graph when -G > 0, else eager]
     #[arg(long, value_name = "l", help_heading = FLASHCOMM)]
     launch: Option<LaunchArg>,
@@ -756,7 +729,7 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
         o.step_factor = 2;
         o.coll = Collective::AllReduce;
         o.impls = vec![Impl::Flashcomm];
-        o.algo = AlgoChoice::OneShot;
+        o.algo = Choice::Force(Algorithm::OneShot);
         o.copy_baseline = true;
         o.iters = 100;
         o.warmup = 20;
@@ -863,7 +836,7 @@ fn validate(o: &Options) -> Result<(), ArgError> {
     if ![32, 64, 128, 256].contains(&o.group) {
         return err(format!("--group {}: 32, 64, 128 or 256", o.group));
     }
-    if o.quant_choice == QuantChoiceArg::Auto && !o.calibrate {
+    if o.quant_choice == QuantChoice::Auto && !o.calibrate {
         return err(
             "--quant-choice auto needs --calibrate 1: the choice comes from the quantized \
              AllReduce timed at set-up (without it every call is quantized)",
@@ -1027,8 +1000,14 @@ mod tests {
         assert_eq!((o.ranks, o.mode), (4, Mode::Gpus));
         assert_eq!(o.impls, vec![Impl::Flashcomm, Impl::Nccl]);
         assert_eq!(o.nccl_lib, Some(PathBuf::from("/x/libnccl.so.2")));
-        assert_eq!((o.algo, o.proto), (AlgoChoice::TwoShot, ProtoChoice::Ll));
-        assert_eq!(o.transport, TransportChoice::Auto);
+        assert_eq!(
+            (o.algo, o.proto),
+            (
+                Choice::Force(Algorithm::TwoShot),
+                Choice::Force(Protocol::Ll)
+            )
+        );
+        assert_eq!(o.transport, Choice::Auto);
         assert_eq!(o.json, Some(PathBuf::from("out.json")));
         assert_eq!(o.svg, Some(PathBuf::from("out.svg")));
         assert_eq!(o.device, 2);
@@ -1102,10 +1081,10 @@ mod tests {
         assert_eq!(o.quant, vec![w(8), w(4)]);
         assert!(usage().contains("single widths"));
         // Quantized AllReduce rows time the width's kernels unless asked to route as the library.
-        assert_eq!(run("--quant 4").quant_choice, QuantChoiceArg::Always);
+        assert_eq!(run("--quant 4").quant_choice, QuantChoice::Always);
         assert_eq!(
             run("--quant 4 --quant-choice auto").quant_choice,
-            QuantChoiceArg::Auto
+            QuantChoice::Auto
         );
         assert!(fails("--quant 4 --quant-choice sometimes").contains("--quant-choice"));
         assert!(fails("--quant 4 --quant-choice auto --calibrate 0").contains("--calibrate 1"));
@@ -1121,7 +1100,7 @@ mod tests {
             (o.min_bytes, o.max_bytes, o.step_factor),
             (8 << 10, 1 << 20, 2)
         );
-        assert_eq!(o.algo, AlgoChoice::OneShot);
+        assert_eq!(o.algo, Choice::Force(Algorithm::OneShot));
         assert!(o.copy_baseline);
         assert_eq!(o.launches, vec![Launch::Eager, Launch::Graph]);
         assert!(o.graph_replays > 0);

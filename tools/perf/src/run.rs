@@ -31,7 +31,7 @@ use flashcomm_codec::{Element, Format, bf16, f16};
 use flashcomm_comm::gpu::{Event, HostArena, IpcMapping};
 use flashcomm_comm::{
     Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DeviceMem, DevicePtr, Plan,
-    Protocol, QuantChoice, QuantSpec, Stream, ThreadGroup, Transport,
+    QuantSpec, Request, Stream, ThreadGroup, Transport,
 };
 use flashcomm_testkit::FileBootstrap;
 use flashcomm_testkit::pull_reference::{PullReference, Stages};
@@ -40,10 +40,7 @@ use flashcomm_testkit::verify::{TestType, Verifier};
 use serde::{Deserialize, Serialize};
 
 use crate::accuracy::{self, AccuracyStats, QuantAlgo, QuantOp};
-use crate::args::{
-    AlgoChoice, Dtype, Impl, Launch, Mode, Options, ProtoChoice, QuantChoiceArg, RefLaunch,
-    TransportChoice, Width,
-};
+use crate::args::{Dtype, Impl, Launch, Mode, Options, RefLaunch, Width};
 use crate::ffi::{self, Nccl, NcclComm};
 use crate::inputs;
 use crate::report::{Measure, Outcome, PullRow, QuantInfo, Row, Variant};
@@ -76,7 +73,7 @@ pub fn jobs(o: &Options) -> Vec<Job> {
                 if o.copy_baseline {
                     variants.push(Variant::Copy);
                 }
-                if o.transport == TransportChoice::Host {
+                if o.transport == Choice::Force(Transport::Host) {
                     variants.push(Variant::Link);
                     variants.push(Variant::LinkBoth);
                 }
@@ -133,24 +130,6 @@ fn test_type(d: Dtype) -> TestType {
         Dtype::Bf16 => TestType::Bf16,
         Dtype::F16 => TestType::F16,
         Dtype::F32 => TestType::F32,
-    }
-}
-
-fn algo_choice(a: AlgoChoice) -> Choice<Algorithm> {
-    match a {
-        AlgoChoice::Auto => Choice::Auto,
-        AlgoChoice::OneShot => Choice::Force(Algorithm::OneShot),
-        AlgoChoice::TwoShot => Choice::Force(Algorithm::TwoShot),
-    }
-}
-
-fn proto_choice(p: ProtoChoice) -> Choice<Protocol> {
-    match p {
-        ProtoChoice::Auto => Choice::Auto,
-        ProtoChoice::Ll => Choice::Force(Protocol::Ll),
-        ProtoChoice::Block => Choice::Force(Protocol::Block),
-        ProtoChoice::Pull => Choice::Force(Protocol::Pull),
-        ProtoChoice::Direct => Choice::Force(Protocol::Direct),
     }
 }
 
@@ -540,19 +519,12 @@ fn rank_main(
     let rank = boot.rank();
     let cfg = CommConfig {
         timeout: Duration::from_secs(o.timeout_s),
-        algo: algo_choice(o.algo),
-        proto: proto_choice(o.proto),
-        transport: match o.transport {
-            TransportChoice::Auto => Choice::Auto,
-            TransportChoice::P2p => Choice::Force(Transport::P2p),
-            TransportChoice::Host => Choice::Force(Transport::Host),
-        },
+        algo: o.algo,
+        proto: o.proto,
+        transport: o.transport,
         calibrate: o.calibrate,
         quant_calibrate: allreduce_quant_specs(o),
-        quant_choice: match o.quant_choice {
-            QuantChoiceArg::Always => QuantChoice::Always,
-            QuantChoiceArg::Auto => QuantChoice::Auto,
-        },
+        quant_choice: o.quant_choice,
         early_launch: o.early_launch,
         graph_mixing: o.graph_mixing,
         ..CommConfig::default()
@@ -595,7 +567,7 @@ fn rank_main(
     // The reference AllReduce: set up (it allocates) before any collective runs; ranks publish
     // their inboxes through the team (threads of one process: the arguments check the mode).
     // The link baseline's pinned host buffer: rank 0 alone times it.
-    let link = if o.transport == TransportChoice::Host && rank == 0 {
+    let link = if o.transport == Choice::Force(Transport::Host) && rank == 0 {
         let bytes = jobs
             .iter()
             .filter(|j| matches!(j.variant, Variant::Link | Variant::LinkBoth))
@@ -1026,16 +998,17 @@ impl Rank<'_> {
     fn lossless_call(
         &self,
         job: &Job,
-        plan: Option<&Plan>,
+        req: Option<&Request<'static>>,
         send: DevicePtr,
         recv: DevicePtr,
         s: Stream,
     ) -> Result<(), String> {
         let sh = &job.shape;
         let elem = job.dtype.bytes();
-        match (job.variant, plan, &self.comm, &self.nccl) {
-            (Variant::Lossless | Variant::Quant(_), Some(p), Some(c), _) => c
-                .run(p, send, recv, sh.call_count, elem, Some(job.dtype), s)
+        match (job.variant, req, &self.comm, &self.nccl) {
+            (Variant::Lossless | Variant::Quant(_), Some(r), Some(c), _) => c
+                .execute(&r.between(send, recv).on(s))
+                .map(|_| ())
                 .map_err(|e| e.to_string()),
             (Variant::Reference(l), _, _, _) => match (&self.reference, self.o.coll, l) {
                 (Some(r), Collective::AlltoAll, _) => r
@@ -1088,15 +1061,13 @@ impl Rank<'_> {
     }
 
     fn lossless_job(&self, job: &Job, salt: u32) -> Result<RankOut, String> {
-        let plan = match (job.variant, &self.comm) {
-            (Variant::Lossless, Some(c)) => Some(c.plan_forced(
-                self.o.coll,
-                job.shape.call_count,
-                job.dtype.bytes(),
-                algo_choice(self.o.algo),
-                proto_choice(self.o.proto),
-            )),
-            _ => None,
+        let (req, plan) = match (job.variant, &self.comm) {
+            (Variant::Lossless, Some(c)) => {
+                let req = Request::typed(self.o.coll, job.shape.call_count, job.dtype)
+                    .forced(self.o.algo, self.o.proto);
+                (Some(req), Some(c.plan(&req).map_err(|e| e.to_string())?))
+            }
+            _ => (None, None),
         };
         // The pull reference's plan: its kernel and blocks per rank.
         let pull_plan = match (job.variant, &self.pull) {
@@ -1104,7 +1075,7 @@ impl Rank<'_> {
                 .map(|st| pull_plan_label(st, p.blocks(st, job.shape.call_count, job.dtype))),
             _ => None,
         };
-        let out = self.lossless_measure(job, plan.as_ref(), salt, false)?;
+        let out = self.lossless_measure(job, req.as_ref(), salt, false)?;
         let inplace = if !self.o.inplace {
             None
         } else if matches!(job.variant, Variant::Pull(..)) {
@@ -1114,7 +1085,7 @@ impl Rank<'_> {
                 "the pull reference reads peers' inputs in place: out-of-place only".into(),
             ))
         } else {
-            Some(Ok(self.lossless_measure(job, plan.as_ref(), salt, true)?))
+            Some(Ok(self.lossless_measure(job, req.as_ref(), salt, true)?))
         };
         Ok(RankOut {
             skipped: None,
@@ -1148,7 +1119,7 @@ impl Rank<'_> {
     fn lossless_measure(
         &self,
         job: &Job,
-        plan: Option<&Plan>,
+        req: Option<&Request<'static>>,
         salt: u32,
         inplace: bool,
     ) -> Result<RankMeasure, String> {
@@ -1162,7 +1133,7 @@ impl Rank<'_> {
             .map_err(e2s("filling inputs"))?;
         self.sync()?;
         self.barrier()?;
-        let call = |st: Stream| self.lossless_call(job, plan, send, recv, st);
+        let call = |st: Stream| self.lossless_call(job, req, send, recv, st);
         // One grid for every rank: rank 0 issues and times every call; the others meet it, and
         // touch their buffers again only once its calls are over.
         let single = job.variant.single_grid();
@@ -1265,12 +1236,14 @@ impl Rank<'_> {
         // arguments refuse pairs for them).
         let op = QuantOp::of(self.o.coll);
         // The same verdict on every rank: planning is pure.
-        let plan = match (self.comm.as_ref(), op) {
-            (None, _) => return skipped("flashcomm is not set up".into()),
-            (Some(c), None) => {
-                c.plan_all_reduce_quant(count, dt, spec, algo_choice(self.o.algo), true)
-            }
-            (Some(c), Some(_)) => c.plan_quant_op(self.o.coll, count, dt, spec),
+        // AllReduce may run the lossless kernels where quantizing does not pay (`--quant-choice
+        // auto`); the one-step collectives are quantized whatever the choice.
+        let req = Request::typed(self.o.coll, count, dt)
+            .quantized(spec, op.is_none())
+            .forced(self.o.algo, self.o.proto);
+        let plan = match self.comm.as_ref() {
+            None => return skipped("flashcomm is not set up".into()),
+            Some(c) => c.plan(&req),
         };
         let plan = match plan {
             Err(e) => return skipped(e.to_string()),
@@ -1279,7 +1252,7 @@ impl Rank<'_> {
         if plan.quant.is_none() {
             // `--quant-choice auto` where quantizing does not pay: the call runs the lossless
             // kernels, timed and checked as a lossless row (the plan column says so).
-            let out = self.lossless_measure(job, Some(&plan), salt, false)?;
+            let out = self.lossless_measure(job, Some(&req), salt, false)?;
             return Ok(RankOut {
                 skipped: None,
                 plan: Some(format!("lossless:{}", plan_label(&plan))),
@@ -1312,9 +1285,9 @@ impl Rank<'_> {
         let fp = self.fp.as_ref().ok_or("no buffer for quantized inputs")?;
         let send = fp.slice(0, send_bytes);
         let recv = self.recv.slice(0, recv_bytes);
-        let elem = job.dtype.bytes();
         let call = |s: Stream| {
-            comm.run(&plan, send, recv, count, elem, Some(dt), s)
+            comm.execute(&req.between(send, recv).on(s))
+                .map(|_| ())
                 .map_err(|e| e.to_string())
         };
         self.sync()?;

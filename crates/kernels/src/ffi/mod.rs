@@ -19,10 +19,7 @@ use crate::catalog::{self, Algorithm, DType, Protocol, QuantOp};
 
 impl From<flashcomm_gpu::Error> for Error {
     fn from(e: flashcomm_gpu::Error) -> Self {
-        match e {
-            flashcomm_gpu::Error::NoDriver => Error::NoDriver,
-            flashcomm_gpu::Error::Cuda { during, detail } => Error::Cuda { during, detail },
-        }
+        Error::Cuda(e)
     }
 }
 
@@ -132,7 +129,7 @@ impl Kernels {
             return Err(Error::NoKernels);
         }
         if !driver_present() {
-            return Err(Error::NoDriver);
+            return Err(Error::Cuda(flashcomm_gpu::Error::NoDriver));
         }
         let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
         let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -149,10 +146,12 @@ impl Kernels {
             // on the GPU with eight ranks in one process). The codec modules, which are never
             // launched while collectives spin, stay lazy (they are large).
             let module = Module::load(&bytes, !name.starts_with("codec")).map_err(|e| match e {
-                flashcomm_gpu::Error::Cuda { during, detail } => Error::Cuda {
-                    during,
-                    detail: format!("{name}: {detail}"),
-                },
+                flashcomm_gpu::Error::Cuda { during, detail } => {
+                    Error::Cuda(flashcomm_gpu::Error::Cuda {
+                        during,
+                        detail: format!("{name}: {detail}"),
+                    })
+                }
                 other => other.into(),
             })?;
             // Modules stay loaded for the life of the process: kernels may still be in flight when
@@ -236,7 +235,10 @@ mod tests {
     #[test]
     fn every_cuda_source_is_embedded() {
         if !crate::built_with_kernels() {
-            eprintln!("built without kernels (no nvcc): nothing to check");
+            flashcomm_config::testing::skipped(
+                "kernels: every_cuda_source_is_embedded",
+                "built without kernels (nvcc was not found)",
+            );
             return;
         }
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../cuda");

@@ -21,6 +21,7 @@ use crate::error::{code_name, error_string};
 use crate::exports::boundary::{call_real, nccl_api, unavailable};
 use crate::exports::collective::{Extra, collective};
 use crate::group;
+use crate::grouped;
 use crate::last_error::{self, Last};
 use crate::logging::{self, Subsys};
 use crate::types::{Collective, CommEnd, CommHandle, CommOrigin};
@@ -518,14 +519,14 @@ nccl_api! {
 
     /// Inside a group that holds its Send/Recv calls back, a nested start is held with them.
     fn ncclGroupStart() -> ncclResult_t {
-        if dispatch::hold_group_call(true) {
+        if grouped::hold_group_call(true) {
             group::started();
             return ncclResult_t::ncclSuccess;
         }
         let r = forwarded!(call_real!(GROUP_START, () -> ncclResult_t));
         if r == ncclResult_t::ncclSuccess {
             group::started();
-            dispatch::group_started(group::depth(), &crate::init::state().config);
+            grouped::group_started(group::depth(), &crate::init::state().config);
         }
         r
     }
@@ -535,11 +536,11 @@ nccl_api! {
     /// AllToAll or given to the real library in their order, inside the real group.
     fn ncclGroupEnd() -> ncclResult_t {
         let depth = group::ending();
-        if depth > 0 && dispatch::hold_group_call(false) {
+        if depth > 0 && grouped::hold_group_call(false) {
             return ncclResult_t::ncclSuccess;
         }
         let held = match depth {
-            0 => dispatch::group_ending(&crate::init::state().config),
+            0 => grouped::group_ending(&crate::init::state().config),
             _ => None,
         };
         let r = forwarded!(call_real!(GROUP_END, () -> ncclResult_t));
@@ -563,7 +564,7 @@ nccl_api! {
         // Held-back Send/Recv calls go to the real library first: it simulates the group as the
         // caller wrote it.
         if group::depth() == 1 {
-            let _ = dispatch::hold_in_group_released(&crate::init::state().config);
+            let _ = grouped::released(&crate::init::state().config);
         }
         // Only once the real library ran it (a real library without the function ended no
         // group).

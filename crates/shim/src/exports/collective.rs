@@ -2,7 +2,7 @@
 //! the router, or the real library as it is for a call flashcomm does not route.
 //!
 //! Owns: [`Extra`], [`collective`].
-//! May import: `exports::boundary`, `args`, `error`, `init`, `types`, `dispatch`.
+//! May import: `exports::boundary`, `args`, `error`, `init`, `types`, `dispatch`, `grouped`.
 
 use flashcomm_nccl_sys::{cudaStream_t, ncclCollConfig_t, ncclResult_t};
 
@@ -10,6 +10,7 @@ use crate::args::{self, Args, Checked};
 use crate::dispatch;
 use crate::error::Error;
 use crate::exports::boundary::unavailable;
+use crate::grouped;
 use crate::types::CollCall;
 
 /// What the checks do not look at.
@@ -40,6 +41,10 @@ pub(crate) fn collective(
         );
     }
     let checked = args::check(&a);
+    let (elem, bytes, dtype) = match checked {
+        Checked::Routed { elem, bytes, dtype } => (elem, bytes, dtype),
+        Checked::Forward => (0, 0, None),
+    };
     let call = CollCall {
         api: a.api,
         kind: a.kind,
@@ -51,18 +56,22 @@ pub(crate) fn collective(
         comm: a.comm,
         stream: extra.stream,
         config: extra.config,
-        bytes: match checked {
-            Checked::Bytes(bytes) => bytes,
-            Checked::Forward => 0,
-        },
+        bytes,
+        elem,
+        dtype,
+        root_or_peer: extra.root_or_peer,
     };
     let config = &crate::init::state().config;
     if checked == Checked::Forward {
-        // Not a call flashcomm routes: the real library answers it, as it would without us.
-        return dispatch::pass_through(&call, config, forward);
+        // Not a call flashcomm routes: the real library answers it, as it would without us
+        // (after the calls a group held back: NCCL receives the group as written).
+        if config.settings.grouped_alltoall && grouped::holding() {
+            grouped::stop_holding(config);
+        }
+        return dispatch::pass_through(&call, forward);
     }
     // Inside a group that holds its Send/Recv calls back (FLASHCOMM_GROUPED_ALLTOALL).
-    if dispatch::hold_in_group(&call, extra.root_or_peer, config) {
+    if grouped::hold_in_group(&call, config) {
         return ncclResult_t::ncclSuccess;
     }
     dispatch::run(&call, config, forward)

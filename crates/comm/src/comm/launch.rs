@@ -1,0 +1,733 @@
+//! Launch: the plan of a call, the checks of its buffers, the kernel chosen and its parameters,
+//! and the launch itself.
+
+use flashcomm_kernels::catalog::QuantOp;
+use flashcomm_kernels::{Kernel, LaunchConfig};
+
+use crate::abi::{self, FcCollParams};
+use crate::error::Error;
+use crate::gpu::{self, DeviceMem, DevicePtr, Stream};
+use crate::plan::{
+    self, Algorithm, Collective, DataType, Plan, Protocol, QuantChoice, QuantModel, QuantSpec,
+};
+use crate::request::{Buffers, Request};
+
+use super::{Communicator, HOST_ABORT, HOST_STATUS};
+
+/// The checks of a call's buffers that the kernels need, with NCCL's answer
+/// (`InvalidArgument`, and a message) where a kernel would otherwise race or fault:
+/// * send and receive ranges overlap only in NCCL's in-place layout: the same buffer for
+///   AllReduce and AllToAll; for ReduceScatter the receive buffer at `in_place` bytes (rank x recvcount
+///   elements) into the send buffer; for AllGather the send buffer at `in_place` bytes into the
+///   receive buffer; any other overlap would let one rank's writes race with another's reads;
+/// * both buffers are aligned to `align` (the element size for the quantized kernels, which store
+///   whole elements; the lossless kernels take any alignment).
+pub(crate) fn check_buffers(
+    coll: Collective,
+    send: (u64, u64),
+    recv: (u64, u64),
+    in_place: u64,
+    align: u64,
+) -> Result<(), Error> {
+    let (s, sn) = send;
+    let (r, rn) = recv;
+    let overlap = s < r.saturating_add(rn) && r < s.saturating_add(sn);
+    let layout_ok = match coll {
+        // AllToAll in place: every thread (LL) or warp (BLOCK) of a round reads chunk k of every
+        // block it sends before it writes chunk k of any block it receives, and no other part of
+        // the kernel touches chunk k (the quantized kernel: a block barrier between the two).
+        Collective::AllReduce | Collective::AlltoAll => s == r,
+        Collective::ReduceScatter => s.checked_add(in_place) == Some(r),
+        Collective::AllGather => r.checked_add(in_place) == Some(s),
+        _ => false,
+    };
+    if overlap && !layout_ok {
+        let want = match coll {
+            Collective::AllReduce | Collective::AlltoAll => "the same buffer".to_string(),
+            Collective::ReduceScatter => {
+                format!("recvbuff = sendbuff + {in_place} bytes (rank x recvcount elements)")
+            }
+            Collective::AllGather => {
+                format!("sendbuff = recvbuff + {in_place} bytes (rank x sendcount elements)")
+            }
+            _ => "nothing: this collective has no in-place form here".to_string(),
+        };
+        return Err(Error::InvalidArgument(format!(
+            "{coll:?}: send buffer {s:#x} ({sn} bytes) and receive buffer {r:#x} ({rn} bytes) \
+             overlap, but not in place (in place means {want})"
+        )));
+    }
+    if align > 1 && (s % align != 0 || r % align != 0) {
+        return Err(Error::InvalidArgument(format!(
+            "{coll:?}: buffers {s:#x} and {r:#x} must be aligned to the {align}-byte datatype for \
+             the quantized kernels"
+        )));
+    }
+    Ok(())
+}
+
+/// The signature of a call that its tags carry (see `FLAG_SIG_SHIFT`): the collective, whether
+/// it is quantized, and the datatype of a reducing or quantized collective (a lossless AllGather
+/// or AllToAll moves bytes, so its datatype does not matter). Never more than 8 bits.
+///
+/// A quantized call's signature (top bit set; lossless ones stay below 0x80) also carries its
+/// codec settings, which `flashcommCommSetQuant` sets per rank: two ranks that run one collective
+/// with different widths, group or spikes then see a foreign tag and report a mismatch instead of
+/// decoding each other's bytes in the wrong format. Bits 5..7: the collective; bit 4: f16 or
+/// bf16; bits 0..4: `(rs - 2) + 5 (ag - 2) + 7 g + 3 s (mod 16)`, with `g` the group's index
+/// (32, 64, 128, 256) and `s` the spikes' (0, 2, 4). A difference in any one of the settings
+/// changes those four bits (each coefficient times any possible difference is not a multiple of
+/// 16); ranks that differ in several at once still differ with probability 15/16.
+fn call_signature(p: &Plan, dtype: Option<DataType>) -> u32 {
+    if let Some(q) = p.quant {
+        let coll = match p.coll {
+            Collective::AllReduce => 0,
+            Collective::ReduceScatter => 1,
+            Collective::AllGather => 2,
+            _ => 3,
+        };
+        let ty = u32::from(dtype == Some(DataType::Bf16));
+        let g = match q.group {
+            32 => 0,
+            64 => 1,
+            128 => 2,
+            _ => 3,
+        };
+        let sp = u32::from(q.spikes / 2);
+        let h = (u32::from(q.rs_bits.saturating_sub(2))
+            + 5 * u32::from(q.ag_bits.saturating_sub(2))
+            + 7 * g
+            + 3 * sp)
+            % 16;
+        return 0x80 | coll << 5 | ty << 4 | h;
+    }
+    let coll = match p.coll {
+        Collective::AllReduce => 1,
+        Collective::ReduceScatter => 2,
+        Collective::AllGather => 3,
+        Collective::AlltoAll => 4,
+        // Never launched (`run` refuses them); distinct from every launched kind all the same.
+        other => 5 + other.index() as u32 % 3,
+    };
+    let ty = match (p.coll, dtype) {
+        (Collective::AllGather | Collective::AlltoAll, _) => 0,
+        (_, None) => 0,
+        (_, Some(DataType::F32)) => 1,
+        (_, Some(DataType::F16)) => 2,
+        (_, Some(DataType::Bf16)) => 3,
+    };
+    (coll << 4) | ty
+}
+
+impl Communicator {
+    /// The plan of a request: exactly what [`Communicator::execute`] runs for it (pure; the
+    /// same on every rank for the same request). A lossless call is planned by the cost model
+    /// (or as forced); a quantized AllReduce runs the quantized kernels, or, under
+    /// [`QuantChoice::Auto`] where quantizing does not pay ([`plan::quant_pays`]) and the request
+    /// allows it, the lossless plan (whose `quant` is `None`); a quantized AllGather, AllToAll or
+    /// ReduceScatter is one quantization step at `q.rs_bits`. Refuses what the kernels refuse
+    /// (a quantized f32 call, widths without kernels). A pinned plan ([`Request::pinned`]) is
+    /// the plan.
+    pub fn plan(&self, req: &Request<'_>) -> Result<Plan, Error> {
+        if let Some(p) = req.pinned {
+            return Ok(p);
+        }
+        let algo = req.algo.unwrap_or(self.cfg.algo);
+        let proto = req.proto.unwrap_or(self.cfg.proto);
+        let lossless = |coll, elem| {
+            plan::plan(
+                &self.arena,
+                &self.model,
+                coll,
+                req.count,
+                elem,
+                self.max_grid,
+                algo,
+                proto,
+            )
+        };
+        let Some(q) = req.quant else {
+            return Ok(lossless(req.coll, req.elem));
+        };
+        let dtype = req.dtype.ok_or_else(|| {
+            Error::InvalidArgument("a quantized call needs an element type".into())
+        })?;
+        if req.coll != Collective::AllReduce {
+            return plan::plan_quant_op(&self.arena, req.coll, req.count, dtype, q, self.max_grid);
+        }
+        let quant = plan::plan_quant(
+            &self.arena,
+            &self.model,
+            self.quant_model(q),
+            req.count,
+            dtype,
+            q,
+            self.max_grid,
+            algo,
+        )?;
+        if self.cfg.quant_choice == QuantChoice::Always || !req.lossless_allowed {
+            return Ok(quant);
+        }
+        let lossless = lossless(Collective::AllReduce, dtype.bytes());
+        let bytes = req.count * dtype.bytes();
+        Ok(
+            if plan::quant_pays(&self.model, &lossless, self.quant_model(q), &quant, bytes) {
+                quant
+            } else {
+                lossless
+            },
+        )
+    }
+
+    /// Runs a request: its plan ([`Communicator::plan`]), launched on its stream after this
+    /// communicator's previous operation; returns the plan that ran. Every rank must run the
+    /// same requests in the same order.
+    ///
+    /// A quantized call's result is bitwise identical on every rank (each rank decodes the same
+    /// bytes in the same order), within the error bound docs/codec.md states for its steps.
+    /// Contiguous buffers may be in place as NCCL lays them out (see [`check_buffers`]).
+    /// Scattered blocks (an AllToAll of `ncclSend`/`ncclRecv` with one buffer per peer) are
+    /// gathered into a scratch buffer of the communicator's device, exchanged by the AllToAll
+    /// kernel and scattered out: 2 x nranks device copies more, all on the stream. The scratch
+    /// (2 x nranks x count x elem bytes) is allocated at the first call that needs more than the
+    /// last one and kept; under graph capture, where allocating is not allowed, a call that needs
+    /// more is refused as [`Error::Unsupported`] (the caller sends it to NCCL, which every rank
+    /// does alike: the scratch's size follows the calls, which are the same on every rank).
+    pub fn execute(&self, req: &Request<'_>) -> Result<Plan, Error> {
+        let p = self.plan(req)?;
+        match req.buffers {
+            Buffers::Contiguous { send, recv } => {
+                self.run(&p, send, recv, req.count, req.elem, req.dtype, req.stream)?
+            }
+            Buffers::Scattered { send, recv } => {
+                if req.coll != Collective::AlltoAll || p.quant.is_some() {
+                    return Err(Error::Unsupported(
+                        "scattered blocks are a lossless AllToAll's only".into(),
+                    ));
+                }
+                self.run_scattered(&p, send, recv, req.count, req.elem, req.stream)?
+            }
+        }
+        Ok(p)
+    }
+
+    /// The calibrated times of the quantized AllReduce with codec settings `q`, if measured.
+    pub fn quant_model(&self, q: QuantSpec) -> Option<&QuantModel> {
+        self.quant_models.iter().find(|m| m.spec == q)
+    }
+
+    /// The scattered AllToAll of [`Communicator::execute`] with plan `p`.
+    fn run_scattered(
+        &self,
+        p: &Plan,
+        send: &[DevicePtr],
+        recv: &[DevicePtr],
+        count: u64,
+        elem: u64,
+        stream: Stream,
+    ) -> Result<(), Error> {
+        let n = self.nranks as usize;
+        let block = count
+            .checked_mul(elem)
+            .ok_or_else(|| Error::InvalidArgument("AllToAll block size overflows".into()))?;
+        if send.len() != n || recv.len() != n {
+            return Err(Error::InvalidArgument(format!(
+                "{} send and {} receive blocks for {n} ranks",
+                send.len(),
+                recv.len()
+            )));
+        }
+        if send.iter().chain(recv).any(|b| b.len() < block) {
+            return Err(Error::InvalidArgument(format!(
+                "an AllToAll block is smaller than {block} bytes"
+            )));
+        }
+        self.check_status()?;
+        if block == 0 {
+            return Ok(());
+        }
+        let total = block
+            .checked_mul(n as u64)
+            .and_then(|t| usize::try_from(t.checked_mul(2)?).ok())
+            .ok_or_else(|| Error::InvalidArgument("AllToAll size overflows".into()))?;
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let _ctx = self.device.activate()?;
+        if scratch.last().is_none_or(|m| m.len() < total) {
+            if stream.is_capturing()? {
+                return Err(Error::Unsupported(format!(
+                    "a scattered AllToAll of {total} bytes of scratch under graph capture, \
+                     before any eager one of that size"
+                )));
+            }
+            // Powers of two: the kept scratches add up to less than twice the largest.
+            let bytes = total.checked_next_power_of_two().unwrap_or(total);
+            scratch.push(DeviceMem::alloc_zeroed(&self.device, bytes)?);
+        }
+        let mem = scratch.last().expect("allocated above");
+        let half = total / 2;
+        let (s_in, s_out) = (mem.slice(0, half), mem.slice(half, half));
+        let capturing = self.order_before(stream)?;
+        for (q, b) in send.iter().enumerate() {
+            mem.slice(q * block as usize, block as usize)
+                .copy_from(*b, block, stream)?;
+        }
+        self.run(p, s_in, s_out, count, elem, None, stream)?;
+        for (r, b) in recv.iter().enumerate() {
+            b.copy_from(
+                mem.slice(half + r * block as usize, block as usize),
+                block,
+                stream,
+            )?;
+        }
+        self.order_after(stream, capturing, false)?;
+        Ok(())
+    }
+
+    /// Runs plan `p` of a call with contiguous buffers (every rank runs the same plan).
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        p: &Plan,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        elem: u64,
+        dtype: Option<DataType>,
+        stream: Stream,
+    ) -> Result<(), Error> {
+        self.check_status()?;
+        if count == 0 {
+            return Ok(());
+        }
+        let n = self.nranks as u64;
+        let (send_bytes, recv_bytes) = match p.coll {
+            Collective::AllReduce => (count * elem, count * elem),
+            Collective::ReduceScatter => (count * elem * n, count * elem),
+            Collective::AllGather => (count * elem, count * elem * n),
+            Collective::AlltoAll => (count * elem * n, count * elem * n),
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "{other}: not a collective of flashcomm's kernels"
+                )));
+            }
+        };
+        if send.len() < send_bytes || recv.len() < recv_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "buffers of {} and {} bytes are too small for {send_bytes} and {recv_bytes}",
+                send.len(),
+                recv.len()
+            )));
+        }
+        check_buffers(
+            p.coll,
+            (send.addr(), send_bytes),
+            (recv.addr(), recv_bytes),
+            u64::from(self.rank) * count * elem,
+            if p.quant.is_some() { elem } else { 1 },
+        )?;
+        if p.coll.reduces() && dtype.is_none() {
+            return Err(Error::InvalidArgument(
+                "a reducing collective needs a datatype".into(),
+            ));
+        }
+        if let Some(q) = p.quant {
+            let has_kernels = match p.coll {
+                Collective::AllReduce => q.has_kernels(),
+                Collective::AllGather | Collective::AlltoAll | Collective::ReduceScatter => {
+                    (2..=8).contains(&q.rs_bits)
+                }
+                _ => false,
+            };
+            if !has_kernels || dtype.is_none_or(|d| d == DataType::F32) {
+                return Err(Error::Unsupported(
+                    "quantized plan for an unsupported call".into(),
+                ));
+            }
+            if p.coll == Collective::AllReduce
+                && p.algo == Algorithm::TwoShot
+                && count.div_ceil(plan::CODEC_BLOCK_VALUES) < n
+            {
+                return Err(Error::InvalidArgument(
+                    "two-step quantized plan with an empty shard".into(),
+                ));
+            }
+        } else if p.algo == Algorithm::TwoShot
+            && (p.shard_elems == 0 || (n - 1) * p.shard_elems >= count)
+        {
+            return Err(Error::InvalidArgument(
+                "two-shot plan with an empty shard".into(),
+            ));
+        }
+        if self.nranks == 1 {
+            // Nothing to exchange: every collective's result is the input (quantization never
+            // applies). In place that is free; out of place it is one device copy.
+            if send.addr() == recv.addr() {
+                return Ok(());
+            }
+            let _ctx = self.device.activate()?;
+            return Ok(recv.copy_from(send, recv_bytes, stream)?);
+        }
+        self.launch_plan(p, send, recv, count, elem, dtype, stream)
+    }
+
+    /// [`abi::FLAG_EARLY_LAUNCH`] for a lossless plan whose grid, doubled, still fits this rank's
+    /// resident share (`max_grid`, the share of the GPU that keeps every co-located rank's blocks
+    /// resident): the next kernel's blocks, launched early and waiting, then never keep a peer's
+    /// blocks from being scheduled. (The quantized kernels' occupancy differs from the lossless
+    /// ones' that `max_grid` was measured on, so they do not take it.)
+    fn early_launch_flag(&self, p: &Plan) -> u32 {
+        let fits = p.grid.saturating_mul(2) <= self.max_grid;
+        if self.cfg.early_launch
+            && fits
+            && p.quant.is_none()
+            && self.device.supports_overlapped_launch()
+        {
+            abi::FLAG_EARLY_LAUNCH
+        } else {
+            0
+        }
+    }
+
+    /// Whether a direct PULL kernel must stage this rank's input rather than let its peers read
+    /// it in place (rank-local: it changes the address this rank publishes, never the protocol
+    /// its peers run): a send buffer that is not 16-byte aligned (peers load 16-byte vectors),
+    /// and, one-shot, an input that overlaps the output (this rank writes its result while its
+    /// peers may still be reading its input).
+    fn direct_staging(p: &Plan, send: DevicePtr, recv: DevicePtr, bytes: u64) -> u32 {
+        let overlaps = send.addr() < recv.addr() + bytes && recv.addr() < send.addr() + bytes;
+        if !send.addr().is_multiple_of(16) || (p.algo == Algorithm::OneShot && overlaps) {
+            abi::FLAG_PULL_STAGE_SEND
+        } else {
+            0
+        }
+    }
+
+    /// The catalogue kernel of a plan: a few integer operations, no name and no lookup.
+    fn kernel_for(p: &Plan, dtype: Option<DataType>) -> Result<Kernel<FcCollParams>, Error> {
+        let (proto, algo) = (p.proto, p.algo);
+        let quant_op = match p.coll {
+            Collective::AllGather => Some(QuantOp::AllGather),
+            Collective::AlltoAll => Some(QuantOp::AlltoAll),
+            Collective::ReduceScatter => Some(QuantOp::ReduceScatter),
+            _ => None,
+        };
+        let k = match (p.coll, dtype) {
+            (_, Some(t)) if p.quant.is_some() && quant_op.is_some() => match (quant_op, p.quant) {
+                (Some(op), Some(q)) => Kernel::quant_op(op, t, q.rs_bits),
+                _ => None,
+            },
+            (Collective::AllGather, _) if p.quant.is_none() => Kernel::allgather(proto),
+            (Collective::AlltoAll, _) if p.quant.is_none() => Kernel::alltoall(proto),
+            (Collective::AllReduce, Some(t)) => match p.quant {
+                Some(q) if algo == Algorithm::OneShot => Kernel::quant_oneshot(t, q.rs_bits),
+                Some(q) => Kernel::quant_twostep(t, q.rs_bits, q.ag_bits),
+                None => Some(Kernel::allreduce(algo, proto, t)),
+            },
+            (Collective::ReduceScatter, Some(t)) => Kernel::reducescatter(proto, t),
+            _ => return Err(Error::InvalidArgument("missing datatype".into())),
+        };
+        k.ok_or_else(|| {
+            Error::Unsupported(format!(
+                "no {} kernel for this plan ({} protocol, codec {:?})",
+                p.coll,
+                proto.name(),
+                p.quant
+            ))
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_plan(
+        &self,
+        p: &Plan,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        elem: u64,
+        dtype: Option<DataType>,
+        stream: Stream,
+    ) -> Result<(), Error> {
+        let k = Self::kernel_for(p, dtype)?;
+        let params = FcCollParams {
+            send: send.addr(),
+            recv: recv.addr(),
+            count,
+            peer_base: self.peers,
+            epochs: self.local.addr() + abi::HDR_EPOCHS,
+            abort_flag: self.host.dev_ptr() + HOST_ABORT as u64,
+            status: self.host.dev_ptr() + HOST_STATUS as u64,
+            timeout_ns: self.cfg.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            half_bytes: self.arena.half_bytes,
+            region_bytes: self.arena.region_bytes,
+            slot_bytes: self.arena.slot_bytes,
+            sub_bytes: p.sub_bytes,
+            chunk_bytes: p.chunk_bytes,
+            shard_elems: p.shard_elems,
+            rank: self.rank,
+            nranks: self.nranks,
+            elem_bytes: elem as u32,
+            area_offset: self.arena.area_offset(p.proto),
+            own_slots: self.own_slots.as_ref().map_or(0, |m| m.as_ptr().addr()),
+            flags: call_signature(p, dtype) << abi::FLAG_SIG_SHIFT | self.early_launch_flag(p),
+            ..Default::default()
+        };
+        let mut params = params;
+        if p.proto == Protocol::Direct {
+            params.flags |= Self::direct_staging(p, send, recv, count * elem);
+        }
+        let threads = p.threads;
+        if let (Some(q), Some(d)) = (p.quant, dtype) {
+            params.q_bits_rs = q.rs_bits as u32;
+            params.q_bits_ag = q.ag_bits as u32;
+            params.q_group = q.group as u32;
+            params.q_spikes = q.spikes as u32;
+            params.q_block_bytes_rs = q.format(d, q.rs_bits)?.block_bytes() as u32;
+            params.q_block_bytes_ag = q.format(d, q.ag_bits)?.block_bytes() as u32;
+        }
+        let _ctx = self.device.activate()?;
+        let capturing = self.order_before(stream)?;
+        let cfg = LaunchConfig {
+            grid: p.grid,
+            block: threads,
+            smem: 0,
+        };
+        let overlapped = self.device.supports_overlapped_launch();
+        gpu::launch(&self.kernels, k, cfg, stream, &params, overlapped)?;
+        self.order_after(stream, capturing, true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Arena, Choice, CostModel};
+
+    /// `flashcommCommSetQuant` is per rank: ranks whose settings differ run one quantized
+    /// collective in different wire formats. Their tags must differ so that the kernels report a
+    /// mismatch rather than decode each other's bytes wrongly (before, the signature carried
+    /// only "quantized", and every setting looked alike).
+    #[test]
+    fn quantized_signatures_differ_by_codec_settings() {
+        let arena = Arena::new(4, 64 << 20).unwrap();
+        let model = CostModel::default_for(4);
+        let base = plan::plan(
+            &arena,
+            &model,
+            Collective::AllReduce,
+            1 << 16,
+            2,
+            16,
+            Choice::Auto,
+            Choice::Auto,
+        );
+        let sig = |coll: Collective, q: QuantSpec, t: DataType| {
+            let mut p = base;
+            p.coll = coll;
+            p.quant = Some(q);
+            call_signature(&p, Some(t))
+        };
+        let spec = |rs, ag, group, spikes| QuantSpec::new(rs, ag, group, spikes).unwrap();
+        let mut specs = Vec::new();
+        for rs in 2..=8u8 {
+            for ag in [rs, 8] {
+                for group in [32, 64, 128, 256] {
+                    for spikes in [0, 2, 4] {
+                        specs.push(spec(rs, ag, group, spikes));
+                    }
+                }
+            }
+        }
+        for coll in [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::AllGather,
+            Collective::AlltoAll,
+        ] {
+            for t in [DataType::F16, DataType::Bf16] {
+                for a in &specs {
+                    let sa = sig(coll, *a, t);
+                    assert!((0x80..0x100).contains(&sa), "quantized: top bit, 8 bits");
+                    for b in &specs {
+                        let differ = [
+                            a.rs_bits != b.rs_bits,
+                            a.ag_bits != b.ag_bits,
+                            a.group != b.group,
+                            a.spikes != b.spikes,
+                        ];
+                        if differ.iter().filter(|d| **d).count() == 1 {
+                            assert_ne!(sa, sig(coll, *b, t), "{coll:?} {t:?} {a:?} vs {b:?}");
+                        }
+                    }
+                }
+            }
+        }
+        // The collective and the datatype always show.
+        let q = spec(4, 4, 128, 2);
+        assert_ne!(
+            sig(Collective::AllReduce, q, DataType::F16),
+            sig(Collective::AllReduce, q, DataType::Bf16)
+        );
+        assert_ne!(
+            sig(Collective::AllGather, q, DataType::F16),
+            sig(Collective::AlltoAll, q, DataType::F16)
+        );
+        // Lossless signatures stay below the quantized ones.
+        for coll in [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::Broadcast,
+        ] {
+            let mut p = base;
+            p.coll = coll;
+            assert!(call_signature(&p, Some(DataType::F32)) < 0x80);
+        }
+    }
+
+    #[test]
+    fn overlapping_buffers_are_refused_unless_in_place() {
+        const MB: u64 = 1 << 20;
+        let base = 0x7f00_0000_0000u64;
+        // Disjoint buffers, and NCCL's in-place layouts, pass.
+        for (coll, send, recv, in_place) in [
+            (Collective::AllReduce, (base, MB), (base + MB, MB), 0),
+            (Collective::AllReduce, (base, MB), (base, MB), 0),
+            // ReduceScatter of 4 ranks, rank 2: recv is the third quarter of send.
+            (
+                Collective::ReduceScatter,
+                (base, 4 * MB),
+                (base + 2 * MB, MB),
+                2 * MB,
+            ),
+            // AllGather of 4 ranks, rank 3: send is the last quarter of recv.
+            (
+                Collective::AllGather,
+                (base + 3 * MB, MB),
+                (base, 4 * MB),
+                3 * MB,
+            ),
+            (
+                Collective::AllGather,
+                (base + 4 * MB, MB),
+                (base, 4 * MB),
+                MB,
+            ),
+            // AllToAll of 4 ranks in place: one buffer, NCCL's layout (each rank may choose).
+            (Collective::AlltoAll, (base, 4 * MB), (base, 4 * MB), 0),
+        ] {
+            assert_eq!(
+                check_buffers(coll, send, recv, in_place, 1),
+                Ok(()),
+                "{coll:?} {send:?} {recv:?}"
+            );
+        }
+        // Overlaps at any other offset race: refused with a message.
+        for (coll, send, recv, in_place) in [
+            (Collective::AllReduce, (base, MB), (base + 2, MB), 0),
+            (Collective::AllReduce, (base + MB - 1, MB), (base, MB), 0),
+            (
+                Collective::ReduceScatter,
+                (base, 4 * MB),
+                (base + MB, MB),
+                2 * MB,
+            ),
+            (
+                Collective::ReduceScatter,
+                (base, 4 * MB),
+                (base, MB),
+                2 * MB,
+            ),
+            (Collective::AllGather, (base, MB), (base, 4 * MB), 3 * MB),
+            (
+                Collective::AllGather,
+                (base + 3 * MB + 8, MB),
+                (base, 4 * MB),
+                3 * MB,
+            ),
+            (Collective::AlltoAll, (base, 4 * MB), (base + MB, 4 * MB), 0),
+        ] {
+            let e = check_buffers(coll, send, recv, in_place, 1).unwrap_err();
+            let Error::InvalidArgument(m) = e else {
+                panic!("{e:?}")
+            };
+            assert!(m.contains("overlap") && m.contains("in place"), "{m}");
+        }
+    }
+
+    #[test]
+    fn quantized_calls_need_element_aligned_buffers() {
+        let base = 0x7f00_0000_0000u64;
+        assert_eq!(
+            check_buffers(Collective::AllReduce, (base, 64), (base + 4096, 64), 0, 2),
+            Ok(())
+        );
+        for (s, r) in [(base + 1, base + 4096), (base, base + 4097)] {
+            let e = check_buffers(Collective::AllReduce, (s, 64), (r, 64), 0, 2).unwrap_err();
+            assert!(
+                matches!(&e, Error::InvalidArgument(m) if m.contains("aligned")),
+                "{e:?}"
+            );
+        }
+        // The lossless kernels take any alignment.
+        assert_eq!(
+            check_buffers(
+                Collective::AllReduce,
+                (base + 1, 64),
+                (base + 4097, 64),
+                0,
+                1
+            ),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn call_signatures_differ_by_collective_datatype_and_quantization_and_fit_8_bits() {
+        use std::collections::HashSet;
+        let arena = Arena::new(2, 64 << 20).unwrap();
+        let model = CostModel::default_for(2);
+        let mut seen = HashSet::new();
+        for coll in [Collective::AllReduce, Collective::ReduceScatter] {
+            for t in [DataType::F32, DataType::F16, DataType::Bf16] {
+                let p = plan::plan(
+                    &arena,
+                    &model,
+                    coll,
+                    4096,
+                    t.bytes(),
+                    16,
+                    Choice::Auto,
+                    Choice::Auto,
+                );
+                let sig = call_signature(&p, Some(t));
+                assert!(sig > 0 && sig < 256);
+                assert!(seen.insert(sig), "{coll:?} {t:?}");
+                // The quantized kernels take f16 and bf16 only (f32 is refused before a launch).
+                if t == DataType::F32 {
+                    continue;
+                }
+                let mut q = p;
+                q.quant = Some(QuantSpec::new(4, 4, 128, 2).unwrap());
+                assert!(
+                    seen.insert(call_signature(&q, Some(t))),
+                    "quantized {coll:?} {t:?}"
+                );
+            }
+        }
+        let p = plan::plan(
+            &arena,
+            &model,
+            Collective::AllGather,
+            4096,
+            2,
+            16,
+            Choice::Auto,
+            Choice::Auto,
+        );
+        // An AllGather moves bytes: its datatype does not count.
+        assert_eq!(
+            call_signature(&p, None),
+            call_signature(&p, Some(DataType::F16))
+        );
+        assert!(seen.insert(call_signature(&p, None)));
+    }
+}

@@ -1,0 +1,334 @@
+//! The communicator: one rank's view of a group of GPUs that flashcomm's kernels serve.
+//!
+//! Set-up (collective: every rank calls [`Communicator::new`] at the same point):
+//! 1. allocate this rank's arena (zeroed) and host-mapped abort/status words;
+//! 2. exchange {process, host, device, arena address, IPC handle} with every rank;
+//! 3. map every peer's arena: the same address within one process (enabling peer access across
+//!    devices), a legacy IPC mapping across processes of one host; other hosts are refused;
+//! 4. agree: if any rank failed, every rank returns [`Error::Unsupported`] (the shim then passes
+//!    that communicator's calls through to the real NCCL);
+//! 5. probe: every rank writes a word into every peer's arena; each rank checks that all arrived
+//!    (peer access the driver reports is not always real), and all ranks agree again;
+//! 6. agree on the largest grid every rank can keep resident, and (optionally) calibrate the cost
+//!    model with a few timed collectives, agreeing on one model.
+//!
+//! Per call: plan (pure: same on every rank), order after this communicator's previous launch if
+//! the stream changed, launch one kernel. Nothing allocates or synchronizes, so calls may be
+//! captured into CUDA graphs; epochs live on the device.
+//!
+//! One file per responsibility: `setup` (set-up and the agreement between ranks), `calibrate`
+//! (the timed collectives that give the cost model), `launch` (plans, buffer checks, kernel
+//! parameters and the launch) and `order` (ordering between calls, status, abort, idleness).
+//! This file holds the communicator's state, its settings, its accessors and its release.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use flashcomm_kernels::Kernels;
+
+use crate::abi::MAX_RANKS;
+use crate::gpu::{CaptureRecord, Device, DeviceMem, Event, HostMapped};
+use crate::plan::{
+    Algorithm, Arena, Choice, CostModel, Protocol, QuantChoice, QuantModel, QuantSpec,
+};
+use crate::release::{self, Releasable, Release};
+use crate::transport::{LocalArena, PeerMapping, Transport};
+
+mod calibrate;
+mod launch;
+mod order;
+mod setup;
+
+/// Settings of one communicator (the same on every rank).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CommConfig {
+    /// Bound on every device-side wait; zero (the default): no time limit, as in NCCL (a wait
+    /// lasts until the peer arrives or [`Communicator::abort`] is called).
+    pub timeout: Duration,
+    /// Cap on the arena each rank allocates (its push protocols' part).
+    pub arena_bytes: u64,
+    /// Bytes of the pull area each rank allocates beside it (two staging halves; the PULL
+    /// protocols take AllReduce calls up to half of it; 0: no PULL protocols).
+    pub pull_bytes: u64,
+    /// AllReduce algorithm override.
+    pub algo: Choice<Algorithm>,
+    /// Protocol override.
+    pub proto: Choice<Protocol>,
+    /// Cap on blocks per launch (default: what keeps every rank of this GPU resident).
+    pub max_blocks: Option<u32>,
+    /// Measure the cost model at set-up (otherwise use defaults).
+    pub calibrate: bool,
+    /// Codec settings whose quantized AllReduce calibration also times (the settings the
+    /// communicator's calls will ask for; the same list on every rank).
+    pub quant_calibrate: Vec<QuantSpec>,
+    /// Whether a quantized AllReduce runs only where it pays (`FLASHCOMM_QUANT_CHOICE`).
+    pub quant_choice: QuantChoice,
+    /// Where arenas live: automatic (the peer transport where every pair of ranks has peer
+    /// access, the host transport otherwise), or forced.
+    pub transport: Choice<Transport>,
+    /// Graph mixing (`FLASHCOMM_GRAPH_MIXING`): the first captured collective of each capture
+    /// waits at each replay for the last eager operation, and each replay records an event (one
+    /// node beside the captured chain, after every captured collective) that later eager
+    /// operations wait for.
+    pub graph_mixing: bool,
+    /// Early launch (`FLASHCOMM_EARLY_LAUNCH`): each kernel lets the next kernel of its stream
+    /// launch as soon as it starts, where twice the grid fits the resident share
+    /// ([`abi::FLAG_EARLY_LAUNCH`](crate::abi::FLAG_EARLY_LAUNCH)).
+    pub early_launch: bool,
+    /// Tests only: this rank fails set-up step `n` (0..=7, see [`Communicator::new_agreed`]), as
+    /// an allocation, a driver call or a kernel launch failing there would.
+    #[doc(hidden)]
+    pub fail_at: Option<u32>,
+    /// Tests only: this rank panics where set-up step `n` would run (0..=7), or, for `n = 8`,
+    /// before the transport is chosen (the first thing set-up does): a bug in a local step.
+    #[doc(hidden)]
+    pub panic_at: Option<u32>,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        CommConfig {
+            timeout: Duration::ZERO,
+            arena_bytes: 64 << 20,
+            pull_bytes: DEFAULT_PULL_BYTES,
+            algo: Choice::Auto,
+            proto: Choice::Auto,
+            max_blocks: None,
+            calibrate: true,
+            quant_calibrate: Vec::new(),
+            quant_choice: QuantChoice::Auto,
+            transport: Choice::Auto,
+            graph_mixing: true,
+            early_launch: true,
+            fail_at: None,
+            panic_at: None,
+        }
+    }
+}
+
+/// The pull area's default size: two staging halves of 16 MiB, so the PULL protocols take
+/// AllReduce calls up to 16 MiB.
+pub const DEFAULT_PULL_BYTES: u64 = 32 << 20;
+
+const HOST_ABORT: usize = 0;
+const HOST_STATUS: usize = 64;
+const HOST_BYTES: usize = 128;
+
+/// The communicator's last eager launch: an event recorded after it, and the stream it went to.
+/// Written only by the launching thread (NCCL allows one thread at a time per communicator), so
+/// atomics suffice: no lock on the call path.
+struct LastLaunch {
+    /// The device the launches go to (its context answers queries of `event`).
+    device: Arc<Device>,
+    /// The stream of the last eager launch (its raw handle as an integer).
+    stream: AtomicUsize,
+    /// Whether any eager launch happened (`stream` is meaningful).
+    launched: AtomicBool,
+    /// Graph mixing: whether an operation of this communicator was captured into a graph (whose
+    /// replays record `event`), so that every eager operation waits for `event`, whatever its
+    /// stream.
+    captured: AtomicBool,
+    event: Event,
+    /// Graph mixing: the event-record node of the capture in progress (the last one this
+    /// communicator was captured into), beside its chain, which every captured operation of
+    /// that capture joins. Touched only while capturing, never on an eager call.
+    capture: std::sync::Mutex<CaptureMark>,
+}
+
+impl release::Activity for LastLaunch {
+    fn idle(&self) -> Result<bool, String> {
+        if !self.launched.load(Ordering::Acquire) {
+            return Ok(true);
+        }
+        let _ctx = self.device.activate().map_err(|e| e.to_string())?;
+        self.event.is_done().map_err(|e| e.to_string())
+    }
+}
+
+/// Graph mixing's state of the capture in progress.
+#[derive(Default)]
+struct CaptureMark {
+    /// The record node of the last capture this communicator was captured into.
+    record: Option<CaptureRecord>,
+    /// The capture's dependencies when the operation being enqueued began (`order_before`):
+    /// what a kernel launched next depends on.
+    before: Vec<usize>,
+}
+
+/// A forwarded operation that [`Communicator::before_foreign`] ordered: whether its stream was
+/// capturing, for [`Communicator::after_foreign`].
+#[derive(Clone, Copy, Debug)]
+pub struct Foreign {
+    capturing: bool,
+}
+
+/// One rank of a flashcomm communicator.
+pub struct Communicator {
+    rank: u32,
+    nranks: u32,
+    device: Arc<Device>,
+    arena: Arena,
+    local: LocalArena,
+    /// Host transport: this rank's own slots (regions A and B) in device memory, which only
+    /// this rank's quantized kernels write and read (`FcCollParams::own_slots`).
+    own_slots: Option<DeviceMem>,
+    peers: [u64; MAX_RANKS],
+    mappings: Vec<PeerMapping>,
+    host: HostMapped,
+    kernels: Arc<Kernels>,
+    max_grid: u32,
+    model: CostModel,
+    /// The measured quantized AllReduce per codec setting of `cfg.quant_calibrate` (agreed by
+    /// every rank; empty without calibration).
+    quant_models: Vec<QuantModel>,
+    cfg: CommConfig,
+    /// Shared with the release registry ([`release::LIVE`]), which asks it before any free.
+    last: Arc<LastLaunch>,
+    /// The scratch of a scattered AllToAll ([`Communicator::execute`]): the last is in use;
+    /// earlier, smaller ones are kept until the communicator is dropped (freeing device memory
+    /// synchronizes the device, which would wait for the kernels of ranks that share it and wait
+    /// for this one).
+    scratch: std::sync::Mutex<Vec<DeviceMem>>,
+    /// Set by [`Communicator::defer_release`]: dropping hands the memory to a thread of its own
+    /// instead of freeing it here.
+    deferred: std::sync::Mutex<Option<Deferred>>,
+}
+
+/// How a communicator's drop releases its memory after [`Communicator::defer_release`].
+struct Deferred {
+    done: Release,
+    keep_arena: bool,
+}
+
+/// A dropped communicator's memory on its way to being freed ([`release::in_background`]): ready
+/// once the communicator's last eager launch has finished.
+struct Remains {
+    device: Arc<Device>,
+    last: Arc<LastLaunch>,
+    mappings: Vec<PeerMapping>,
+    local: LocalArena,
+    keep_arena: bool,
+    own_slots: Option<DeviceMem>,
+    host: HostMapped,
+    scratch: Vec<DeviceMem>,
+}
+
+impl Releasable for Remains {
+    fn ready(&mut self) -> Result<bool, String> {
+        release::Activity::idle(&*self.last)
+    }
+
+    fn free(self) {
+        let Remains {
+            device,
+            last,
+            mut mappings,
+            local,
+            keep_arena,
+            own_slots,
+            host,
+            scratch,
+            ..
+        } = self;
+        // Peers' mappings are closed with this device's context current.
+        if let Ok(_ctx) = device.activate() {
+            mappings.clear();
+        }
+        if keep_arena {
+            // Aborted while peers may still run collectives that write into this arena (a
+            // rank that has not noticed the failure yet): freed, its memory could be handed to
+            // another allocation and overwritten. It stays allocated for the life of the process.
+            std::mem::forget(local);
+        } else {
+            drop(local);
+        }
+        drop((own_slots, host, scratch, last));
+    }
+}
+
+impl Communicator {
+    /// Where the arenas live (the same on every rank).
+    pub fn transport(&self) -> Transport {
+        self.local.transport()
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn nranks(&self) -> u32 {
+        self.nranks
+    }
+
+    /// The CUDA device ordinal.
+    pub fn device(&self) -> i32 {
+        self.device.ordinal()
+    }
+
+    /// Bytes of device memory this rank's arena takes.
+    pub fn arena_bytes(&self) -> u64 {
+        self.arena.total_bytes
+    }
+
+    /// The largest grid a launch uses.
+    pub fn max_grid(&self) -> u32 {
+        self.max_grid
+    }
+
+    /// The cost model in use.
+    pub fn cost_model(&self) -> &CostModel {
+        &self.model
+    }
+}
+
+impl Communicator {
+    /// From now on, dropping this communicator (wherever its last reference goes) never blocks:
+    /// its memory goes to a thread of its own that waits for the last eager launch and then
+    /// frees it (`ncclCommAbort` and `ncclCommDestroy`: freeing waits for the device's
+    /// outstanding work, which after a fault may never end). The returned [`Release`] says when
+    /// the memory was freed; a caller waits for it at most a bound. `keep_arena`: the arena is
+    /// never freed (an abort with peers that may still write into it).
+    pub fn defer_release(&self, keep_arena: bool) -> Release {
+        let mut d = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
+        let done = d.as_ref().map_or_else(release::pending, |d| d.done.clone());
+        *d = Some(Deferred {
+            done: done.clone(),
+            keep_arena,
+        });
+        done
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        let deferred = self
+            .deferred
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(d) = deferred {
+            let remains = Remains {
+                device: self.device.clone(),
+                last: self.last.clone(),
+                mappings: std::mem::take(&mut self.mappings),
+                local: std::mem::replace(&mut self.local, LocalArena::Empty),
+                keep_arena: d.keep_arena,
+                own_slots: self.own_slots.take(),
+                host: std::mem::replace(&mut self.host, HostMapped::empty()),
+                scratch: std::mem::take(self.scratch.get_mut().unwrap_or_else(|e| e.into_inner())),
+            };
+            release::in_background(remains, d.done, &release::LIVE);
+            return;
+        }
+        // The arena must outlive every kernel that uses it; peers' mappings are closed with this
+        // device's context current. The arena itself and the host words are freed when the fields
+        // drop right after (freeing needs no particular current context).
+        let _ = self.wait_idle();
+        if let Ok(_ctx) = self.device.activate() {
+            self.mappings.clear();
+        }
+    }
+}

@@ -1,0 +1,406 @@
+//! Memory: what the driver knows of an address, device address ranges, device memory owned by
+//! this process, peers' allocations opened through IPC handles, and host memory mapped into the
+//! device's address space.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::result;
+use cudarc::driver::sys;
+
+use crate::{Device, Error, Stream, check, cuda, driver_loaded};
+
+/// What the driver knows of an address (NCCL_CHECK_POINTERS).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PointerKind {
+    /// Device memory of this device ordinal.
+    Device(i32),
+    /// Managed (unified) memory, usable from every device.
+    Managed,
+    /// Host memory the driver knows (pinned or registered).
+    Host,
+    /// An address the driver does not know (pageable host memory, freed memory, garbage).
+    Unknown,
+}
+
+/// The kind of memory at `addr`, as `cudaPointerGetAttributes` tells NCCL when
+/// `NCCL_CHECK_POINTERS=1`. Needs the driver loaded; an address it does not know is
+/// [`PointerKind::Unknown`], not an error.
+pub fn pointer_kind(addr: u64) -> Result<PointerKind, Error> {
+    if !driver_loaded() {
+        return Err(Error::NoDriver);
+    }
+    use sys::CUpointer_attribute::{
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, CU_POINTER_ATTRIBUTE_IS_MANAGED,
+        CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+    };
+    let Some(managed) = pointer_attribute(addr, CU_POINTER_ATTRIBUTE_IS_MANAGED) else {
+        return Ok(PointerKind::Unknown);
+    };
+    if managed != 0 {
+        return Ok(PointerKind::Managed);
+    }
+    match pointer_attribute(addr, CU_POINTER_ATTRIBUTE_MEMORY_TYPE) {
+        None => Ok(PointerKind::Unknown),
+        Some(t) if t != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 => Ok(PointerKind::Host),
+        Some(_) => pointer_attribute(addr, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
+            .map(|d| PointerKind::Device(d as i32))
+            .ok_or(Error::Cuda {
+                during: "querying a pointer's device",
+                detail: "the driver knows the address but not its device".into(),
+            }),
+    }
+}
+
+/// One 4-byte attribute of `addr` (the three `pointer_kind` asks for are an unsigned int, a
+/// `CUmemorytype` and an int); `None` when the driver does not know the address.
+fn pointer_attribute(addr: u64, attr: sys::CUpointer_attribute) -> Option<u32> {
+    let mut v: u32 = 0;
+    // SAFETY: a valid out pointer of 4 bytes, the size of each attribute asked for; any address
+    // may be asked about.
+    let r = unsafe { sys::cuPointerGetAttribute((&mut v as *mut u32).cast(), attr, addr) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
+}
+
+/// A device address range that the holder promises is valid device memory for as long as the
+/// work it is used for runs. Obtained safely from a [`DeviceMem`] (which owns the memory) or
+/// unsafely from a raw address (the NCCL entry points, whose callers make that promise).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DevicePtr {
+    addr: u64,
+    len: u64,
+}
+
+impl DevicePtr {
+    /// An empty range: promises nothing, so it is safe to make (a call with it moves nothing).
+    pub fn empty() -> DevicePtr {
+        DevicePtr { addr: 0, len: 0 }
+    }
+
+    /// Wraps a raw device address range.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must be device memory accessible from the communicator's device,
+    /// valid until every kernel that uses it has finished.
+    pub unsafe fn from_raw(addr: u64, len: u64) -> DevicePtr {
+        DevicePtr { addr, len }
+    }
+
+    /// The address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Bytes the range covers.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies the first `bytes` bytes of `src` into this range on `stream`
+    /// (`cuMemcpyDtoDAsync`: asynchronous, a single copy node under graph capture). The context
+    /// of the memory's device must be current.
+    pub fn copy_from(&self, src: DevicePtr, bytes: u64, stream: Stream) -> Result<(), Error> {
+        assert!(
+            bytes <= self.len && bytes <= src.len,
+            "device copy out of bounds"
+        );
+        // SAFETY: both ranges hold at least `bytes` bytes (asserted) of device memory that their
+        // creators promised valid until the work on `stream` has finished (DevicePtr's contract).
+        unsafe { result::memcpy_dtod_async(self.addr, src.addr, bytes as usize, stream.0) }
+            .map_err(cuda("copying device memory"))
+    }
+}
+
+/// Device memory owned by this process (`cuMemAlloc`, so it can be exported with legacy IPC).
+/// Every operation makes the owning device's context current for its duration.
+pub struct DeviceMem {
+    ptr: u64,
+    bytes: usize,
+    device: Arc<Device>,
+}
+
+impl DeviceMem {
+    /// Allocates `bytes` on `device`, zero-filled.
+    pub fn alloc_zeroed(device: &Arc<Device>, bytes: usize) -> Result<DeviceMem, Error> {
+        let _ctx = device.activate()?;
+        // SAFETY: this device's context is current (the guard above).
+        let p = unsafe { result::malloc_sync(bytes.max(1)) }
+            .map_err(cuda("allocating device memory"))?;
+        let m = DeviceMem {
+            ptr: p,
+            bytes,
+            device: device.clone(),
+        };
+        // The plain cuMemsetD8 runs on the legacy default stream and may return before it
+        // finishes; non-blocking streams (every stream here) are not ordered after it, so a
+        // kernel could see the zeroing land after its own writes (a peer's first LL line, a
+        // test's input). Clear on a private stream and wait for exactly that work: never for
+        // other streams, whose kernels may be waiting for this rank.
+        let s = Stream::create()?;
+        // SAFETY: `p` points to `bytes` freshly allocated bytes; `s` is a stream of the current
+        // context.
+        let waited = unsafe { result::memset_d8_async(p, 0, bytes, s.0) }
+            .map_err(cuda("clearing device memory"))
+            .and_then(|_| s.synchronize());
+        // SAFETY: `s` was created above and nothing else refers to it.
+        let d = unsafe { result::stream::destroy(s.0) };
+        waited?;
+        d.map_err(cuda("destroying a stream"))?;
+        Ok(m)
+    }
+
+    /// The device address.
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The whole allocation as a [`DevicePtr`].
+    pub fn as_ptr(&self) -> DevicePtr {
+        DevicePtr {
+            addr: self.ptr,
+            len: self.bytes as u64,
+        }
+    }
+
+    /// `len` bytes at `offset` as a [`DevicePtr`] (any alignment; panics if out of bounds).
+    pub fn slice(&self, offset: usize, len: usize) -> DevicePtr {
+        assert!(
+            offset.checked_add(len).is_some_and(|e| e <= self.bytes),
+            "slice out of bounds"
+        );
+        DevicePtr {
+            addr: self.ptr + offset as u64,
+            len: len as u64,
+        }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether the allocation is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// Copies `src` to byte `offset`, ordered on `stream`, and waits for it. Memory operations
+    /// of one rank never go through the legacy default stream: with several ranks in one
+    /// context (virtual ranks), a default-stream operation would serialize with the other ranks'
+    /// kernels, which wait for this rank.
+    pub fn upload(&self, offset: usize, src: &[u8], stream: Stream) -> Result<(), Error> {
+        let _ctx = self.device.activate()?;
+        assert!(offset + src.len() <= self.bytes, "upload out of bounds");
+        // SAFETY: the destination range lies inside this allocation (asserted); `src` stays valid
+        // until the stream synchronization below.
+        unsafe { result::memcpy_htod_async(self.ptr + offset as u64, src, stream.0) }
+            .map_err(cuda("copying to the device"))?;
+        stream.synchronize()
+    }
+
+    /// Copies bytes at `offset` into `dst`, ordered on `stream`, and waits for it.
+    pub fn download(&self, offset: usize, dst: &mut [u8], stream: Stream) -> Result<(), Error> {
+        let _ctx = self.device.activate()?;
+        assert!(offset + dst.len() <= self.bytes, "download out of bounds");
+        // SAFETY: the source range lies inside this allocation (asserted); `dst` stays valid
+        // until the stream synchronization below.
+        unsafe { result::memcpy_dtoh_async(dst, self.ptr + offset as u64, stream.0) }
+            .map_err(cuda("copying to the host"))?;
+        stream.synchronize()
+    }
+
+    /// Fills the allocation with `byte`, ordered on `stream` (asynchronous).
+    pub fn fill(&self, byte: u8, stream: Stream) -> Result<(), Error> {
+        let _ctx = self.device.activate()?;
+        // SAFETY: the range is exactly this allocation.
+        unsafe { result::memset_d8_async(self.ptr, byte, self.bytes, stream.0) }
+            .map_err(cuda("filling device memory"))
+    }
+
+    /// The 64-byte legacy IPC handle of this allocation.
+    pub fn ipc_handle(&self) -> Result<[u8; 64], Error> {
+        let _ctx = self.device.activate()?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: `self.ptr` is the base of a cuMemAlloc allocation; out-pointer.
+        let r = unsafe { sys::cuIpcGetMemHandle(&mut h, self.ptr) };
+        check(r, "exporting an IPC handle")?;
+        Ok(h.reserved.map(|b| b as u8))
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        let _ctx = self.device.activate();
+        // SAFETY: frees the allocation this value owns; callers make sure no kernel still uses
+        // it (communicators wait for their last launch before dropping their arena).
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// A peer's allocation opened through a legacy IPC handle; closed on drop.
+pub struct IpcMapping {
+    ptr: u64,
+}
+
+impl IpcMapping {
+    /// Opens `handle` in the current context.
+    pub fn open(handle: &[u8; 64]) -> Result<IpcMapping, Error> {
+        let h = sys::CUipcMemHandle_st {
+            reserved: handle.map(|b| b as _),
+        };
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer; the handle bytes came from a peer's cuIpcGetMemHandle (the driver
+        // rejects anything else with an error code).
+        let r = unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut p,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        };
+        check(r, "opening a peer's IPC handle")?;
+        Ok(IpcMapping { ptr: p })
+    }
+
+    /// The mapped address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        // SAFETY: closes the mapping this value opened.
+        let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+    }
+}
+
+/// Pinned host memory mapped into the device address space (abort flag, status words).
+pub struct HostMapped {
+    host: *mut u8,
+    dev: u64,
+    bytes: usize,
+}
+
+// SAFETY: the allocation is owned by this value; all host accesses are volatile reads/writes of
+// plain words, which any thread may do.
+unsafe impl Send for HostMapped {}
+// SAFETY: as above.
+unsafe impl Sync for HostMapped {}
+
+impl HostMapped {
+    /// Allocates `bytes` zeroed bytes (a context must be current).
+    pub fn alloc(bytes: usize) -> Result<HostMapped, Error> {
+        // SAFETY: portable + device-mapped pinned memory; a context is current.
+        let h = unsafe {
+            result::malloc_host(
+                bytes,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        }
+        .map_err(cuda("allocating host-mapped memory"))?;
+        // SAFETY: `h` points to `bytes` writable bytes just allocated.
+        unsafe { std::ptr::write_bytes(h as *mut u8, 0, bytes) };
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: `h` is a device-mapped pinned allocation; out-pointer.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, h, 0) };
+        check(r, "mapping host memory")?;
+        Ok(HostMapped {
+            host: h as *mut u8,
+            dev: d,
+            bytes,
+        })
+    }
+
+    /// Device address of the allocation.
+    pub fn dev_ptr(&self) -> u64 {
+        self.dev
+    }
+
+    /// Volatile read of the u32 at byte `offset`.
+    pub fn read_u32(&self, offset: usize) -> u32 {
+        assert!(offset + 4 <= self.bytes && offset.is_multiple_of(4));
+        // SAFETY: in bounds and aligned (asserted); the device writes the word concurrently, hence
+        // the volatile read of a plain integer.
+        unsafe { std::ptr::read_volatile(self.host.add(offset) as *const u32) }
+    }
+
+    /// Volatile read of the u64 at byte `offset`.
+    pub fn read_u64(&self, offset: usize) -> u64 {
+        assert!(offset + 8 <= self.bytes && offset.is_multiple_of(8));
+        // SAFETY: in bounds and aligned (asserted); volatile for concurrent device writes.
+        unsafe { std::ptr::read_volatile(self.host.add(offset) as *const u64) }
+    }
+
+    /// Copies `src` to byte `offset` (volatile stores: the device may read the memory).
+    pub fn write_bytes(&self, offset: usize, src: &[u8]) {
+        assert!(
+            offset
+                .checked_add(src.len())
+                .is_some_and(|e| e <= self.bytes),
+            "host-mapped write out of bounds"
+        );
+        for (i, b) in src.iter().enumerate() {
+            // SAFETY: in bounds (asserted); a plain byte store, volatile for the device's reads.
+            unsafe { std::ptr::write_volatile(self.host.add(offset + i), *b) };
+        }
+    }
+
+    /// Copies bytes at `offset` into `dst` (volatile loads: the device may have written them).
+    pub fn read_bytes(&self, offset: usize, dst: &mut [u8]) {
+        assert!(
+            offset
+                .checked_add(dst.len())
+                .is_some_and(|e| e <= self.bytes),
+            "host-mapped read out of bounds"
+        );
+        for (i, d) in dst.iter_mut().enumerate() {
+            // SAFETY: in bounds (asserted); a plain byte load, volatile for the device's writes.
+            *d = unsafe { std::ptr::read_volatile(self.host.add(offset + i)) };
+        }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether the allocation is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// Volatile write of the u32 at byte `offset`.
+    pub fn write_u32(&self, offset: usize, v: u32) {
+        assert!(offset + 4 <= self.bytes && offset.is_multiple_of(4));
+        // SAFETY: in bounds and aligned (asserted); volatile so the device sees the store.
+        unsafe { std::ptr::write_volatile(self.host.add(offset) as *mut u32, v) }
+    }
+}
+
+impl HostMapped {
+    /// A value that owns nothing (dropping it frees nothing): what an owner leaves in place of
+    /// words it hands on to be freed elsewhere.
+    pub fn empty() -> HostMapped {
+        HostMapped {
+            host: std::ptr::null_mut(),
+            dev: 0,
+            bytes: 0,
+        }
+    }
+}
+
+impl Drop for HostMapped {
+    fn drop(&mut self) {
+        if self.host.is_null() {
+            return;
+        }
+        // SAFETY: frees the allocation this value owns (kernels that read it have finished).
+        let _ = unsafe { result::free_host(self.host as *mut c_void) };
+    }
+}
