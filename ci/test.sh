@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The test command (README, CI): installs the toolchain if needed, then checks formatting, lints,
-# generated files, builds everything including the CUDA kernels, and runs every CPU test, of the
-# product's workspace and of the research tools' own (tools/research, which shares target/), then
-# the Python wheel's test (ci/wheel-test.sh), the multi-GPU check's (ci/multi-gpu-check-test.sh)
-# and ci/demo.sh's on a machine without a GPU (ci/demo-test.sh).
+# generated files (docs/perf.md's tables and plots among them: ci/perf-doc.py --check), builds
+# everything including the CUDA kernels, and runs every CPU test, of the product's workspace and
+# of the research tools' own (tools/research, which shares target/), then the Python wheel's test
+# (ci/wheel-test.sh), the multi-GPU check's (ci/multi-gpu-check-test.sh) and ci/demo.sh's on a
+# machine without a GPU (ci/demo-test.sh).
 # GPU tests are not run here (see ci/gpu-bundle.sh and docs/testing.md).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,6 +22,8 @@ cargo fmt --all -- --check
 research fmt --all -- --check
 echo "== generated files are current (bindings, exports, env table, header, docs tables)"
 cargo run --quiet -p xtask -- check
+echo "== docs/perf.md's tables and plots match their JSON (ci/perf-doc.py)"
+python3 "$root/ci/perf-doc.py" --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 research clippy --workspace --all-targets -- -D warnings
