@@ -175,8 +175,8 @@ pub const LL_THREAD_BYTES: u64 = LL_PAYLOAD;
 
 /// Threads an LL block aims for: a small message spread over several blocks, one unit per
 /// thread (measured on the H200 with a one-shot kernel of this shape: 8 KiB over 4 blocks of 256
-/// threads, 2 ranks, 1.82 us against the plain reference's 2.19 us; docs/perf.md, "Decode-size
-/// latency").
+/// threads, 2 ranks, 1.82 us against the plain reference's 2.19 us; docs/experiments.md, "The
+/// small-message path").
 pub const LL_BLOCK_THREADS: u32 = 256;
 
 /// Bytes of the message a one-shot PULL block takes: one 16-byte vector per thread of a block of
@@ -562,7 +562,7 @@ pub const QUANT_THREADS: u32 = 256;
 /// decoding there, and the model, which scales the lossless rows by the compressed bytes, picked
 /// two-step at 64 KiB now and then (host transport, 2 ranks, 4-bit: 78 us against one-shot's 44).
 /// At 256 KiB it is not so: 8 ranks on the host transport, one-shot took 1.5-3x two-step's time
-/// (docs/perf.md).
+/// (docs/experiments.md, "A chunk's codec blocks shared by a block's warps").
 pub const QUANT_TWO_STEP_MIN_BLOCKS: u64 = 64;
 
 /// Whether a quantized AllReduce runs where the lossless kernels are predicted to be faster
@@ -676,7 +676,7 @@ pub fn quant_pays(
 /// grid trimmed to the chunks there are, so that every block has work. The quantized kernels take
 /// a chunk's codec blocks from the sub-slot size (`sub_bytes / FRAME_BYTES` frames); a sub-slot
 /// of a sub-slot's full capacity whatever the message left most of the grid idle below a few
-/// MiB (4 MiB, 4-bit, 2 ranks, host transport: 5 of 22 blocks had work; docs/perf.md,
+/// MiB (4 MiB, 4-bit, 2 ranks, host transport: 5 of 22 blocks had work; docs/experiments.md,
 /// "Quantized chunks cut to the message").
 fn quant_chunking(arena: &Arena, grid: u32, frames: u64) -> (u32, u64, u64) {
     let capacity = arena.chunking(Protocol::Block, grid).0 / FRAME_BYTES;
@@ -1013,7 +1013,7 @@ pub fn plan(
     };
     // AllToAll: each block carries its chunk of every peer's block, so the grid is sized for the
     // whole message (n blocks), not one block: sized for one, 1-32 KiB per peer ran on one or two
-    // blocks (8 ranks: 1.5-6.5x the plain reference kernel, docs/perf.md).
+    // blocks (8 ranks: 1.5-6.5x the plain reference kernel, docs/experiments.md).
     let grid_bytes = if coll == Collective::AlltoAll {
         bytes
     } else {
@@ -1406,8 +1406,9 @@ mod tests {
 
     #[test]
     fn a_forced_quantized_one_shot_stays_one_shot_past_two_rounds() {
-        // From the kernel's block barrier before a shared round (docs/perf.md, "The quantized
-        // one-shot's third round"), a one-shot of any number of rounds is planned as asked.
+        // From the kernel's block barrier before a shared round (docs/experiments.md, "The
+        // quantized one-shot's third round"), a one-shot of any number of rounds is planned as
+        // asked.
         let a = Arena::new(2, 64 << 20).unwrap();
         let q = QuantSpec::new(8, 8, 128, 2).unwrap();
         let m = CostModel::default_for(2);
@@ -1475,8 +1476,9 @@ mod tests {
     fn quantized_calls_run_lossless_where_quantizing_does_not_pay() {
         let a = Arena::new(2, 64 << 20).unwrap();
         let q = QuantSpec::new(4, 4, 128, 2).unwrap();
-        // The shape measured on the host transport (docs/perf.md): lossless cheaper at the small
-        // sizes (64 KiB, 256 KiB), quantized cheaper from 1 MiB; two-step cheaper at large sizes.
+        // The shape measured on the host transport (docs/perf.md, "The PCIe machine"): lossless
+        // cheaper at the small sizes (64 KiB, 256 KiB), quantized cheaper from 1 MiB; two-step
+        // cheaper at large sizes.
         let (m, qm) = models(
             q,
             |s| 30.0 + s as f64 / 5000.0,
