@@ -327,10 +327,12 @@ def table_overhead(src):
         out.append(f"| {call_label(name)} | {real:.1f} | {fc:.1f} | {fc / real:.2f} |")
     folder = os.path.relpath(os.path.dirname(os.path.dirname(paths[0])), ROOT)
     env = os.path.join(ROOT, folder, "environment.txt")
-    gpu = ""
+    gpu, commit = "", ""
     if os.path.exists(env):
         with open(env) as f:
-            gpu = next((l.split(",")[0].strip() for l in f if l.startswith("NVIDIA")), "")
+            lines = f.read().splitlines()
+        gpu = next((l.split(",")[0].strip() for l in lines if l.startswith("NVIDIA")), "")
+        commit = next((l.split()[1][:7] for l in lines if l.startswith("commit:")), "")
     m = re.match(r"NCCL (\d+)(\d\d)(\d\d), (\d+) calls per round, best of (\d+) rounds", head)
     how = head
     if m:
@@ -340,7 +342,7 @@ def table_overhead(src):
     out += [
         "",
         "Command: `tests/c/overhead.c`, from the GPU bundle `run.sh <results-dir> c::overhead`; "
-        f"one rank; {how}; {gpu or 'GPU in the folder'}; log: {link(folder, src['doc'])} "
+        f"one rank; {how}; commit {commit or 'in the folder'}; {gpu or 'GPU in the folder'}; log: {link(folder, src['doc'])} "
         f"{os.path.relpath(paths[0], os.path.join(ROOT, folder))}.",
     ]
     return out
