@@ -5,6 +5,8 @@ the flashcomm-perf JSON committed under docs/results.
     ci/perf-doc.py --write     # regenerate every table and plot
     ci/perf-doc.py --check     # exit 1 when a table or plot no longer matches its JSON (ci/test.sh)
     ci/perf-doc.py --print NAME  # print one generated section
+    ci/perf-doc.py --table versus|host FILE.json ... [--launch L] [--dtype T] [--widths 8,4]
+                               # a fresh results folder's table, in this page's format
 
 Every entry of SOURCES (below) is one generated section or plot. A table lives in its document
 between two lines of its own,
@@ -518,6 +520,8 @@ def plot_bandwidth(src):
                   "algbw (GB/s)")
 
 
+KINDS_SRC = {"versus": versus, "host": host}
+
 KINDS = {"versus": table_versus, "host": table_host, "overhead": table_overhead,
          "glance": table_glance, "latency_plot": plot_latency, "bandwidth_plot": plot_bandwidth}
 
@@ -561,7 +565,25 @@ def main(argv):
     g.add_argument("--write", action="store_true")
     g.add_argument("--check", action="store_true")
     g.add_argument("--print", metavar="NAME")
+    g.add_argument("--table", choices=["versus", "host"], help="print FILE... as this kind")
+    p.add_argument("files", nargs="*", help="with --table: flashcomm-perf JSON files")
+    p.add_argument("--launch", default="graph")
+    p.add_argument("--dtype")
+    p.add_argument("--widths", help="quantized widths as columns, e.g. 8,4")
     a = p.parse_args(argv)
+    if a.table:
+        if not a.files:
+            p.error("--table needs JSON files")
+        opts = dict(launch=a.launch, dtype=a.dtype)
+        if a.widths:
+            opts["widths"] = [int(w) for w in a.widths.split(",")]
+        # One glob pattern per file, absolute, so that paths_of finds them outside docs/results.
+        lines = []
+        for f in a.files:
+            src = KINDS_SRC[a.table](os.path.abspath(f), **opts)
+            lines += render(a.table, src) + [""]
+        print("\n".join(lines))
+        return 0
     if a.print:
         body = render(a.print, SOURCES[a.print])
         print(body if isinstance(body, str) else "\n".join(body))
