@@ -18,11 +18,11 @@ and is followed, inside the markers, by the command that produced its JSON, the 
 the check verdict (every row's #wrong), all read from the JSON. A plot is an SVG file under
 docs/plots/, drawn from the same JSON.
 
-Adding a table from a new results folder is one line in SOURCES. For a folder of flashcomm-perf
+Adding a table from a new results folder is one line in SOURCES (at the top of this file). For a folder of flashcomm-perf
 runs of flashcomm against competitors (ci/perf-competitors.sh: comp-n2.json, comp-n4.json, ...;
 rows nccl, reference, pull-1stage, pull-2stage, with vs_best on flashcomm's rows):
 
-    "pull": versus("2026-12-06-h100-<commit>/comp-n*.json", launch="graph", dtype="bfloat16"),
+    "pull": dict(kind="versus", files="2026-12-06-h100-<commit>/comp-n*.json", launch="graph", dtype="bfloat16"),
 
 then put the two marker lines for `pull` where the table belongs in docs/perf.md and run
 `ci/perf-doc.py --write`. `versus` puts flashcomm beside every competitor found in the files (in
@@ -34,8 +34,23 @@ copy, link-both), `busbw=True` (flashcomm's bus bandwidth column). The other kin
 (host-transport runs: the link busy both ways, lossless, its share of the link's floor, every
 quantized width with lossless time over it), `overhead` (the eager host-cost log of
 tests/c/overhead.c), `glance` (the README's summary) and the plots `latency_plot` and
-`bandwidth_plot`. Paths are relative to docs/results. Python 3 standard library only.
+`bandwidth_plot`. `files` are relative to docs/results. Python 3 standard library only.
 """
+# name: source, one line each. A table's section is found in its document (docs/perf.md unless
+# `doc` says otherwise) by its markers; a plot is written to docs/plots/<name>.svg. `files` is a
+# glob under docs/results (one file per rank count, sorted by the numbers in their names).
+SOURCES = {
+    "decode": dict(kind="versus", files="2026-12-04-h200-9aedff6/dec/ref-n*.json", launch="graph"),
+    "bandwidth": dict(kind="versus", files="2026-12-04-h200-18177d6/p2p-quant8.json", launch="graph", baselines=["copy"], widths=[8, 4, 2], busbw=True),
+    "pcie": dict(kind="host", files="2026-12-05-h200-d6f9f1c/choice-auto-[248].json", launch="graph"),
+    "quantized": dict(kind="host", files="2026-12-04-h200-18177d6/ar2.json", launch="graph"),
+    "alltoall": dict(kind="versus", files="2026-12-04-h200-af3df07/a2a-q-n8.json", launch="graph", baselines=["copy"], widths=[8, 4]),
+    "host-cost": dict(kind="overhead", files="2026-12-04-h200-990b028/logs/c__overhead.log"),
+    "glance": dict(kind="glance", doc="README.md", decode="decode", pcie="quantized", cost="host-cost"),
+    "decode-latency": dict(kind="latency_plot", files="2026-12-04-h200-9aedff6/dec/ref-n*.json", title="AllReduce latency at decode sizes (bf16, CUDA graphs)"),
+    "pcie-bandwidth": dict(kind="bandwidth_plot", files="2026-12-04-h200-18177d6/ar2.json", title="AllReduce bandwidth across PCIe (2 ranks, bf16, CUDA graphs)", widths=[8, 4, 2]),
+}
+
 import argparse
 import glob
 import json
@@ -47,54 +62,10 @@ import sys
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 RESULTS = os.path.join(ROOT, "docs", "results")
 PERF_MD = os.path.join(ROOT, "docs", "perf.md")
-README = os.path.join(ROOT, "README.md")
 PLOTS = os.path.join(ROOT, "docs", "plots")
 
 # Rows that are competitors (counted in vs best), in column order.
 COMPETITORS = ["nccl", "reference", "pull-1stage", "pull-2stage"]
-
-
-def versus(files, doc=PERF_MD, **opts):
-    return dict(kind="versus", files=files, doc=doc, **opts)
-
-
-def host(files, doc=PERF_MD, **opts):
-    return dict(kind="host", files=files, doc=doc, **opts)
-
-
-def overhead(files, doc=PERF_MD, **opts):
-    return dict(kind="overhead", files=files, doc=doc, **opts)
-
-
-def glance(doc=README, **opts):
-    return dict(kind="glance", files=None, doc=doc, **opts)
-
-
-def latency_plot(files, title, **opts):
-    return dict(kind="latency_plot", files=files, title=title, **opts)
-
-
-def bandwidth_plot(files, title, **opts):
-    return dict(kind="bandwidth_plot", files=files, title=title, **opts)
-
-
-# name: source. Sections are found by their markers; plots are written to docs/plots/<name>.svg.
-SOURCES = {
-    "decode": versus("2026-12-04-h200-9aedff6/dec/ref-n*.json", launch="graph"),
-    "bandwidth": versus("2026-12-04-h200-18177d6/p2p-quant8.json", launch="graph",
-                        baselines=["copy"], widths=[8, 4, 2], busbw=True),
-    "pcie": host("2026-12-05-h200-d6f9f1c/choice-auto-[248].json", launch="graph"),
-    "quantized": host("2026-12-04-h200-18177d6/ar2.json", launch="graph"),
-    "alltoall": versus("2026-12-04-h200-af3df07/a2a-q-n8.json", launch="graph",
-                       baselines=["copy"], widths=[8, 4]),
-    "host-cost": overhead("2026-12-04-h200-990b028/logs/c__overhead.log"),
-    "glance": glance(decode="decode", pcie="quantized", cost="host-cost"),
-    "decode-latency": latency_plot("2026-12-04-h200-9aedff6/dec/ref-n*.json",
-                                   "AllReduce latency at decode sizes (bf16, CUDA graphs)"),
-    "pcie-bandwidth": bandwidth_plot("2026-12-04-h200-18177d6/ar2.json",
-                                     "AllReduce bandwidth across PCIe (2 ranks, bf16, CUDA graphs)",
-                                     widths=[8, 4, 2]),
-}
 
 
 # ---------------------------------------------------------------- reading runs
@@ -247,7 +218,7 @@ def table_versus(src):
                 mark = " L" if ((r or {}).get("plan") or "").startswith("lossless:") else ""
                 cells.append(fmt(t) + mark)
             out.append("| " + " | ".join(cells) + " |")
-    return out + footer(paths, docs, src["doc"])
+    return out + footer(paths, docs, doc_of(src))
 
 
 def floor_factor(collective, nranks, plan):
@@ -293,7 +264,7 @@ def table_host(src):
                 mark = " L" if (r.get("plan") or "").startswith("lossless:") else ""
                 cells.append(f"{t:.1f} ({tl / t:.2f}){mark}" if tl else f"{t:.1f}")
             out.append("| " + " | ".join(cells) + " |")
-    return out + footer(paths, docs, src["doc"])
+    return out + footer(paths, docs, doc_of(src))
 
 
 OVERHEAD_LINE = re.compile(
@@ -344,7 +315,7 @@ def table_overhead(src):
     out += [
         "",
         "Command: `tests/c/overhead.c`, from the GPU bundle `run.sh <results-dir> c::overhead`; "
-        f"one rank; {how}; commit {commit or 'in the folder'}; {gpu or 'GPU in the folder'}; log: {link(folder, src['doc'])} "
+        f"one rank; {how}; commit {commit or 'in the folder'}; {gpu or 'GPU in the folder'}; log: {link(folder, doc_of(src))} "
         f"{os.path.relpath(paths[0], os.path.join(ROOT, folder))}.",
     ]
     return out
@@ -520,7 +491,8 @@ def plot_bandwidth(src):
                   "algbw (GB/s)")
 
 
-KINDS_SRC = {"versus": versus, "host": host}
+def doc_of(src):
+    return os.path.join(ROOT, src["doc"]) if "doc" in src else PERF_MD
 
 KINDS = {"versus": table_versus, "host": table_host, "overhead": table_overhead,
          "glance": table_glance, "latency_plot": plot_latency, "bandwidth_plot": plot_bandwidth}
@@ -551,7 +523,7 @@ def wanted():
         if src["kind"].endswith("_plot"):
             out[os.path.join(PLOTS, f"{name}.svg")] = render(name, src)
             continue
-        path = src["doc"]
+        path = doc_of(src)
         if path not in out:
             with open(path) as f:
                 out[path] = f.read()
@@ -580,7 +552,7 @@ def main(argv):
         # One glob pattern per file, absolute, so that paths_of finds them outside docs/results.
         lines = []
         for f in a.files:
-            src = KINDS_SRC[a.table](os.path.abspath(f), **opts)
+            src = dict(kind=a.table, files=os.path.abspath(f), **opts)
             lines += render(a.table, src) + [""]
         print("\n".join(lines))
         return 0
