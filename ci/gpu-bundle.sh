@@ -44,7 +44,7 @@ cp "$CARGO_TARGET_DIR/release/libnccl.so" "$out/lib/libnccl.so.2"
 cargo build --release -p flashcomm-perf -p flashcomm-testkit --features flashcomm-testkit/gpu --examples --bins --quiet \
   && cp "$CARGO_TARGET_DIR/release/flashcomm-perf" "$out/bin/" \
   && { cp "$CARGO_TARGET_DIR/release/examples/codec_bench" "$out/bin/" 2>/dev/null || true; }
-# The host link probes (cuda/bench/host_link.cu, host_schedules.cu; docs/perf.md).
+# The host link probes (cuda/bench/host_link.cu, host_schedules.cu; docs/experiments.md).
 "$root/ci/host-link.sh" "$out/bin" >/dev/null
 # The fatbins of the build that produced these binaries: the product's modules and the test-only
 # ones (both crates load theirs from FLASHCOMM_KERNEL_DIR in a bundle).

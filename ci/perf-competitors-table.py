@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""flashcomm beside its competitors (docs/perf.md, "Competitors in flashcomm-perf"), from
+"""flashcomm beside its competitors (docs/perf-tool.md, "Competitors in flashcomm-perf"), from
 flashcomm-perf JSON files.
 
     ci/perf-competitors-table.py <results-dir or FILE.json> ...

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# flashcomm's AllReduce beside its competitors in flashcomm-perf (docs/perf.md, "Competitors in
-# flashcomm-perf"): the plain reference and the pull reference (1-stage, 2-stage, the better of the
+# flashcomm's AllReduce beside its competitors in flashcomm-perf (docs/perf-tool.md,
+# "Competitors in flashcomm-perf"): the plain reference and the pull reference (1-stage, 2-stage, the better of the
 # two), each launched per rank and as one grid for every rank, at 2, 4 and 8 virtual ranks, bf16
 # and f16, 8 KiB..16 MiB by factors of 2, eager and under CUDA graphs; one run per rank count.
 #

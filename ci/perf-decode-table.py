@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The decode-latency table of docs/perf.md from the JSON files of ci/perf-decode.sh.
+"""The decode-latency tables of a results folder of ci/perf-decode.sh, from its JSON files.
 
     ci/perf-decode-table.py <results-dir>
 

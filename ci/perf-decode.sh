@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The decode-latency measurements (docs/perf.md, "Decode-size latency"): flashcomm's AllReduce
+# The decode-latency measurements (docs/perf.md, "Decode latency"): flashcomm's AllReduce
 # against the plain reference kernel and the pull reference (1-stage, 2-stage) at 2, 4 and 8
 # virtual ranks, bf16, 8 KiB..1 MiB by factors of 2, under CUDA graphs: the selector's plan with
 # the reference rows of the same run, then every forced plan (one-shot/two-shot x LL/BLOCK) for

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The host-transport tables of docs/perf.md from flashcomm-perf's JSON files.
+"""The host-transport tables of flashcomm-perf's JSON files (docs/perf.md's come from ci/perf-doc.py).
 
     ci/perf-host-table.py [--launch graph|eager] [--plans] FILE.json ...
     ci/perf-host-table.py --ab [--launch graph|eager] A.json B.json [--labels A,B]

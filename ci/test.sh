@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The test command (README, CI): installs the toolchain if needed, then checks formatting, lints,
-# generated files, builds everything including the CUDA kernels, and runs every CPU test, of the
-# product's workspace and of the research tools' own (tools/research, which shares target/), then
-# the Python wheel's test (ci/wheel-test.sh), the multi-GPU check's (ci/multi-gpu-check-test.sh)
-# and ci/demo.sh's on a machine without a GPU (ci/demo-test.sh).
+# generated files (docs/perf.md's tables and plots among them: ci/perf-doc.py --check), builds
+# everything including the CUDA kernels, and runs every CPU test, of the product's workspace and
+# of the research tools' own (tools/research, which shares target/), then the Python wheel's test
+# (ci/wheel-test.sh), the multi-GPU check's (ci/multi-gpu-check-test.sh) and ci/demo.sh's on a
+# machine without a GPU (ci/demo-test.sh).
 # GPU tests are not run here (see ci/gpu-bundle.sh and docs/testing.md). A test that cannot run
 # for want of a tool is listed by name as skipped in the summary, never counted as passed.
 set -euo pipefail
@@ -22,6 +23,8 @@ cargo fmt --all -- --check
 research fmt --all -- --check
 echo "== generated files are current (bindings, exports, env table, header, docs tables)"
 cargo run --quiet -p xtask -- check
+echo "== docs/perf.md's tables and plots match their JSON (ci/perf-doc.py)"
+python3 "$root/ci/perf-doc.py" --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 research clippy --workspace --all-targets -- -D warnings

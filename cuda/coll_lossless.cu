@@ -146,7 +146,7 @@ __device__ __forceinline__ void ll_copy(const FcCollParams& p, Ctx& c, uint32_t 
 // thread never waits for anything another thread of its rank sends, so a chunk costs one round
 // trip of polls instead of a send phase and a reduce phase; lines are never cleared (their tags
 // carry the whole epoch) unless the sub-slot carries a later round of this call. (One unit per
-// thread measured faster on the H200 than two: docs/perf.md, "Decode-size latency".)
+// thread measured faster on the H200 than two: docs/experiments.md, "The small-message path".)
 // `pre` is this thread's first unit of round 0 when the caller loaded it already (`have_pre`).
 template <typename T>
 __device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, const char* in, char* out, uint32_t len,

@@ -2,7 +2,7 @@
 // and stores into mapped pinned host memory carry, alone and together. The host transport's
 // lossless kernels move every byte with SM stores (device to host) and SM loads (host to device);
 // whether those two can keep the link busy both ways at once, as the copy engines can, decides
-// how close to the link's both-ways floor such a kernel can come (docs/perf.md).
+// how close to the link's both-ways floor such a kernel can come (docs/experiments.md).
 //
 // Built by ci/host-link.sh; run as `host_link [MiB...]` (default 4 16 64 256). One line per case
 // and size: the bytes each direction carries, the median time of 9 runs (CUDA events) and the rate
@@ -23,7 +23,7 @@
 //                        spin with ld.acquire.sys on one flag word in host memory until the copy
 //                        stream writes it (cuStreamWriteValue32) after the copy; poll_dev_1056 spins
 //                        on a device-memory word instead. Shows what a polling kernel costs the copy
-//                        engine (ce+split in host_schedules.cu was slow for this; docs/perf.md).
+//                        engine (ce+split in host_schedules.cu was slow for this; docs/experiments.md).
 #include <cuda.h>
 
 #include <functional>

@@ -2,8 +2,8 @@
 // keeps the GPU's PCIe link busy in both directions at once. This is a stand-alone model of the
 // host transport's traffic, not flashcomm's kernels: fp32, no codec, no epochs on the device, one
 // process, two "ranks" on one GPU (two streams, each rank's kernel resident beside the other's).
-// Its answer decides how the host transport's kernels are to be organised (docs/perf.md, "The host
-// transport", and docs/protocols.md).
+// Its answer decides how the host transport's kernels are to be organised (docs/experiments.md, "Probes
+// of the PCIe link", and docs/protocols.md).
 //
 // Built by ci/host-link.sh; run as `host_schedules [MiB...]` (default 4 16 64 256).
 //
@@ -30,7 +30,7 @@
 //             time) and mirrors the progress into two device-memory counters, on which the R and G
 //             warps wait. Hundreds of warps polling host memory at once starve the copy engine
 //             (measured: a chunked D2H copy beside such a kernel ran at 0.0-0.2 GB/s, beside one
-//             polling warp or a kernel polling device memory at full rate; docs/perf.md).
+//             polling warp or a kernel polling device memory at full rate; docs/experiments.md).
 //   ce_pipe   every byte across PCIe by the copy engines, the SMs only add in device memory; per
 //             rank and chunk k: D2H of the peer's part -> own rs outbox, flag (cuStreamWriteValue32
 //             into host memory); the peer waits for it (cuStreamWaitValue32 on host memory), H2D

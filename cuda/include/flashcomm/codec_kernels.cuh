@@ -462,7 +462,7 @@ __device__ __forceinline__ void reduce_kernel(const FcCodecReduceParams& p) {
 // is register-allocated alone and spills only a few words) and fc_codec_reduce_requantize_1cta_*
 // (the whole register file of 1 CTA, the loop inlined, no spills). The host launches the second where shared memory
 // admits only one CTA of the first (many inputs of a wide format) or where the buffer has no more
-// blocks than 1 CTA per SM has warps (small calls), and the first otherwise (docs/perf.md).
+// blocks than 1 CTA per SM has warps (small calls), and the first otherwise (docs/codec.md, "GPU kernels").
 #define FC_CODEC_MIN_CTAS 2
 #define FC_CODEC_MIN_CTAS_ENCODE_f32 1
 #define FC_CODEC_MIN_CTAS_ENCODE_f16 2

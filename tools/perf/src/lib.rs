@@ -5,7 +5,7 @@
 //! virtual ranks (several ranks sharing one GPU, one thread each) or on one GPU per rank, side by
 //! side with the real NCCL (loaded by path) and with a device-to-device copy of the same bytes;
 //! checks every result; prints nccl-tests' columns plus error and ratio columns; writes JSON and
-//! an SVG plot. `docs/perf.md` describes the usage and every column.
+//! an SVG plot. `docs/perf-tool.md` describes the usage and every column.
 //!
 //! Everything but the GPU driver ([`run`]) and the foreign calls ([`ffi`]) is pure and
 //! unit-tested on the CPU. The GPU parts need a GPU only at run time and fail with a message

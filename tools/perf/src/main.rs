@@ -1,4 +1,4 @@
-//! `flashcomm-perf`: see the library documentation and `docs/perf.md`.
+//! `flashcomm-perf`: see the library documentation and `docs/perf-tool.md`.
 
 fn main() {
     // A rank process of the process modes holds one rank: it keeps the environment its launcher

@@ -1,6 +1,8 @@
-//! `ci/perf-host-table.py` rebuilds docs/perf.md's host-transport tables from flashcomm-perf's
-//! JSON: run on a committed result, every row it prints is in docs/perf.md verbatim, and its A/B
-//! form joins two committed runs row by row. Needs `python3` (as the wheel's test does).
+//! The tables of docs/perf.md are generated from committed flashcomm-perf JSON by
+//! `ci/perf-doc.py`: `--check` passes (every table and plot matches its JSON).
+//! `ci/perf-host-table.py` agrees with it on a committed host-transport run (every row it prints
+//! is in docs/perf.md verbatim), and its A/B form joins two committed runs row by row. Needs
+//! `python3` (as the wheel's test does).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -22,6 +24,22 @@ fn script(args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn every_table_and_plot_of_perf_md_matches_its_json() {
+    let out = Command::new("python3")
+        .arg(root().join("ci/perf-doc.py"))
+        .arg("--check")
+        .current_dir(root())
+        .output()
+        .expect("python3 runs ci/perf-doc.py");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 const RUN: &str = "docs/results/2026-12-04-h200-18177d6/ar2.json";
@@ -51,7 +69,7 @@ fn two_runs_join_row_by_row() {
         "--labels",
         "auto,oneshot",
     ]);
-    // The 4-bit AllReduce at 256 MiB: two-step, then forced one-shot (docs/perf.md, 18177d6).
+    // The 4-bit AllReduce at 256 MiB: two-step, then forced one-shot (docs/experiments.md).
     let row = ab
         .lines()
         .find(|l| l.starts_with("| flashcomm-q4 | graph | 256 MiB |"))

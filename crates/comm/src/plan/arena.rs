@@ -148,8 +148,8 @@ pub const LL_THREAD_BYTES: u64 = LL_PAYLOAD;
 
 /// Threads an LL block aims for: a small message spread over several blocks, one unit per
 /// thread (measured on the H200 with a one-shot kernel of this shape: 8 KiB over 4 blocks of 256
-/// threads, 2 ranks, 1.82 us against the plain reference's 2.19 us; docs/perf.md, "Decode-size
-/// latency").
+/// threads, 2 ranks, 1.82 us against the plain reference's 2.19 us; docs/experiments.md, "The
+/// small-message path").
 pub const LL_BLOCK_THREADS: u32 = 256;
 
 /// Bytes of the message a one-shot PULL block takes: one 16-byte vector per thread of a block of

@@ -105,7 +105,7 @@ pub const QUANT_THREADS: u32 = 256;
 /// decoding there, and the model, which scales the lossless rows by the compressed bytes, picked
 /// two-step at 64 KiB now and then (host transport, 2 ranks, 4-bit: 78 us against one-shot's 44).
 /// At 256 KiB it is not so: 8 ranks on the host transport, one-shot took 1.5-3x two-step's time
-/// (docs/perf.md).
+/// (docs/experiments.md, "A chunk's codec blocks shared by a block's warps").
 pub const QUANT_TWO_STEP_MIN_BLOCKS: u64 = 64;
 
 /// Everything a launch needs besides buffers: chosen variant and geometry.
@@ -497,8 +497,9 @@ mod tests {
 
     #[test]
     fn a_forced_quantized_one_shot_stays_one_shot_past_two_rounds() {
-        // From the kernel's block barrier before a shared round (docs/perf.md, "The quantized
-        // one-shot's third round"), a one-shot of any number of rounds is planned as asked.
+        // From the kernel's block barrier before a shared round (docs/experiments.md, "The
+        // quantized one-shot's third round"), a one-shot of any number of rounds is planned as
+        // asked.
         let a = Arena::new(2, 64 << 20).unwrap();
         let q = QuantSpec::new(8, 8, 128, 2).unwrap();
         let m = CostModel::default_for(2);
@@ -566,8 +567,9 @@ mod tests {
     fn quantized_calls_run_lossless_where_quantizing_does_not_pay() {
         let a = Arena::new(2, 64 << 20).unwrap();
         let q = QuantSpec::new(4, 4, 128, 2).unwrap();
-        // The shape measured on the host transport (docs/perf.md): lossless cheaper at the small
-        // sizes (64 KiB, 256 KiB), quantized cheaper from 1 MiB; two-step cheaper at large sizes.
+        // The shape measured on the host transport (docs/perf.md, "The PCIe machine"): lossless
+        // cheaper at the small sizes (64 KiB, 256 KiB), quantized cheaper from 1 MiB; two-step
+        // cheaper at large sizes.
         let (m, qm) = models(
             q,
             |s| 30.0 + s as f64 / 5000.0,

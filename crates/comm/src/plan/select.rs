@@ -41,7 +41,7 @@ pub fn quant_pays(
 /// grid trimmed to the chunks there are, so that every block has work. The quantized kernels take
 /// a chunk's codec blocks from the sub-slot size (`sub_bytes / FRAME_BYTES` frames); a sub-slot
 /// of a sub-slot's full capacity whatever the message left most of the grid idle below a few
-/// MiB (4 MiB, 4-bit, 2 ranks, host transport: 5 of 22 blocks had work; docs/perf.md,
+/// MiB (4 MiB, 4-bit, 2 ranks, host transport: 5 of 22 blocks had work; docs/experiments.md,
 /// "Quantized chunks cut to the message").
 fn quant_chunking(arena: &Arena, grid: u32, frames: u64) -> (u32, u64, u64) {
     let capacity = arena.chunking(Protocol::Block, grid).0 / FRAME_BYTES;
@@ -355,7 +355,7 @@ pub fn plan(
     };
     // AllToAll: each block carries its chunk of every peer's block, so the grid is sized for the
     // whole message (n blocks), not one block: sized for one, 1-32 KiB per peer ran on one or two
-    // blocks (8 ranks: 1.5-6.5x the plain reference kernel, docs/perf.md).
+    // blocks (8 ranks: 1.5-6.5x the plain reference kernel, docs/experiments.md).
     let grid_bytes = if coll == Collective::AlltoAll {
         bytes
     } else {

@@ -7,7 +7,7 @@
 //! * (c) the partial sums of a tensor-parallel row-linear layer for N = 2, 4, 8 ranks.
 //!
 //! Every error is measured against the exact (f64) sum of the ranks' bf16 inputs. The binary
-//! `flashcomm-accuracy` prints markdown tables or JSON; `docs/accuracy.md` records them.
+//! `flashcomm-accuracy` prints markdown tables or JSON; docs/accuracy-model.md reads them.
 
 pub mod data;
 pub mod report;
@@ -161,7 +161,7 @@ pub struct Sizes {
 }
 
 impl Sizes {
-    /// The sizes recorded in `docs/accuracy.md`.
+    /// The sizes of the recorded run (docs/accuracy-model.md, "Synthetic activations").
     pub const FULL: Sizes = Sizes {
         gaussian: 1 << 20,
         heavy: (256, 4096),
