@@ -28,26 +28,32 @@ then put the two marker lines for `pull` where the table belongs in docs/perf.md
 `ci/perf-doc.py --write`. `versus` puts flashcomm beside every competitor found in the files (in
 the order of COMPETITORS; pull-best, the faster pull kernel, when present), one row per rank count
 and size, with vs best: flashcomm's time over the fastest competitor of the same run (the tool's
-vs_best when the JSON has it, else computed from the rows). Options: `launch`, `dtype`, `widths`
+vs_best when the JSON has it, else computed from the rows). Options: `launch`, `dtype`, `min` and
+`max` (the sizes shown, in bytes), `widths`
 (quantized rows to add as columns, e.g. [8, 4]), `baselines` (non-competing rows shown for scale:
 copy, link-both), `busbw=True` (flashcomm's bus bandwidth column). The other kinds: `host`
 (host-transport runs: the link busy both ways, lossless, its share of the link's floor, every
 quantized width with lossless time over it), `overhead` (the eager host-cost log of
-tests/c/overhead.c), `glance` (the README's summary) and the plots `latency_plot` and
+tests/c/overhead.c), `bytes` (the bytes each design moves per call against its time, at one
+size: `designs` lists (impl, label, bytes as an expression of the rank count n, in messages)),
+`glance` (the README's summary) and the plots `latency_plot` and
 `bandwidth_plot`. `files` are relative to docs/results. Python 3 standard library only.
 """
 # name: source, one line each. A table's section is found in its document (docs/perf.md unless
 # `doc` says otherwise) by its markers; a plot is written to docs/plots/<name>.svg. `files` is a
 # glob under docs/results (one file per rank count, sorted by the numbers in their names).
 SOURCES = {
-    "decode": dict(kind="versus", files="2026-12-04-h200-9aedff6/dec/ref-n*.json", launch="graph"),
+    "decode": dict(kind="versus", files="2026-12-06-h100-323c796/comp-n*.json", launch="graph", dtype="bfloat16", max=1 << 20),
+    "pull-large": dict(kind="versus", files="2026-12-06-h100-323c796/comp-n*.json", launch="graph", dtype="bfloat16", min=2 << 20),
+    "bytes": dict(kind="bytes", files="2026-12-06-h100-323c796/comp-n8.json", launch="graph", dtype="bfloat16", size=16 << 20,
+                  designs=[("flashcomm", "flashcomm's plan", "2*n"), ("pull-2stage", "pull design, 2-stage", "3*n+1"), ("pull-1stage", "pull design, 1-stage", "n*(n+1)")]),
     "bandwidth": dict(kind="versus", files="2026-12-04-h200-18177d6/p2p-quant8.json", launch="graph", baselines=["copy"], widths=[8, 4, 2], busbw=True),
     "pcie": dict(kind="host", files="2026-12-05-h200-d6f9f1c/choice-auto-[248].json", launch="graph"),
     "quantized": dict(kind="host", files="2026-12-04-h200-18177d6/ar2.json", launch="graph"),
     "alltoall": dict(kind="versus", files="2026-12-04-h200-af3df07/a2a-q-n8.json", launch="graph", baselines=["copy"], widths=[8, 4]),
     "host-cost": dict(kind="overhead", files="2026-12-04-h200-990b028/logs/c__overhead.log"),
     "glance": dict(kind="glance", doc="README.md", decode="decode", pcie="quantized", cost="host-cost"),
-    "decode-latency": dict(kind="latency_plot", files="2026-12-04-h200-9aedff6/dec/ref-n*.json", title="AllReduce latency at decode sizes (bf16, CUDA graphs)"),
+    "decode-latency": dict(kind="latency_plot", files="2026-12-06-h100-323c796/comp-n*.json", dtype="bfloat16", title="AllReduce latency against the plain and the pull kernels (bf16, CUDA graphs)"),
     "pcie-bandwidth": dict(kind="bandwidth_plot", files="2026-12-04-h200-18177d6/ar2.json", title="AllReduce bandwidth across PCIe (2 ranks, bf16, CUDA graphs)", widths=[8, 4, 2]),
 }
 
@@ -106,10 +112,13 @@ def fmt(x, d=2):
     return "-" if x is None else f"{x:.{d}f}"
 
 
-def pick(doc, launch, dtype):
+def pick(doc, launch, dtype, src=None):
+    """The rows of one launch mode and type; with a source, only its sizes (`min`, `max`: bytes)."""
+    lo, hi = (src or {}).get("min", 0), (src or {}).get("max", 1 << 62)
     return [
         r for r in doc["rows"]
         if r["launch"] == launch and (dtype is None or r["type"] == dtype)
+        and lo <= r["size_bytes"] <= hi
     ]
 
 
@@ -180,7 +189,7 @@ def table_versus(src):
     baselines = src.get("baselines", [])
     present = set()
     for d in docs:
-        present |= {r["impl"] for r in pick(d, launch, dtype)}
+        present |= {r["impl"] for r in pick(d, launch, dtype, src)}
     comps = [c for c in COMPETITORS if c in present]
     if "pull-best" in present:
         comps.append("pull-best")
@@ -194,7 +203,7 @@ def table_versus(src):
     out = ["| " + " | ".join(head) + " |",
            "|" + "|".join("---" if h == "plan" else "---:" for h in head) + "|"]
     for d in docs:
-        rows = pick(d, launch, dtype)
+        rows = pick(d, launch, dtype, src)
         by = {(r["impl"], r["size_bytes"]): r for r in rows}
         for b in sorted({r["size_bytes"] for r in rows}):
             fc = by.get(("flashcomm", b))
@@ -323,34 +332,44 @@ def table_overhead(src):
 
 def table_glance(src):
     dec = SOURCES[src["decode"]]
-    ratios, by_ranks = [], {}
+    ratios, by_ranks, gpus = [], {}, set()
     for p in paths_of(dec["files"]):
         d = load(p)
-        rows = pick(d, dec.get("launch", "graph"), dec.get("dtype"))
+        gpus.add(str(d["settings"].get("gpu")))
+        rows = pick(d, dec.get("launch", "graph"), dec.get("dtype"), dec)
         by = {(r["impl"], r["size_bytes"]): r for r in rows}
         n = d["settings"]["ranks"]
         for b in sorted({r["size_bytes"] for r in rows}):
-            tf, tr = time_of(by.get(("flashcomm", b))), time_of(by.get(("reference", b)))
-            if tf and tr:
-                ratios.append(tf / tr)
-                by_ranks.setdefault(n, []).append((b, tf, tr))
+            fc = by.get(("flashcomm", b))
+            tf = time_of(fc)
+            ts = [time_of(by.get((c, b))) for c in COMPETITORS]
+            ts = [t for t in ts if t]
+            if tf and ts:
+                vb = (fc or {}).get("vs_best") or tf / min(ts)
+                ratios.append(vb)
+                by_ranks.setdefault(n, []).append((b, tf, min(ts)))
     n_max = max(by_ranks)
     small = [x for x in by_ranks[n_max] if x[0] <= 64 << 10]
     q = load(paths_of(SOURCES[src["pcie"]]["files"])[0])
+    qgpu = str(q["settings"].get("gpu"))
     qrows = {(r["impl"], r["size_bytes"]): r for r in pick(q, "graph", None)}
     big = max(b for (i, b) in qrows if i == "flashcomm")
     q4 = time_of(qrows[("flashcomm", big)]) / time_of(qrows[(quant_name(4), big)])
     q2 = time_of(qrows[("flashcomm", big)]) / time_of(qrows[(quant_name(2), big)])
     cost, _ = parse_overhead(paths_of(SOURCES[src["cost"]]["files"])[0])
     ar = [fc / real for name, real, fc in cost if name.startswith("ncclAllReduce")]
+    lo = size_label(min(x[0] for xs in by_ranks.values() for x in xs))
+    hi = size_label(max(x[0] for xs in by_ranks.values() for x in xs))
+    ranks = "-".join(str(n) for n in (min(by_ranks), max(by_ranks)))
     return [
-        "| question | answer (one NVIDIA H200; details in [docs/perf.md](docs/perf.md)) |",
+        "| question | answer (details in [docs/perf.md](docs/perf.md)) |",
         "|---|---|",
-        f"| AllReduce at decode sizes (8 KiB-1 MiB, 2-8 ranks) | {min(ratios):.2f}-{max(ratios):.2f}x "
-        f"the time of a plain one-shot kernel; at {n_max} ranks and 8-64 KiB "
-        f"{min(x[1] for x in small):.2f}-{max(x[1] for x in small):.2f} us against "
+        f"| AllReduce, {lo}-{hi}, {ranks} ranks on one {', '.join(sorted(gpus))} | "
+        f"{min(ratios):.2f}-{max(ratios):.2f}x the time of the fastest of a plain one-shot kernel "
+        f"and the pull design of vLLM's and SGLang's custom all-reduce; at {n_max} ranks and "
+        f"8-64 KiB {min(x[1] for x in small):.2f}-{max(x[1] for x in small):.2f} us against "
         f"{min(x[2] for x in small):.2f}-{max(x[2] for x in small):.2f} us |",
-        f"| Quantized AllReduce across PCIe, {q['settings']['ranks']} ranks, {size_label(big)} | "
+        f"| Quantized AllReduce across PCIe, {q['settings']['ranks']} ranks, {size_label(big)} ({qgpu}) | "
         f"4-bit {q4:.2f}x and 2-bit {q2:.2f}x faster than lossless |",
         f"| Host cost of an eager `ncclAllReduce` (one rank) | {min(ar):.2f}-{max(ar):.2f}x the real NCCL's |",
     ]
@@ -460,7 +479,7 @@ def plot_latency(src):
     launch = src.get("launch", "graph")
     panels = []
     for d in docs:
-        rows = pick(d, launch, src.get("dtype"))
+        rows = pick(d, launch, src.get("dtype"), src)
         series = []
         impls = [c for c in COMPETITORS + ["pull-best"] if any(r["impl"] == c for r in rows)] + ["flashcomm"]
         for impl in impls:
@@ -491,10 +510,36 @@ def plot_bandwidth(src):
                   "algbw (GB/s)")
 
 
+def bytes_expr(factor):
+    e = factor.replace("*", "")
+    return f"({e}) S" if "+" in e or "-" in e else f"{e} S"
+
+
+def table_bytes(src):
+    """Bytes each design moves through memory per call (a multiple of the message S on N ranks)
+    against its time: the question "where does the time go"."""
+    paths = paths_of(src["files"])
+    docs = [load(p) for p in paths]
+    d = docs[0]
+    n = d["settings"]["ranks"]
+    size = src["size"]
+    by = {r["impl"]: r for r in pick(d, src.get("launch", "graph"), src.get("dtype")) if r["size_bytes"] == size}
+    out = [f"| design ({n} ranks, {size_label(size)}) | plan | bytes moved (S = message) | time (us) | bytes / time (TB/s) |",
+           "|---|---|---|---:|---:|"]
+    for impl, label, factor in src["designs"]:
+        r = by.get(impl)
+        t = time_of(r)
+        k = eval(factor, {}, {"n": n})  # a small arithmetic expression of the rank count
+        moved = k * size
+        rate = moved / (t * 1e-6) / 1e12 if t else None
+        out.append(f"| {label} | {(r or {}).get('plan') or '-'} | {bytes_expr(factor)} = {k} S | {fmt(t)} | {fmt(rate, 2)} |")
+    return out + footer(paths, docs, doc_of(src))
+
+
 def doc_of(src):
     return os.path.join(ROOT, src["doc"]) if "doc" in src else PERF_MD
 
-KINDS = {"versus": table_versus, "host": table_host, "overhead": table_overhead,
+KINDS = {"versus": table_versus, "host": table_host, "overhead": table_overhead, "bytes": table_bytes,
          "glance": table_glance, "latency_plot": plot_latency, "bandwidth_plot": plot_bandwidth}
 
 
