@@ -43,8 +43,7 @@ size: `designs` lists (impl, label, bytes as an expression of the rank count n, 
 # `doc` says otherwise) by its markers; a plot is written to docs/plots/<name>.svg. `files` is a
 # glob under docs/results (one file per rank count, sorted by the numbers in their names).
 SOURCES = {
-    "decode": dict(kind="versus", files="2026-12-06-h100-323c796/comp-n*.json", launch="graph", dtype="bfloat16", max=1 << 20),
-    "pull-large": dict(kind="versus", files="2026-12-06-h100-323c796/comp-n*.json", launch="graph", dtype="bfloat16", min=2 << 20),
+    "decode": dict(kind="versus", files="2026-12-06-h100-323c796/comp-n*.json", launch="graph", dtype="bfloat16"),
     "bytes": dict(kind="bytes", files="2026-12-06-h100-323c796/comp-n8.json", launch="graph", dtype="bfloat16", size=16 << 20,
                   designs=[("flashcomm", "flashcomm's plan", "2*n"), ("pull-2stage", "pull design, 2-stage", "3*n+1"), ("pull-1stage", "pull design, 1-stage", "n*(n+1)")]),
     "bandwidth": dict(kind="versus", files="2026-12-04-h200-18177d6/p2p-quant8.json", launch="graph", baselines=["copy"], widths=[8, 4, 2], busbw=True),
