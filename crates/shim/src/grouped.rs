@@ -15,14 +15,14 @@
 use std::borrow::Cow;
 use std::cell::RefCell;
 
-use flashcomm_comm::{Error as CommError, Request, Stream};
+use flashcomm_comm::{Communicator, Error as CommError, Request, Stream};
 use flashcomm_config::Config;
 use flashcomm_nccl_sys::ncclResult_t;
 
 use crate::calls::cuda::user_blocks;
 use crate::dispatch;
 use crate::policy::{Decision, GROUPED_ALLTOALL};
-use crate::registry::{self, CommState};
+use crate::registry;
 use crate::serve::{self, Executed};
 use crate::types::{CollCall, Collective, Held, P2pCall};
 
@@ -137,7 +137,7 @@ fn release_held(held: Vec<Held>, config: &Config) -> ncclResult_t {
             config,
             1,
             true,
-            |st, d| serve::execute(st, &p.call, d, config),
+            |c, d| serve::execute(c, &p.call, d, config),
             || serve::forward_p2p(p),
         )
     })
@@ -180,7 +180,7 @@ pub(crate) fn group_ending(config: &Config) -> Option<ncclResult_t> {
             config,
             0,
             true,
-            |st, d| execute(st, &g, d, config),
+            |c, d| execute(c, &g, d, config),
             || forward_held(&held, serve::forward_p2p),
         ),
         None => release_held(held, config),
@@ -281,21 +281,20 @@ pub(crate) fn alltoall_of(held: &[Held], nranks: i32) -> Option<GroupedAlltoAll>
 /// form one send and one receive buffer, otherwise through the communicator's scratch
 /// (a scattered [`Request`]).
 pub(crate) fn execute(
-    state: &CommState,
+    served: Option<&Communicator>,
     g: &GroupedAlltoAll,
     d: &Decision,
     config: &Config,
 ) -> Executed {
     if g.contiguous {
-        return serve::execute(state, &g.call, d, config);
+        return serve::execute(served, &g.call, d, config);
     }
-    let Some(c) = state.served() else {
+    let Some(c) = served else {
         return Executed::Refused(Cow::Borrowed("flashcomm does not serve the communicator"));
     };
     let call = &g.call;
-    if let Err(e) = c.check_status() {
-        return Executed::Done(serve::report(call, e));
-    }
+    // A device error of an earlier call comes first: `Communicator::execute` checks it before
+    // anything else.
     let count = call.count as u64;
     let elem = call.elem;
     let (send, recv) = (

@@ -590,12 +590,12 @@ pub(crate) fn release_aborted(h: CommHandle, state: Arc<CommState>) {
 /// orders all work of a communicator; flashcomm's kernels and NCCL's share it). Calls inside a
 /// group are enqueued by NCCL only at the group's end and are not ordered here.
 pub(crate) fn forward_in_order(
-    state: Option<&CommState>,
+    served: Option<&Communicator>,
     call: &CollCall,
     grouped: bool,
     forward: impl FnOnce() -> ncclResult_t,
 ) -> ncclResult_t {
-    let Some(c) = state.and_then(CommState::served).filter(|_| !grouped) else {
+    let Some(c) = served.filter(|_| !grouped) else {
         return forward();
     };
     let stream = Stream(call.stream.cast());
@@ -675,38 +675,94 @@ pub(crate) fn report(call: &CollCall, e: CommError) -> ncclResult_t {
     .report()
 }
 
-/// Runs a call [`policy::decide`] sent to flashcomm's kernels. Allocates no device memory and
-/// does not synchronize (the communicator's collectives do neither), so it may be captured.
+/// Runs a call [`policy::decide`] sent to flashcomm's kernels (`served`: the communicator the
+/// call's lookup found). Allocates no device memory and does not synchronize (the
+/// communicator's collectives do neither), so it may be captured.
+///
+/// A device error of an earlier call comes first (`ncclRemoteError` or `ncclTimeout`, without
+/// launching): `Communicator::execute` checks it before anything else, and a call refused here
+/// before reaching it checks it first too.
 pub(crate) fn execute(
-    state: &CommState,
+    served: Option<&Communicator>,
     call: &CollCall,
     d: &Decision,
     config: &Config,
 ) -> Executed {
-    let Some(c) = state.served() else {
+    let Some(c) = served else {
         return Executed::Refused(Cow::Borrowed("flashcomm does not serve the communicator"));
     };
-    if let Err(e) = c.check_status() {
-        return Executed::Done(report(call, e));
+    let req = match request(c, call, d, config) {
+        Ok(req) => req,
+        Err(refusal) => {
+            return match c.check_status() {
+                Err(e) => Executed::Done(report(call, e)),
+                Ok(()) => refusal.executed(call),
+            };
+        }
+    };
+    match c.execute(&req) {
+        Ok(p) if d.quant.is_some() && p.quant.is_none() => {
+            Executed::Unquantized(ncclResult_t::ncclSuccess)
+        }
+        Ok(_) => Executed::Done(ncclResult_t::ncclSuccess),
+        Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
+        Err(e) => Executed::Done(report(call, e)),
     }
+}
+
+/// Why a routed call does not reach flashcomm's communicator, found before the device's status
+/// is read (which comes first: [`execute`]); nothing is reported until then.
+enum Refusal {
+    /// A buffer flashcomm's kernels would touch is NULL (its name).
+    Null(&'static str),
+    /// The buffers' sizes overflow.
+    Overflow,
+    /// `NCCL_CHECK_POINTERS=1` found a buffer that is not the communicator's device memory.
+    Pointers(String),
+    /// Not a call flashcomm's kernels take.
+    NotOurs,
+}
+
+impl Refusal {
+    /// The outcome, reported.
+    fn executed(self, call: &CollCall) -> Executed {
+        match self {
+            Refusal::Null(name) => Executed::Invalid(
+                Error::invalid_argument(
+                    Subsys::of(call.kind),
+                    format!("{}: {name} is NULL with count {}", call.api, call.count),
+                )
+                .report(),
+            ),
+            Refusal::Overflow => Executed::Refused(Cow::Borrowed("the buffer sizes overflow")),
+            Refusal::Pointers(msg) => Executed::Done(report(call, CommError::InvalidArgument(msg))),
+            Refusal::NotOurs => {
+                Executed::Refused(Cow::Borrowed("not a call flashcomm's kernels take"))
+            }
+        }
+    }
+}
+
+/// The request `c` runs for `call` as decided (`d`): its buffers with the sizes NCCL's contract
+/// gives them, the quantization asked for and whether the lossless kernels may take it instead.
+fn request(
+    c: &Communicator,
+    call: &CollCall,
+    d: &Decision,
+    config: &Config,
+) -> Result<Request<'static>, Refusal> {
     // flashcomm's kernels would touch it: refused here, where NCCL would launch on it (its own
     // check of the buffers runs only with NCCL_CHECK_POINTERS=1, which is honoured below).
     if let Some(name) = call.null_buffer() {
-        return Executed::Invalid(
-            Error::invalid_argument(
-                Subsys::of(call.kind),
-                format!("{}: {name} is NULL with count {}", call.api, call.count),
-            )
-            .report(),
-        );
+        return Err(Refusal::Null(name));
     }
     let Some((send, recv)) = user_buffers(call, u64::from(c.nranks())) else {
-        return Executed::Refused(Cow::Borrowed("the buffer sizes overflow"));
+        return Err(Refusal::Overflow);
     };
     if config.settings.check_pointers
         && let Err(msg) = check_pointers(call, &send, &recv, c.device())
     {
-        return Executed::Done(report(call, CommError::InvalidArgument(msg)));
+        return Err(Refusal::Pointers(msg));
     }
     let stream = Stream(call.stream.cast());
     let count = call.count as u64;
@@ -719,7 +775,7 @@ pub(crate) fn execute(
         (Collective::AllGather | Collective::AlltoAll, _, _) => {
             Request::bytes(call.kind, count, call.elem)
         }
-        _ => return Executed::Refused(Cow::Borrowed("not a call flashcomm's kernels take")),
+        _ => return Err(Refusal::NotOurs),
     };
     let req = match (d.quant, dtype) {
         (Some(q), Some(_)) => {
@@ -732,15 +788,7 @@ pub(crate) fn execute(
         }
         _ => req,
     };
-    let r = c.execute(&req.between(send, recv).on(stream));
-    match r {
-        Ok(p) if d.quant.is_some() && p.quant.is_none() => {
-            Executed::Unquantized(ncclResult_t::ncclSuccess)
-        }
-        Ok(_) => Executed::Done(ncclResult_t::ncclSuccess),
-        Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
-        Err(e) => Executed::Done(report(call, e)),
-    }
+    Ok(req.between(send, recv).on(stream))
 }
 
 #[cfg(test)]
