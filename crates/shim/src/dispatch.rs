@@ -426,18 +426,18 @@ pub(crate) fn run_at<F: FnOnce() -> ncclResult_t>(
         },
         _ => (Route::Nccl, forward(forward_real), None),
     };
-    stats::add_total(route, call.kind, call.bytes);
-    engage::on_routed(call.kind, route, d.why);
+    stats::add_total(route, call.req.coll, call.bytes);
+    engage::on_routed(call.req.coll, route, d.why);
     let first = match state {
         Some(st) => {
-            st.counters.add(route, call.kind, call.bytes);
+            st.counters.add(route, call.req.coll, call.bytes);
             if unquantized {
                 st.announced.first_unquantized()
             } else {
-                st.announced.first_time(call.kind, route)
+                st.announced.first_time(call.req.coll, route)
             }
         }
-        None => UNKNOWN_ANNOUNCED.first_time(call.kind, route),
+        None => UNKNOWN_ANNOUNCED.first_time(call.req.coll, route),
     };
     if first {
         announce(call, config, &d, route, view, state, refused);
@@ -446,7 +446,7 @@ pub(crate) fn run_at<F: FnOnce() -> ncclResult_t>(
         tracing::trace!(
             target: "flashcomm::tuning",
             "{} count {} datatype {} bytes {} comm {:p} stream {:p} group depth {} -> {} ({:?})",
-            call.api, call.count, call.datatype.0, call.bytes, call.comm, call.stream,
+            call.api, call.req.count, call.datatype.0, call.bytes, call.comm, call.req.stream.0,
             depth, route.name(), d.why
         );
     }

@@ -27,8 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flashcomm_comm::{
-    Agreement, Bootstrap, Build, CommConfig, Communicator, Error as CommError, Request, Stream,
-    ThreadGroup,
+    Agreement, Bootstrap, Build, CommConfig, Communicator, Error as CommError, Request, ThreadGroup,
 };
 use flashcomm_config::{Config, FaultPoint};
 use flashcomm_nccl_sys::ncclResult_t;
@@ -598,7 +597,7 @@ pub(crate) fn forward_in_order(
     let Some(c) = served.filter(|_| !grouped) else {
         return forward();
     };
-    let stream = Stream(call.stream.cast());
+    let stream = call.req.stream;
     let record = c.before_foreign(stream).ok().flatten();
     let r = forward();
     if let Some(op) = record
@@ -613,22 +612,22 @@ pub(crate) fn forward_in_order(
 /// `grouped::hold_in_group`).
 pub(crate) fn forward_p2p(p: &P2pCall) -> ncclResult_t {
     let c = &p.call;
-    let (send, buf) = match c.kind {
+    let (send, buf) = match c.req.coll {
         Collective::Send => (true, c.sendbuff.cast_mut()),
         _ => (false, c.recvbuff),
     };
     nccl::send_recv(
         send,
         buf,
-        c.count,
+        c.req.count as usize,
         c.datatype,
         p.peer,
         c.comm,
-        c.stream.cast(),
+        c.req.stream.0.cast(),
     )
     .unwrap_or_else(|why| {
         Error::invalid_usage(
-            Subsys::of(c.kind),
+            Subsys::of(c.req.coll),
             format!("{}: the real library cannot take it: {why}", c.api),
         )
         .report()
@@ -661,7 +660,7 @@ pub(crate) enum Executed {
 
 /// The NCCL error of a failed served call, reported (message and `ncclGetLastError`).
 pub(crate) fn report(call: &CollCall, e: CommError) -> ncclResult_t {
-    let sub = Subsys::of(call.kind);
+    let sub = Subsys::of(call.req.coll);
     let msg = format!("{} on communicator {:p}: {e}", call.api, call.comm);
     match e {
         CommError::InvalidArgument(_) => Error::invalid_argument(sub, msg),
@@ -729,8 +728,8 @@ impl Refusal {
         match self {
             Refusal::Null(name) => Executed::Invalid(
                 Error::invalid_argument(
-                    Subsys::of(call.kind),
-                    format!("{}: {name} is NULL with count {}", call.api, call.count),
+                    Subsys::of(call.req.coll),
+                    format!("{}: {name} is NULL with count {}", call.api, call.req.count),
                 )
                 .report(),
             ),
@@ -743,8 +742,10 @@ impl Refusal {
     }
 }
 
-/// The request `c` runs for `call` as decided (`d`): its buffers with the sizes NCCL's contract
-/// gives them, the quantization asked for and whether the lossless kernels may take it instead.
+/// The request `c` runs for `call` as decided (`d`): the call's own request ([`CollCall::req`],
+/// typed where its arguments were checked) completed with its buffers, of the sizes NCCL's
+/// contract gives them, the quantization asked for and whether the lossless kernels may take it
+/// instead.
 fn request(
     c: &Communicator,
     call: &CollCall,
@@ -764,31 +765,27 @@ fn request(
     {
         return Err(Refusal::Pointers(msg));
     }
-    let stream = Stream(call.stream.cast());
-    let count = call.count as u64;
-    let dtype = call.dtype;
-    let req = match (call.kind, dtype, d.quant) {
-        (Collective::AllReduce | Collective::ReduceScatter, Some(t), _)
-        | (Collective::AllGather | Collective::AlltoAll, Some(t), Some(_)) => {
-            Request::typed(call.kind, count, t)
-        }
-        (Collective::AllGather | Collective::AlltoAll, _, _) => {
-            Request::bytes(call.kind, count, call.elem)
-        }
+    // The lossless AllGather and AllToAll move bytes of any datatype (their element type, when
+    // flashcomm has one, changes neither their plan nor their kernel); the reducing kinds need
+    // flashcomm's element type.
+    let req = call.req;
+    match (req.coll, req.dtype) {
+        (Collective::AllReduce | Collective::ReduceScatter, Some(_))
+        | (Collective::AllGather | Collective::AlltoAll, _) => {}
         _ => return Err(Refusal::NotOurs),
-    };
-    let req = match (d.quant, dtype) {
+    }
+    let req = match (d.quant, req.dtype) {
         (Some(q), Some(_)) => {
             // Outside the lossless kernels' window a call asked to be quantized stays quantized
             // whatever the cost model says: the window says the lossless kernels must not take it.
             let s = &config.settings;
-            let lossless_allowed = call.kind == Collective::AllReduce
+            let lossless_allowed = req.coll == Collective::AllReduce
                 && (s.min_bytes.0..=s.max_bytes.0).contains(&call.bytes);
             req.quantized(q, lossless_allowed)
         }
         _ => req,
     };
-    Ok(req.between(send, recv).on(stream))
+    Ok(req.between(send, recv))
 }
 
 #[cfg(test)]

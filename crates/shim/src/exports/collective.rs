@@ -1,9 +1,11 @@
-//! The common path of every collective export: what the arguments allow (`args::check`), then
-//! the router, or the real library as it is for a call flashcomm does not route.
+//! The common path of every collective export: what the arguments allow (`args::check`), the
+//! call typed once (`CollCall`, whose `Request` is what flashcomm's communicator runs), then the
+//! router, or the real library as it is for a call flashcomm does not route.
 //!
 //! Owns: [`Extra`], [`collective`].
 //! May import: `exports::boundary`, `args`, `error`, `init`, `types`, `dispatch`, `grouped`.
 
+use flashcomm_comm::{Request, Stream};
 use flashcomm_nccl_sys::{cudaStream_t, ncclCollConfig_t, ncclResult_t};
 
 use crate::args::{self, Args, Checked};
@@ -47,18 +49,14 @@ pub(crate) fn collective(
     };
     let call = CollCall {
         api: a.api,
-        kind: a.kind,
+        req: Request::shaped(a.kind, a.count as u64, dtype, elem).on(Stream(extra.stream.cast())),
         sendbuff: a.sendbuff,
         recvbuff: a.recvbuff,
-        count: a.count,
         datatype: a.datatype,
         op: a.op,
         comm: a.comm,
-        stream: extra.stream,
         config: extra.config,
         bytes,
-        elem,
-        dtype,
         root_or_peer: extra.root_or_peer,
     };
     let config = &crate::init::state().config;
