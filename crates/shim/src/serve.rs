@@ -27,7 +27,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flashcomm_comm::{
-    Agreement, Bootstrap, Build, CommConfig, Communicator, Error as CommError, Request, ThreadGroup,
+    Agreement, Bootstrap, Buffers, Build, CommConfig, Communicator, Error as CommError, Request,
+    ThreadGroup,
 };
 use flashcomm_config::{Config, FaultPoint};
 use flashcomm_nccl_sys::ncclResult_t;
@@ -774,18 +775,25 @@ fn request(
         | (Collective::AllGather | Collective::AlltoAll, _) => {}
         _ => return Err(Refusal::NotOurs),
     }
-    let req = match (d.quant, req.dtype) {
+    let (quant, lossless_allowed) = match (d.quant, req.dtype) {
         (Some(q), Some(_)) => {
             // Outside the lossless kernels' window a call asked to be quantized stays quantized
             // whatever the cost model says: the window says the lossless kernels must not take it.
             let s = &config.settings;
             let lossless_allowed = req.coll == Collective::AllReduce
                 && (s.min_bytes.0..=s.max_bytes.0).contains(&call.bytes);
-            req.quantized(q, lossless_allowed)
+            (Some(q), lossless_allowed)
         }
-        _ => req,
+        _ => (req.quant, req.lossless_allowed),
     };
-    Ok(req.between(send, recv))
+    // The same value, its remaining fields filled in (plain data: `Request::quantized` and
+    // `Request::between` set exactly these).
+    Ok(Request {
+        buffers: Buffers::Contiguous { send, recv },
+        quant,
+        lossless_allowed,
+        ..req
+    })
 }
 
 #[cfg(test)]

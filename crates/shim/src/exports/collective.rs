@@ -52,7 +52,11 @@ pub(crate) fn collective(
     };
     let call = CollCall {
         api: a.api,
-        req: Request::shaped(a.kind, a.count as u64, dtype, elem).on(Stream(extra.stream.cast())),
+        // flashcomm's request, typed here once (its buffers get their sizes in `serve`).
+        req: Request {
+            stream: Stream(extra.stream.cast()),
+            ..Request::shaped(a.kind, a.count as u64, dtype, elem)
+        },
         sendbuff: a.sendbuff,
         recvbuff: a.recvbuff,
         datatype: a.datatype,
