@@ -146,6 +146,8 @@ pub(super) struct Launch {
     pub(super) kernel: Kernel<FcCollParams>,
     pub(super) cfg: LaunchConfig,
     pub(super) params: FcCollParams,
+    /// Launched with programmatic stream serialization (the device supports it).
+    pub(super) overlapped: bool,
 }
 
 impl Communicator {
@@ -516,6 +518,7 @@ impl Communicator {
             kernel: k,
             cfg,
             params,
+            overlapped: self.device.supports_overlapped_launch(),
         })
     }
 }

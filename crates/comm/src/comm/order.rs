@@ -67,14 +67,13 @@ impl Communicator {
     pub(super) fn launch_in_order(&self, l: &Launch, stream: Stream) -> Result<(), Error> {
         let _ctx = self.device.activate()?;
         let capturing = self.order_before(stream)?;
-        let overlapped = self.device.supports_overlapped_launch();
         gpu::launch(
             &self.kernels,
             l.kernel,
             l.cfg,
             stream,
             &l.params,
-            overlapped,
+            l.overlapped,
         )?;
         self.order_after(stream, capturing, true)
     }
