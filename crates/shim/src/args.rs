@@ -11,7 +11,8 @@
 //! checks apply (`CollCall::null_buffer`, `serve::execute`).
 //!
 //! The call is typed here, once: its element size, its size in bytes and flashcomm's element
-//! type ([`flashcomm_type`]); everything after reads them from the call.
+//! type ([`flashcomm_type`]), from which the export builds the call's one value (`CollCall`, with
+//! flashcomm's `Request` inside); everything after reads them from the call.
 //!
 //! Owns: [`Args`], [`Checked`], [`check`], [`element_size`], [`flashcomm_type`].
 //! May import: `types`.

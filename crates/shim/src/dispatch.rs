@@ -26,6 +26,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
+use flashcomm_comm::Communicator;
 use flashcomm_config::Config;
 use flashcomm_nccl_sys::{ncclComm_t, ncclResult_t};
 
@@ -366,7 +367,8 @@ pub(crate) fn pass_through<F: FnOnce() -> ncclResult_t>(
     let state = (!call.comm.is_null())
         .then(|| registry::get(call.comm))
         .flatten();
-    serve::forward_in_order(state.as_deref(), call, group::depth() > 0, forward_real)
+    let served = state.as_deref().and_then(CommState::served);
+    serve::forward_in_order(served, call, group::depth() > 0, forward_real)
 }
 
 /// (kind, route) pairs already logged for communicators flashcomm never saw.
@@ -386,7 +388,7 @@ pub(crate) fn run<F: FnOnce() -> ncclResult_t>(
         config,
         depth,
         depth > 0,
-        |st, d| serve::execute(st, call, d, config),
+        |c, d| serve::execute(c, call, d, config),
         forward_real,
     )
 }
@@ -400,16 +402,20 @@ pub(crate) fn run_at<F: FnOnce() -> ncclResult_t>(
     config: &Config,
     depth: u32,
     in_real_group: bool,
-    serve_it: impl FnOnce(&CommState, &policy::Decision) -> Executed,
+    serve_it: impl FnOnce(Option<&Communicator>, &policy::Decision) -> Executed,
     forward_real: F,
 ) -> ncclResult_t {
-    let state = registry::get(call.comm);
-    let view = state.as_deref().map(|s| s.view(config));
-    let d = decide(call, config, view.as_ref());
-    let forward = |f: F| serve::forward_in_order(state.as_deref(), call, in_real_group, f);
+    let mut held = None;
+    let found = registry::find(call.comm, config, &mut held);
+    let (state, served, view) = match &found {
+        Some(f) => (Some(f.state), f.served, Some(&f.view)),
+        None => (None, None, None),
+    };
+    let d = decide(call, config, view);
+    let forward = |f: F| serve::forward_in_order(served, call, in_real_group, f);
     let mut unquantized = false;
-    let (route, result, refused) = match (d.route, state.as_deref()) {
-        (Route::Lossless | Route::Quantized, Some(st)) => match serve_it(st, &d) {
+    let (route, result, refused) = match (d.route, state) {
+        (Route::Lossless | Route::Quantized, Some(_)) => match serve_it(served, &d) {
             Executed::Done(r) => (d.route, r, None),
             Executed::Invalid(r) => return r,
             Executed::Unquantized(r) => {
@@ -420,35 +426,27 @@ pub(crate) fn run_at<F: FnOnce() -> ncclResult_t>(
         },
         _ => (Route::Nccl, forward(forward_real), None),
     };
-    stats::add_total(route, call.kind, call.bytes);
-    engage::on_routed(call.kind, route, d.why);
-    let first = match state.as_deref() {
+    stats::add_total(route, call.req.coll, call.bytes);
+    engage::on_routed(call.req.coll, route, d.why);
+    let first = match state {
         Some(st) => {
-            st.counters.add(route, call.kind, call.bytes);
+            st.counters.add(route, call.req.coll, call.bytes);
             if unquantized {
                 st.announced.first_unquantized()
             } else {
-                st.announced.first_time(call.kind, route)
+                st.announced.first_time(call.req.coll, route)
             }
         }
-        None => UNKNOWN_ANNOUNCED.first_time(call.kind, route),
+        None => UNKNOWN_ANNOUNCED.first_time(call.req.coll, route),
     };
     if first {
-        announce(
-            call,
-            config,
-            &d,
-            route,
-            view.as_ref(),
-            state.as_deref(),
-            refused,
-        );
+        announce(call, config, &d, route, view, state, refused);
     }
     if tracing::enabled!(target: "flashcomm::tuning", tracing::Level::TRACE) {
         tracing::trace!(
             target: "flashcomm::tuning",
             "{} count {} datatype {} bytes {} comm {:p} stream {:p} group depth {} -> {} ({:?})",
-            call.api, call.count, call.datatype.0, call.bytes, call.comm, call.stream,
+            call.api, call.req.count, call.datatype.0, call.bytes, call.comm, call.req.stream.0,
             depth, route.name(), d.why
         );
     }

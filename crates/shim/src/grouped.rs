@@ -15,14 +15,14 @@
 use std::borrow::Cow;
 use std::cell::RefCell;
 
-use flashcomm_comm::{Error as CommError, Request, Stream};
+use flashcomm_comm::{Communicator, Error as CommError, Request};
 use flashcomm_config::Config;
 use flashcomm_nccl_sys::ncclResult_t;
 
 use crate::calls::cuda::user_blocks;
 use crate::dispatch;
 use crate::policy::{Decision, GROUPED_ALLTOALL};
-use crate::registry::{self, CommState};
+use crate::registry;
 use crate::serve::{self, Executed};
 use crate::types::{CollCall, Collective, Held, P2pCall};
 
@@ -79,7 +79,7 @@ pub(crate) fn hold_in_group(call: &CollCall, config: &Config) -> bool {
     if !config.settings.grouped_alltoall || !holding() {
         return false;
     }
-    if matches!(call.kind, Collective::Send | Collective::Recv)
+    if matches!(call.req.coll, Collective::Send | Collective::Recv)
         && call.null_buffer().is_none()
         && let Some(peer) = call.root_or_peer
         && let Some(id) = registry::get(call.comm).and_then(|s| s.identity())
@@ -137,7 +137,7 @@ fn release_held(held: Vec<Held>, config: &Config) -> ncclResult_t {
             config,
             1,
             true,
-            |st, d| serve::execute(st, &p.call, d, config),
+            |c, d| serve::execute(c, &p.call, d, config),
             || serve::forward_p2p(p),
         )
     })
@@ -180,7 +180,7 @@ pub(crate) fn group_ending(config: &Config) -> Option<ncclResult_t> {
             config,
             0,
             true,
-            |st, d| execute(st, &g, d, config),
+            |c, d| execute(c, &g, d, config),
             || forward_held(&held, serve::forward_p2p),
         ),
         None => release_held(held, config),
@@ -219,19 +219,19 @@ pub(crate) fn alltoall_of(held: &[Held], nranks: i32) -> Option<GroupedAlltoAll>
         .collect();
     let n = usize::try_from(nranks).ok().filter(|&n| n > 0)?;
     let first = held.first()?.call;
-    if held.len() != 2 * n || first.count == 0 {
+    if held.len() != 2 * n || first.req.count == 0 {
         return None;
     }
     let (mut send, mut recv) = (vec![None; n], vec![None; n]);
     for p in &held {
         let c = &p.call;
         let same = c.comm == first.comm
-            && c.stream == first.stream
+            && c.req.stream == first.req.stream
             && c.datatype == first.datatype
-            && c.count == first.count
+            && c.req.count == first.req.count
             && c.bytes == first.bytes
             && c.config.is_null();
-        let slot = match c.kind {
+        let slot = match c.req.coll {
             Collective::Send => send.get_mut(usize::try_from(p.peer).ok()?)?,
             Collective::Recv => recv.get_mut(usize::try_from(p.peer).ok()?)?,
             _ => return None,
@@ -239,7 +239,7 @@ pub(crate) fn alltoall_of(held: &[Held], nranks: i32) -> Option<GroupedAlltoAll>
         if !same || slot.is_some() {
             return None;
         }
-        *slot = Some(match c.kind {
+        *slot = Some(match c.req.coll {
             Collective::Send => c.sendbuff as u64,
             _ => c.recvbuff as u64,
         });
@@ -257,18 +257,17 @@ pub(crate) fn alltoall_of(held: &[Held], nranks: i32) -> Option<GroupedAlltoAll>
     Some(GroupedAlltoAll {
         call: CollCall {
             api: GROUPED_ALLTOALL,
-            kind: Collective::AlltoAll,
+            req: Request {
+                coll: Collective::AlltoAll,
+                ..first.req
+            },
             sendbuff: send[0] as *const std::ffi::c_void,
             recvbuff: recv[0] as *mut std::ffi::c_void,
-            count: first.count,
             datatype: first.datatype,
             op: None,
             comm: first.comm,
-            stream: first.stream,
             config: std::ptr::null(),
             bytes: b,
-            elem: first.elem,
-            dtype: first.dtype,
             root_or_peer: None,
         },
         send,
@@ -281,30 +280,27 @@ pub(crate) fn alltoall_of(held: &[Held], nranks: i32) -> Option<GroupedAlltoAll>
 /// form one send and one receive buffer, otherwise through the communicator's scratch
 /// (a scattered [`Request`]).
 pub(crate) fn execute(
-    state: &CommState,
+    served: Option<&Communicator>,
     g: &GroupedAlltoAll,
     d: &Decision,
     config: &Config,
 ) -> Executed {
     if g.contiguous {
-        return serve::execute(state, &g.call, d, config);
+        return serve::execute(served, &g.call, d, config);
     }
-    let Some(c) = state.served() else {
+    let Some(c) = served else {
         return Executed::Refused(Cow::Borrowed("flashcomm does not serve the communicator"));
     };
     let call = &g.call;
-    if let Err(e) = c.check_status() {
-        return Executed::Done(serve::report(call, e));
-    }
-    let count = call.count as u64;
-    let elem = call.elem;
+    // A device error of an earlier call comes first: `Communicator::execute` checks it before
+    // anything else.
     let (send, recv) = (
         user_blocks(&g.send, call.bytes),
         user_blocks(&g.recv, call.bytes),
     );
-    let req = Request::bytes(Collective::AlltoAll, count, elem)
-        .scattered(&send, &recv)
-        .on(Stream(call.stream.cast()));
+    // The AllToAll's own request (its element type, when flashcomm has one, changes neither the
+    // lossless plan nor the kernel of a scattered AllToAll).
+    let req = call.req.scattered(&send, &recv);
     match c.execute(&req) {
         Ok(_) => Executed::Done(ncclResult_t::ncclSuccess),
         Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
@@ -318,6 +314,7 @@ mod tests {
     use crate::policy::decide;
     use crate::policy::tests::{call, cfg, served};
     use crate::types::Route;
+    use flashcomm_comm::Stream;
     use flashcomm_nccl_sys::{ncclComm_t, ncclDataType_t};
 
     /// PyTorch's equal-split pattern: for each peer, a send then a receive, 256 bytes each (64
@@ -328,7 +325,11 @@ mod tests {
             P2pCall {
                 call: CollCall {
                     api: "p2p",
-                    kind,
+                    req: Request {
+                        coll: kind,
+                        count: 64,
+                        ..call(1 as ncclComm_t).req
+                    },
                     sendbuff: if kind == Collective::Send {
                         (0x10000 + off) as *const _
                     } else {
@@ -339,7 +340,6 @@ mod tests {
                     } else {
                         std::ptr::null_mut()
                     },
-                    count: 64,
                     op: None,
                     bytes: 256,
                     ..call(1 as ncclComm_t)
@@ -357,7 +357,7 @@ mod tests {
         for n in [1, 2, 8] {
             let a = alltoall_of(&held(&pairs(n)), n).expect("an all-to-all");
             assert_eq!(
-                (a.call.kind, a.call.count, a.call.bytes),
+                (a.call.req.coll, a.call.req.count, a.call.bytes),
                 (Collective::AlltoAll, 64, 256)
             );
             assert_eq!(
@@ -385,14 +385,14 @@ mod tests {
         let mut overlapping = pairs(n);
         for p in overlapping
             .iter_mut()
-            .filter(|p| p.call.kind == Collective::Recv)
+            .filter(|p| p.call.req.coll == Collective::Recv)
         {
             p.call.recvbuff = (p.call.recvbuff as usize - 0x10000 + 0x100) as *mut _;
         }
         let mut aliased = pairs(n);
         for p in aliased
             .iter_mut()
-            .filter(|p| p.call.kind == Collective::Recv)
+            .filter(|p| p.call.req.coll == Collective::Recv)
         {
             p.call.recvbuff = (p.call.recvbuff as usize - 0x10000) as *mut _;
         }
@@ -435,7 +435,7 @@ mod tests {
             (
                 "one count differs",
                 Box::new(|g| {
-                    g[2].call.count = 32;
+                    g[2].call.req.count = 32;
                     g[2].call.bytes = 128;
                 }),
             ),
@@ -448,7 +448,7 @@ mod tests {
             (
                 "another stream",
                 Box::new(|g| {
-                    g[4].call.stream = 8 as _;
+                    g[4].call.req.stream = Stream(8 as _);
                 }),
             ),
             (
@@ -466,7 +466,7 @@ mod tests {
             (
                 "a collective among them",
                 Box::new(|g| {
-                    g[0].call.kind = Collective::AllReduce;
+                    g[0].call.req.coll = Collective::AllReduce;
                 }),
             ),
         ];

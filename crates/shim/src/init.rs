@@ -110,11 +110,15 @@ fn report(config: &Config, later: &[String]) {
 }
 
 /// Panics when `FLASHCOMM_DEBUG_PANIC` names `api` (fault injection for the boundary's tests).
+/// Returns the process state it read ([`state`]), which the boundary hands to the exports that
+/// need the configuration, so that a call reads it once.
 #[inline]
-pub(crate) fn debug_panic_point(api: &'static str) {
-    if let Some(name) = &state().config.settings.debug_panic
+pub(crate) fn debug_panic_point(api: &'static str) -> &'static State {
+    let st = state();
+    if let Some(name) = &st.config.settings.debug_panic
         && (name.0 == api || name.0.strip_prefix('p') == Some(api))
     {
         panic!("panic injected into {api} by FLASHCOMM_DEBUG_PANIC");
     }
+    st
 }

@@ -133,12 +133,12 @@ pub(crate) fn decide(call: &CollCall, config: &Config, comm: Option<&CommView>) 
     if s.disable {
         return Decision::nccl(Why::Disabled);
     }
-    if !Collective::KERNELS.contains(&call.kind) {
+    if !Collective::KERNELS.contains(&call.req.coll) {
         return Decision::nccl(Why::NotOurs);
     }
-    let op = call.kind;
-    let dtype = call.dtype;
-    if call.kind.reduces() {
+    let op = call.req.coll;
+    let dtype = call.req.dtype;
+    if call.req.coll.reduces() {
         if call.op != Some(ncclRedOp_t::ncclSum) {
             return Decision::nccl(Why::NotSum);
         }
@@ -165,7 +165,7 @@ pub(crate) fn decide(call: &CollCall, config: &Config, comm: Option<&CommView>) 
         return Decision::nccl(Why::AboveMax);
     }
     // AllReduce: the widths of its two steps; the others: their one step's width.
-    let widths = match call.kind {
+    let widths = match call.req.coll {
         Collective::AllReduce => view.quant.widths(),
         other => view.quant.op_bits(other).map(|b| (b, b)),
     };
@@ -326,27 +326,33 @@ pub(crate) mod tests {
     //! The decision table, and helpers the registry's and the dispatch's tests share.
 
     use super::*;
-    use crate::types::DataType;
+    use flashcomm_comm::{Request, Stream};
     use flashcomm_config::{KIB, MIB};
     use flashcomm_nccl_sys::{ncclCollConfig_t, ncclComm_t};
 
     pub(crate) fn call(comm: ncclComm_t) -> CollCall {
         CollCall {
             api: "ncclAllReduce",
-            kind: Collective::AllReduce,
+            req: typed(Collective::AllReduce, 4, ncclDataType_t::ncclFloat32),
             sendbuff: std::ptr::null(),
             recvbuff: std::ptr::null_mut(),
-            count: 4,
             datatype: ncclDataType_t::ncclFloat32,
             op: Some(ncclRedOp_t::ncclSum),
             comm,
-            stream: std::ptr::null_mut(),
             config: std::ptr::null(),
             bytes: 16,
-            elem: 4,
-            dtype: Some(DataType::F32),
             root_or_peer: None,
         }
+    }
+
+    /// The request of a call of `count` elements of `dtype`, typed as the export types it.
+    pub(crate) fn typed(kind: Collective, count: usize, dtype: ncclDataType_t) -> Request<'static> {
+        Request::shaped(
+            kind,
+            count as u64,
+            crate::args::flashcomm_type(dtype),
+            crate::args::element_size(dtype).unwrap(),
+        )
     }
 
     /// A call of `kind` on `bytes` bytes of `dtype` (sum for the reducing kinds), out of place
@@ -360,14 +366,11 @@ pub(crate) mod tests {
         };
         CollCall {
             api: "test",
-            kind,
+            req: typed(kind, (bytes / elem) as usize, dtype),
             recvbuff: recv as *mut std::ffi::c_void,
             datatype: dtype,
             op: kind.reduces().then_some(ncclRedOp_t::ncclSum),
-            count: (bytes / elem) as usize,
             bytes,
-            elem,
-            dtype: crate::args::flashcomm_type(dtype),
             ..call(0x7000usize as ncclComm_t)
         }
     }
@@ -609,7 +612,7 @@ pub(crate) mod tests {
         // Sizes that cannot be addressed across the ranks go to NCCL.
         let huge = CollCall {
             bytes: u64::MAX / 2,
-            count: usize::MAX / 2,
+            req: typed(AG, usize::MAX / 2, ncclDataType_t::ncclUint8),
             ..coll(AG, ncclDataType_t::ncclUint8, 1)
         };
         assert_eq!(route_of(&[], &huge), Decision::nccl(Why::AboveMax));
@@ -847,14 +850,11 @@ pub(crate) mod tests {
                                 for coll_config in [0usize, 0x40] {
                                     let core = CollCall {
                                         api: "ncclTest",
-                                        kind,
-                                        count,
+                                        req: typed(kind, count, dt),
                                         datatype: dt,
                                         op: kind.reduces().then_some(op),
                                         config: coll_config as *const ncclCollConfig_t,
                                         bytes: count as u64 * elem,
-                                        elem,
-                                        dtype: crate::args::flashcomm_type(dt),
                                         ..call(0x7000usize as ncclComm_t)
                                     };
                                     let first = decide(&core, config, view.as_ref());
@@ -889,7 +889,10 @@ pub(crate) mod tests {
             let with = |send: u64, recv: u64| CollCall {
                 sendbuff: send as usize as *const std::ffi::c_void,
                 recvbuff: recv as usize as *mut std::ffi::c_void,
-                stream: stream as *mut _,
+                req: Request {
+                    stream: Stream(stream as *mut _),
+                    ..core.req
+                },
                 ..*core
             };
             out.push(with(0x1000_0000, 0x9000_0000));

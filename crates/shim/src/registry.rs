@@ -9,7 +9,8 @@
 //! A communicator's own quantization settings sit behind a sequence lock of atomics: reading them
 //! never blocks.
 //!
-//! Owns: [`CommState`], [`Setup`], the table ([`get`], [`by_handle`], [`register`], [`remove`]).
+//! Owns: [`CommState`], [`Setup`], the table ([`find`], [`Found`], [`get`], [`by_handle`],
+//! [`register`], [`remove`]).
 //! May import: `types`, `stats`, `policy`, `calls::nccl`, `calls::os`.
 
 use std::cell::RefCell;
@@ -182,9 +183,16 @@ impl CommState {
         self.quant.store(q);
     }
 
-    /// What [`crate::policy::decide`] needs to know about this communicator.
+    /// What [`crate::policy::decide`] needs to know about this communicator (the call path reads
+    /// it through [`find`]).
+    #[cfg(test)]
     pub(crate) fn view(&self, config: &Config) -> CommView {
-        let served = self.served();
+        self.view_of(self.served(), config)
+    }
+
+    /// What [`crate::policy::decide`] needs to know about this communicator, flashcomm's
+    /// communicator (`served`) already read.
+    fn view_of(&self, served: Option<&Communicator>, config: &Config) -> CommView {
         CommView {
             served: served.is_some(),
             nranks: served.map_or(0, |c| u64::from(c.nranks())),
@@ -403,6 +411,35 @@ pub(crate) fn by_handle(h: CommHandle) -> Option<Arc<CommState>> {
 /// The registry entry of `comm`, if flashcomm saw it created and not yet destroyed.
 pub(crate) fn get(comm: ncclComm_t) -> Option<Arc<CommState>> {
     by_handle(CommHandle::of(comm))
+}
+
+/// What one call needs of its communicator, found in one lookup ([`find`]).
+pub(crate) struct Found<'s> {
+    /// The registry entry (counters, first-use bits, why it is not served).
+    pub(crate) state: &'s CommState,
+    /// flashcomm's communicator, when flashcomm serves this one.
+    pub(crate) served: Option<&'s Communicator>,
+    /// What the decision reads ([`CommState::view`]).
+    pub(crate) view: CommView,
+}
+
+/// Looks `comm` up for one call: its entry, flashcomm's communicator and the decision's view,
+/// everything the call reads of the registry, in one visit. `held` keeps the entry alive for the
+/// call (a slot on the caller's stack: no allocation, no lock, one atomic generation check as in
+/// [`by_handle`]). `None`: flashcomm never saw `comm`, or it was destroyed.
+pub(crate) fn find<'s>(
+    comm: ncclComm_t,
+    config: &Config,
+    held: &'s mut Option<Arc<CommState>>,
+) -> Option<Found<'s>> {
+    *held = get(comm);
+    let state = held.as_deref()?;
+    let served = state.served();
+    Some(Found {
+        state,
+        served,
+        view: state.view_of(served, config),
+    })
 }
 
 /// Whether a communicator without an explicit `blocking` setting blocks: NCCL's default, which

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flashcomm_comm::{
-    Agreement, Bootstrap, Build, CommConfig, Communicator, Error as CommError, Request, Stream,
+    Agreement, Bootstrap, Buffers, Build, CommConfig, Communicator, Error as CommError, Request,
     ThreadGroup,
 };
 use flashcomm_config::{Config, FaultPoint};
@@ -590,15 +590,15 @@ pub(crate) fn release_aborted(h: CommHandle, state: Arc<CommState>) {
 /// orders all work of a communicator; flashcomm's kernels and NCCL's share it). Calls inside a
 /// group are enqueued by NCCL only at the group's end and are not ordered here.
 pub(crate) fn forward_in_order(
-    state: Option<&CommState>,
+    served: Option<&Communicator>,
     call: &CollCall,
     grouped: bool,
     forward: impl FnOnce() -> ncclResult_t,
 ) -> ncclResult_t {
-    let Some(c) = state.and_then(CommState::served).filter(|_| !grouped) else {
+    let Some(c) = served.filter(|_| !grouped) else {
         return forward();
     };
-    let stream = Stream(call.stream.cast());
+    let stream = call.req.stream;
     let record = c.before_foreign(stream).ok().flatten();
     let r = forward();
     if let Some(op) = record
@@ -613,22 +613,22 @@ pub(crate) fn forward_in_order(
 /// `grouped::hold_in_group`).
 pub(crate) fn forward_p2p(p: &P2pCall) -> ncclResult_t {
     let c = &p.call;
-    let (send, buf) = match c.kind {
+    let (send, buf) = match c.req.coll {
         Collective::Send => (true, c.sendbuff.cast_mut()),
         _ => (false, c.recvbuff),
     };
     nccl::send_recv(
         send,
         buf,
-        c.count,
+        c.req.count as usize,
         c.datatype,
         p.peer,
         c.comm,
-        c.stream.cast(),
+        c.req.stream.0.cast(),
     )
     .unwrap_or_else(|why| {
         Error::invalid_usage(
-            Subsys::of(c.kind),
+            Subsys::of(c.req.coll),
             format!("{}: the real library cannot take it: {why}", c.api),
         )
         .report()
@@ -661,7 +661,7 @@ pub(crate) enum Executed {
 
 /// The NCCL error of a failed served call, reported (message and `ncclGetLastError`).
 pub(crate) fn report(call: &CollCall, e: CommError) -> ncclResult_t {
-    let sub = Subsys::of(call.kind);
+    let sub = Subsys::of(call.req.coll);
     let msg = format!("{} on communicator {:p}: {e}", call.api, call.comm);
     match e {
         CommError::InvalidArgument(_) => Error::invalid_argument(sub, msg),
@@ -675,65 +675,32 @@ pub(crate) fn report(call: &CollCall, e: CommError) -> ncclResult_t {
     .report()
 }
 
-/// Runs a call [`policy::decide`] sent to flashcomm's kernels. Allocates no device memory and
-/// does not synchronize (the communicator's collectives do neither), so it may be captured.
+/// Runs a call [`policy::decide`] sent to flashcomm's kernels (`served`: the communicator the
+/// call's lookup found). Allocates no device memory and does not synchronize (the
+/// communicator's collectives do neither), so it may be captured.
+///
+/// A device error of an earlier call comes first (`ncclRemoteError` or `ncclTimeout`, without
+/// launching): `Communicator::execute` checks it before anything else, and a call refused here
+/// before reaching it checks it first too.
 pub(crate) fn execute(
-    state: &CommState,
+    served: Option<&Communicator>,
     call: &CollCall,
     d: &Decision,
     config: &Config,
 ) -> Executed {
-    let Some(c) = state.served() else {
+    let Some(c) = served else {
         return Executed::Refused(Cow::Borrowed("flashcomm does not serve the communicator"));
     };
-    if let Err(e) = c.check_status() {
-        return Executed::Done(report(call, e));
-    }
-    // flashcomm's kernels would touch it: refused here, where NCCL would launch on it (its own
-    // check of the buffers runs only with NCCL_CHECK_POINTERS=1, which is honoured below).
-    if let Some(name) = call.null_buffer() {
-        return Executed::Invalid(
-            Error::invalid_argument(
-                Subsys::of(call.kind),
-                format!("{}: {name} is NULL with count {}", call.api, call.count),
-            )
-            .report(),
-        );
-    }
-    let Some((send, recv)) = user_buffers(call, u64::from(c.nranks())) else {
-        return Executed::Refused(Cow::Borrowed("the buffer sizes overflow"));
-    };
-    if config.settings.check_pointers
-        && let Err(msg) = check_pointers(call, &send, &recv, c.device())
-    {
-        return Executed::Done(report(call, CommError::InvalidArgument(msg)));
-    }
-    let stream = Stream(call.stream.cast());
-    let count = call.count as u64;
-    let dtype = call.dtype;
-    let req = match (call.kind, dtype, d.quant) {
-        (Collective::AllReduce | Collective::ReduceScatter, Some(t), _)
-        | (Collective::AllGather | Collective::AlltoAll, Some(t), Some(_)) => {
-            Request::typed(call.kind, count, t)
+    let req = match request(c, call, d, config) {
+        Ok(req) => req,
+        Err(refusal) => {
+            return match c.check_status() {
+                Err(e) => Executed::Done(report(call, e)),
+                Ok(()) => refusal.executed(call),
+            };
         }
-        (Collective::AllGather | Collective::AlltoAll, _, _) => {
-            Request::bytes(call.kind, count, call.elem)
-        }
-        _ => return Executed::Refused(Cow::Borrowed("not a call flashcomm's kernels take")),
     };
-    let req = match (d.quant, dtype) {
-        (Some(q), Some(_)) => {
-            // Outside the lossless kernels' window a call asked to be quantized stays quantized
-            // whatever the cost model says: the window says the lossless kernels must not take it.
-            let s = &config.settings;
-            let lossless_allowed = call.kind == Collective::AllReduce
-                && (s.min_bytes.0..=s.max_bytes.0).contains(&call.bytes);
-            req.quantized(q, lossless_allowed)
-        }
-        _ => req,
-    };
-    let r = c.execute(&req.between(send, recv).on(stream));
-    match r {
+    match c.execute(&req) {
         Ok(p) if d.quant.is_some() && p.quant.is_none() => {
             Executed::Unquantized(ncclResult_t::ncclSuccess)
         }
@@ -741,6 +708,92 @@ pub(crate) fn execute(
         Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
         Err(e) => Executed::Done(report(call, e)),
     }
+}
+
+/// Why a routed call does not reach flashcomm's communicator, found before the device's status
+/// is read (which comes first: [`execute`]); nothing is reported until then.
+enum Refusal {
+    /// A buffer flashcomm's kernels would touch is NULL (its name).
+    Null(&'static str),
+    /// The buffers' sizes overflow.
+    Overflow,
+    /// `NCCL_CHECK_POINTERS=1` found a buffer that is not the communicator's device memory.
+    Pointers(String),
+    /// Not a call flashcomm's kernels take.
+    NotOurs,
+}
+
+impl Refusal {
+    /// The outcome, reported.
+    fn executed(self, call: &CollCall) -> Executed {
+        match self {
+            Refusal::Null(name) => Executed::Invalid(
+                Error::invalid_argument(
+                    Subsys::of(call.req.coll),
+                    format!("{}: {name} is NULL with count {}", call.api, call.req.count),
+                )
+                .report(),
+            ),
+            Refusal::Overflow => Executed::Refused(Cow::Borrowed("the buffer sizes overflow")),
+            Refusal::Pointers(msg) => Executed::Done(report(call, CommError::InvalidArgument(msg))),
+            Refusal::NotOurs => {
+                Executed::Refused(Cow::Borrowed("not a call flashcomm's kernels take"))
+            }
+        }
+    }
+}
+
+/// The request `c` runs for `call` as decided (`d`): the call's own request ([`CollCall::req`],
+/// typed where its arguments were checked) completed with its buffers, of the sizes NCCL's
+/// contract gives them, the quantization asked for and whether the lossless kernels may take it
+/// instead.
+fn request(
+    c: &Communicator,
+    call: &CollCall,
+    d: &Decision,
+    config: &Config,
+) -> Result<Request<'static>, Refusal> {
+    // flashcomm's kernels would touch it: refused here, where NCCL would launch on it (its own
+    // check of the buffers runs only with NCCL_CHECK_POINTERS=1, which is honoured below).
+    if let Some(name) = call.null_buffer() {
+        return Err(Refusal::Null(name));
+    }
+    let Some((send, recv)) = user_buffers(call, u64::from(c.nranks())) else {
+        return Err(Refusal::Overflow);
+    };
+    if config.settings.check_pointers
+        && let Err(msg) = check_pointers(call, &send, &recv, c.device())
+    {
+        return Err(Refusal::Pointers(msg));
+    }
+    // The lossless AllGather and AllToAll move bytes of any datatype (their element type, when
+    // flashcomm has one, changes neither their plan nor their kernel); the reducing kinds need
+    // flashcomm's element type.
+    let req = call.req;
+    match (req.coll, req.dtype) {
+        (Collective::AllReduce | Collective::ReduceScatter, Some(_))
+        | (Collective::AllGather | Collective::AlltoAll, _) => {}
+        _ => return Err(Refusal::NotOurs),
+    }
+    let (quant, lossless_allowed) = match (d.quant, req.dtype) {
+        (Some(q), Some(_)) => {
+            // Outside the lossless kernels' window a call asked to be quantized stays quantized
+            // whatever the cost model says: the window says the lossless kernels must not take it.
+            let s = &config.settings;
+            let lossless_allowed = req.coll == Collective::AllReduce
+                && (s.min_bytes.0..=s.max_bytes.0).contains(&call.bytes);
+            (Some(q), lossless_allowed)
+        }
+        _ => (req.quant, req.lossless_allowed),
+    };
+    // The same value, its remaining fields filled in (plain data: `Request::quantized` and
+    // `Request::between` set exactly these).
+    Ok(Request {
+        buffers: Buffers::Contiguous { send, recv },
+        quant,
+        lossless_allowed,
+        ..req
+    })
 }
 
 #[cfg(test)]

@@ -9,7 +9,8 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use flashcomm_nccl_sys::{cudaStream_t, ncclCollConfig_t, ncclComm_t, ncclDataType_t, ncclRedOp_t};
+use flashcomm_comm::Request;
+use flashcomm_nccl_sys::{ncclCollConfig_t, ncclComm_t, ncclDataType_t, ncclRedOp_t};
 
 /// Where a collective runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -44,21 +45,27 @@ pub(crate) use flashcomm_config::Collective;
 /// flashcomm's element type: the tree's one element-type enum.
 pub(crate) use flashcomm_config::DType as DataType;
 
-/// One collective call, typed once where its arguments are checked (`args::check`): what the
-/// export received, its size, flashcomm's element type and its root or peer. Everything after
-/// reads it; nothing derives the type or the size again.
+/// One collective call, typed once where its arguments are checked (`args::check`): flashcomm's
+/// [`Request`] (collective, count, flashcomm's element type and the element's size, stream),
+/// which `serve` completes with the buffers' sizes and the quantization asked for and hands to
+/// `Communicator::execute` as it is, beside what only NCCL's side reads (the export's name, the
+/// buffers as passed, the NCCL datatype and operator, the communicator, the per-call
+/// configuration, the root or peer) and the size in bytes. Everything after reads it; nothing
+/// derives the type or the size again, and nothing converts it into another call value.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CollCall {
     /// The export's name (`ncclAllReduce`, `ncclBcast`, `ncclAllGatherConfig`, ...).
     pub(crate) api: &'static str,
-    /// Its kind.
-    pub(crate) kind: Collective,
+    /// The call as flashcomm's communicator runs it: `req.coll` its kind, `req.count` the
+    /// element count as passed (per rank: `sendcount`, `recvcount`, per-peer for all-to-all),
+    /// `req.dtype` flashcomm's element type (f32, f16, bf16; `None` for the other datatypes),
+    /// `req.elem` the bytes of one element (0 for a call that is only forwarded), `req.stream`
+    /// the caller's stream. Its buffers are empty until `serve` gives them their sizes.
+    pub(crate) req: Request<'static>,
     /// The caller's send buffer (null for `ncclRecv`; `ncclBcast`'s one buffer for both).
     pub(crate) sendbuff: *const c_void,
     /// The caller's receive buffer (null for `ncclSend`).
     pub(crate) recvbuff: *mut c_void,
-    /// The element count as passed (per rank: `sendcount`, `recvcount`, per-peer for all-to-all).
-    pub(crate) count: usize,
     /// Element type, a valid `ncclDataType_t` (below `ncclNumTypes`) unless the call is only
     /// forwarded.
     pub(crate) datatype: ncclDataType_t,
@@ -66,16 +73,10 @@ pub(crate) struct CollCall {
     pub(crate) op: Option<ncclRedOp_t>,
     /// The real communicator.
     pub(crate) comm: ncclComm_t,
-    /// The caller's stream.
-    pub(crate) stream: cudaStream_t,
     /// The per-call configuration of `ncclXConfig` (may be null), never copied.
     pub(crate) config: *const ncclCollConfig_t,
     /// `count` x the element size (0 for a call that is only forwarded).
     pub(crate) bytes: u64,
-    /// Bytes of one element (0 for a call that is only forwarded).
-    pub(crate) elem: u64,
-    /// flashcomm's element type (f32, f16, bf16); `None` for the other datatypes.
-    pub(crate) dtype: Option<DataType>,
     /// Root (broadcast, reduce) or peer (send, receive).
     pub(crate) root_or_peer: Option<i32>,
 }
@@ -86,7 +87,7 @@ impl CollCall {
     /// `NCCL_CHECK_POINTERS=1`). A buffer used only on the root (broadcast's send buffer,
     /// reduce's receive buffer) is not required; neither kind runs on flashcomm's kernels.
     pub(crate) fn null_buffer(&self) -> Option<&'static str> {
-        let (send, recv) = match self.kind {
+        let (send, recv) = match self.req.coll {
             Collective::AllReduce
             | Collective::ReduceScatter
             | Collective::AllGather
@@ -95,7 +96,7 @@ impl CollCall {
             Collective::Reduce | Collective::Send => (true, false),
             Collective::Recv => (false, true),
         };
-        if self.count == 0 {
+        if self.req.count == 0 {
             None
         } else if send && self.sendbuff.is_null() {
             Some("sendbuff")
@@ -117,8 +118,10 @@ pub(crate) struct P2pCall {
 
 /// What a group that holds its Send/Recv calls back holds, in call order: the calls, and the
 /// nested `ncclGroupStart`/`ncclGroupEnd` made between them (given to the real library in the same
-/// order, or dropped with the calls when the group runs as flashcomm's AllToAll).
+/// order, or dropped with the calls when the group runs as flashcomm's AllToAll). Stored by
+/// value in the group's list (boxing each call would add an allocation per held call).
 #[derive(Debug, Clone, Copy)]
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Held {
     P2p(P2pCall),
     GroupStart,

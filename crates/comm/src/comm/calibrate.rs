@@ -222,15 +222,15 @@ impl Communicator {
     ) -> Result<f64, Error> {
         let stream = t.stream;
         let launch = || {
-            self.launch_plan(
+            let l = self.launch_of(
                 p,
                 t.send.as_ptr(),
                 t.recv.as_ptr(),
                 count,
                 2,
                 Some(DataType::Bf16),
-                stream,
-            )
+            )?;
+            self.launch_in_order(&l, stream)
         };
         // Warm-up, then every rank is idle.
         let warm = (|| {

@@ -1,12 +1,13 @@
-//! Launch: the plan of a call, the checks of its buffers, the kernel chosen and its parameters,
-//! and the launch itself.
+//! Launch: the plan of a call, the checks of its buffers, the kernel chosen and its parameters
+//! ([`Communicator::prepare`]: what a call enqueues, ready to go; `order.rs` checks the device's
+//! status before it and orders, launches and records after it), and the scattered AllToAll.
 
 use flashcomm_kernels::catalog::QuantOp;
 use flashcomm_kernels::{Kernel, LaunchConfig};
 
 use crate::abi::{self, FcCollParams};
 use crate::error::Error;
-use crate::gpu::{self, DeviceMem, DevicePtr, Stream};
+use crate::gpu::{DeviceMem, DevicePtr, Stream};
 use crate::plan::{
     self, Algorithm, Collective, DataType, Plan, Protocol, QuantChoice, QuantModel, QuantSpec,
 };
@@ -119,6 +120,36 @@ fn call_signature(p: &Plan, dtype: Option<DataType>) -> u32 {
     (coll << 4) | ty
 }
 
+/// What a planned call enqueues on its stream ([`Communicator::prepare`]), ready to go. Lives on
+/// the stack for the one call (boxing the kernel's parameters would allocate per call).
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Work<'r> {
+    /// Nothing: no elements, or one rank in place.
+    Nothing,
+    /// One device copy: one rank out of place (every collective's result is its input).
+    Copy {
+        send: DevicePtr,
+        recv: DevicePtr,
+        bytes: u64,
+    },
+    /// One kernel.
+    Kernel(Launch),
+    /// A scattered AllToAll ([`Communicator::run_scattered`]).
+    Scattered {
+        send: &'r [DevicePtr],
+        recv: &'r [DevicePtr],
+    },
+}
+
+/// One catalogue kernel with its launch configuration and parameters.
+pub(super) struct Launch {
+    pub(super) kernel: Kernel<FcCollParams>,
+    pub(super) cfg: LaunchConfig,
+    pub(super) params: FcCollParams,
+    /// Launched with programmatic stream serialization (the device supports it).
+    pub(super) overlapped: bool,
+}
+
 impl Communicator {
     /// The plan of a request: exactly what [`Communicator::execute`] runs for it (pure; the
     /// same on every rank for the same request). A lossless call is planned by the cost model
@@ -179,25 +210,15 @@ impl Communicator {
         )
     }
 
-    /// Runs a request: its plan ([`Communicator::plan`]), launched on its stream after this
-    /// communicator's previous operation; returns the plan that ran. Every rank must run the
-    /// same requests in the same order.
-    ///
-    /// A quantized call's result is bitwise identical on every rank (each rank decodes the same
-    /// bytes in the same order), within the error bound docs/codec.md states for its steps.
-    /// Contiguous buffers may be in place as NCCL lays them out (see [`check_buffers`]).
-    /// Scattered blocks (an AllToAll of `ncclSend`/`ncclRecv` with one buffer per peer) are
-    /// gathered into a scratch buffer of the communicator's device, exchanged by the AllToAll
-    /// kernel and scattered out: 2 x nranks device copies more, all on the stream. The scratch
-    /// (2 x nranks x count x elem bytes) is allocated at the first call that needs more than the
-    /// last one and kept; under graph capture, where allocating is not allowed, a call that needs
-    /// more is refused as [`Error::Unsupported`] (the caller sends it to NCCL, which every rank
-    /// does alike: the scratch's size follows the calls, which are the same on every rank).
-    pub fn execute(&self, req: &Request<'_>) -> Result<Plan, Error> {
+    /// The first half of [`Communicator::execute`] (which checks the device's status before
+    /// and orders and enqueues after: `order.rs`): the request's plan ([`Communicator::plan`])
+    /// and what it enqueues, its buffers checked and, for a kernel, the kernel chosen and its
+    /// parameters filled. Nothing is enqueued here.
+    pub(super) fn prepare<'r>(&self, req: &Request<'r>) -> Result<(Plan, Work<'r>), Error> {
         let p = self.plan(req)?;
-        match req.buffers {
+        let work = match req.buffers {
             Buffers::Contiguous { send, recv } => {
-                self.run(&p, send, recv, req.count, req.elem, req.dtype, req.stream)?
+                self.contiguous(&p, send, recv, req.count, req.elem, req.dtype)?
             }
             Buffers::Scattered { send, recv } => {
                 if req.coll != Collective::AlltoAll || p.quant.is_some() {
@@ -205,10 +226,10 @@ impl Communicator {
                         "scattered blocks are a lossless AllToAll's only".into(),
                     ));
                 }
-                self.run_scattered(&p, send, recv, req.count, req.elem, req.stream)?
+                Work::Scattered { send, recv }
             }
-        }
-        Ok(p)
+        };
+        Ok((p, work))
     }
 
     /// The calibrated times of the quantized AllReduce with codec settings `q`, if measured.
@@ -216,8 +237,10 @@ impl Communicator {
         self.quant_models.iter().find(|m| m.spec == q)
     }
 
-    /// The scattered AllToAll of [`Communicator::execute`] with plan `p`.
-    fn run_scattered(
+    /// The scattered AllToAll of [`Communicator::execute`] with plan `p` (the device's status
+    /// was checked): the blocks gathered into the scratch, the AllToAll kernel, the blocks
+    /// scattered out, all ordered as one operation of the communicator.
+    pub(super) fn run_scattered(
         &self,
         p: &Plan,
         send: &[DevicePtr],
@@ -242,7 +265,6 @@ impl Communicator {
                 "an AllToAll block is smaller than {block} bytes"
             )));
         }
-        self.check_status()?;
         if block == 0 {
             return Ok(());
         }
@@ -271,7 +293,8 @@ impl Communicator {
             mem.slice(q * block as usize, block as usize)
                 .copy_from(*b, block, stream)?;
         }
-        self.run(p, s_in, s_out, count, elem, None, stream)?;
+        let work = self.contiguous(p, s_in, s_out, count, elem, None)?;
+        self.enqueue(work, stream)?;
         for (r, b) in recv.iter().enumerate() {
             b.copy_from(
                 mem.slice(half + r * block as usize, block as usize),
@@ -283,9 +306,9 @@ impl Communicator {
         Ok(())
     }
 
-    /// Runs plan `p` of a call with contiguous buffers (every rank runs the same plan).
-    #[allow(clippy::too_many_arguments)]
-    fn run(
+    /// What plan `p` of a call with contiguous buffers enqueues (every rank runs the same plan),
+    /// once its buffers passed the checks the kernels need.
+    fn contiguous(
         &self,
         p: &Plan,
         send: DevicePtr,
@@ -293,11 +316,9 @@ impl Communicator {
         count: u64,
         elem: u64,
         dtype: Option<DataType>,
-        stream: Stream,
-    ) -> Result<(), Error> {
-        self.check_status()?;
+    ) -> Result<Work<'static>, Error> {
         if count == 0 {
-            return Ok(());
+            return Ok(Work::Nothing);
         }
         let n = self.nranks as u64;
         let (send_bytes, recv_bytes) = match p.coll {
@@ -362,12 +383,17 @@ impl Communicator {
             // Nothing to exchange: every collective's result is the input (quantization never
             // applies). In place that is free; out of place it is one device copy.
             if send.addr() == recv.addr() {
-                return Ok(());
+                return Ok(Work::Nothing);
             }
-            let _ctx = self.device.activate()?;
-            return Ok(recv.copy_from(send, recv_bytes, stream)?);
+            return Ok(Work::Copy {
+                send,
+                recv,
+                bytes: recv_bytes,
+            });
         }
-        self.launch_plan(p, send, recv, count, elem, dtype, stream)
+        Ok(Work::Kernel(
+            self.launch_of(p, send, recv, count, elem, dtype)?,
+        ))
     }
 
     /// [`abi::FLAG_EARLY_LAUNCH`] for a lossless plan whose grid, doubled, still fits this rank's
@@ -436,8 +462,8 @@ impl Communicator {
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn launch_plan(
+    /// The kernel of plan `p`, its launch configuration and its parameters.
+    pub(super) fn launch_of(
         &self,
         p: &Plan,
         send: DevicePtr,
@@ -445,8 +471,7 @@ impl Communicator {
         count: u64,
         elem: u64,
         dtype: Option<DataType>,
-        stream: Stream,
-    ) -> Result<(), Error> {
+    ) -> Result<Launch, Error> {
         let k = Self::kernel_for(p, dtype)?;
         let params = FcCollParams {
             send: send.addr(),
@@ -484,16 +509,17 @@ impl Communicator {
             params.q_block_bytes_rs = q.format(d, q.rs_bits)?.block_bytes() as u32;
             params.q_block_bytes_ag = q.format(d, q.ag_bits)?.block_bytes() as u32;
         }
-        let _ctx = self.device.activate()?;
-        let capturing = self.order_before(stream)?;
         let cfg = LaunchConfig {
             grid: p.grid,
             block: threads,
             smem: 0,
         };
-        let overlapped = self.device.supports_overlapped_launch();
-        gpu::launch(&self.kernels, k, cfg, stream, &params, overlapped)?;
-        self.order_after(stream, capturing, true)
+        Ok(Launch {
+            kernel: k,
+            cfg,
+            params,
+            overlapped: self.device.supports_overlapped_launch(),
+        })
     }
 }
 

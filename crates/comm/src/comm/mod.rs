@@ -17,8 +17,10 @@
 //! captured into CUDA graphs; epochs live on the device.
 //!
 //! One file per responsibility: `setup` (set-up and the agreement between ranks), `calibrate`
-//! (the timed collectives that give the cost model), `launch` (plans, buffer checks, kernel
-//! parameters and the launch) and `order` (ordering between calls, status, abort, idleness).
+//! (the timed collectives that give the cost model), `launch` (plans, buffer checks, the kernel
+//! and its parameters: what a call enqueues, ready to go) and `order` (one call run in order:
+//! the device's status, the prepared work ordered after the previous operation, launched and
+//! recorded; ordering of forwarded operations, status, abort, idleness).
 //! This file holds the communicator's state, its settings, its accessors and its release.
 
 use std::sync::Arc;

@@ -1,6 +1,8 @@
-//! Ordering, status and abort: a call ordered after the communicator's previous ones (eager and
-//! captured), operations forwarded to NCCL ordered alike, the device's status words read, the
-//! abort flag, and waiting for the device to be idle.
+//! Ordering, status and abort: one call run in the communicator's order
+//! ([`Communicator::execute`]: the device's status first, the plan and parameters from
+//! `launch.rs`, then ordered after the communicator's previous operation, launched, and
+//! recorded), operations forwarded to NCCL ordered alike (eager and captured), the device's
+//! status words read, the abort flag, and waiting for the device to be idle.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -8,10 +10,74 @@ use std::time::Duration;
 use crate::abi;
 use crate::error::Error;
 use crate::gpu::{self, Stream};
+use crate::plan::Plan;
+use crate::request::Request;
 
+use super::launch::{Launch, Work};
 use super::{CaptureMark, Communicator, Foreign, HOST_ABORT, HOST_STATUS};
 
 impl Communicator {
+    /// Runs a request: a device error of an earlier call first ([`Communicator::check_status`],
+    /// before anything else), then its plan ([`Communicator::plan`]) and its checks, then, ordered
+    /// after this communicator's previous operation, its kernel on its stream; returns the plan
+    /// that ran. Every rank must run the same requests in the same order.
+    ///
+    /// A quantized call's result is bitwise identical on every rank (each rank decodes the same
+    /// bytes in the same order), within the error bound docs/codec.md states for its steps.
+    /// Contiguous buffers may be in place as NCCL lays them out (see
+    /// [`check_buffers`](super::launch::check_buffers)). Scattered blocks (an AllToAll of
+    /// `ncclSend`/`ncclRecv` with one buffer per peer) are gathered into a scratch buffer of the
+    /// communicator's device, exchanged by the AllToAll kernel and scattered out: 2 x nranks
+    /// device copies more, all on the stream. The scratch (2 x nranks x count x elem bytes) is
+    /// allocated at the first call that needs more than the last one and kept; under graph
+    /// capture, where allocating is not allowed, a call that needs more is refused as
+    /// [`Error::Unsupported`] (the caller sends it to NCCL, which every rank does alike: the
+    /// scratch's size follows the calls, which are the same on every rank).
+    pub fn execute(&self, req: &Request<'_>) -> Result<Plan, Error> {
+        self.check_status()?;
+        let (p, work) = self.prepare(req)?;
+        match work {
+            Work::Scattered { send, recv } => {
+                self.run_scattered(&p, send, recv, req.count, req.elem, req.stream)?
+            }
+            work => self.enqueue(work, req.stream)?,
+        }
+        Ok(p)
+    }
+
+    /// Enqueues prepared work on `stream`: a kernel in this communicator's order
+    /// ([`Communicator::launch_in_order`]), a copy (one rank: nothing to order with), or nothing.
+    pub(super) fn enqueue(&self, work: Work<'_>, stream: Stream) -> Result<(), Error> {
+        match work {
+            Work::Nothing => Ok(()),
+            Work::Copy { send, recv, bytes } => {
+                let _ctx = self.device.activate()?;
+                Ok(recv.copy_from(send, bytes, stream)?)
+            }
+            Work::Kernel(l) => self.launch_in_order(&l, stream),
+            Work::Scattered { .. } => Err(Error::Internal(
+                "scattered blocks enqueued as contiguous work".into(),
+            )),
+        }
+    }
+
+    /// Launches one kernel on `stream` after this communicator's previous operation, and records
+    /// it as the last one (eager), or joins the capture's record node (captured with graph
+    /// mixing): [`Communicator::order_before`], the launch, [`Communicator::order_after`].
+    pub(super) fn launch_in_order(&self, l: &Launch, stream: Stream) -> Result<(), Error> {
+        let _ctx = self.device.activate()?;
+        let capturing = self.order_before(stream)?;
+        gpu::launch(
+            &self.kernels,
+            l.kernel,
+            l.cfg,
+            stream,
+            &l.params,
+            l.overlapped,
+        )?;
+        self.order_after(stream, capturing, true)
+    }
+
     /// Orders an operation of this communicator about to be enqueued on `stream` (either
     /// library's) after the communicator's previous ones, as NCCL orders all work of one
     /// communicator (docs/protocols.md, "Ordering"); returns whether `stream` is capturing.

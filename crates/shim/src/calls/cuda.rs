@@ -26,7 +26,7 @@ use crate::types::{CollCall, Collective};
 pub(crate) fn user_buffers(call: &CollCall, nranks: u64) -> Option<(DevicePtr, DevicePtr)> {
     let b = call.bytes;
     let all = b.checked_mul(nranks)?;
-    let (send, recv) = match call.kind {
+    let (send, recv) = match call.req.coll {
         Collective::ReduceScatter => (all, b),
         Collective::AllGather => (b, all),
         Collective::AlltoAll => (all, all),

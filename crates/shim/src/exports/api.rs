@@ -199,8 +199,9 @@ nccl_api! {
 
     fn ncclAllReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclAllReduce", kind: Collective::AllReduce, sendbuff, recvbuff, count,
                 datatype, op: Some(op), comm },
             Extra { root_or_peer: None, stream, config: std::ptr::null() },
@@ -211,8 +212,9 @@ nccl_api! {
     fn ncclAllReduceConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t,
         config: *const ncclCollConfig_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclAllReduceConfig", kind: Collective::AllReduce, sendbuff, recvbuff,
                 count, datatype, op: Some(op), comm },
             Extra { root_or_peer: None, stream, config },
@@ -228,8 +230,9 @@ nccl_api! {
 
     fn ncclReduceScatter(sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize,
         datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclReduceScatter", kind: Collective::ReduceScatter, sendbuff, recvbuff,
                 count: recvcount, datatype, op: Some(op), comm },
             Extra { root_or_peer: None, stream, config: std::ptr::null() },
@@ -241,8 +244,9 @@ nccl_api! {
     fn ncclReduceScatterConfig(sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize,
         datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t,
         config: *const ncclCollConfig_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclReduceScatterConfig", kind: Collective::ReduceScatter, sendbuff,
                 recvbuff, count: recvcount, datatype, op: Some(op), comm },
             Extra { root_or_peer: None, stream, config },
@@ -257,8 +261,9 @@ nccl_api! {
 
     fn ncclAllGather(sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize,
         datatype: ncclDataType_t, comm: ncclComm_t, stream: cudaStream_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclAllGather", kind: Collective::AllGather, sendbuff, recvbuff,
                 count: sendcount, datatype, op: None, comm },
             Extra { root_or_peer: None, stream, config: std::ptr::null() },
@@ -270,8 +275,9 @@ nccl_api! {
     fn ncclAllGatherConfig(sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize,
         datatype: ncclDataType_t, comm: ncclComm_t, stream: cudaStream_t,
         config: *const ncclCollConfig_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclAllGatherConfig", kind: Collective::AllGather, sendbuff, recvbuff,
                 count: sendcount, datatype, op: None, comm },
             Extra { root_or_peer: None, stream, config },
@@ -286,8 +292,9 @@ nccl_api! {
 
     fn ncclAlltoAll(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, comm: ncclComm_t, stream: cudaStream_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclAlltoAll", kind: Collective::AlltoAll, sendbuff, recvbuff, count,
                 datatype, op: None, comm },
             Extra { root_or_peer: None, stream, config: std::ptr::null() },
@@ -299,8 +306,9 @@ nccl_api! {
     fn ncclAlltoAllConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, comm: ncclComm_t, stream: cudaStream_t,
         config: *const ncclCollConfig_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclAlltoAllConfig", kind: Collective::AlltoAll, sendbuff, recvbuff,
                 count, datatype, op: None, comm },
             Extra { root_or_peer: None, stream, config },
@@ -315,8 +323,9 @@ nccl_api! {
 
     fn ncclBroadcast(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclBroadcast", kind: Collective::Broadcast, sendbuff, recvbuff, count,
                 datatype, op: None, comm },
             Extra { root_or_peer: Some(root), stream, config: std::ptr::null() },
@@ -328,8 +337,9 @@ nccl_api! {
     fn ncclBroadcastConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t,
         config: *const ncclCollConfig_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclBroadcastConfig", kind: Collective::Broadcast, sendbuff, recvbuff,
                 count, datatype, op: None, comm },
             Extra { root_or_peer: Some(root), stream, config },
@@ -345,8 +355,9 @@ nccl_api! {
     /// In-place broadcast (deprecated in NCCL, still used by PyTorch).
     fn ncclBcast(buff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int,
         comm: ncclComm_t, stream: cudaStream_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclBcast", kind: Collective::Broadcast, sendbuff: buff.cast_const(),
                 recvbuff: buff, count, datatype, op: None, comm },
             Extra { root_or_peer: Some(root), stream, config: std::ptr::null() },
@@ -357,8 +368,9 @@ nccl_api! {
     fn ncclReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, op: ncclRedOp_t, root: c_int, comm: ncclComm_t,
         stream: cudaStream_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclReduce", kind: Collective::Reduce, sendbuff, recvbuff, count,
                 datatype, op: Some(op), comm },
             Extra { root_or_peer: Some(root), stream, config: std::ptr::null() },
@@ -370,8 +382,9 @@ nccl_api! {
     fn ncclReduceConfig(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
         datatype: ncclDataType_t, op: ncclRedOp_t, root: c_int, comm: ncclComm_t,
         stream: cudaStream_t, config: *const ncclCollConfig_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclReduceConfig", kind: Collective::Reduce, sendbuff, recvbuff, count,
                 datatype, op: Some(op), comm },
             Extra { root_or_peer: Some(root), stream, config },
@@ -386,8 +399,9 @@ nccl_api! {
 
     fn ncclSend(sendbuff: *const c_void, count: usize, datatype: ncclDataType_t, peer: c_int,
         comm: ncclComm_t, stream: cudaStream_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclSend", kind: Collective::Send, sendbuff,
                 recvbuff: std::ptr::null_mut(), count, datatype, op: None, comm },
             Extra { root_or_peer: Some(peer), stream, config: std::ptr::null() },
@@ -397,8 +411,9 @@ nccl_api! {
 
     fn ncclRecv(recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, peer: c_int,
         comm: ncclComm_t, stream: cudaStream_t,
-    ) -> ncclResult_t {
+    ) -> ncclResult_t [state] {
         collective(
+            &state.config,
             Args { api: "ncclRecv", kind: Collective::Recv, sendbuff: std::ptr::null(), recvbuff,
                 count, datatype, op: None, comm },
             Extra { root_or_peer: Some(peer), stream, config: std::ptr::null() },

@@ -126,12 +126,15 @@ fn panic_message(api: &str, payload: &(dyn Any + Send)) -> String {
 }
 
 /// Runs one export's body: the first call initializes configuration and logging, a panic is
-/// caught and reported, and `FLASHCOMM_DEBUG_PANIC` can inject one for tests.
+/// caught and reported, and `FLASHCOMM_DEBUG_PANIC` can inject one for tests. The body receives
+/// the process state read here (its configuration), which it then does not read again.
 #[inline(always)]
-pub(crate) fn guard<R: CReturn>(api: &'static str, body: impl FnOnce() -> R) -> R {
+pub(crate) fn guard<R: CReturn>(
+    api: &'static str,
+    body: impl FnOnce(&'static crate::init::State) -> R,
+) -> R {
     let r = match std::panic::catch_unwind(AssertUnwindSafe(|| {
-        crate::init::debug_panic_point(api);
-        body()
+        body(crate::init::debug_panic_point(api))
     })) {
         Ok(r) => r,
         Err(payload) => {
@@ -238,25 +241,33 @@ pub(crate) use call_real;
 macro_rules! nccl_api {
     ($(
         $(#[$meta:meta])*
-        fn $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(-> $ret:ty)? $body:block
+        fn $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(-> $ret:ty)? $([$state:ident])?
+            $body:block
     )*) => {$(
         const _: () = {
             #[inline(always)]
             #[allow(non_snake_case, clippy::too_many_arguments, unused_unsafe)]
-            fn body($($arg: $ty),*) $(-> $ret)? $body
+            fn body(
+                $($arg: $ty,)*
+                $($state: &'static $crate::init::State)?
+            ) $(-> $ret)? $body
 
             $(#[$meta])*
             #[unsafe(no_mangle)]
             #[allow(non_snake_case, clippy::too_many_arguments)]
             unsafe extern "C" fn $name($($arg: $ty),*) $(-> $ret)? {
-                $crate::exports::boundary::guard(stringify!($name), || body($($arg),*))
+                $crate::exports::boundary::guard(stringify!($name), |_st| {
+                    body($($arg,)* $({ let _ = stringify!($state); _st })?)
+                })
             }
 
             /// NCCL's profiling twin (`pncclX`): the same function under the other name.
             #[unsafe(export_name = concat!("p", stringify!($name)))]
             #[allow(non_snake_case, clippy::too_many_arguments)]
             unsafe extern "C" fn profiling_twin($($arg: $ty),*) $(-> $ret)? {
-                $crate::exports::boundary::guard(stringify!($name), || body($($arg),*))
+                $crate::exports::boundary::guard(stringify!($name), |_st| {
+                    body($($arg,)* $({ let _ = stringify!($state); _st })?)
+                })
             }
 
             // Both symbols have exactly the header's signature: casting bindgen's declaration to

@@ -1,9 +1,12 @@
-//! The common path of every collective export: what the arguments allow (`args::check`), then
-//! the router, or the real library as it is for a call flashcomm does not route.
+//! The common path of every collective export: what the arguments allow (`args::check`), the
+//! call typed once (`CollCall`, whose `Request` is what flashcomm's communicator runs), then the
+//! router, or the real library as it is for a call flashcomm does not route.
 //!
 //! Owns: [`Extra`], [`collective`].
-//! May import: `exports::boundary`, `args`, `error`, `init`, `types`, `dispatch`, `grouped`.
+//! May import: `exports::boundary`, `args`, `error`, `types`, `dispatch`, `grouped`.
 
+use flashcomm_comm::{Request, Stream};
+use flashcomm_config::Config;
 use flashcomm_nccl_sys::{cudaStream_t, ncclCollConfig_t, ncclResult_t};
 
 use crate::args::{self, Args, Checked};
@@ -24,8 +27,10 @@ pub(crate) struct Extra {
     pub(crate) config: *const ncclCollConfig_t,
 }
 
-/// Runs one collective export. `forward` calls the real library with the caller's arguments.
+/// Runs one collective export. `forward` calls the real library with the caller's arguments;
+/// `config` is the configuration the boundary read for this call.
 pub(crate) fn collective(
+    config: &Config,
     a: Args,
     extra: Extra,
     forward: impl FnOnce() -> Result<ncclResult_t, Error>,
@@ -47,21 +52,20 @@ pub(crate) fn collective(
     };
     let call = CollCall {
         api: a.api,
-        kind: a.kind,
+        // flashcomm's request, typed here once (its buffers get their sizes in `serve`).
+        req: Request {
+            stream: Stream(extra.stream.cast()),
+            ..Request::shaped(a.kind, a.count as u64, dtype, elem)
+        },
         sendbuff: a.sendbuff,
         recvbuff: a.recvbuff,
-        count: a.count,
         datatype: a.datatype,
         op: a.op,
         comm: a.comm,
-        stream: extra.stream,
         config: extra.config,
         bytes,
-        elem,
-        dtype,
         root_or_peer: extra.root_or_peer,
     };
-    let config = &crate::init::state().config;
     if checked == Checked::Forward {
         // Not a call flashcomm routes: the real library answers it, as it would without us
         // (after the calls a group held back: NCCL receives the group as written).

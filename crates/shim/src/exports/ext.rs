@@ -104,7 +104,7 @@ pub struct flashcommStats_t {
 /// `version` is NULL or points to writable memory for one `int`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn flashcommGetVersion(version: *mut c_int) -> ncclResult_t {
-    guard("flashcommGetVersion", || {
+    guard("flashcommGetVersion", |_| {
         if version.is_null() {
             return Error::invalid_argument(Subsys::Call, "flashcommGetVersion: version is NULL")
                 .report();
@@ -126,7 +126,7 @@ pub unsafe extern "C" fn flashcommGetStats(
     comm: ncclComm_t,
     stats: *mut flashcommStats_t,
 ) -> ncclResult_t {
-    guard("flashcommGetStats", || {
+    guard("flashcommGetStats", |_| {
         if stats.is_null() {
             return Error::invalid_argument(Subsys::Call, "flashcommGetStats: stats is NULL")
                 .report();
@@ -167,7 +167,7 @@ pub unsafe extern "C" fn flashcommGetStats(
 /// `buf` is NULL or points to `len` writable bytes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn flashcommGetConfigString(buf: *mut c_char, len: usize) -> ncclResult_t {
-    guard("flashcommGetConfigString", || {
+    guard("flashcommGetConfigString", |_| {
         let text = crate::init::state().config.describe();
         let need = text.len() + 1;
         if buf.is_null() || len == 0 {
@@ -332,7 +332,7 @@ pub unsafe extern "C" fn flashcommCommSetQuant(
     comm: ncclComm_t,
     config: *const flashcommQuantConfig_t,
 ) -> ncclResult_t {
-    guard("flashcommCommSetQuant", || {
+    guard("flashcommCommSetQuant", |_| {
         let state = match known_comm("flashcommCommSetQuant", comm) {
             Ok(s) => s,
             Err(r) => return r,
@@ -375,7 +375,7 @@ pub unsafe extern "C" fn flashcommCommGetQuant(
     comm: ncclComm_t,
     config: *mut flashcommQuantConfig_t,
 ) -> ncclResult_t {
-    guard("flashcommCommGetQuant", || {
+    guard("flashcommCommGetQuant", |_| {
         if config.is_null() {
             return Error::invalid_argument(Subsys::Call, "flashcommCommGetQuant: config is NULL")
                 .report();
@@ -435,7 +435,7 @@ pub unsafe extern "C" fn flashcommCommGetInfo(
     comm: ncclComm_t,
     info: *mut flashcommCommInfo_t,
 ) -> ncclResult_t {
-    guard("flashcommCommGetInfo", || {
+    guard("flashcommCommGetInfo", |_| {
         if info.is_null() {
             return Error::invalid_argument(Subsys::Call, "flashcommCommGetInfo: info is NULL")
                 .report();
