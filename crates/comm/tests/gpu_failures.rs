@@ -423,7 +423,10 @@ fn abort_and_destroy_return_while_other_device_work_is_stuck() {
     let _ctx = v.activate().unwrap();
     // Two streams: each rank of a pair on its own (the verifier has one stream; on one stream,
     // rank 0's kernel would wait for rank 1's, queued behind it, for ever).
-    let (s1, s2) = (v.stream().unwrap(), flashcomm_comm::Stream::create().unwrap());
+    let (s1, s2) = (
+        v.stream().unwrap(),
+        flashcomm_comm::Stream::create().unwrap(),
+    );
     let buf = v.alloc(1 << 16).unwrap();
     let buf2 = v.alloc(1 << 16).unwrap();
     // Used once, completed: our communicator is idle.

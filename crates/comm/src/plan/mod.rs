@@ -10,6 +10,7 @@
 use crate::error::Error;
 
 mod arena;
+pub mod copy;
 mod cost;
 mod select;
 
