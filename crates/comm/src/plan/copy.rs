@@ -396,5 +396,109 @@ pub fn schedule(geom: &CopyGeom) -> Vec<(Lane, Op)> {
     ops
 }
 
+/// Bytes of the flag block at the start of a rank's copy area (its `nranks + 1` flag words, one
+/// 256-byte block so the staging after it stays aligned).
+pub const FLAG_BLOCK_BYTES: usize = 256;
+
+impl Flag {
+    /// Where the word lives: the rank whose copy area holds it (its only writer) and the word's
+    /// index in that area's flag block.
+    pub fn home(self, nranks: usize) -> (usize, usize) {
+        match self {
+            Flag::Rs { from, to } => (from, to),
+            Flag::Ag { from } => (from, nranks),
+        }
+    }
+}
+
+/// Bytes of a rank's copy area in its host segment: the flag block, then the staging.
+pub fn copy_area_bytes(geom: &CopyGeom) -> usize {
+    FLAG_BLOCK_BYTES + geom.stage_bytes()
+}
+
+/// Device addresses one rank's call runs on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CopyAddrs {
+    /// The user's input.
+    pub input: u64,
+    /// The user's output (the input's address when in place).
+    pub output: u64,
+    /// This rank's gather buffer ([`CopyGeom::gather_bytes`], device memory).
+    pub gather: u64,
+    /// Every rank's copy area as this rank's device addresses it ([`copy_area_bytes`] each).
+    pub areas: Vec<u64>,
+}
+
+impl CopyAddrs {
+    /// The device address of a span's first byte.
+    pub fn span(&self, s: Span) -> u64 {
+        let base = match s.mem {
+            Mem::Input => self.input,
+            Mem::Output => self.output,
+            Mem::Gather => self.gather,
+            Mem::Stage { owner } => self.areas[owner] + FLAG_BLOCK_BYTES as u64,
+        };
+        base + s.offset as u64
+    }
+
+    /// The device address of a flag word.
+    pub fn flag(&self, f: Flag) -> u64 {
+        let (owner, word) = f.home(self.areas.len());
+        self.areas[owner] + 4 * word as u64
+    }
+}
+
+/// What executes a schedule's operations: the CUDA driver on two streams, or a test's model.
+pub trait Engine {
+    /// The engine's error.
+    type Error;
+    /// Copies `bytes` bytes from `src` to `dst` on `lane`.
+    fn copy(&mut self, lane: Lane, dst: u64, src: u64, bytes: usize) -> Result<(), Self::Error>;
+    /// Waits on `lane` until the word at `addr` reaches `value` ([`flag_reached`]).
+    fn wait(&mut self, lane: Lane, addr: u64, value: u32) -> Result<(), Self::Error>;
+    /// Fences what `lane` wrote, then writes `value` to the word at `addr`.
+    fn signal(&mut self, lane: Lane, addr: u64, value: u32) -> Result<(), Self::Error>;
+    /// Records event `event` on `lane`.
+    fn record(&mut self, lane: Lane, event: usize) -> Result<(), Self::Error>;
+    /// Makes `lane` wait for the latest record of `event`.
+    fn wait_event(&mut self, lane: Lane, event: usize) -> Result<(), Self::Error>;
+    /// Sums `elems` elements of `srcs` (one address per rank, in rank order) into `dst`.
+    fn reduce(
+        &mut self,
+        lane: Lane,
+        srcs: &[u64],
+        dst: u64,
+        elems: usize,
+    ) -> Result<(), Self::Error>;
+}
+
+/// Enqueues `ops` (one rank's [`schedule`]) on `engine` at the addresses of `addrs`, in order.
+/// Empty copies and reductions of no element are skipped; their signals are not.
+pub fn execute<E: Engine>(
+    ops: &[(Lane, Op)],
+    addrs: &CopyAddrs,
+    engine: &mut E,
+) -> Result<(), E::Error> {
+    for (lane, op) in ops {
+        let lane = *lane;
+        match op {
+            Op::Copy { src, dst } if src.len > 0 => {
+                engine.copy(lane, addrs.span(*dst), addrs.span(*src), src.len)?
+            }
+            Op::Copy { .. } => {}
+            Op::Wait { flag, value } => engine.wait(lane, addrs.flag(*flag), *value)?,
+            Op::Signal { flag, value } => engine.signal(lane, addrs.flag(*flag), *value)?,
+            Op::Record { event } => engine.record(lane, *event)?,
+            Op::WaitEvent { event } => engine.wait_event(lane, *event)?,
+            Op::Reduce { srcs, dst, elems } if *elems > 0 => {
+                let srcs: Vec<u64> = srcs.iter().map(|s| addrs.span(*s)).collect();
+                engine.reduce(lane, &srcs, addrs.span(*dst), *elems)?
+            }
+            Op::Reduce { .. } => {}
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod sim;
