@@ -746,3 +746,30 @@ fn executed_at_addresses_is_exact() {
         }
     }
 }
+
+/// Each byte crosses the link once each way it must: a rank copies `S` bytes to host memory (its
+/// input's chunks for their owners, then its reduced chunk) and `2 (N - 1) S / N` back (its
+/// shard from each peer, each peer's reduced chunk).
+#[test]
+fn bytes_cross_the_link_once() {
+    for n in [2, 3, 4, 8] {
+        for count in [1, 1000, 4096 * n + 5] {
+            for r in 0..n {
+                let g = CopyGeom::new(n, r, 2, count, 512, 0);
+                let (mut d2h, mut h2d) = (0, 0);
+                for (_, op) in schedule(&g) {
+                    if let Op::Copy { src, dst } = op {
+                        match (src.mem, dst.mem) {
+                            (_, Mem::Stage { .. }) => d2h += src.len,
+                            (Mem::Stage { .. }, _) => h2d += src.len,
+                            _ => panic!("a copy that does not cross the link"),
+                        }
+                    }
+                }
+                assert_eq!(d2h, count * 2, "n={n} r={r} count={count}");
+                let own: usize = (0..g.pieces()).map(|p| g.chunk(p, r).1).sum();
+                assert_eq!(h2d, (n - 1) * own * 2 + (count - own) * 2, "n={n} r={r}");
+            }
+        }
+    }
+}
