@@ -13,8 +13,10 @@ pub use flashcomm_gpu::{
     mem_info, remove_stale_segments,
 };
 
+use flashcomm_kernels::Kernel;
+/// The kernels of one context (the copy-engine schedule's reduction takes them).
+pub use flashcomm_kernels::Kernels;
 use flashcomm_kernels::abi::{self, KernelParams};
-use flashcomm_kernels::{Kernel, Kernels};
 
 /// Launches catalogue kernel `k` (its parameter type is tied to it, so the layout is right by
 /// construction); with `overlapped`, with programmatic stream serialization, which only the
@@ -171,4 +173,42 @@ impl crate::plan::copy::Engine for CopyStreams {
         let s = self.stream(lane);
         (self.reduce)(s, srcs, dst, elems)
     }
+}
+
+/// The product's reduction for [`CopyStreams`]: a closure that launches `fc_copy_reduce_<dtype>`
+/// (f32 in rank order, rounded once: the bits of every reducing kernel) on the stream it is given.
+/// `max_grid` caps the blocks of a launch (256 threads each, about four elements per thread).
+///
+/// # Safety
+/// The closure must be called only with addresses that hold `elems` elements of `dtype` in the
+/// context of `kernels`, stay valid until the kernel has finished, and number at most
+/// `abi::MAX_RANKS` sources: as [`CopyStreams`] calls it under the contract of
+/// [`CopyStreams::new`].
+pub unsafe fn copy_reduce_launcher(
+    kernels: std::sync::Arc<Kernels>,
+    dtype: crate::DataType,
+    max_grid: u32,
+) -> Box<CopyReduce> {
+    Box::new(move |stream, srcs, dst, elems| {
+        if srcs.is_empty() || srcs.len() > abi::MAX_RANKS {
+            return Err(crate::Error::Internal(format!(
+                "a reduction of {} sources",
+                srcs.len()
+            )));
+        }
+        let mut p = abi::FcReduceParams {
+            dst,
+            elems: elems as u64,
+            nsrc: srcs.len() as u32,
+            ..Default::default()
+        };
+        p.src[..srcs.len()].copy_from_slice(srcs);
+        let grid = (elems.div_ceil(256 * 4) as u64).clamp(1, max_grid.max(1) as u64) as u32;
+        let cfg = LaunchConfig {
+            grid,
+            block: 256,
+            smem: 0,
+        };
+        launch(&kernels, Kernel::copy_reduce(dtype), cfg, stream, &p, false)
+    })
 }

@@ -6,9 +6,9 @@
 //! memory operations can be captured into a graph (printed; the schedule runs outside captures).
 //!
 //! The schedule is not in the call path yet (`FLASHCOMM_HOST_COPY` does nothing): these tests
-//! drive it directly, with the verification kernels' reduction (`fc_test_sum`, f32 in rank order,
-//! rounded once) in place of the product's. Inputs are the verification kernels' integer values,
-//! so sums are exact in every type.
+//! drive it directly, with the product's reduction (`fc_copy_reduce_<type>`) or the verification
+//! kernels' (`fc_test_sum`, the same arithmetic). Inputs are the verification kernels' integer
+//! values, so sums are exact in every type.
 //!
 //! Run with `cargo test -p flashcomm-comm --features gpu --test gpu_copy` on a machine with a
 //! CUDA device.
@@ -21,7 +21,10 @@ use std::time::{Duration, Instant};
 
 use common::test_device;
 use flashcomm_comm::Collective;
-use flashcomm_comm::gpu::{CopyStreams, Device, DeviceMem, DevicePtr, Event, HostMapped, Stream};
+use flashcomm_comm::gpu::{
+    CopyReduce, CopyStreams, Device, DeviceMem, DevicePtr, Event, HostMapped, Kernels, Stream,
+    copy_reduce_launcher,
+};
 use flashcomm_comm::plan::copy::{
     CopyAddrs, CopyGeom, copy_area_bytes, event_count, execute, schedule, waited_flags,
 };
@@ -85,8 +88,18 @@ struct CopyRank {
     addrs: CopyAddrs,
 }
 
+/// Which reduction the engine launches.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Sum {
+    /// The product's `fc_copy_reduce_<type>` (`copy_reduce_launcher`).
+    Product,
+    /// The verification kernels' `fc_test_sum`.
+    Test,
+}
+
 /// Builds `n` ranks on one GPU for calls of up to `count` elements of `ty` with pieces of
 /// `piece_bytes`; the copy areas are `areas` (one host-mapped allocation per rank).
+#[allow(clippy::too_many_arguments)]
 fn ranks(
     dev: &Arc<Device>,
     v: &Arc<Verifier>,
@@ -95,6 +108,7 @@ fn ranks(
     piece_bytes: usize,
     ty: TestType,
     in_place: bool,
+    sum: Sum,
 ) -> Vec<CopyRank> {
     let n = areas.len();
     let eb = ty.bytes() as usize;
@@ -105,7 +119,7 @@ fn ranks(
             let output = (!in_place).then(|| DeviceMem::alloc_zeroed(dev, count * eb).unwrap());
             let gather = DeviceMem::alloc_zeroed(dev, geom.gather_bytes()).unwrap();
             let vv = Arc::clone(v);
-            let reduce = Box::new(
+            let test_reduce = Box::new(
                 move |s: Stream,
                       srcs: &[u64],
                       dst: u64,
@@ -123,6 +137,18 @@ fn ranks(
                     vv.sum(&ptrs, d, elems as u64, ty, s)
                 },
             );
+            let reduce: Box<CopyReduce> = match sum {
+                Sum::Test => test_reduce,
+                // SAFETY: called by the engine only, with the addresses of this test's
+                // allocations (see below), at most 8 sources.
+                Sum::Product => unsafe {
+                    copy_reduce_launcher(
+                        Kernels::for_context(dev.context()).expect("the product's kernels"),
+                        ty.dtype().expect("a reducing type"),
+                        1024,
+                    )
+                },
+            };
             // SAFETY: the addresses handed to the engine are this test's allocations (inputs,
             // outputs, gather buffers, the host-mapped copy areas), alive until its streams
             // drain; flag words are 4-byte aligned (the areas start 4 KiB aligned).
@@ -144,7 +170,7 @@ fn ranks(
         .collect()
 }
 
-fn exact(n: usize, ty: TestType, in_place: bool) {
+fn exact(n: usize, ty: TestType, in_place: bool, sum: Sum) {
     let dev = Device::open(test_device(0)).unwrap();
     let _ctx = dev.activate().unwrap();
     let v = Arc::new(Verifier::new(test_device(0)).unwrap());
@@ -157,7 +183,7 @@ fn exact(n: usize, ty: TestType, in_place: bool) {
     let areas: Vec<HostMapped> = (0..n)
         .map(|_| HostMapped::alloc(area_bytes).unwrap())
         .collect();
-    let mut rs = ranks(&dev, &v, &areas, max, piece_bytes, ty, in_place);
+    let mut rs = ranks(&dev, &v, &areas, max, piece_bytes, ty, in_place, sum);
     let main = Stream::create().unwrap();
     let (start, end_push, end_pull) = (
         Event::new(false).unwrap(),
@@ -227,14 +253,16 @@ fn exact(n: usize, ty: TestType, in_place: bool) {
 
 #[test]
 fn schedule_exact_two_ranks() {
-    exact(2, TestType::Bf16, false);
-    exact(2, TestType::F32, true);
+    exact(2, TestType::Bf16, false, Sum::Test);
+    exact(2, TestType::F32, true, Sum::Product);
+    exact(2, TestType::Bf16, true, Sum::Product);
 }
 
 #[test]
 fn schedule_exact_four_ranks() {
-    exact(4, TestType::F16, false);
-    exact(4, TestType::Bf16, true);
+    exact(4, TestType::F16, false, Sum::Product);
+    exact(4, TestType::Bf16, true, Sum::Product);
+    exact(4, TestType::F32, false, Sum::Test);
 }
 
 /// A call whose peer never comes: its streams wait until the watchdog writes its flags.
@@ -279,7 +307,16 @@ fn a_missing_rank_ends_by_timeout_without_a_hang() {
     let areas: Vec<HostMapped> = (0..n)
         .map(|_| HostMapped::alloc(area_bytes).unwrap())
         .collect();
-    let mut rs = ranks(&dev, &v, &areas, count, piece, TestType::Bf16, false);
+    let mut rs = ranks(
+        &dev,
+        &v,
+        &areas,
+        count,
+        piece,
+        TestType::Bf16,
+        false,
+        Sum::Product,
+    );
     // Only rank 0 runs; rank 1 never comes.
     let geom = CopyGeom::new(n, 0, 2, count, piece, 0);
     let r0 = &mut rs[0];
