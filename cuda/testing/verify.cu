@@ -179,3 +179,36 @@ extern "C" __global__ void fc_test_wait_count(const __grid_constant__ FcTestWait
   out[5] = fc::next_epoch(0xfffffffdu);
   out[6] = fc::next_epoch(0u);
 }
+
+// The reduction of the copy-engine schedule's GPU tests (crates/comm/tests/gpu_copy.rs): dst[i] =
+// src[0][i] + src[1][i] + ... in f32, in rank order, rounded once to the element type (the order of
+// docs/protocols.md "Reduction order"). dst may be one of the sources (each element is read from
+// every source before it is written).
+struct FcTestSum {
+  uint64_t src[8];
+  uint64_t dst;
+  uint64_t n;  // elements
+  uint32_t nsrc;
+  uint32_t dtype;
+};
+static_assert(sizeof(FcTestSum) == 88, "FcTestSum layout");
+
+__device__ __forceinline__ float fc_test_load(uint64_t base, uint64_t i, uint32_t dtype) {
+  switch (dtype) {
+    case FC_TEST_F32: return reinterpret_cast<const float*>(base)[i];
+    case FC_TEST_F16: return __half2float(reinterpret_cast<const __half*>(base)[i]);
+    default: return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[i]);
+  }
+}
+
+extern "C" __global__ void fc_test_sum(const __grid_constant__ FcTestSum p) {
+  for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < p.n; i += (uint64_t)gridDim.x * blockDim.x) {
+    float acc = fc_test_load(p.src[0], i, p.dtype);
+    for (uint32_t s = 1; s < p.nsrc && s < 8; ++s) acc = __fadd_rn(acc, fc_test_load(p.src[s], i, p.dtype));
+    switch (p.dtype) {
+      case FC_TEST_F32: reinterpret_cast<float*>(p.dst)[i] = acc; break;
+      case FC_TEST_F16: reinterpret_cast<__half*>(p.dst)[i] = __float2half_rn(acc); break;
+      default: reinterpret_cast<__nv_bfloat16*>(p.dst)[i] = __float2bfloat16_rn(acc); break;
+    }
+  }
+}

@@ -40,7 +40,7 @@ pub use format::{
 };
 pub use half::{bf16, f16};
 pub use tables::{ErrorRow, effective_bits_markdown, error_rows, error_table_markdown};
-pub use words::{Algorithm, Choice, Keyword, Protocol, QuantChoice, Transport};
+pub use words::{Algorithm, Choice, HostCopy, Keyword, Protocol, QuantChoice, Transport};
 
 /// The version of the wire format this crate specifies (`docs/codec.md`, "wire format, version
 /// 1"). Ranks compare it at set-up: a rank that encodes another version never decodes with this

@@ -190,6 +190,37 @@ impl QuantChoice {
     }
 }
 
+/// Whether the lossless AllReduce on the host transport moves its bytes with the copy engines
+/// (`FLASHCOMM_HOST_COPY`, docs/protocols.md "The copy-engine schedule").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum HostCopy {
+    /// Never: the kernels move the bytes (the default until the GPU shows the schedule).
+    #[default]
+    Off,
+    /// Every lossless AllReduce the host transport serves eagerly.
+    On,
+    /// Where set-up measures it faster (not measured yet: the same as `off`).
+    Auto,
+}
+
+impl HostCopy {
+    /// The spelling in settings (`off`, `on`, `auto`).
+    pub fn name(self) -> &'static str {
+        match self {
+            HostCopy::Off => "off",
+            HostCopy::On => "on",
+            HostCopy::Auto => "auto",
+        }
+    }
+}
+
+impl Keyword for HostCopy {
+    const KEYWORDS: &'static [Self] = &[HostCopy::Off, HostCopy::On, HostCopy::Auto];
+    fn keyword(self) -> &'static str {
+        self.name()
+    }
+}
+
 impl Keyword for Protocol {
     const KEYWORDS: &'static [Self] = &Protocol::ALL;
     fn keyword(self) -> &'static str {
@@ -236,6 +267,10 @@ mod tests {
             Some(Choice::Auto)
         );
         assert_eq!(Choice::<Algorithm>::from_keyword("threeshot"), None);
+        for h in HostCopy::KEYWORDS {
+            assert_eq!(HostCopy::from_keyword(h.name()), Some(*h));
+        }
+        assert_eq!(HostCopy::from_keyword("maybe"), None);
         assert_eq!(Choice::Force(Transport::Host).to_string(), "host");
         assert_eq!(
             QuantChoice::from_keyword("always"),

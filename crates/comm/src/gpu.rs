@@ -1,7 +1,8 @@
 //! The driver layer (`flashcomm-gpu`) as the communicator uses it, and its launch paths.
 //!
-//! The only module of the crate with `unsafe` code: the launch below, and the write of a rank's
-//! epoch words that tests use to cross the epoch's wrap-around.
+//! The only module of the crate with `unsafe` code: the launch below, the write of a rank's
+//! epoch words that tests use to cross the epoch's wrap-around, and the copy-engine schedule's
+//! engine ([`CopyStreams`]).
 #![allow(unsafe_code)]
 
 /// The driver layer's error (the communicator's own [`crate::Error`] converts from it).
@@ -12,8 +13,10 @@ pub use flashcomm_gpu::{
     mem_info, remove_stale_segments,
 };
 
+use flashcomm_kernels::Kernel;
+/// The kernels of one context (the copy-engine schedule's reduction takes them).
+pub use flashcomm_kernels::Kernels;
 use flashcomm_kernels::abi::{self, KernelParams};
-use flashcomm_kernels::{Kernel, Kernels};
 
 /// Launches catalogue kernel `k` (its parameter type is tied to it, so the layout is right by
 /// construction); with `overlapped`, with programmatic stream serialization, which only the
@@ -64,4 +67,148 @@ pub(crate) fn write_epoch_words(
     dst.copy_from(tmp.as_ptr(), bytes.len() as u64, stream)?;
     stream.synchronize()?;
     Ok(())
+}
+
+/// The reduction of the copy-engine schedule: sums `elems` elements of the sources (one device
+/// address per rank, in rank order) into the destination, enqueued on the stream given.
+pub type CopyReduce = dyn FnMut(Stream, &[u64], u64, usize) -> Result<(), crate::Error> + Send;
+
+/// The copy-engine schedule's engine on the CUDA driver ([`crate::plan::copy::execute`]): a push
+/// and a pull stream, the schedule's events, and the reduction to launch. The streams are
+/// non-blocking streams of the context current when it was made (never destroyed, like every
+/// stream of [`Stream::create`]: one pair per communicator that uses the schedule); the events are
+/// reused call after call (every wait is enqueued before the next record of its event).
+pub struct CopyStreams {
+    /// The push stream (device-to-host copies and their signals).
+    pub push: Stream,
+    /// The pull stream (waits, host-to-device copies, the reduction).
+    pub pull: Stream,
+    events: Vec<Event>,
+    reduce: Box<CopyReduce>,
+}
+
+impl CopyStreams {
+    /// Two new streams and `events` events in the current context.
+    ///
+    /// # Safety
+    /// Every address later handed to the engine (by [`crate::plan::copy::execute`], from a
+    /// [`crate::plan::copy::CopyAddrs`]) must be mapped into this context, hold the bytes the
+    /// operation touches, and stay valid until the streams have finished the operation; the flag
+    /// words must be 4-byte aligned. The reduction must uphold the same for its operands.
+    pub unsafe fn new(events: usize, reduce: Box<CopyReduce>) -> Result<CopyStreams, crate::Error> {
+        let events = (0..events)
+            .map(|_| Event::new(false))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(CopyStreams {
+            push: Stream::create()?,
+            pull: Stream::create()?,
+            events,
+            reduce,
+        })
+    }
+
+    fn stream(&self, lane: crate::plan::copy::Lane) -> Stream {
+        match lane {
+            crate::plan::copy::Lane::Push => self.push,
+            crate::plan::copy::Lane::Pull => self.pull,
+        }
+    }
+}
+
+impl crate::plan::copy::Engine for CopyStreams {
+    type Error = crate::Error;
+
+    fn copy(
+        &mut self,
+        lane: crate::plan::copy::Lane,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    ) -> Result<(), crate::Error> {
+        // SAFETY: the addresses come from the CopyAddrs that `new`'s caller vouched for.
+        unsafe { self.stream(lane).copy_async(dst, src, bytes) }.map_err(crate::Error::from)
+    }
+
+    fn wait(
+        &mut self,
+        lane: crate::plan::copy::Lane,
+        addr: u64,
+        value: u32,
+    ) -> Result<(), crate::Error> {
+        // SAFETY: as above; a flag word of a copy area (aligned, mapped).
+        unsafe { self.stream(lane).wait_value32(addr, value) }.map_err(crate::Error::from)
+    }
+
+    fn signal(
+        &mut self,
+        lane: crate::plan::copy::Lane,
+        addr: u64,
+        value: u32,
+    ) -> Result<(), crate::Error> {
+        // SAFETY: as above; a flag word of this rank's own copy area (its only writer).
+        unsafe { self.stream(lane).write_value32(addr, value) }.map_err(crate::Error::from)
+    }
+
+    fn record(&mut self, lane: crate::plan::copy::Lane, event: usize) -> Result<(), crate::Error> {
+        let s = self.stream(lane);
+        self.events[event].record(s).map_err(crate::Error::from)
+    }
+
+    fn wait_event(
+        &mut self,
+        lane: crate::plan::copy::Lane,
+        event: usize,
+    ) -> Result<(), crate::Error> {
+        let s = self.stream(lane);
+        self.events[event].wait_on(s).map_err(crate::Error::from)
+    }
+
+    fn reduce(
+        &mut self,
+        lane: crate::plan::copy::Lane,
+        srcs: &[u64],
+        dst: u64,
+        elems: usize,
+    ) -> Result<(), crate::Error> {
+        let s = self.stream(lane);
+        (self.reduce)(s, srcs, dst, elems)
+    }
+}
+
+/// The product's reduction for [`CopyStreams`]: a closure that launches `fc_copy_reduce_<dtype>`
+/// (f32 in rank order, rounded once: the bits of every reducing kernel) on the stream it is given.
+/// `max_grid` caps the blocks of a launch (256 threads each, about four elements per thread).
+///
+/// # Safety
+/// The closure must be called only with addresses that hold `elems` elements of `dtype` in the
+/// context of `kernels`, stay valid until the kernel has finished, and number at most
+/// `abi::MAX_RANKS` sources: as [`CopyStreams`] calls it under the contract of
+/// [`CopyStreams::new`].
+pub unsafe fn copy_reduce_launcher(
+    kernels: std::sync::Arc<Kernels>,
+    dtype: crate::DataType,
+    max_grid: u32,
+) -> Box<CopyReduce> {
+    Box::new(move |stream, srcs, dst, elems| {
+        if srcs.is_empty() || srcs.len() > abi::MAX_RANKS {
+            return Err(crate::Error::Internal(format!(
+                "a reduction of {} sources",
+                srcs.len()
+            )));
+        }
+        let mut p = abi::FcReduceParams {
+            dst,
+            elems: elems as u64,
+            nsrc: srcs.len() as u32,
+            ..Default::default()
+        };
+        p.src[..srcs.len()].copy_from_slice(srcs);
+        let grid = (elems.div_ceil(256 * 4) as u64).clamp(1, max_grid.max(1) as u64) as u32;
+        let cfg = LaunchConfig {
+            grid,
+            block: 256,
+            smem: 0,
+        };
+        launch(&kernels, Kernel::copy_reduce(dtype), cfg, stream, &p, false)
+    })
 }

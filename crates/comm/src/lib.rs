@@ -24,6 +24,7 @@ pub mod plan;
 mod release;
 pub mod request;
 mod transport;
+pub mod watch;
 
 pub use bootstrap::{Agreement, Bootstrap, ThreadBootstrap, ThreadGroup};
 pub use comm::{CommConfig, Communicator, Foreign};

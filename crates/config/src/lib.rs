@@ -23,8 +23,8 @@ pub use flashcomm_codec::{Collective, DType};
 pub use quant::QuantSettings;
 pub use values::{
     Algorithm, Bounded, Bytes, Choice, DebugLevel, Fault, FaultPoint, Faults, FunctionName, GIB,
-    KIB, Keyword, LibPath, MIB, OneOf, Protocol, QuantBits, QuantChoice, Set, Subsystems, Text,
-    Transport, Value,
+    HostCopy, KIB, Keyword, LibPath, MIB, OneOf, Protocol, QuantBits, QuantChoice, Set, Subsystems,
+    Text, Transport, Value,
 };
 
 /// The largest `FLASHCOMM_TIMEOUT_MS`: its nanoseconds still fit in the 64-bit timeout the
@@ -159,6 +159,19 @@ variables! {
         name: "FLASHCOMM_TRANSPORT",
         kind: "keyword",
         allowed: "`auto`, `p2p`, `host`",
+        strict: true,
+    }
+    /// Whether the lossless AllReduce on the host transport moves its bytes with the copy engines
+    /// (device-to-host and host-to-device copies synchronized by flags in host memory, docs/protocols.md
+    /// "The copy-engine schedule") instead of kernels that store to and load from host memory.
+    /// `on`: every such call made outside a graph capture; `auto`: where set-up measures it
+    /// faster; `off` (the default until the GPU has shown it): never. The schedule is planned
+    /// and checked on the CPU but not yet driven on the GPU, so for now every value runs the
+    /// kernels. Agreed by every rank like every `FLASHCOMM_*` setting.
+    host_copy: HostCopy = HostCopy::Off => {
+        name: "FLASHCOMM_HOST_COPY",
+        kind: "keyword",
+        allowed: "`off`, `on`, `auto`",
         strict: true,
     }
     /// All-reduce algorithm: chosen per call, or forced.

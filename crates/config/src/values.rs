@@ -322,7 +322,7 @@ macro_rules! keyword_enum {
 
 /// The words of a call's route (protocol, algorithm, transport, quantization choice, a forced or
 /// automatic choice): declared once in the codec crate; the configuration parses into them.
-pub use flashcomm_codec::{Algorithm, Choice, Keyword, Protocol, QuantChoice, Transport};
+pub use flashcomm_codec::{Algorithm, Choice, HostCopy, Keyword, Protocol, QuantChoice, Transport};
 
 /// `auto`, or one of `T`'s keywords.
 impl<T: Keyword> Value for Choice<T> {
@@ -337,6 +337,15 @@ impl<T: Keyword> Value for Choice<T> {
 impl Value for QuantChoice {
     fn parse(raw: &str) -> Result<Self, Option<String>> {
         QuantChoice::from_keyword(raw).ok_or(None)
+    }
+    fn show(&self) -> String {
+        self.name().to_string()
+    }
+}
+
+impl Value for HostCopy {
+    fn parse(raw: &str) -> Result<Self, Option<String>> {
+        HostCopy::from_keyword(raw).ok_or(None)
     }
     fn show(&self) -> String {
         self.name().to_string()

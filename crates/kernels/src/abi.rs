@@ -187,6 +187,24 @@ pub struct FcProbeParams {
     pub pad: u32,
 }
 
+/// Parameters of the copy-engine schedule's reduction (`fc_copy_reduce_<type>`, docs/protocols.md
+/// "The copy-engine schedule"): `dst[i] = src[0][i] + ... + src[nsrc - 1][i]`, in f32 in rank
+/// order, rounded once (the order of every reducing kernel). `dst` may be one of the sources.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FcReduceParams {
+    /// One device address per rank, in rank order.
+    pub src: [u64; MAX_RANKS],
+    /// Where the sums go.
+    pub dst: u64,
+    /// Elements.
+    pub elems: u64,
+    /// Sources used (the communicator's ranks, at most `MAX_RANKS`).
+    pub nsrc: u32,
+    /// Padding.
+    pub pad: u32,
+}
+
 const _: () = {
     use std::mem::{offset_of, size_of};
     assert!(size_of::<FcStatus>() == 32);
@@ -199,6 +217,9 @@ const _: () = {
     assert!(offset_of!(FcCollParams, area_offset) == 208);
     assert!(offset_of!(FcCollParams, own_slots) == 216);
     assert!(size_of::<FcProbeParams>() == 80);
+    assert!(size_of::<FcReduceParams>() == 88);
+    assert!(offset_of!(FcReduceParams, dst) == 64);
+    assert!(offset_of!(FcReduceParams, nsrc) == 80);
     assert!(
         PULL_FLAG_BYTES
             == 2 * PULL_STAGES as u64 * PULL_MAX_BLOCKS as u64 * MAX_RANKS as u64 * LL_LINE
@@ -210,11 +231,13 @@ const _: () = {
 pub trait KernelParams: Copy + sealed::Sealed {}
 impl KernelParams for FcCollParams {}
 impl KernelParams for FcProbeParams {}
+impl KernelParams for FcReduceParams {}
 
 mod sealed {
     pub trait Sealed {}
     impl Sealed for super::FcCollParams {}
     impl Sealed for super::FcProbeParams {}
+    impl Sealed for super::FcReduceParams {}
 }
 
 #[cfg(test)]

@@ -60,8 +60,10 @@ const A2A: usize = Q2 + QUANT_DTYPES.len() * QUANT_TWOSTEP_BITS.len();
 /// Index of the quantized AllGather, AllToAll and ReduceScatter kernels (collective x type x
 /// width).
 const QOPS: usize = A2A + 2;
+/// Index of the copy-engine schedule's reductions (type).
+const CRED: usize = QOPS + QuantOp::ALL.len() * QUANT_DTYPES.len() * QUANT_OP_BITS.len();
 /// Number of kernels in the table.
-pub const COUNT: usize = QOPS + QuantOp::ALL.len() * QUANT_DTYPES.len() * QUANT_OP_BITS.len();
+pub const COUNT: usize = CRED + DTYPES.len();
 
 /// Widths of the quantized AllGather, AllToAll and ReduceScatter (one kernel each per type).
 pub const QUANT_OP_BITS: [u8; 7] = [2, 3, 4, 5, 6, 7, 8];
@@ -140,6 +142,11 @@ pub const fn alltoall(proto: Protocol) -> Option<usize> {
         Some(p) => Some(A2A + p),
         None => None,
     }
+}
+
+/// Table index of the copy-engine schedule's reduction of type `t` (`fc_copy_reduce_<t>`).
+pub const fn copy_reduce(t: DType) -> usize {
+    CRED + t.code() as usize
 }
 
 /// Table index of the set-up probe (`fc_probe_write`).
@@ -236,7 +243,7 @@ pub fn name(index: usize, out: &mut String) {
             write!(out, "fc_allreduce_q2_block_{}_r{rs}_a{ag}", t.suffix())
         }
         i if i < QOPS => write!(out, "fc_alltoall_{}", Protocol::PUSH[i - A2A].name()),
-        i if i < COUNT => {
+        i if i < CRED => {
             let r = i - QOPS;
             let per_op = QUANT_DTYPES.len() * QUANT_OP_BITS.len();
             let op = QuantOp::ALL[r / per_op];
@@ -244,6 +251,7 @@ pub fn name(index: usize, out: &mut String) {
             let b = QUANT_OP_BITS[r % QUANT_OP_BITS.len()];
             write!(out, "fc_{}_q_block_{}_b{b}", op.name(), t.suffix())
         }
+        i if i < COUNT => write!(out, "fc_copy_reduce_{}", DTYPES[i - CRED].suffix()),
         _ => write!(out, "fc_invalid_{index}"),
     };
 }
@@ -301,6 +309,7 @@ mod tests {
         }
         seen[probe()] += 1;
         for t in DTYPES {
+            seen[copy_reduce(t)] += 1;
             for b in 0..=10 {
                 if let Some(i) = quant_oneshot(t, b) {
                     seen[i] += 1;

@@ -57,6 +57,7 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
         algo: s.algo,
         proto: s.proto,
         transport: s.transport,
+        host_copy: s.host_copy,
         calibrate: true,
         quant_calibrate: policy::allreduce_quant_spec(config).into_iter().collect(),
         quant_choice: s.quant_choice,

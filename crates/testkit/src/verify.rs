@@ -101,7 +101,19 @@ struct FcTestWaitCount {
     out: u64,
 }
 
+/// `fc_test_sum`: the copy-engine schedule's reduction in the GPU tests.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct FcTestSum {
+    src: [u64; 8],
+    dst: u64,
+    n: u64,
+    nsrc: u32,
+    dtype: u32,
+}
+
 const _: () = {
+    assert!(std::mem::size_of::<FcTestSum>() == 88);
     assert!(std::mem::size_of::<FcTestHold>() == 16);
     assert!(std::mem::size_of::<FcTestWaitCount>() == 8);
     assert!(std::mem::size_of::<FcTestFill>() == 32);
@@ -109,6 +121,7 @@ const _: () = {
     assert!(std::mem::size_of::<FcTestCompare>() == 32);
 };
 
+impl crate::codec_launch::TestParams for FcTestSum {}
 impl crate::codec_launch::TestParams for FcTestFill {}
 impl crate::codec_launch::TestParams for FcTestCheck {}
 impl crate::codec_launch::TestParams for FcTestCompare {}
@@ -139,6 +152,7 @@ impl Verifier {
             "fc_test_compare",
             "fc_test_hold",
             "fc_test_wait_count",
+            "fc_test_sum",
         ] {
             kernels.function(name)?;
         }
@@ -172,6 +186,35 @@ impl Verifier {
             stream,
             p,
         )
+    }
+
+    /// Enqueues `dst[i] = srcs[0][i] + srcs[1][i] + ...` for `n` elements (in f32, in the order
+    /// given, rounded once): the reduction of the copy-engine schedule's GPU tests. `dst` may be
+    /// one of the sources.
+    pub fn sum(
+        &self,
+        srcs: &[DevicePtr],
+        dst: DevicePtr,
+        n: u64,
+        ty: TestType,
+        stream: Stream,
+    ) -> Result<(), Error> {
+        assert!((1..=8).contains(&srcs.len()) && ty != TestType::U8);
+        assert!(
+            srcs.iter().chain([&dst]).all(|b| n * ty.bytes() <= b.len()),
+            "sum out of bounds"
+        );
+        let mut p = FcTestSum {
+            dst: dst.addr(),
+            n,
+            nsrc: srcs.len() as u32,
+            dtype: ty.code(),
+            ..FcTestSum::default()
+        };
+        for (d, s) in p.src.iter_mut().zip(srcs) {
+            *d = s.addr();
+        }
+        self.launch("fc_test_sum", stream, &p)
     }
 
     /// Writes value(rank, i, salt) into the `n` elements at `buf`.

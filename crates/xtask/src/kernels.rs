@@ -299,7 +299,8 @@ pub fn instances_header() -> String {
         "{BANNER} from crates/kernels/src/catalog.rs: do not edit.\n\
          //\n\
          // The kernels the modules instantiate: exactly the host's catalogue. Each module defines the\n\
-         // instantiating macros it uses (FC_AR, FC_RS, FC_AG, FC_A2A; FC_Q1, FC_Q2; FC_QOP) and expands a list.\n\
+         // instantiating macros it uses (FC_AR, FC_RS, FC_AG, FC_A2A; FC_Q1, FC_Q2; FC_QOP; FC_CRED) and\n\
+         // expands a list.\n\
          #pragma once\n"
     );
     out.push_str("// Lossless collectives: FC_AR(algorithm, proto, PROTO, T, suffix), FC_RS(proto, PROTO, T, suffix),\n// FC_AG(proto, PROTO), FC_A2A(proto, PROTO).\n#define FC_LOSSLESS_INSTANCES");
@@ -367,6 +368,11 @@ pub fn instances_header() -> String {
         }
         out.push_str("\n\n");
     }
+    out.push_str("// The copy-engine schedule's reduction: FC_CRED(T, suffix).\n#define FC_COPY_REDUCE_INSTANCES");
+    for t in DTYPES {
+        let _ = write!(out, " \\\n  FC_CRED({}, {})", cuda_type(t), t.suffix());
+    }
+    out.push_str("\n\n");
     for t in catalog::QUANT_DTYPES {
         let _ = write!(
             out,

@@ -138,6 +138,17 @@ struct FcProbeParams {
   uint32_t pad;                      // Padding.
 };
 
+// Parameters of the copy-engine schedule's reduction (`fc_copy_reduce_<type>`, docs/protocols.md
+// "The copy-engine schedule"): `dst[i] = src[0][i] + ... + src[nsrc - 1][i]`, in f32 in rank order,
+// rounded once (the order of every reducing kernel). `dst` may be one of the sources.
+struct FcReduceParams {
+  uint64_t src[FC_MAX_RANKS];        // One device address per rank, in rank order.
+  uint64_t dst;                      // Where the sums go.
+  uint64_t elems;                    // Elements.
+  uint32_t nsrc;                     // Sources used (the communicator's ranks, at most `MAX_RANKS`).
+  uint32_t pad;                      // Padding.
+};
+
 #ifdef __cplusplus
 static_assert(offsetof(FcStatus, code) == 0, "FcStatus.code");
 static_assert(offsetof(FcStatus, peer) == 4, "FcStatus.peer");
@@ -179,4 +190,10 @@ static_assert(offsetof(FcProbeParams, nranks) == 68, "FcProbeParams.nranks");
 static_assert(offsetof(FcProbeParams, value) == 72, "FcProbeParams.value");
 static_assert(offsetof(FcProbeParams, pad) == 76, "FcProbeParams.pad");
 static_assert(sizeof(FcProbeParams) == 80, "FcProbeParams layout");
+static_assert(offsetof(FcReduceParams, src) == 0, "FcReduceParams.src");
+static_assert(offsetof(FcReduceParams, dst) == 64, "FcReduceParams.dst");
+static_assert(offsetof(FcReduceParams, elems) == 72, "FcReduceParams.elems");
+static_assert(offsetof(FcReduceParams, nsrc) == 80, "FcReduceParams.nsrc");
+static_assert(offsetof(FcReduceParams, pad) == 84, "FcReduceParams.pad");
+static_assert(sizeof(FcReduceParams) == 88, "FcReduceParams layout");
 #endif

@@ -32,7 +32,7 @@ use flashcomm_kernels::Kernels;
 use crate::abi::MAX_RANKS;
 use crate::gpu::{CaptureRecord, Device, DeviceMem, Event, HostMapped};
 use crate::plan::{
-    Algorithm, Arena, Choice, CostModel, Protocol, QuantChoice, QuantModel, QuantSpec,
+    Algorithm, Arena, Choice, CostModel, HostCopy, Protocol, QuantChoice, QuantModel, QuantSpec,
 };
 use crate::release::{self, Releasable, Release};
 use crate::transport::{LocalArena, PeerMapping, Transport};
@@ -69,6 +69,9 @@ pub struct CommConfig {
     /// Where arenas live: automatic (the peer transport where every pair of ranks has peer
     /// access, the host transport otherwise), or forced.
     pub transport: Choice<Transport>,
+    /// Whether the lossless AllReduce on the host transport takes the copy-engine schedule
+    /// (`FLASHCOMM_HOST_COPY`, [`crate::plan::copy`]); off by default.
+    pub host_copy: HostCopy,
     /// Graph mixing (`FLASHCOMM_GRAPH_MIXING`): the first captured collective of each capture
     /// waits at each replay for the last eager operation, and each replay records an event (one
     /// node beside the captured chain, after every captured collective) that later eager
@@ -101,6 +104,7 @@ impl Default for CommConfig {
             quant_calibrate: Vec::new(),
             quant_choice: QuantChoice::Auto,
             transport: Choice::Auto,
+            host_copy: HostCopy::Off,
             graph_mixing: true,
             early_launch: true,
             fail_at: None,

@@ -10,6 +10,7 @@
 use crate::error::Error;
 
 mod arena;
+pub mod copy;
 mod cost;
 mod select;
 
@@ -31,7 +32,7 @@ pub use flashcomm_codec::Collective;
 pub use flashcomm_codec::DType as DataType;
 /// How readiness travels with the data, the AllReduce algorithms, a forced or automatic choice
 /// and whether quantizing must pay: the codec crate's words, declared there once.
-pub use flashcomm_codec::{Algorithm, Choice, Protocol, QuantChoice};
+pub use flashcomm_codec::{Algorithm, Choice, HostCopy, Protocol, QuantChoice};
 
 /// Codec settings of a quantized AllReduce (the wire format of docs/codec.md): the width of the
 /// first step (the only step of one-shot), the width of the all-gather step of two-step, the group

@@ -14,7 +14,7 @@ use flashcomm_gpu::Module;
 pub use flashcomm_gpu::{Function, LaunchConfig, driver_present};
 
 use crate::Error;
-use crate::abi::{FcCollParams, FcProbeParams, KernelParams};
+use crate::abi::{FcCollParams, FcProbeParams, FcReduceParams, KernelParams};
 use crate::catalog::{self, Algorithm, DType, Protocol, QuantOp};
 
 impl From<flashcomm_gpu::Error> for Error {
@@ -96,6 +96,13 @@ impl Kernel<FcProbeParams> {
     /// The set-up probe.
     pub const fn probe() -> Self {
         Kernel::at(catalog::probe())
+    }
+}
+
+impl Kernel<FcReduceParams> {
+    /// The copy-engine schedule's reduction of type `t`.
+    pub const fn copy_reduce(t: DType) -> Self {
+        Kernel::at(catalog::copy_reduce(t))
     }
 }
 
