@@ -4,7 +4,9 @@
 #   - the CUDA 13.0 compiler from PyPI (nvcc, runtime headers, crt, nvvm, cccl),
 #   - the pinned real NCCL (nvidia-nccl-cu13) whose nccl.h we export and whose libnccl.so.2 the
 #     CPU tests forward to,
-#   - libclang (Debian's libclang-dev) for bindgen, used by the binding-freshness check.
+#   - libclang (Debian's libclang-dev) for bindgen, used by the binding-freshness check,
+#   - numpy, for the CPU test of tests/python/torch_quant.py's codec emulation (in .toolchain/pytest;
+#     where it cannot be installed, that test is reported as skipped by name).
 # Idempotent: a second run only verifies. Prints the environment to use (also written to
 # .toolchain/env.sh, which ci/test.sh sources).
 set -euo pipefail
@@ -20,6 +22,15 @@ if [ ! -f "$stamp" ]; then
   python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
     --target "$py" "${CUDA_PINS[@]}" "nvidia-nccl-cu13==$NCCL_VERSION"
   touch "$stamp"
+fi
+
+if [ ! -f "$tc/.installed-numpy-v1" ]; then
+  if python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
+      --only-binary=:all: --target "$tc/pytest" 'numpy>=1.24,<3' >/dev/null 2>&1; then
+    touch "$tc/.installed-numpy-v1"
+  else
+    echo "setup: numpy could not be installed; the codec emulation test will be skipped" >&2
+  fi
 fi
 
 # libclang itself (libclang.so*, libclang-<version>.so*), not libclang-cpp, which some images

@@ -117,8 +117,26 @@ fn overhead_program_cpu_part() {
     );
 }
 
+/// Python with numpy on its path: the system's, or the one ci/setup.sh installs into
+/// `$FLASHCOMM_TOOLCHAIN/pytest`.
+fn python3() -> Command {
+    let mut c = Command::new("python3");
+    if let Some(tc) = std::env::var_os("FLASHCOMM_TOOLCHAIN") {
+        let dir = std::path::Path::new(&tc).join("pytest");
+        if dir.is_dir() {
+            let mut path = std::ffi::OsString::from(dir.as_os_str());
+            if let Some(old) = std::env::var_os("PYTHONPATH") {
+                path.push(":");
+                path.push(old);
+            }
+            c.env("PYTHONPATH", path);
+        }
+    }
+    c
+}
+
 fn numpy_available() -> bool {
-    Command::new("python3")
+    python3()
         .args(["-c", "import numpy"])
         .output()
         .is_ok_and(|o| o.status.success())
@@ -182,7 +200,7 @@ fn torch_quant_emulation_matches_the_cpu_reference() {
             .flat_map(|v| v.to_bits().to_le_bytes())
             .collect();
         std::fs::write(&input, bytes).unwrap();
-        run(Command::new("python3")
+        run(python3()
             .arg(&script)
             .arg("--emulate")
             .arg(&input)
