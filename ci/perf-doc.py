@@ -528,7 +528,7 @@ def table_bytes(src):
     for impl, label, factor in src["designs"]:
         r = by.get(impl)
         t = time_of(r)
-        k = eval(factor, {}, {"n": n})  # a small arithmetic expression of the rank count
+        k = eval(factor, {"__builtins__": {}}, {"n": n})  # arithmetic of the rank count only
         moved = k * size
         rate = moved / (t * 1e-6) / 1e12 if t else None
         out.append(f"| {label} | {(r or {}).get('plan') or '-'} | {bytes_expr(factor)} = {k} S | {fmt(t)} | {fmt(rate, 2)} |")
