@@ -741,9 +741,9 @@ mod tests {
             Choice::Force(Protocol::Pull),
         );
         assert!(!big.proto.pulls());
-        // The other collectives run by loads when forced, one chunk of every piece per block,
-        // while the pull area holds what a rank stages (ReduceScatter and AllToAll: N pieces,
-        // each rounded up to 16 bytes); the model never picks PULL for them.
+        // The other collectives run by loads, one chunk of every piece per block, while the pull
+        // area holds what a rank stages (ReduceScatter and AllToAll: N pieces, each rounded up
+        // to 16 bytes).
         for coll in [
             Collective::AllGather,
             Collective::ReduceScatter,
@@ -769,6 +769,7 @@ mod tests {
                     "{forced:?}"
                 );
                 assert!(forced.chunk_bytes * (forced.grid as u64 - 1) < piece.max(1));
+                // The default model (uncalibrated) never picks PULL.
                 let auto = plan(&a, &m, coll, count, 2, 64, Choice::Auto, Choice::Auto);
                 assert!(!auto.proto.pulls(), "{coll} {count}");
             }
@@ -878,6 +879,15 @@ mod tests {
         assert_eq!(pick(4 << 10), (Algorithm::OneShot, Protocol::Ll));
         assert_eq!(pick(256 << 10), (Algorithm::OneShot, Protocol::Pull));
         assert_eq!(pick(16 << 20), (Algorithm::TwoShot, Protocol::Direct));
+        // The other collectives weigh the same rows: AllGather and AllToAll one-shot's at their
+        // piece, ReduceScatter two-shot's at its whole input.
+        let other = |coll: Collective, count: u64| {
+            plan(&a, &m, coll, count, 2, 64, Choice::Auto, Choice::Auto).proto
+        };
+        assert_eq!(other(Collective::AllGather, 1 << 10), Protocol::Ll);
+        assert_eq!(other(Collective::AllGather, 128 << 10), Protocol::Pull);
+        assert_eq!(other(Collective::AlltoAll, 128 << 10), Protocol::Pull);
+        assert_eq!(other(Collective::ReduceScatter, 1 << 20), Protocol::Direct);
         // Direct is not a candidate where peers cannot read the user's buffers.
         a.direct = false;
         let p = plan(

@@ -303,11 +303,10 @@ pub fn plan(
     let protos: &[Protocol] = match proto_choice {
         Choice::Force(p) if algos.iter().any(|&a| pull_ok(a, p)) => &forced,
         Choice::Force(_) => &Protocol::PUSH,
-        Choice::Auto if coll == Collective::AllReduce => &Protocol::ALL,
-        // ReduceScatter, AllGather and AllToAll by loads run when forced; the model's PULL rows
-        // are the AllReduce's, measured by the calibration, so they do not choose for the others
-        // (docs/protocols.md, "PULL for the other collectives").
-        Choice::Auto => &Protocol::PUSH,
+        // Every collective weighs every protocol; ReduceScatter, AllGather and AllToAll do so on
+        // the AllReduce's rows, as for the push protocols (docs/protocols.md, "PULL for the
+        // other collectives").
+        Choice::Auto => &Protocol::ALL,
     };
     // The fastest prediction, then the first candidate (in the fixed order of the slices) within
     // TIE_FACTOR of it: see TIE_FACTOR.
