@@ -49,7 +49,7 @@ SOURCES = {
     "bandwidth": dict(kind="versus", files="2026-12-04-h200-18177d6/p2p-quant8.json", launch="graph", baselines=["copy"], widths=[8, 4, 2], busbw=True),
     "pcie": dict(kind="host", files="2026-12-05-h200-d6f9f1c/choice-auto-[248].json", launch="graph"),
     "quantized": dict(kind="host", files="2026-12-04-h200-18177d6/ar2.json", launch="graph"),
-    "alltoall": dict(kind="versus", files="2026-12-04-h200-af3df07/a2a-q-n8.json", launch="graph", baselines=["copy"], widths=[8, 4]),
+    "alltoall": dict(kind="versus", files="2026-12-06-h100-3ef811d/auto/alltoall-auto-n8.json", launch="graph", baselines=["copy"]),
     "host-cost": dict(kind="overhead", files="2026-12-04-h200-990b028/logs/c__overhead.log"),
     "glance": dict(kind="glance", doc="README.md", decode="decode", pcie="quantized", cost="host-cost"),
     "decode-latency": dict(kind="latency_plot", files="2026-12-06-h100-323c796/comp-n*.json", dtype="bfloat16", title="AllReduce latency against the plain and the pull kernels (bf16, CUDA graphs)"),

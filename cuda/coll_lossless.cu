@@ -483,7 +483,7 @@ __device__ void allreduce_twoshot_push(const FcCollParams& p) {
 }
 
 template <typename T, int PROTO>
-__device__ void reducescatter(const FcCollParams& p) {
+__device__ void reducescatter_push(const FcCollParams& p) {
   Ctx c = begin(p);
   const uint64_t bytes = p.count * sizeof(T);  // recvcount elements per rank
   const char* in = reinterpret_cast<const char*>(p.send);
@@ -502,7 +502,7 @@ __device__ void reducescatter(const FcCollParams& p) {
 }
 
 template <int PROTO>
-__device__ void allgather(const FcCollParams& p) {
+__device__ void allgather_push(const FcCollParams& p) {
   Ctx c = begin(p);
   const uint64_t bytes = p.count * p.elem_bytes;  // sendcount elements
   const uint32_t all = (1u << p.nranks) - 1u;
@@ -531,7 +531,7 @@ __device__ void allgather(const FcCollParams& p) {
 // this block only, and each thread (LL: unit u; BLOCK: lane l of the warp of frame f) reads its
 // part of chunk k of every send block before it writes the same part of any receive block.
 template <int PROTO>
-__device__ void alltoall(const FcCollParams& p) {
+__device__ void alltoall_push(const FcCollParams& p) {
   Ctx c = begin(p);
   const uint64_t bytes = p.count * p.elem_bytes;  // per peer
   const char* in = reinterpret_cast<const char*>(p.send);
@@ -567,6 +567,31 @@ __device__ void allreduce_twoshot(const FcCollParams& p) {
     pull_twoshot<T, PROTO == FC_PROTO_DIRECT>(p);
   else
     allreduce_twoshot_push<T, PROTO>(p);
+}
+
+// ReduceScatter, AllGather and AllToAll of either family (PULL: pull_move, flashcomm/pull.cuh).
+template <typename T, int PROTO>
+__device__ void reducescatter(const FcCollParams& p) {
+  if constexpr (PROTO == FC_PROTO_PULL || PROTO == FC_PROTO_DIRECT)
+    pull_move<kPullReduceScatter, T, PROTO == FC_PROTO_DIRECT>(p);
+  else
+    reducescatter_push<T, PROTO>(p);
+}
+
+template <int PROTO>
+__device__ void allgather(const FcCollParams& p) {
+  if constexpr (PROTO == FC_PROTO_PULL || PROTO == FC_PROTO_DIRECT)
+    pull_move<kPullAllGather, char, PROTO == FC_PROTO_DIRECT>(p);
+  else
+    allgather_push<PROTO>(p);
+}
+
+template <int PROTO>
+__device__ void alltoall(const FcCollParams& p) {
+  if constexpr (PROTO == FC_PROTO_PULL || PROTO == FC_PROTO_DIRECT)
+    pull_move<kPullAllToAll, char, PROTO == FC_PROTO_DIRECT>(p);
+  else
+    alltoall_push<PROTO>(p);
 }
 
 }  // namespace fc

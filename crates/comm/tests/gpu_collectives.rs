@@ -126,17 +126,17 @@ fn sweep_on(n: u32, cfg: CommConfig, max: u64) {
                     cover(Collective::AllReduce, ty, algo, proto);
                 }
             }
-            for proto in Protocol::PUSH {
+            for proto in Protocol::ALL {
                 cover(Collective::ReduceScatter, ty, Algorithm::OneShot, proto);
             }
         }
         for ty in [TestType::U8, TestType::Bf16] {
-            for proto in Protocol::PUSH {
+            for proto in Protocol::ALL {
                 cover(Collective::AllGather, ty, Algorithm::OneShot, proto);
             }
         }
         for ty in [TestType::U8, TestType::F32] {
-            for proto in Protocol::PUSH {
+            for proto in Protocol::ALL {
                 cover(Collective::AlltoAll, ty, Algorithm::OneShot, proto);
             }
         }
@@ -531,6 +531,110 @@ fn pull_with_rank_local_buffers() {
     });
 }
 
+/// ReduceScatter, AllGather and AllToAll by loads (PULL and direct) where ranks' buffers differ:
+/// some ranks in NCCL's in-place layout (AllGather: the input is the rank's block of the output;
+/// ReduceScatter: the output is the rank's piece of the input; AllToAll: one buffer), some
+/// misaligned (a direct rank then stages: a rank-local choice), counts that leave pieces of odd
+/// sizes; every result exact.
+#[test]
+fn pull_moves_with_rank_local_buffers() {
+    run_ranks(4, test_config(), |r| {
+        let n = r.n() as u64;
+        let a = r.alloc(16 << 20);
+        let b = r.alloc(16 << 20);
+        r.sync();
+        let mut salt = 9000;
+        for coll in [
+            Collective::AllGather,
+            Collective::ReduceScatter,
+            Collective::AlltoAll,
+        ] {
+            let ty = if coll == Collective::ReduceScatter {
+                TestType::Bf16
+            } else {
+                TestType::U8
+            };
+            let elem = ty.bytes();
+            for count in [1u64, 7, 1000, 4099, 65536, 300_001] {
+                for proto in [Protocol::Pull, Protocol::Direct] {
+                    for layout in 0..4u32 {
+                        salt += 1;
+                        let k = r.rank() + layout;
+                        let off = if (k / 2) % 2 == 1 {
+                            3 * elem as usize
+                        } else {
+                            0
+                        };
+                        let in_place = k % 2 == 1;
+                        let piece = (count * elem) as usize;
+                        let whole = piece * n as usize;
+                        let mine = piece * r.rank() as usize;
+                        let (input, output, in_elems, out_elems) = match coll {
+                            Collective::AllGather => {
+                                let out = a.slice(off, whole);
+                                let inp = if in_place {
+                                    a.slice(off + mine, piece)
+                                } else {
+                                    b.slice(off, piece)
+                                };
+                                (inp, out, count, count * n)
+                            }
+                            Collective::ReduceScatter => {
+                                let inp = a.slice(off, whole);
+                                let out = if in_place {
+                                    a.slice(off + mine, piece)
+                                } else {
+                                    b.slice(off, piece)
+                                };
+                                (inp, out, count * n, count)
+                            }
+                            _ => {
+                                let inp = a.slice(off, whole);
+                                let out = if in_place { inp } else { b.slice(off, whole) };
+                                (inp, out, count * n, count * n)
+                            }
+                        };
+                        r.v.fill(input, in_elems, ty, r.rank(), salt, r.stream)
+                            .unwrap();
+                        let p = r
+                            .comm
+                            .plan(
+                                &Request::bytes(coll, count, elem)
+                                    .forced(Choice::Auto, Choice::Force(proto)),
+                            )
+                            .unwrap();
+                        assert!(p.proto.pulls(), "{coll} count={count}: {p:?}");
+                        r.comm
+                            .execute(
+                                &Request::pinned(p, count, ty.dtype(), elem)
+                                    .between(input, output)
+                                    .on(r.stream),
+                            )
+                            .unwrap();
+                        r.v.check(
+                            output,
+                            out_elems,
+                            count,
+                            coll,
+                            ty,
+                            r.n(),
+                            r.rank(),
+                            salt,
+                            r.stream,
+                        )
+                        .unwrap();
+                        r.sync();
+                        r.assert_clean(&format!(
+                            "{coll} {p:?} layout {layout} count={count} in_place={in_place}"
+                        ));
+                        r.boot.barrier().unwrap();
+                    }
+                }
+            }
+        }
+    });
+}
+
 /// The same collectives captured into a CUDA graph on every rank and replayed 1,000 times, with
 /// the verification kernels inside the graph so every replay is checked.
 #[test]
@@ -723,11 +827,11 @@ fn stress_words() -> impl Iterator<Item = u64> {
     })
 }
 
-/// The plan of one stress call: AllReduce calls take a protocol and an algorithm from the word
-/// (the PULL protocols included, which the default cost model never picks), the others the
-/// communicator's plan.
+/// The plan of one stress call: every call takes a protocol from the word (the PULL protocols
+/// included, which the default cost model never picks for them), AllReduce calls an algorithm
+/// too; one word in five leaves the choice to the communicator.
 fn stress_plan(r: &Rank, x: u64, coll: Collective, ty: TestType, count: u64) -> Plan {
-    if coll != Collective::AllReduce {
+    if (x >> 48).is_multiple_of(5) {
         return r
             .comm
             .plan(&Request::bytes(coll, count, ty.bytes()))
@@ -1295,7 +1399,7 @@ fn alltoall_in_place() {
             let b = r.alloc((max * nn * 4) as usize);
             r.sync();
             let mut salt = 0u32;
-            for proto in [Protocol::Ll, Protocol::Block] {
+            for proto in Protocol::ALL {
                 for ty in [TestType::U8, TestType::Bf16, TestType::F32] {
                     for count in [1u64, 7, 4096, 100_003, max] {
                         salt += 1;

@@ -212,8 +212,9 @@ variables! {
         strict: true,
     }
     /// Memory of the pull protocol per communicator and rank, beside the arena: two staging
-    /// halves, so the pull protocol takes AllReduce calls up to half of it (`0`: no pull
-    /// protocol).
+    /// halves, so the pull protocol takes calls whose staged bytes (an AllReduce's message, an
+    /// AllGather's input, a ReduceScatter's or AllToAll's whole input) fit in half of it (`0`:
+    /// no pull protocol).
     pull_bytes: Bytes = Bytes(32 * MIB) => {
         name: "FLASHCOMM_PULL_BYTES",
         kind: "size",

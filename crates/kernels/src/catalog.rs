@@ -45,12 +45,12 @@ pub const QUANT_TWOSTEP_BITS: [(u8, u8); 10] = [
 
 /// Index of the lossless AllReduce kernels (algorithm x protocol x type).
 const AR: usize = 0;
-/// Index of the lossless ReduceScatter kernels (push protocol x type).
+/// Index of the lossless ReduceScatter kernels (protocol x type).
 const RS: usize = AR + 2 * Protocol::ALL.len() * 3;
 /// Index of the lossless AllGather kernels (protocol).
-const AG: usize = RS + 2 * 3;
+const AG: usize = RS + Protocol::ALL.len() * 3;
 /// The set-up probe.
-const PROBE: usize = AG + 2;
+const PROBE: usize = AG + Protocol::ALL.len();
 /// Index of the one-shot quantized kernels (type x width).
 const Q1: usize = PROBE + 1;
 /// Index of the two-step quantized kernels (type x width pair).
@@ -59,7 +59,7 @@ const Q2: usize = Q1 + QUANT_DTYPES.len() * QUANT_ONESHOT_BITS.len();
 const A2A: usize = Q2 + QUANT_DTYPES.len() * QUANT_TWOSTEP_BITS.len();
 /// Index of the quantized AllGather, AllToAll and ReduceScatter kernels (collective x type x
 /// width).
-const QOPS: usize = A2A + 2;
+const QOPS: usize = A2A + Protocol::ALL.len();
 /// Index of the copy-engine schedule's reductions (type).
 const CRED: usize = QOPS + QuantOp::ALL.len() * QUANT_DTYPES.len() * QUANT_OP_BITS.len();
 /// Number of kernels in the table.
@@ -111,37 +111,19 @@ pub const fn allreduce(algo: Algorithm, proto: Protocol, t: DType) -> usize {
     AR + (algo.index() * Protocol::ALL.len() + proto.index()) * 3 + t.code() as usize
 }
 
-/// Position of a push protocol in [`Protocol::PUSH`]; `None` for the pull protocols.
-const fn push_index(proto: Protocol) -> Option<usize> {
-    match proto {
-        Protocol::Ll => Some(0),
-        Protocol::Block => Some(1),
-        Protocol::Pull | Protocol::Direct => None,
-    }
+/// Table index of the lossless ReduceScatter kernel (every protocol: PULL's by loads).
+pub const fn reducescatter(proto: Protocol, t: DType) -> usize {
+    RS + proto.index() * 3 + t.code() as usize
 }
 
-/// Table index of the lossless ReduceScatter kernel (push protocols only).
-pub const fn reducescatter(proto: Protocol, t: DType) -> Option<usize> {
-    match push_index(proto) {
-        Some(p) => Some(RS + p * 3 + t.code() as usize),
-        None => None,
-    }
+/// Table index of the AllGather kernel (any type: it moves bytes; every protocol).
+pub const fn allgather(proto: Protocol) -> usize {
+    AG + proto.index()
 }
 
-/// Table index of the AllGather kernel (any type: it moves bytes; push protocols only).
-pub const fn allgather(proto: Protocol) -> Option<usize> {
-    match push_index(proto) {
-        Some(p) => Some(AG + p),
-        None => None,
-    }
-}
-
-/// Table index of the AllToAll kernel (any type: it moves bytes; push protocols only).
-pub const fn alltoall(proto: Protocol) -> Option<usize> {
-    match push_index(proto) {
-        Some(p) => Some(A2A + p),
-        None => None,
-    }
+/// Table index of the AllToAll kernel (any type: it moves bytes; every protocol).
+pub const fn alltoall(proto: Protocol) -> usize {
+    A2A + proto.index()
 }
 
 /// Table index of the copy-engine schedule's reduction of type `t` (`fc_copy_reduce_<t>`).
@@ -225,10 +207,10 @@ pub fn name(index: usize, out: &mut String) {
         }
         i if i < AG => {
             let r = i - RS;
-            let (p, t) = (Protocol::PUSH[r / 3], DTYPES[r % 3]);
+            let (p, t) = (Protocol::ALL[r / 3], DTYPES[r % 3]);
             write!(out, "fc_reducescatter_{}_{}", p.name(), t.suffix())
         }
-        i if i < PROBE => write!(out, "fc_allgather_{}", Protocol::PUSH[i - AG].name()),
+        i if i < PROBE => write!(out, "fc_allgather_{}", Protocol::ALL[i - AG].name()),
         PROBE => write!(out, "fc_probe_write"),
         i if i < Q2 => {
             let r = i - Q1;
@@ -242,7 +224,7 @@ pub fn name(index: usize, out: &mut String) {
             let (rs, ag) = QUANT_TWOSTEP_BITS[r % QUANT_TWOSTEP_BITS.len()];
             write!(out, "fc_allreduce_q2_block_{}_r{rs}_a{ag}", t.suffix())
         }
-        i if i < QOPS => write!(out, "fc_alltoall_{}", Protocol::PUSH[i - A2A].name()),
+        i if i < QOPS => write!(out, "fc_alltoall_{}", Protocol::ALL[i - A2A].name()),
         i if i < CRED => {
             let r = i - QOPS;
             let per_op = QUANT_DTYPES.len() * QUANT_OP_BITS.len();
@@ -295,17 +277,10 @@ mod tests {
         }
         for p in Protocol::ALL {
             for t in DTYPES {
-                if let Some(i) = reducescatter(p, t) {
-                    seen[i] += 1;
-                }
+                seen[reducescatter(p, t)] += 1;
             }
-            if let Some(i) = allgather(p) {
-                seen[i] += 1;
-            }
-            if let Some(i) = alltoall(p) {
-                seen[i] += 1;
-            }
-            assert_eq!(allgather(p).is_none(), p.pulls());
+            seen[allgather(p)] += 1;
+            seen[alltoall(p)] += 1;
         }
         seen[probe()] += 1;
         for t in DTYPES {
@@ -347,12 +322,18 @@ mod tests {
             &mut s,
         );
         assert_eq!(s, "fc_allreduce_twoshot_pull_f16");
-        name(reducescatter(Protocol::Block, DType::F16).unwrap(), &mut s);
+        name(reducescatter(Protocol::Block, DType::F16), &mut s);
         assert_eq!(s, "fc_reducescatter_block_f16");
-        name(allgather(Protocol::Ll).unwrap(), &mut s);
+        name(reducescatter(Protocol::Direct, DType::Bf16), &mut s);
+        assert_eq!(s, "fc_reducescatter_direct_bf16");
+        name(allgather(Protocol::Ll), &mut s);
         assert_eq!(s, "fc_allgather_ll");
-        name(alltoall(Protocol::Block).unwrap(), &mut s);
+        name(allgather(Protocol::Pull), &mut s);
+        assert_eq!(s, "fc_allgather_pull");
+        name(alltoall(Protocol::Block), &mut s);
         assert_eq!(s, "fc_alltoall_block");
+        name(alltoall(Protocol::Direct), &mut s);
+        assert_eq!(s, "fc_alltoall_direct");
         name(quant_oneshot(DType::Bf16, 3).unwrap(), &mut s);
         assert_eq!(s, "fc_allreduce_q1_block_bf16_b3");
         name(quant_twostep(DType::F16, 4, 8).unwrap(), &mut s);

@@ -319,7 +319,7 @@ pub fn instances_header() -> String {
             }
         }
     }
-    for p in Protocol::PUSH {
+    for p in Protocol::ALL {
         for t in DTYPES {
             let _ = write!(
                 out,
@@ -331,7 +331,7 @@ pub fn instances_header() -> String {
             );
         }
     }
-    for p in Protocol::PUSH {
+    for p in Protocol::ALL {
         let _ = write!(
             out,
             " \\\n  FC_AG({}, FC_PROTO_{})",
@@ -339,7 +339,7 @@ pub fn instances_header() -> String {
             p.name().to_uppercase()
         );
     }
-    for p in Protocol::PUSH {
+    for p in Protocol::ALL {
         let _ = write!(
             out,
             " \\\n  FC_A2A({}, FC_PROTO_{})",

@@ -38,10 +38,20 @@
   FC_RS(block, FC_PROTO_BLOCK, float, f32) \
   FC_RS(block, FC_PROTO_BLOCK, __half, f16) \
   FC_RS(block, FC_PROTO_BLOCK, __nv_bfloat16, bf16) \
+  FC_RS(pull, FC_PROTO_PULL, float, f32) \
+  FC_RS(pull, FC_PROTO_PULL, __half, f16) \
+  FC_RS(pull, FC_PROTO_PULL, __nv_bfloat16, bf16) \
+  FC_RS(direct, FC_PROTO_DIRECT, float, f32) \
+  FC_RS(direct, FC_PROTO_DIRECT, __half, f16) \
+  FC_RS(direct, FC_PROTO_DIRECT, __nv_bfloat16, bf16) \
   FC_AG(ll, FC_PROTO_LL) \
   FC_AG(block, FC_PROTO_BLOCK) \
+  FC_AG(pull, FC_PROTO_PULL) \
+  FC_AG(direct, FC_PROTO_DIRECT) \
   FC_A2A(ll, FC_PROTO_LL) \
-  FC_A2A(block, FC_PROTO_BLOCK)
+  FC_A2A(block, FC_PROTO_BLOCK) \
+  FC_A2A(pull, FC_PROTO_PULL) \
+  FC_A2A(direct, FC_PROTO_DIRECT)
 
 // Quantized AllReduce of f16: FC_Q1(T, suffix, bits), FC_Q2(T, suffix, rs bits, ag bits).
 #define FC_QUANT_INSTANCES_f16 \
@@ -109,4 +119,4 @@
   FC_QOP(__nv_bfloat16, bf16, 7) \
   FC_QOP(__nv_bfloat16, bf16, 8)
 
-#define FC_CATALOGUE_KERNELS 114
+#define FC_CATALOGUE_KERNELS 124

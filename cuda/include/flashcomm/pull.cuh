@@ -55,8 +55,11 @@ __device__ __forceinline__ char* pull_stage(const FcCollParams& p, uint32_t owne
   return reinterpret_cast<char*>(p.peer_base[owner]) + p.area_offset + FC_PULL_FLAG_BYTES + (uint64_t)half * p.sub_bytes;
 }
 
-// Publishes stage `stage` of this block to every peer, carrying `addr` (16-byte aligned, or 0).
-// `fenced`: the data this stage announces was written by this kernel, so the line is a release
+// Publishes stage `stage` of this block to every peer, carrying `addr + q * stride` to peer q
+// (16-byte aligned; 0 when `addr` is 0: the reader knows where the data is). `stride` lets a
+// rank point each peer at the piece that peer reads (ReduceScatter, AllToAll); 0 gives every
+// peer the same address. `fenced`: the data this stage announces was written by this kernel, so
+// the line is a release
 // (a system-scope fence before it) and says so in bit 63 of its address (device addresses never
 // reach it), which makes the reader acquire. Data written before this kernel started (the user's send buffer) needs neither: the
 // previous kernel's completion made it visible, so such a line, and a "done" line (which
@@ -64,18 +67,16 @@ __device__ __forceinline__ char* pull_stage(const FcCollParams& p, uint32_t owne
 // `sync`: the block synchronizes first (whenever its threads did something the line announces:
 // wrote data, or finished loading; not for a line that only says where a user buffer is).
 __device__ __forceinline__ void pull_publish(const FcCollParams& p, const Ctx& c, uint32_t stage, uint64_t addr,
-                                             bool fenced, bool sync = true) {
+                                             bool fenced, bool sync = true, uint64_t stride = 0) {
   if (sync) __syncthreads();
   const uint32_t q = threadIdx.x;
   if (q < p.nranks && q != p.rank) {
     if (fenced) fence_sys();
-    const uint64_t a = addr | (fenced ? kPullFenced : 0ull);
+    const uint64_t a = (addr != 0 ? addr + q * stride : 0ull) | (fenced ? kPullFenced : 0ull);
     st_volatile_v4(pull_flag(p, q, c.half, stage, p.rank), make_uint4((uint32_t)a, c.ll0, (uint32_t)(a >> 32), c.ll1));
   }
 }
 
-// Waits for stage `stage` of this block from every peer; `addr[s]` receives what source s
-// published (bit 63 cleared). A line whose bit 63 is set announces data written by the source's
 // Waits for stage `stage` of this block from every peer; `addr[s]` receives what source s
 // published (bit 63 cleared). A line whose bit 63 is set announces data written by the source's
 // kernel: the reader acquires it. Every thread calls it; with `agree` (whenever the block goes on
@@ -112,17 +113,30 @@ __device__ __forceinline__ void pull_wait(const FcCollParams& p, Ctx& c, uint32_
   if (agree && __syncthreads_or(c.dead)) c.dead = true;
 }
 
-// Loads `n` (<= 16, even) bytes of peer-written memory at a 16-byte aligned `src` through L2.
+// Loads `n` (<= 16) bytes of peer-written memory at a 16-byte aligned `src` through L2 (an odd
+// `n`, which only the byte-moving collectives have, byte by byte).
 __device__ __forceinline__ uint4 ld_cg_bytes(const char* src, uint32_t n) {
   if (n == 16) return __ldcg(reinterpret_cast<const uint4*>(src));
   uint4 v = make_uint4(0, 0, 0, 0);
-  uint16_t* d = reinterpret_cast<uint16_t*>(&v);
+  if ((n & 1) == 0) {
+    uint16_t* d = reinterpret_cast<uint16_t*>(&v);
 #pragma unroll
-  for (uint32_t i = 0; i < 8; ++i) {
-    if (2 * i < n) {
-      unsigned short x;
-      asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(x) : "l"(src + 2 * i) : "memory");
-      d[i] = x;
+    for (uint32_t i = 0; i < 8; ++i) {
+      if (2 * i < n) {
+        unsigned short x;
+        asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(x) : "l"(src + 2 * i) : "memory");
+        d[i] = x;
+      }
+    }
+  } else {
+    unsigned char* d = reinterpret_cast<unsigned char*>(&v);
+#pragma unroll
+    for (uint32_t i = 0; i < 16; ++i) {
+      if (i < n) {
+        uint32_t x;
+        asm volatile("ld.global.cg.u8 %0, [%1];" : "=r"(x) : "l"(src + i) : "memory");
+        d[i] = (unsigned char)x;
+      }
     }
   }
   return v;
@@ -355,6 +369,79 @@ __device__ void pull_twoshot(const FcCollParams& p) {
     pull_twoshot_direct<T>(p);
   else
     pull_twoshot_staged<T>(p);
+}
+
+// The byte-moving and reducing collectives besides AllReduce, by loads.
+constexpr int kPullAllGather = 0;
+constexpr int kPullReduceScatter = 1;
+constexpr int kPullAllToAll = 2;
+
+// AllGather, ReduceScatter and AllToAll by loads, in one pass: every rank's data is cut into N
+// pieces of `piece` bytes (AllGather: one piece, read by every peer; ReduceScatter: piece j is
+// what rank j sums; AllToAll: piece j goes to rank j), and block b takes chunk b of every piece
+// (the host cuts a piece into one chunk per block). A rank makes its pieces readable (staged: a
+// copy into its pull area, piece j at j * pstride, pstride = piece rounded up to 16 bytes;
+// direct: its send buffer in place) and publishes, to each peer q, the address of the piece q
+// reads (stage 0); then every rank loads its piece from every peer: AllGather and AllToAll copy
+// it to block s of the output, ReduceScatter sums the N pieces in rank order (f32, bitwise
+// identical on every rank). Direct ends with "done" (stage 1), as the one-shot AllReduce does:
+// no peer reads this rank's send buffer after its kernel ends. In place: AllGather (the send
+// buffer is block `rank` of the output) and ReduceScatter (the output is piece `rank` of the
+// send buffer) write only what no peer reads, and a thread reads its own element before it
+// writes it; an AllToAll in place, or any other overlap, is staged (the host's
+// FLAG_PULL_STAGE_SEND, rank-local).
+template <int KIND, typename T, bool DIRECT>
+__device__ void pull_move(const FcCollParams& p) {
+  __shared__ uint64_t addr[FC_MAX_RANKS];
+  Ctx c = begin(p);
+  constexpr bool kOne = KIND == kPullAllGather;
+  const uint64_t piece = p.count * p.elem_bytes;
+  const uint64_t pstride = (piece + 15) & ~15ull;
+  const char* in = reinterpret_cast<const char*>(p.send);
+  char* out = reinterpret_cast<char*>(p.recv);
+  const uint64_t off = (uint64_t)blockIdx.x * p.chunk_bytes;
+  const uint32_t len = off < piece ? (uint32_t)min((uint64_t)p.chunk_bytes, piece - off) : 0u;
+  char* mine = pull_stage(p, p.rank, c.half);
+  const bool stage = !DIRECT || (p.flags & FC_FLAG_PULL_STAGE_SEND);
+  if (stage) {
+    if (kOne) {
+      pull_stage_copy(in, mine, off, len);
+    } else {
+      for (uint32_t j = 0; j < p.nranks; ++j)
+        if (j != p.rank) pull_stage_copy(in + (uint64_t)j * piece, mine + (uint64_t)j * pstride, off, len);
+    }
+  }
+  // Peer q loads from base + q * stride (direct), or from this rank's pull area (staged: the
+  // line carries no address).
+  const uint64_t base = !DIRECT ? 0ull : stage ? reinterpret_cast<uint64_t>(mine) : p.send;
+  const uint64_t stride = kOne ? 0ull : stage ? pstride : piece;
+  pull_publish(p, c, 0, base, stage, stage, stride);
+  pull_wait(p, c, 0, addr);
+  if (!c.dead) {
+    char* src[FC_MAX_RANKS];
+#pragma unroll
+    for (uint32_t s = 0; s < FC_MAX_RANKS; ++s)
+      src[s] = s >= p.nranks ? nullptr
+               : DIRECT     ? reinterpret_cast<char*>(addr[s])
+                            : pull_stage(p, s, c.half) + (kOne ? 0ull : (uint64_t)p.rank * pstride);
+    if constexpr (KIND == kPullReduceScatter) {
+      pull_reduce<T>(p, src, in + (uint64_t)p.rank * piece, off, len, &out, 1);
+    } else {
+      const char* own = kOne ? in : in + (uint64_t)p.rank * piece;
+      char* own_out = out + (uint64_t)p.rank * piece;
+      if (own != own_out) {
+        for (uint32_t o = threadIdx.x * 16; o < len; o += blockDim.x * 16)
+          store_bytes16(own_out + off + o, load_bytes16(own + off + o, min(16u, len - o)), min(16u, len - o));
+      }
+      for (uint32_t s = 0; s < p.nranks; ++s)
+        if (s != p.rank) pull_copy(src[s], off, len, out + (uint64_t)s * piece);
+    }
+  }
+  if (DIRECT) {
+    pull_publish(p, c, 1, 0, false);
+    pull_wait(p, c, 1, addr, false);
+  }
+  finish(p, c);
 }
 
 }  // namespace fc

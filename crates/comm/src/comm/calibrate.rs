@@ -130,7 +130,8 @@ impl Communicator {
                     let count = bytes / 2;
                     let shard = plan::shard_elems(count, self.nranks, 2);
                     let two = (algo == Algorithm::TwoShot).then_some(shard).flatten();
-                    self.arena.pull_fits(proto, count, 2, two)
+                    self.arena
+                        .pull_fits(proto, Collective::AllReduce, count, 2, two)
                 })
             })
             .collect();

@@ -416,12 +416,36 @@ impl Communicator {
 
     /// Whether a direct PULL kernel must stage this rank's input rather than let its peers read
     /// it in place (rank-local: it changes the address this rank publishes, never the protocol
-    /// its peers run): a send buffer that is not 16-byte aligned (peers load 16-byte vectors),
-    /// and, one-shot, an input that overlaps the output (this rank writes its result while its
-    /// peers may still be reading its input).
-    fn direct_staging(p: &Plan, send: DevicePtr, recv: DevicePtr, bytes: u64) -> u32 {
-        let overlaps = send.addr() < recv.addr() + bytes && recv.addr() < send.addr() + bytes;
-        if !send.addr().is_multiple_of(16) || (p.algo == Algorithm::OneShot && overlaps) {
+    /// its peers run). `piece` is `count * elem`: the AllReduce's message, the AllGather's input,
+    /// the ReduceScatter's output, the AllToAll's block per peer. Staged are: a send buffer that
+    /// is not 16-byte aligned (peers load 16-byte vectors); for ReduceScatter and AllToAll, pieces
+    /// of a size that is not a multiple of 16 (peer q loads piece q at `send + q * piece`); and
+    /// an input that overlaps the output where this rank could write what its peers still read:
+    /// any overlap of a one-shot AllReduce or an AllToAll, and any overlap of an AllGather or a
+    /// ReduceScatter other than NCCL's in-place layout (the input is block `rank` of the
+    /// AllGather's output; the ReduceScatter's output is piece `rank` of its input), where a rank
+    /// writes only what no peer reads.
+    fn direct_staging(p: &Plan, rank: u32, nranks: u32, send: u64, recv: u64, piece: u64) -> u32 {
+        let n = u64::from(nranks);
+        let (send_len, recv_len) = match p.coll {
+            Collective::AllGather => (piece, piece * n),
+            Collective::ReduceScatter => (piece * n, piece),
+            Collective::AlltoAll => (piece * n, piece * n),
+            _ => (piece, piece),
+        };
+        let (s, r) = (send, recv);
+        let overlaps = s < r + recv_len && r < s + send_len;
+        let at_rank = piece * u64::from(rank);
+        let unsafe_overlap = overlaps
+            && match p.coll {
+                Collective::AllReduce => p.algo == Algorithm::OneShot,
+                Collective::AllGather => s != r + at_rank,
+                Collective::ReduceScatter => r != s + at_rank,
+                _ => true,
+            };
+        let pieces_misaligned = matches!(p.coll, Collective::ReduceScatter | Collective::AlltoAll)
+            && !piece.is_multiple_of(16);
+        if !s.is_multiple_of(16) || pieces_misaligned || unsafe_overlap {
             abi::FLAG_PULL_STAGE_SEND
         } else {
             0
@@ -442,14 +466,14 @@ impl Communicator {
                 (Some(op), Some(q)) => Kernel::quant_op(op, t, q.rs_bits),
                 _ => None,
             },
-            (Collective::AllGather, _) if p.quant.is_none() => Kernel::allgather(proto),
-            (Collective::AlltoAll, _) if p.quant.is_none() => Kernel::alltoall(proto),
+            (Collective::AllGather, _) if p.quant.is_none() => Some(Kernel::allgather(proto)),
+            (Collective::AlltoAll, _) if p.quant.is_none() => Some(Kernel::alltoall(proto)),
             (Collective::AllReduce, Some(t)) => match p.quant {
                 Some(q) if algo == Algorithm::OneShot => Kernel::quant_oneshot(t, q.rs_bits),
                 Some(q) => Kernel::quant_twostep(t, q.rs_bits, q.ag_bits),
                 None => Some(Kernel::allreduce(algo, proto, t)),
             },
-            (Collective::ReduceScatter, Some(t)) => Kernel::reducescatter(proto, t),
+            (Collective::ReduceScatter, Some(t)) => Some(Kernel::reducescatter(proto, t)),
             _ => return Err(Error::InvalidArgument("missing datatype".into())),
         };
         k.ok_or_else(|| {
@@ -498,7 +522,14 @@ impl Communicator {
         };
         let mut params = params;
         if p.proto == Protocol::Direct {
-            params.flags |= Self::direct_staging(p, send, recv, count * elem);
+            params.flags |= Self::direct_staging(
+                p,
+                self.rank,
+                self.nranks,
+                send.addr(),
+                recv.addr(),
+                count * elem,
+            );
         }
         let threads = p.threads;
         if let (Some(q), Some(d)) = (p.quant, dtype) {
@@ -755,5 +786,58 @@ mod tests {
             call_signature(&p, Some(DataType::F16))
         );
         assert!(seen.insert(call_signature(&p, None)));
+    }
+
+    /// A direct rank stages exactly where letting peers read its send buffer could go wrong:
+    /// misaligned input, pieces peers cannot load as vectors, overlaps other than NCCL's in-place
+    /// layouts of AllGather and ReduceScatter.
+    #[test]
+    fn direct_ranks_stage_where_peers_could_read_what_they_write() {
+        let arena = Arena::with_pull(4, 64 << 20, 32 << 20).unwrap();
+        let model = CostModel::default_for(4);
+        let stage = abi::FLAG_PULL_STAGE_SEND;
+        let plan_of = |coll: Collective, algo: Algorithm| {
+            plan::plan(
+                &arena,
+                &model,
+                coll,
+                1024,
+                2,
+                64,
+                Choice::Force(algo),
+                Choice::Force(Protocol::Pull),
+            )
+        };
+        let (rank, n, piece) = (2u32, 4u32, 4096u64);
+        let (send, recv) = (1u64 << 32, 2u64 << 32);
+        let ar1 = plan_of(Collective::AllReduce, Algorithm::OneShot);
+        let ar2 = plan_of(Collective::AllReduce, Algorithm::TwoShot);
+        let ag = plan_of(Collective::AllGather, Algorithm::OneShot);
+        let rs = plan_of(Collective::ReduceScatter, Algorithm::OneShot);
+        let a2a = plan_of(Collective::AlltoAll, Algorithm::OneShot);
+        let f = Communicator::direct_staging;
+        for p in [&ar1, &ar2, &ag, &rs, &a2a] {
+            // Separate, aligned buffers: peers read in place.
+            assert_eq!(f(p, rank, n, send, recv, piece), 0, "{p:?}");
+            // A misaligned send buffer is staged.
+            assert_eq!(f(p, rank, n, send + 2, recv, piece), stage, "{p:?}");
+        }
+        // In place: AllReduce one-shot stages, two-shot does not.
+        assert_eq!(f(&ar1, rank, n, send, send, piece), stage);
+        assert_eq!(f(&ar2, rank, n, send, send, piece), 0);
+        // AllGather in NCCL's in-place layout reads what no one writes; other overlaps stage.
+        assert_eq!(f(&ag, rank, n, recv + 2 * piece, recv, piece), 0);
+        assert_eq!(f(&ag, rank, n, recv + piece, recv, piece), stage);
+        // ReduceScatter likewise: the output is piece `rank` of the input.
+        assert_eq!(f(&rs, rank, n, send, send + 2 * piece, piece), 0);
+        assert_eq!(f(&rs, rank, n, send, send + piece, piece), stage);
+        // ReduceScatter and AllToAll pieces peers cannot load as vectors are staged.
+        assert_eq!(f(&rs, rank, n, send, recv, 4094), stage);
+        assert_eq!(f(&a2a, rank, n, send, recv, 4094), stage);
+        assert_eq!(f(&ag, rank, n, send, recv, 4094), 0);
+        // AllToAll in place: peer s reads block s while this rank writes it.
+        assert_eq!(f(&a2a, rank, n, send, send, piece), stage);
+        // Buffers that merely touch do not overlap.
+        assert_eq!(f(&a2a, rank, n, send, send + 4 * piece, piece), 0);
     }
 }

@@ -7,7 +7,7 @@ use crate::abi::{
 };
 use crate::error::Error;
 
-use super::Protocol;
+use super::{Collective, Protocol};
 
 /// The arena every rank allocates: a header, then two halves (collective parity), each with two
 /// regions (A: first step, B: second step) of one slot per source rank. A slot has one area per
@@ -96,13 +96,28 @@ impl Arena {
         }
     }
 
-    /// Whether a PULL plan of `proto` exists for an AllReduce of `count` elements of `elem`
-    /// bytes: the communicator has a pull area that holds the message (two-shot: `nranks`
-    /// shards of `shard` elements), and for `Direct`, user buffers readable by peers.
-    pub fn pull_fits(&self, proto: Protocol, count: u64, elem: u64, shard: Option<u64>) -> bool {
-        let need = match shard {
-            Some(s) => s * elem * self.nranks as u64,
-            None => (count * elem).next_multiple_of(16),
+    /// Whether a PULL plan of `proto` exists for a call of `coll` with `count` elements of `elem`
+    /// bytes (AllReduce and AllGather: the send count; ReduceScatter: the receive count;
+    /// AllToAll: the count per peer): the communicator has a pull area whose staging half holds
+    /// what a rank stages (AllReduce: the message, or for two-shot `nranks` shards of `shard`
+    /// elements; AllGather: its input; ReduceScatter and AllToAll: `nranks` pieces, each rounded
+    /// up to 16 bytes), and for `Direct`, user buffers readable by peers. (A direct rank may stage
+    /// rank-locally, so the area must hold the call whichever PULL protocol runs.)
+    pub fn pull_fits(
+        &self,
+        proto: Protocol,
+        coll: Collective,
+        count: u64,
+        elem: u64,
+        shard: Option<u64>,
+    ) -> bool {
+        let n = self.nranks as u64;
+        let need = match (coll, shard) {
+            (Collective::AllReduce, Some(s)) => s * elem * n,
+            (Collective::ReduceScatter | Collective::AlltoAll, _) => {
+                (count * elem).next_multiple_of(16) * n
+            }
+            _ => (count * elem).next_multiple_of(16),
         };
         let ok = self.pull_half_bytes > 0 && need <= self.pull_half_bytes;
         match proto {
@@ -158,6 +173,10 @@ pub const PULL_ONESHOT_BLOCK_BYTES: u64 = 16 * THREADS as u64;
 /// Bytes of a shard a two-shot PULL block takes (it loads this from every rank, then copies this
 /// from every owner).
 pub const PULL_TWOSHOT_BLOCK_BYTES: u64 = 8 * THREADS as u64;
+
+/// Bytes of a rank's piece a PULL block of ReduceScatter, AllGather or AllToAll takes (it loads
+/// this from every peer).
+pub const PULL_PIECE_BLOCK_BYTES: u64 = 8 * THREADS as u64;
 
 /// Grid and per-block bytes of a PULL launch over `bytes` (the message, one-shot; a shard,
 /// two-shot): `target` bytes per block, at most `max_grid` and [`PULL_MAX_BLOCKS`] blocks, every

@@ -15,8 +15,8 @@ mod cost;
 mod select;
 
 pub use arena::{
-    Arena, LL_BLOCK_THREADS, LL_THREAD_BYTES, PULL_ONESHOT_BLOCK_BYTES, PULL_TWOSHOT_BLOCK_BYTES,
-    chunk_for, grid_for, pull_shape, shape_for, shard_elems,
+    Arena, LL_BLOCK_THREADS, LL_THREAD_BYTES, PULL_ONESHOT_BLOCK_BYTES, PULL_PIECE_BLOCK_BYTES,
+    PULL_TWOSHOT_BLOCK_BYTES, chunk_for, grid_for, pull_shape, shape_for, shard_elems,
 };
 pub use cost::{
     CALIB_SIZES, Calibration, CostModel, PRUNE_FACTOR, PRUNE_FROM, QuantModel, TIE_FACTOR,
@@ -741,18 +741,67 @@ mod tests {
             Choice::Force(Protocol::Pull),
         );
         assert!(!big.proto.pulls());
-        // Other collectives have no PULL kernels.
-        let ag = plan(
-            &a,
-            &m,
+        // The other collectives run by loads, one chunk of every piece per block, while the pull
+        // area holds what a rank stages (ReduceScatter and AllToAll: N pieces, each rounded up
+        // to 16 bytes).
+        for coll in [
             Collective::AllGather,
-            4096,
-            2,
-            64,
-            Choice::Auto,
-            Choice::Force(Protocol::Pull),
-        );
-        assert!(!ag.proto.pulls());
+            Collective::ReduceScatter,
+            Collective::AlltoAll,
+        ] {
+            for count in [1u64, 7, 4096, 1 << 20] {
+                let forced = plan(
+                    &a,
+                    &m,
+                    coll,
+                    count,
+                    2,
+                    64,
+                    Choice::Auto,
+                    Choice::Force(Protocol::Pull),
+                );
+                assert_eq!(forced.proto, Protocol::Pull, "{coll} {count}");
+                assert_eq!(forced.algo, Algorithm::OneShot);
+                assert_eq!(forced.shard_elems, 0);
+                let piece = count * 2;
+                assert!(
+                    forced.chunk_bytes * forced.grid as u64 >= piece,
+                    "{forced:?}"
+                );
+                assert!(forced.chunk_bytes * (forced.grid as u64 - 1) < piece.max(1));
+                // The default model (uncalibrated) never picks PULL.
+                let auto = plan(&a, &m, coll, count, 2, 64, Choice::Auto, Choice::Auto);
+                assert!(!auto.proto.pulls(), "{coll} {count}");
+            }
+            // 4 pieces of 4 MiB fill a staging half of 16 MiB; rounded up, they do not.
+            let per = if coll == Collective::AllGather {
+                8 << 20
+            } else {
+                2 << 20
+            };
+            let fits = plan(
+                &a,
+                &m,
+                coll,
+                per,
+                2,
+                64,
+                Choice::Auto,
+                Choice::Force(Protocol::Pull),
+            );
+            assert_eq!(fits.proto, Protocol::Pull, "{coll}");
+            let over = plan(
+                &a,
+                &m,
+                coll,
+                per + 1,
+                2,
+                64,
+                Choice::Auto,
+                Choice::Force(Protocol::Pull),
+            );
+            assert!(!over.proto.pulls(), "{coll}");
+        }
         // Direct only where peers can read the user's buffers; elsewhere it is the staged PULL.
         let d = ar(
             &a,
@@ -830,6 +879,15 @@ mod tests {
         assert_eq!(pick(4 << 10), (Algorithm::OneShot, Protocol::Ll));
         assert_eq!(pick(256 << 10), (Algorithm::OneShot, Protocol::Pull));
         assert_eq!(pick(16 << 20), (Algorithm::TwoShot, Protocol::Direct));
+        // The other collectives weigh the same rows: AllGather and AllToAll one-shot's at their
+        // piece, ReduceScatter two-shot's at its whole input.
+        let other = |coll: Collective, count: u64| {
+            plan(&a, &m, coll, count, 2, 64, Choice::Auto, Choice::Auto).proto
+        };
+        assert_eq!(other(Collective::AllGather, 1 << 10), Protocol::Ll);
+        assert_eq!(other(Collective::AllGather, 128 << 10), Protocol::Pull);
+        assert_eq!(other(Collective::AlltoAll, 128 << 10), Protocol::Pull);
+        assert_eq!(other(Collective::ReduceScatter, 1 << 20), Protocol::Direct);
         // Direct is not a candidate where peers cannot read the user's buffers.
         a.direct = false;
         let p = plan(

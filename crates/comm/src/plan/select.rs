@@ -6,9 +6,9 @@ use crate::error::Error;
 
 use super::{
     Algorithm, Arena, CODEC_BLOCK_VALUES, Choice, Collective, CostModel, DataType,
-    PULL_ONESHOT_BLOCK_BYTES, PULL_TWOSHOT_BLOCK_BYTES, Plan, Protocol, QUANT_THREADS,
-    QUANT_TWO_STEP_MIN_BLOCKS, QuantModel, QuantSpec, TIE_FACTOR, chunk_for, pull_shape, shape_for,
-    shard_elems,
+    PULL_ONESHOT_BLOCK_BYTES, PULL_PIECE_BLOCK_BYTES, PULL_TWOSHOT_BLOCK_BYTES, Plan, Protocol,
+    QUANT_THREADS, QUANT_TWO_STEP_MIN_BLOCKS, QuantModel, QuantSpec, TIE_FACTOR, chunk_for,
+    pull_shape, shape_for, shard_elems,
 };
 
 /// Whether the quantized plan `quant` of a message of `bytes` bytes per rank pays against the
@@ -277,19 +277,19 @@ pub fn plan(
         Collective::ReduceScatter => TWO_SHOT,
         _ => ONE_SHOT,
     };
-    // The PULL protocols exist for AllReduce only, and only where the pull area holds the call
-    // (for two-shot: its shards; for `Direct`: where peers can read the user's buffers). A
-    // forced PULL protocol that does not apply to a call leaves the choice among the push
-    // protocols to the model; a forced push protocol is taken as asked.
+    // The PULL protocols apply where the pull area holds the call (for a two-shot AllReduce:
+    // its shards; for `Direct`: where peers can read the user's buffers). A forced PULL protocol
+    // that does not apply to a call leaves the choice among the push protocols to the model; a
+    // forced push protocol is taken as asked.
     let pull_ok = |a: Algorithm, p: Protocol| -> bool {
         !p.pulls()
-            || (coll == Collective::AllReduce
-                && arena.pull_fits(
-                    p,
-                    count,
-                    elem,
-                    if a == Algorithm::TwoShot { shard } else { None },
-                ))
+            || arena.pull_fits(
+                p,
+                coll,
+                count,
+                elem,
+                if a == Algorithm::TwoShot { shard } else { None },
+            )
     };
     // Direct asked for where peers cannot read the user's buffers: the staged PULL protocol.
     let proto_choice = match proto_choice {
@@ -303,8 +303,10 @@ pub fn plan(
     let protos: &[Protocol] = match proto_choice {
         Choice::Force(p) if algos.iter().any(|&a| pull_ok(a, p)) => &forced,
         Choice::Force(_) => &Protocol::PUSH,
-        Choice::Auto if coll == Collective::AllReduce => &Protocol::ALL,
-        Choice::Auto => &Protocol::PUSH,
+        // Every collective weighs every protocol; ReduceScatter, AllGather and AllToAll do so on
+        // the AllReduce's rows, as for the push protocols (docs/protocols.md, "PULL for the
+        // other collectives").
+        Choice::Auto => &Protocol::ALL,
     };
     // The fastest prediction, then the first candidate (in the fixed order of the slices) within
     // TIE_FACTOR of it: see TIE_FACTOR.
@@ -327,9 +329,19 @@ pub fn plan(
     }
     let (algo, proto) = best.unwrap_or((algos[0], Protocol::Ll));
     if proto.pulls() {
-        let (target, over) = match algo {
-            Algorithm::OneShot => (PULL_ONESHOT_BLOCK_BYTES, bytes),
-            Algorithm::TwoShot => (PULL_TWOSHOT_BLOCK_BYTES, shard.unwrap_or(count) * elem),
+        // AllReduce: one-shot blocks take a chunk of the message, two-shot blocks a piece of
+        // every shard; the others: a chunk of every rank's piece (count * elem bytes).
+        let (target, over) = match (coll, algo) {
+            (Collective::AllReduce, Algorithm::OneShot) => (PULL_ONESHOT_BLOCK_BYTES, bytes),
+            (Collective::AllReduce, Algorithm::TwoShot) => {
+                (PULL_TWOSHOT_BLOCK_BYTES, shard.unwrap_or(count) * elem)
+            }
+            _ => (PULL_PIECE_BLOCK_BYTES, count * elem),
+        };
+        let algo = if coll == Collective::AllReduce {
+            algo
+        } else {
+            Algorithm::OneShot
         };
         let (grid, chunk_bytes) = pull_shape(over, target, max_grid);
         return Plan {

@@ -43,28 +43,19 @@ impl Kernel<FcCollParams> {
         Kernel::at(catalog::allreduce(algo, proto, t))
     }
 
-    /// The lossless ReduceScatter kernel (push protocols only).
-    pub const fn reducescatter(proto: Protocol, t: DType) -> Option<Self> {
-        match catalog::reducescatter(proto, t) {
-            Some(i) => Some(Kernel::at(i)),
-            None => None,
-        }
+    /// The lossless ReduceScatter kernel.
+    pub const fn reducescatter(proto: Protocol, t: DType) -> Self {
+        Kernel::at(catalog::reducescatter(proto, t))
     }
 
-    /// The AllGather kernel (push protocols only).
-    pub const fn allgather(proto: Protocol) -> Option<Self> {
-        match catalog::allgather(proto) {
-            Some(i) => Some(Kernel::at(i)),
-            None => None,
-        }
+    /// The AllGather kernel.
+    pub const fn allgather(proto: Protocol) -> Self {
+        Kernel::at(catalog::allgather(proto))
     }
 
-    /// The AllToAll kernel (push protocols only).
-    pub const fn alltoall(proto: Protocol) -> Option<Self> {
-        match catalog::alltoall(proto) {
-            Some(i) => Some(Kernel::at(i)),
-            None => None,
-        }
+    /// The AllToAll kernel.
+    pub const fn alltoall(proto: Protocol) -> Self {
+        Kernel::at(catalog::alltoall(proto))
     }
 
     /// The one-shot quantized AllReduce kernel at `bits`, if it exists.
