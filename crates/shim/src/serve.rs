@@ -59,6 +59,7 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
         transport: s.transport,
         host_copy: s.host_copy,
         calibrate: true,
+        calibrate_moves: s.calibrate_moves,
         quant_calibrate: policy::allreduce_quant_spec(config).into_iter().collect(),
         quant_choice: s.quant_choice,
         graph_mixing: s.graph_mixing,

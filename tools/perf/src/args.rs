@@ -231,6 +231,8 @@ pub struct Options {
     pub timeout_s: u64,
     /// `--calibrate`: let the communicator time its cost model at set-up.
     pub calibrate: bool,
+    /// `--calibrate-moves`: the calibration also times ReduceScatter, AllGather and AllToAll.
+    pub calibrate_moves: bool,
     /// `--early-launch`: each kernel lets the next one launch as soon as it starts.
     pub early_launch: bool,
     /// `--graph-mixing`: captured calls ordered with eager ones through graph nodes.
@@ -276,6 +278,7 @@ impl Default for Options {
             inplace: false,
             timeout_s: 60,
             calibrate: true,
+            calibrate_moves: false,
             early_launch: true,
             graph_mixing: true,
             check_values: 1 << 20,
@@ -646,6 +649,10 @@ struct Cli {
     /// Time the cost model when the communicator is created [1]
     #[arg(long, value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     calibrate: Option<bool>,
+    /// The calibration also times ReduceScatter, AllGather and AllToAll with each protocol
+    /// (FLASHCOMM_CALIBRATE_MOVES) [0]
+    #[arg(long = "calibrate-moves", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
+    calibrate_moves: Option<bool>,
     /// Order captured calls with eager ones through graph nodes (FLASHCOMM_GRAPH_MIXING) [1]
     #[arg(long = "graph-mixing", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     graph_mixing: Option<bool>,
@@ -777,6 +784,7 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
     set(&mut o.seed, cli.seed);
     set(&mut o.timeout_s, cli.timeout_s);
     set(&mut o.calibrate, cli.calibrate);
+    set(&mut o.calibrate_moves, cli.calibrate_moves);
     set(&mut o.early_launch, cli.early_launch);
     set(&mut o.graph_mixing, cli.graph_mixing);
     o.json = cli.json.or(o.json);

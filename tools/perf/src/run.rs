@@ -523,6 +523,7 @@ fn rank_main(
         proto: o.proto,
         transport: o.transport,
         calibrate: o.calibrate,
+        calibrate_moves: o.calibrate_moves,
         quant_calibrate: allreduce_quant_specs(o),
         quant_choice: o.quant_choice,
         early_launch: o.early_launch,

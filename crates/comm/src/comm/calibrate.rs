@@ -164,7 +164,69 @@ impl Communicator {
         for (k, &(algo, proto)) in combos.iter().enumerate() {
             model.set_measured(algo, proto, cal.row(k));
         }
+        if self.cfg.calibrate_moves {
+            for coll in plan::MOVES {
+                self.time_moves(ag, t, coll, &mut model)?;
+            }
+        }
         Ok(model)
+    }
+
+    /// The timed runs of ReduceScatter, AllGather or AllToAll (`coll`) for
+    /// `CommConfig::calibrate_moves`: LL, BLOCK and the PULL protocol the communicator offers
+    /// (direct where peers read user buffers, else staged, where the pull area holds every
+    /// calibration size) at every whole-buffer size of [`plan::CALIB_SIZES`], agreed size by size
+    /// and pruned as the AllReduce's are; recorded as `coll`'s own rows of `model`.
+    fn time_moves(
+        &self,
+        ag: &mut Agreement<'_>,
+        t: &Timers<'_>,
+        coll: Collective,
+        model: &mut CostModel,
+    ) -> Result<(), Error> {
+        let n = u64::from(self.nranks);
+        // Elements per rank's piece of a whole buffer of `bytes` (bf16).
+        let count_of = |bytes: u64| (bytes / n / 2).max(1);
+        let pulled = if self.arena.direct {
+            Protocol::Direct
+        } else {
+            Protocol::Pull
+        };
+        let protos: Vec<Protocol> = [Protocol::Ll, Protocol::Block, pulled]
+            .into_iter()
+            .filter(|&p| {
+                plan::CALIB_SIZES
+                    .iter()
+                    .all(|&bytes| self.arena.pull_fits(p, coll, count_of(bytes), 2, None))
+            })
+            .collect();
+        let mut cal = plan::Calibration::new(protos.len());
+        for (i, &bytes) in plan::CALIB_SIZES.iter().enumerate() {
+            let mut times = vec![0f64; protos.len()];
+            for (k, &proto) in protos.iter().enumerate() {
+                if !cal.live(k) {
+                    continue;
+                }
+                let p = plan::plan(
+                    &self.arena,
+                    &self.model,
+                    coll,
+                    count_of(bytes),
+                    2,
+                    self.max_grid,
+                    Choice::Auto,
+                    Choice::Force(proto),
+                );
+                times[k] = self.time_plan(ag, t, &p, count_of(bytes))?;
+            }
+            let all = ag.round(Ok(times.iter().flat_map(|t| t.to_le_bytes()).collect()))?;
+            let agreed = plan::Calibration::agree_times(&all, protos.len())?;
+            cal.record(i, &agreed);
+        }
+        for (k, &proto) in protos.iter().enumerate() {
+            model.set_move_measured(coll, proto, cal.row(k));
+        }
+        Ok(())
     }
 
     /// The timed runs of the quantized AllReduce for every codec setting of
@@ -208,8 +270,8 @@ impl Communicator {
         Ok(models)
     }
 
-    /// Times one plan of a bf16 AllReduce of `count` values for calibration, in microseconds per
-    /// call. The plan is timed as a CUDA graph of `reps` calls, as decode loops run them (eager
+    /// Times one plan of a bf16 collective of `count` values (per rank's piece, for the
+    /// collectives other than AllReduce) for calibration, in microseconds per call. The plan is timed as a CUDA graph of `reps` calls, as decode loops run them (eager
     /// launches would measure the host's launch spread across ranks, not the plan), between three
     /// checked rounds: instantiation and destruction happen only while every rank is idle (with
     /// ranks sharing a GPU they can wait for running kernels), and a rank whose step failed says

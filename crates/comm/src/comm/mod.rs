@@ -51,7 +51,7 @@ pub struct CommConfig {
     /// Cap on the arena each rank allocates (its push protocols' part).
     pub arena_bytes: u64,
     /// Bytes of the pull area each rank allocates beside it (two staging halves; the PULL
-    /// protocols take AllReduce calls up to half of it; 0: no PULL protocols).
+    /// protocols take calls whose staged bytes fit in half of it; 0: no PULL protocols).
     pub pull_bytes: u64,
     /// AllReduce algorithm override.
     pub algo: Choice<Algorithm>,
@@ -61,6 +61,10 @@ pub struct CommConfig {
     pub max_blocks: Option<u32>,
     /// Measure the cost model at set-up (otherwise use defaults).
     pub calibrate: bool,
+    /// Calibration also times ReduceScatter, AllGather and AllToAll with each protocol, so the
+    /// planner chooses their protocol from their own times rather than the AllReduce's
+    /// (`FLASHCOMM_CALIBRATE_MOVES`).
+    pub calibrate_moves: bool,
     /// Codec settings whose quantized AllReduce calibration also times (the settings the
     /// communicator's calls will ask for; the same list on every rank).
     pub quant_calibrate: Vec<QuantSpec>,
@@ -101,6 +105,7 @@ impl Default for CommConfig {
             proto: Choice::Auto,
             max_blocks: None,
             calibrate: true,
+            calibrate_moves: false,
             quant_calibrate: Vec::new(),
             quant_choice: QuantChoice::Auto,
             transport: Choice::Auto,

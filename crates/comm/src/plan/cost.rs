@@ -3,7 +3,7 @@
 
 use crate::error::Error;
 
-use super::{Algorithm, Protocol, QuantSpec};
+use super::{Algorithm, Collective, Protocol, QuantSpec};
 
 /// Message sizes (bytes of one rank) at which calibration times every (algorithm, protocol):
 /// the decode range by factors of 2, then larger points up to the pull area's default reach
@@ -157,12 +157,30 @@ pub struct CostModel {
     /// Measured microseconds at [`CALIB_SIZES`], indexed [algorithm][protocol][size]; a row
     /// with any entry that is not positive is not used (the linear model applies).
     pub table_us: [[[f64; CALIB_SIZES.len()]; NPROTO]; 2],
+    /// Measured microseconds of ReduceScatter, AllGather and AllToAll per protocol at
+    /// [`CALIB_SIZES`] of the whole buffer (the ReduceScatter's input, the AllGather's output,
+    /// the AllToAll's buffer, as nccl-tests counts them), indexed [collective][protocol][size]
+    /// ([`MOVES`]); a row with any entry that is not positive was not measured.
+    pub moves_us: [[[f64; CALIB_SIZES.len()]; NPROTO]; MOVES.len()],
     /// Whether the constants were measured on this machine (false: defaults).
     pub calibrated: bool,
 }
 
+/// The collectives with rows of their own in [`CostModel::moves_us`], in its order.
+pub const MOVES: [Collective; 3] = [
+    Collective::ReduceScatter,
+    Collective::AllGather,
+    Collective::AlltoAll,
+];
+
 /// Bytes of a serialized [`CostModel`].
-const MODEL_BYTES: usize = 8 * (2 * NPROTO * 2 + 2 * NPROTO * CALIB_SIZES.len());
+const MODEL_BYTES: usize = 8
+    * (2 * NPROTO * 2 + 2 * NPROTO * CALIB_SIZES.len() + MOVES.len() * NPROTO * CALIB_SIZES.len());
+
+/// Position of `coll` in [`MOVES`].
+fn move_index(coll: Collective) -> Option<usize> {
+    MOVES.iter().position(|&c| c == coll)
+}
 
 impl CostModel {
     /// Defaults for `nranks` ranks, used until calibration runs (or when it is disabled). They
@@ -178,7 +196,39 @@ impl CostModel {
             a_us: [[3.0, 6.0, 1e6, 1e6], [5.0, 10.0, 1e6, 1e6]],
             b_us_per_byte: [[2.0 * one, one, one, one], [2.0 * two, two, two, two]],
             table_us: [[[0.0; CALIB_SIZES.len()]; NPROTO]; 2],
+            moves_us: [[[0.0; CALIB_SIZES.len()]; NPROTO]; MOVES.len()],
             calibrated: false,
+        }
+    }
+
+    /// Predicted microseconds of `coll` (one of [`MOVES`]) with `proto` for a whole buffer of
+    /// `bytes` bytes, where its own row was measured (`None` otherwise).
+    pub fn predict_move(&self, coll: Collective, proto: Protocol, bytes: u64) -> Option<f64> {
+        let row = &self.moves_us[move_index(coll)?][proto.index()];
+        if row.iter().all(|&t| measured(t)) {
+            interpolate(row, bytes)
+        } else {
+            None
+        }
+    }
+
+    /// Whether `coll` has measured rows of its own: its push protocols were timed (they always
+    /// apply), so the planner weighs its measured protocols and leaves the others out.
+    pub fn moves_measured(&self, coll: Collective) -> bool {
+        Protocol::PUSH
+            .iter()
+            .all(|&p| self.predict_move(coll, p, CALIB_SIZES[0]).is_some())
+    }
+
+    /// Records the times of `coll` with `proto` measured at [`CALIB_SIZES`].
+    pub fn set_move_measured(
+        &mut self,
+        coll: Collective,
+        proto: Protocol,
+        us: [f64; CALIB_SIZES.len()],
+    ) {
+        if let Some(c) = move_index(coll) {
+            self.moves_us[c][proto.index()] = us;
         }
     }
 
@@ -231,6 +281,13 @@ impl CostModel {
                 }
             }
         }
+        for rows in &self.moves_us {
+            for row in rows {
+                for t in row {
+                    v.extend_from_slice(&t.to_le_bytes());
+                }
+            }
+        }
         v
     }
 
@@ -240,6 +297,7 @@ impl CostModel {
             a_us: [[0.0; NPROTO]; 2],
             b_us_per_byte: [[0.0; NPROTO]; 2],
             table_us: [[[0.0; CALIB_SIZES.len()]; NPROTO]; 2],
+            moves_us: [[[0.0; CALIB_SIZES.len()]; NPROTO]; MOVES.len()],
             calibrated: true,
         };
         for bytes in models {
@@ -255,6 +313,15 @@ impl CostModel {
                     let base = 2 * NPROTO * 2 + (i * NPROTO + j) * CALIB_SIZES.len();
                     for (s, t) in m.table_us[i][j].iter_mut().enumerate() {
                         *t = t.max(f(base + s));
+                    }
+                }
+            }
+            let mut k = 2 * NPROTO * 2 + 2 * NPROTO * CALIB_SIZES.len();
+            for rows in &mut m.moves_us {
+                for row in rows.iter_mut() {
+                    for t in row.iter_mut() {
+                        *t = t.max(f(k));
+                        k += 1;
                     }
                 }
             }

@@ -19,7 +19,7 @@ pub use arena::{
     PULL_TWOSHOT_BLOCK_BYTES, chunk_for, grid_for, pull_shape, shape_for, shard_elems,
 };
 pub use cost::{
-    CALIB_SIZES, Calibration, CostModel, PRUNE_FACTOR, PRUNE_FROM, QuantModel, TIE_FACTOR,
+    CALIB_SIZES, Calibration, CostModel, MOVES, PRUNE_FACTOR, PRUNE_FROM, QuantModel, TIE_FACTOR,
 };
 pub use select::{plan, plan_quant, plan_quant_op, quant_pays, quant_shape};
 
@@ -904,6 +904,83 @@ mod tests {
         // The model round-trips its PULL rows through the exchange.
         let back = CostModel::agree(&[m.to_bytes()]).unwrap();
         assert_eq!(back.table_us, m.table_us);
+    }
+
+    #[test]
+    fn measured_moves_choose_from_their_own_rows() {
+        let mut a = Arena::with_pull(8, 64 << 20, 32 << 20).unwrap();
+        a.direct = true;
+        let a = a;
+        let mut m = CostModel::default_for(8);
+        let row = |f: &dyn Fn(f64) -> f64| CALIB_SIZES.map(|s| f(s as f64));
+        // The AllReduce's rows say LL everywhere (the proxy the planner used before)...
+        m.set_measured(Algorithm::OneShot, Protocol::Ll, row(&|s| 2.0 + s / 1e6));
+        m.set_measured(
+            Algorithm::OneShot,
+            Protocol::Direct,
+            row(&|s| 9.0 + s / 1e6),
+        );
+        m.set_measured(Algorithm::TwoShot, Protocol::Ll, row(&|s| 2.0 + s / 1e6));
+        m.calibrated = true;
+        let pick_on = |a: &Arena, m: &CostModel, coll: Collective, whole: u64| {
+            plan(a, m, coll, whole / 16, 2, 64, Choice::Auto, Choice::Auto).proto
+        };
+        let pick = |m: &CostModel, coll: Collective, whole: u64| pick_on(&a, m, coll, whole);
+        for coll in MOVES {
+            assert!(!m.moves_measured(coll));
+            assert_eq!(pick(&m, coll, 64 << 10), Protocol::Ll, "{coll}");
+        }
+        // ...the AllGather's own rows say direct from 32 KiB of whole buffer.
+        m.set_move_measured(Collective::AllGather, Protocol::Ll, row(&|s| 3.0 + s / 1e4));
+        m.set_move_measured(
+            Collective::AllGather,
+            Protocol::Block,
+            row(&|s| 6.0 + s / 4e4),
+        );
+        m.set_move_measured(
+            Collective::AllGather,
+            Protocol::Direct,
+            row(&|s| 5.0 + s / 8e4),
+        );
+        assert!(m.moves_measured(Collective::AllGather));
+        assert_eq!(pick(&m, Collective::AllGather, 8 << 10), Protocol::Ll);
+        assert_eq!(pick(&m, Collective::AllGather, 64 << 10), Protocol::Direct);
+        assert_eq!(pick(&m, Collective::AllGather, 8 << 20), Protocol::Direct);
+        // The staged PULL protocol was not timed: never chosen while the rows are the AllGather's
+        // own, even where direct is not offered.
+        let mut staged = a;
+        staged.direct = false;
+        assert_ne!(
+            pick_on(&staged, &m, Collective::AllGather, 8 << 20),
+            Protocol::Pull
+        );
+        // Larger than the pull area holds: the push protocols' own rows decide.
+        assert_eq!(pick(&m, Collective::AllGather, 512 << 20), Protocol::Block);
+        // A forced protocol is taken whatever the rows say.
+        let forced = plan(
+            &a,
+            &m,
+            Collective::AllGather,
+            4096,
+            2,
+            64,
+            Choice::Auto,
+            Choice::Force(Protocol::Pull),
+        );
+        assert_eq!(forced.proto, Protocol::Pull);
+        // The other collectives keep the AllReduce's rows.
+        assert_eq!(pick(&m, Collective::AlltoAll, 64 << 10), Protocol::Ll);
+        // The rows travel through the exchange; the element-wise maximum of two ranks' models.
+        let mut slower = m;
+        slower.set_move_measured(
+            Collective::AllGather,
+            Protocol::Direct,
+            row(&|s| 50.0 + s / 8e4),
+        );
+        let back = CostModel::agree(&[m.to_bytes(), slower.to_bytes()]).unwrap();
+        assert_eq!(back.moves_us, slower.moves_us);
+        assert_eq!(back.table_us, m.table_us);
+        assert_eq!(pick(&back, Collective::AllGather, 64 << 10), Protocol::Block);
     }
 
     #[test]

@@ -308,20 +308,37 @@ pub fn plan(
         // other collectives").
         Choice::Auto => &Protocol::ALL,
     };
+    // ReduceScatter, AllGather and AllToAll whose protocols the calibration timed
+    // (`CommConfig::calibrate_moves`) are predicted from their own rows, at the whole buffer's
+    // bytes, among the protocols measured; otherwise every collective is predicted from the
+    // AllReduce's rows (a forced protocol is taken whatever the rows say).
+    let own_rows = coll != Collective::AllReduce && protos.len() > 1 && model.moves_measured(coll);
+    let whole = count * elem * n as u64;
+    let predict = |a: Algorithm, p: Protocol| -> Option<f64> {
+        if own_rows {
+            model.predict_move(coll, p, whole)
+        } else {
+            Some(model.predict(a, p, bytes))
+        }
+    };
     // The fastest prediction, then the first candidate (in the fixed order of the slices) within
     // TIE_FACTOR of it: see TIE_FACTOR.
     let mut fastest = f64::INFINITY;
     for &a in algos {
         for &p in protos {
-            if pull_ok(a, p) {
-                fastest = fastest.min(model.predict(a, p, bytes));
+            if pull_ok(a, p)
+                && let Some(t) = predict(a, p)
+            {
+                fastest = fastest.min(t);
             }
         }
     }
     let mut best: Option<(Algorithm, Protocol)> = None;
     for &a in algos {
         for &p in protos {
-            if best.is_none() && pull_ok(a, p) && model.predict(a, p, bytes) <= fastest * TIE_FACTOR
+            if best.is_none()
+                && pull_ok(a, p)
+                && predict(a, p).is_some_and(|t| t <= fastest * TIE_FACTOR)
             {
                 best = Some((a, p));
             }
