@@ -980,7 +980,10 @@ mod tests {
         let back = CostModel::agree(&[m.to_bytes(), slower.to_bytes()]).unwrap();
         assert_eq!(back.moves_us, slower.moves_us);
         assert_eq!(back.table_us, m.table_us);
-        assert_eq!(pick(&back, Collective::AllGather, 64 << 10), Protocol::Block);
+        assert_eq!(
+            pick(&back, Collective::AllGather, 64 << 10),
+            Protocol::Block
+        );
     }
 
     #[test]

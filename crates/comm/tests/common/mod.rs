@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flashcomm_comm::{
-    Bootstrap, Choice, CommConfig, Communicator, DeviceMem, Stream, ThreadBootstrap, ThreadGroup,
-    Transport,
+    Bootstrap, Choice, CommConfig, Communicator, DeviceMem, Protocol, Stream, ThreadBootstrap,
+    ThreadGroup, Transport,
 };
 use flashcomm_testkit::verify::{TestType, Verifier};
 
@@ -60,14 +60,26 @@ pub struct Shared {
 
 /// Default test configuration: short timeouts so a bug fails fast instead of hanging, on the
 /// transport `FLASHCOMM_TRANSPORT` names (`p2p`, `host`; anything else: automatic), so the whole
-/// GPU suite runs once per transport.
+/// GPU suite runs once per transport, and with the protocol `FLASHCOMM_PROTO` forces (`ll`,
+/// `block`, `pull`, `direct`; anything else: the planner's choice) wherever a test does not
+/// force one itself, so the suite also runs once with a PULL protocol forced.
 pub fn test_config() -> CommConfig {
     CommConfig {
         timeout: Duration::from_secs(10),
         calibrate: false,
         transport: test_transport(),
+        proto: test_proto(),
         ..CommConfig::default()
     }
+}
+
+/// The protocol the tests force where they do not choose one (`FLASHCOMM_PROTO`).
+pub fn test_proto() -> Choice<Protocol> {
+    let asked = std::env::var("FLASHCOMM_PROTO").unwrap_or_default();
+    Protocol::ALL
+        .into_iter()
+        .find(|p| p.name() == asked.trim())
+        .map_or(Choice::Auto, Choice::Force)
 }
 
 /// The transport the tests run on (`FLASHCOMM_TRANSPORT`).
