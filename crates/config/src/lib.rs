@@ -918,6 +918,7 @@ mod tests {
             ("FLASHCOMM_ARENA_BYTES", "32M"),
             ("FLASHCOMM_OPS", "allreduce"),
             ("FLASHCOMM_QUANT_CHOICE", "always"),
+            ("FLASHCOMM_CALIBRATE_MOVES", "1"),
         ] {
             let mut vars = vec![
                 ("FLASHCOMM_QUANT_BITS", "4"),

@@ -119,21 +119,21 @@ impl Communicator {
         // would wait for it (and end in their timeout, a different verdict).
         ag.check(verdict(injected(6)))?;
         let mut model = CostModel::default_for(self.nranks);
-        // A PULL protocol is timed only where it can serve every calibration size (the same on
-        // every rank: the arena is); otherwise its row keeps the defaults, which the planner never
-        // picks.
+        // A PULL protocol is timed at the sizes its pull area holds (the same on every rank: the
+        // arena is): from the smallest on, up to the first size it cannot serve, from which its
+        // row continues as a dropped combination's (plan::Calibration::stop). One that cannot
+        // serve the smallest keeps the defaults, which the planner never picks.
+        let fits = |algo: Algorithm, proto: Protocol, bytes: u64| {
+            let count = bytes / 2;
+            let shard = plan::shard_elems(count, self.nranks, 2);
+            let two = (algo == Algorithm::TwoShot).then_some(shard).flatten();
+            self.arena
+                .pull_fits(proto, Collective::AllReduce, count, 2, two)
+        };
         let combos: Vec<(Algorithm, Protocol)> = Algorithm::ALL
             .iter()
             .flat_map(|&a| Protocol::ALL.iter().map(move |&p| (a, p)))
-            .filter(|&(algo, proto)| {
-                plan::CALIB_SIZES.iter().all(|&bytes| {
-                    let count = bytes / 2;
-                    let shard = plan::shard_elems(count, self.nranks, 2);
-                    let two = (algo == Algorithm::TwoShot).then_some(shard).flatten();
-                    self.arena
-                        .pull_fits(proto, Collective::AllReduce, count, 2, two)
-                })
-            })
+            .filter(|&(algo, proto)| fits(algo, proto, plan::CALIB_SIZES[0]))
             .collect();
         // Size by size, every combination still in the running; the times of a size are agreed
         // (the element-wise maximum) before the next, so that every rank drops the same
@@ -142,6 +142,9 @@ impl Communicator {
         for (i, &bytes) in plan::CALIB_SIZES.iter().enumerate() {
             let mut times = vec![0f64; combos.len()];
             for (k, &(algo, proto)) in combos.iter().enumerate() {
+                if cal.live(k) && !fits(algo, proto, bytes) {
+                    cal.stop(k, i);
+                }
                 if !cal.live(k) {
                     continue;
                 }
@@ -174,9 +177,9 @@ impl Communicator {
 
     /// The timed runs of ReduceScatter, AllGather or AllToAll (`coll`) for
     /// `CommConfig::calibrate_moves`: LL, BLOCK and the PULL protocol the communicator offers
-    /// (direct where peers read user buffers, else staged, where the pull area holds every
-    /// calibration size) at every whole-buffer size of [`plan::CALIB_SIZES`], agreed size by size
-    /// and pruned as the AllReduce's are; recorded as `coll`'s own rows of `model`.
+    /// (direct where peers read user buffers, else staged) at every whole-buffer size of
+    /// [`plan::CALIB_SIZES`], agreed size by size and pruned as the AllReduce's are; recorded as
+    /// `coll`'s own rows of `model`.
     fn time_moves(
         &self,
         ag: &mut Agreement<'_>,
@@ -192,18 +195,22 @@ impl Communicator {
         } else {
             Protocol::Pull
         };
+        // As for the AllReduce: a PULL protocol is timed up to the first size its pull area
+        // cannot serve (at 3, 5, 6 or 7 ranks the rounded pieces of 16 MiB overflow the default
+        // staging half), and its row continues from there.
+        let fits =
+            |p: Protocol, bytes: u64| self.arena.pull_fits(p, coll, count_of(bytes), 2, None);
         let protos: Vec<Protocol> = [Protocol::Ll, Protocol::Block, pulled]
             .into_iter()
-            .filter(|&p| {
-                plan::CALIB_SIZES
-                    .iter()
-                    .all(|&bytes| self.arena.pull_fits(p, coll, count_of(bytes), 2, None))
-            })
+            .filter(|&p| fits(p, plan::CALIB_SIZES[0]))
             .collect();
         let mut cal = plan::Calibration::new(protos.len());
         for (i, &bytes) in plan::CALIB_SIZES.iter().enumerate() {
             let mut times = vec![0f64; protos.len()];
             for (k, &proto) in protos.iter().enumerate() {
+                if cal.live(k) && !fits(proto, bytes) {
+                    cal.stop(k, i);
+                }
                 if !cal.live(k) {
                     continue;
                 }

@@ -443,6 +443,9 @@ impl Communicator {
             Kernel::allreduce(Algorithm::TwoShot, Protocol::Ll, DataType::Bf16),
             Kernel::allreduce(Algorithm::OneShot, Protocol::Pull, DataType::F32),
             Kernel::allreduce(Algorithm::TwoShot, Protocol::Direct, DataType::Bf16),
+            Kernel::reducescatter(Protocol::Direct, DataType::F32),
+            Kernel::allgather(Protocol::Direct),
+            Kernel::alltoall(Protocol::Pull),
         ] {
             per_sm = per_sm.min(kernels.get(k).max_active_blocks_per_sm(THREADS, 0)?);
         }

@@ -91,6 +91,15 @@ impl Calibration {
         }
     }
 
+    /// Stops timing combination `k` from size index `i` on (`i >= 1`: it was timed at the sizes
+    /// before), as if it had been dropped at size `i - 1`: for what the pull area cannot serve.
+    /// Every rank calls it alike (the arena is agreed).
+    pub fn stop(&mut self, k: usize, i: usize) {
+        if i > 0 && self.dropped[k].is_none() {
+            self.dropped[k] = Some(i - 1);
+        }
+    }
+
     /// Combination `k`'s row: measured times, and past the size at which it was dropped, its last
     /// time scaled in proportion to the size (above the linear extension of any time with a fixed
     /// cost, so the estimate errs towards "slower": the planner keeps not choosing it).

@@ -1025,4 +1025,31 @@ mod tests {
         }
         assert!(Calibration::agree_times(&[vec![0u8; 7]], 1).is_err());
     }
+
+    #[test]
+    fn a_combination_the_pull_area_cannot_serve_stops_and_its_row_continues() {
+        let mut cal = Calibration::new(2);
+        let last = CALIB_SIZES.len() - 1;
+        for i in 0..CALIB_SIZES.len() {
+            if i == last {
+                // Combination 1 does not fit at the largest size: timed no more.
+                cal.stop(1, i);
+            }
+            assert_eq!(cal.live(1), i < last);
+            let t = [10.0 + i as f64, 1.0 + i as f64];
+            cal.record(i, &t);
+        }
+        let r = cal.row(1);
+        assert!(r.iter().all(|&t| t > 0.0), "{r:?}");
+        // Measured up to the size before, extended in proportion to the size from there.
+        assert_eq!(r[last - 1], last as f64);
+        assert_eq!(
+            r[last],
+            r[last - 1] * CALIB_SIZES[last] as f64 / CALIB_SIZES[last - 1] as f64
+        );
+        // Stopping at the first size leaves the combination timed there (it is excluded before).
+        let mut first = Calibration::new(1);
+        first.stop(0, 0);
+        assert!(first.live(0));
+    }
 }

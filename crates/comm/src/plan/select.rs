@@ -313,7 +313,7 @@ pub fn plan(
     // bytes, among the protocols measured; otherwise every collective is predicted from the
     // AllReduce's rows (a forced protocol is taken whatever the rows say).
     let own_rows = coll != Collective::AllReduce && protos.len() > 1 && model.moves_measured(coll);
-    let whole = count * elem * n as u64;
+    let whole = count.saturating_mul(elem).saturating_mul(n as u64);
     let predict = |a: Algorithm, p: Protocol| -> Option<f64> {
         if own_rows {
             model.predict_move(coll, p, whole)
