@@ -51,7 +51,7 @@ SOURCES = {
     "quantized": dict(kind="host", files="2026-12-04-h200-18177d6/ar2.json", launch="graph"),
     "alltoall": dict(kind="versus", files="2026-12-06-h100-3ef811d/auto/alltoall-auto-n8.json", launch="graph", baselines=["copy"]),
     "host-cost": dict(kind="overhead", files="2026-12-04-h200-990b028/logs/c__overhead.log"),
-    "glance": dict(kind="glance", doc="README.md", decode="decode", pcie="quantized", cost="host-cost"),
+    "glance": dict(kind="glance", doc="README.md", decode="decode", pcie="quantized", cost="host-cost", alltoall="alltoall"),
     "decode-latency": dict(kind="latency_plot", files="2026-12-06-h100-323c796/comp-n*.json", dtype="bfloat16", title="AllReduce latency against the plain and the pull kernels (bf16, CUDA graphs)"),
     "pcie-bandwidth": dict(kind="bandwidth_plot", files="2026-12-04-h200-18177d6/ar2.json", title="AllReduce bandwidth across PCIe (2 ranks, bf16, CUDA graphs)", widths=[8, 4, 2]),
 }
@@ -360,7 +360,7 @@ def table_glance(src):
     lo = size_label(min(x[0] for xs in by_ranks.values() for x in xs))
     hi = size_label(max(x[0] for xs in by_ranks.values() for x in xs))
     ranks = "-".join(str(n) for n in (min(by_ranks), max(by_ranks)))
-    return [
+    lines = [
         "| question | answer (details in [docs/perf.md](docs/perf.md)) |",
         "|---|---|",
         f"| AllReduce, {lo}-{hi}, {ranks} ranks on one {', '.join(sorted(gpus))} | "
@@ -372,6 +372,20 @@ def table_glance(src):
         f"4-bit {q4:.2f}x and 2-bit {q2:.2f}x faster than lossless |",
         f"| Host cost of an eager `ncclAllReduce` (one rank) | {min(ar):.2f}-{max(ar):.2f}x the real NCCL's |",
     ]
+    if "alltoall" in src:
+        # AllToAll against the plain pattern (every rank pushes block q to rank q as LL lines).
+        a2a = SOURCES[src["alltoall"]]
+        d = load(paths_of(a2a["files"])[0])
+        by = {(r["impl"], r["size_bytes"]): r for r in pick(d, a2a.get("launch", "graph"), a2a.get("dtype"), a2a)}
+        pairs = sorted((b, time_of(by[("flashcomm", b)]) / time_of(by[("reference", b)]))
+                       for (i, b) in by if i == "flashcomm" and ("reference", b) in by)
+        large = [v for b, v in pairs if b >= 512 << 10]
+        lines.insert(3, f"| AllToAll, {size_label(pairs[0][0])}-{size_label(pairs[-1][0])} (whole buffer), "
+                        f"{d['settings']['ranks']} ranks on one {d['settings'].get('gpu')} | "
+                        f"{min(v for _, v in pairs):.2f}-{max(v for _, v in pairs):.2f}x the time of a plain kernel "
+                        f"that pushes each peer's block as LL lines; from 512 KiB "
+                        f"{min(large):.2f}-{max(large):.2f}x |")
+    return lines
 
 
 # ---------------------------------------------------------------- plots (SVG)
