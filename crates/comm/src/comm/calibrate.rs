@@ -135,19 +135,13 @@ impl Communicator {
             .flat_map(|&a| Protocol::ALL.iter().map(move |&p| (a, p)))
             .filter(|&(algo, proto)| fits(algo, proto, plan::CALIB_SIZES[0]))
             .collect();
-        // Size by size, every combination still in the running; the times of a size are agreed
-        // (the element-wise maximum) before the next, so that every rank drops the same
-        // combinations (plan::Calibration).
-        let mut cal = plan::Calibration::new(combos.len());
-        for (i, &bytes) in plan::CALIB_SIZES.iter().enumerate() {
-            let mut times = vec![0f64; combos.len()];
-            for (k, &(algo, proto)) in combos.iter().enumerate() {
-                if cal.live(k) && !fits(algo, proto, bytes) {
-                    cal.stop(k, i);
-                }
-                if !cal.live(k) {
-                    continue;
-                }
+        let cal = self.time_rows(
+            ag,
+            t,
+            combos.len(),
+            |k, bytes| fits(combos[k].0, combos[k].1, bytes),
+            |k, bytes| {
+                let (algo, proto) = combos[k];
                 let p = plan::plan(
                     &self.arena,
                     &self.model,
@@ -158,12 +152,9 @@ impl Communicator {
                     Choice::Force(algo),
                     Choice::Force(proto),
                 );
-                times[k] = self.time_plan(ag, t, &p, bytes / 2)?;
-            }
-            let all = ag.round(Ok(times.iter().flat_map(|t| t.to_le_bytes()).collect()))?;
-            let agreed = plan::Calibration::agree_times(&all, combos.len())?;
-            cal.record(i, &agreed);
-        }
+                (p, bytes / 2)
+            },
+        )?;
         for (k, &(algo, proto)) in combos.iter().enumerate() {
             model.set_measured(algo, proto, cal.row(k));
         }
@@ -204,16 +195,12 @@ impl Communicator {
             .into_iter()
             .filter(|&p| fits(p, plan::CALIB_SIZES[0]))
             .collect();
-        let mut cal = plan::Calibration::new(protos.len());
-        for (i, &bytes) in plan::CALIB_SIZES.iter().enumerate() {
-            let mut times = vec![0f64; protos.len()];
-            for (k, &proto) in protos.iter().enumerate() {
-                if cal.live(k) && !fits(proto, bytes) {
-                    cal.stop(k, i);
-                }
-                if !cal.live(k) {
-                    continue;
-                }
+        let cal = self.time_rows(
+            ag,
+            t,
+            protos.len(),
+            |k, bytes| fits(protos[k], bytes),
+            |k, bytes| {
                 let p = plan::plan(
                     &self.arena,
                     &self.model,
@@ -222,18 +209,48 @@ impl Communicator {
                     2,
                     self.max_grid,
                     Choice::Auto,
-                    Choice::Force(proto),
+                    Choice::Force(protos[k]),
                 );
-                times[k] = self.time_plan(ag, t, &p, count_of(bytes))?;
-            }
-            let all = ag.round(Ok(times.iter().flat_map(|t| t.to_le_bytes()).collect()))?;
-            let agreed = plan::Calibration::agree_times(&all, protos.len())?;
-            cal.record(i, &agreed);
-        }
+                (p, count_of(bytes))
+            },
+        )?;
         for (k, &proto) in protos.iter().enumerate() {
             model.set_move_measured(coll, proto, cal.row(k));
         }
         Ok(())
+    }
+
+    /// Times `n` combinations at every size of [`plan::CALIB_SIZES`], size by size: combination
+    /// `k` runs `plan_of(k, bytes)` (its plan and element count at a size) while it is in the
+    /// running, stops at the first size `fits(k, bytes)` says it cannot serve
+    /// ([`plan::Calibration::stop`]), and the times of a size are agreed (the element-wise
+    /// maximum) before the next, so that every rank drops the same combinations.
+    fn time_rows(
+        &self,
+        ag: &mut Agreement<'_>,
+        t: &Timers<'_>,
+        n: usize,
+        fits: impl Fn(usize, u64) -> bool,
+        plan_of: impl Fn(usize, u64) -> (Plan, u64),
+    ) -> Result<plan::Calibration, Error> {
+        let mut cal = plan::Calibration::new(n);
+        for (i, &bytes) in plan::CALIB_SIZES.iter().enumerate() {
+            let mut times = vec![0f64; n];
+            for (k, time) in times.iter_mut().enumerate() {
+                if cal.live(k) && !fits(k, bytes) {
+                    cal.stop(k, i);
+                }
+                if !cal.live(k) {
+                    continue;
+                }
+                let (p, count) = plan_of(k, bytes);
+                *time = self.time_plan(ag, t, &p, count)?;
+            }
+            let all = ag.round(Ok(times.iter().flat_map(|t| t.to_le_bytes()).collect()))?;
+            let agreed = plan::Calibration::agree_times(&all, n)?;
+            cal.record(i, &agreed);
+        }
+        Ok(cal)
     }
 
     /// The timed runs of the quantized AllReduce for every codec setting of
