@@ -9,8 +9,8 @@
 pub use flashcomm_gpu::Error;
 pub use flashcomm_gpu::{
     CaptureRecord, CtxGuard, Device, DeviceMem, DevicePtr, Event, Function, Graph, HostArena,
-    HostMapped, IpcMapping, LaunchConfig, OwnStream, Stream, device_count, driver_present, init,
-    mem_info, remove_stale_segments,
+    HostMapped, IpcMapping, LaunchConfig, OwnStream, Stream, UserAllocation, buffer_id,
+    device_count, driver_present, init, mem_info, remove_stale_segments, user_allocation,
 };
 
 use flashcomm_kernels::Kernel;

@@ -21,6 +21,7 @@ pub mod error;
 pub mod gpu;
 pub mod identity;
 pub mod plan;
+mod register;
 mod release;
 pub mod request;
 mod transport;
@@ -35,6 +36,7 @@ pub use plan::{
     Algorithm, Choice, Collective, CostModel, DataType, Plan, Protocol, QuantChoice, QuantModel,
     QuantSpec,
 };
+pub use register::RegistrationId;
 pub use release::Release;
 pub use request::{Buffers, Request};
 pub use transport::Transport;

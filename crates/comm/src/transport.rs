@@ -74,7 +74,7 @@ fn segment_prefix() -> String {
 }
 
 /// A unique segment name for this process's next arena: `/<prefix><pid>-<n>-<time>`.
-fn segment_name() -> String {
+pub(crate) fn segment_name() -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let t = std::time::SystemTime::now()

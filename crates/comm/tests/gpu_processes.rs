@@ -99,6 +99,21 @@ fn processes_exchange_through_ipc() {
     );
 }
 
+/// Zero-copy between processes (`zero_copy`, the direct PULL protocol forced): registered buffers
+/// are read by peers in place, and every way a registration can be partial or stale gives exact
+/// results: nothing registered (every rank stages), registration on the even ranks only (they read
+/// in place, the odd ones stage), on every rank, a CUDA graph captured in place and replayed after
+/// every rank deregistered its buffers, and a registered buffer freed and allocated again at the
+/// same address without a new registration (staged), then registered again (in place).
+#[test]
+fn zero_copy_registered_buffers() {
+    let codes = processes("zerocopy", "zerocopy", "zerocopy", Duration::from_secs(120));
+    assert!(
+        codes.iter().all(|c| *c == Some(0)),
+        "rank processes exited with {codes:?}"
+    );
+}
+
 /// One of four processes is killed after set-up; the others' collective ends in an error within
 /// the timeout plus one second, and they can destroy their communicators and exit cleanly.
 #[test]
@@ -283,10 +298,15 @@ fn child_process_entry() {
         _ => Duration::from_secs(3),
     };
     let boot = FileBootstrap::new(&dir, rank, n, Duration::from_secs(60)).expect("bootstrap");
+    // Zero-copy is a peer-transport matter (the host transport's peers cannot read device
+    // memory), whatever transport the other modes take.
+    let zero_copy = mode == "zerocopy";
     let cfg = CommConfig {
         timeout,
         calibrate: false,
+        zero_copy,
         transport: match std::env::var("FLASHCOMM_TRANSPORT").as_deref() {
+            _ if zero_copy => Choice::Force(Transport::P2p),
             Ok("host") => Choice::Force(Transport::Host),
             Ok("p2p") => Choice::Force(Transport::P2p),
             _ => Choice::Auto,
@@ -463,6 +483,7 @@ fn child_process_entry() {
                 },
             );
         }
+        "zerocopy" => zero_copy_checks(&comm, &boot, &v, s, rank, n),
         "victim" => {
             std::fs::write(dir.join("victim-ready"), b"").unwrap();
             std::thread::sleep(Duration::from_secs(600));
@@ -692,4 +713,244 @@ fn graph_replay(
     println!(
         "ok rank {rank} of {n}: graph of a lossless and a quantized AllReduce replayed {REPLAYS} times"
     );
+}
+
+/// The calls of one zero-copy phase: (collective, type, count, algorithm), every piece a multiple
+/// of 16 bytes (so that registration alone decides whether a rank stages).
+const ZERO_COPY_CALLS: [(Collective, TestType, u64, Algorithm); 5] = [
+    (
+        Collective::AllReduce,
+        TestType::Bf16,
+        30_008,
+        Algorithm::OneShot,
+    ),
+    (
+        Collective::AllReduce,
+        TestType::F32,
+        200_000,
+        Algorithm::TwoShot,
+    ),
+    (
+        Collective::AllGather,
+        TestType::U8,
+        70_000,
+        Algorithm::OneShot,
+    ),
+    (
+        Collective::ReduceScatter,
+        TestType::F16,
+        50_000,
+        Algorithm::OneShot,
+    ),
+    (
+        Collective::AlltoAll,
+        TestType::Bf16,
+        30_000,
+        Algorithm::OneShot,
+    ),
+];
+
+/// Runs [`ZERO_COPY_CALLS`] with the direct protocol between `send` and `recv`, checks every
+/// result on the device and returns how many calls read this rank's buffers in place.
+#[allow(clippy::too_many_arguments)]
+fn zero_copy_phase(
+    comm: &Communicator,
+    boot: &FileBootstrap,
+    v: &Verifier,
+    s: Stream,
+    send: flashcomm_comm::DevicePtr,
+    recv: flashcomm_comm::DevicePtr,
+    rank: u32,
+    n: u32,
+    what: &str,
+) -> u64 {
+    let before = comm.zero_copy_calls();
+    for (i, (coll, ty, count, algo)) in ZERO_COPY_CALLS.into_iter().enumerate() {
+        let salt = 60 + i as u32;
+        let n64 = u64::from(n);
+        let (se, re) = match coll {
+            Collective::AllReduce => (count, count),
+            Collective::AllGather => (count, count * n64),
+            Collective::ReduceScatter => (count * n64, count),
+            _ => (count * n64, count * n64),
+        };
+        v.fill(send, se, ty, rank, salt, s).unwrap();
+        comm.execute(
+            &Request::shaped(coll, count, ty.dtype(), ty.bytes())
+                .forced(
+                    Choice::Force(algo),
+                    Choice::Force(flashcomm_comm::Protocol::Direct),
+                )
+                .between(send, recv)
+                .on(s),
+        )
+        .unwrap_or_else(|e| panic!("rank {rank}: {what}: {coll:?}: {e}"));
+        v.check(recv, re, count, coll, ty, n, rank, salt, s)
+            .unwrap();
+    }
+    s.synchronize().unwrap();
+    comm.check_status().expect("device status");
+    let (bad, first) = v.errors().unwrap();
+    assert_eq!(bad, 0, "rank {rank}: {what}: {bad} wrong, first at {first}");
+    boot.barrier().unwrap();
+    comm.zero_copy_calls() - before
+}
+
+#[allow(clippy::too_many_arguments)]
+fn zero_copy_checks(
+    comm: &Communicator,
+    boot: &FileBootstrap,
+    v: &Verifier,
+    s: Stream,
+    rank: u32,
+    n: u32,
+) {
+    const BYTES: usize = 4 << 20;
+    assert!(
+        comm.serves_registered_buffers(),
+        "rank {rank}: zero-copy set up but no registration board"
+    );
+    let calls = ZERO_COPY_CALLS.len() as u64;
+    let send = v.alloc(BYTES).unwrap();
+    let recv = v.alloc(BYTES).unwrap();
+    let (sp, rp) = (send.as_ptr(), recv.as_ptr());
+    let phase = |what: &str, sp, rp| {
+        // The first round lets every peer map what was registered since the last one.
+        zero_copy_phase(comm, boot, v, s, sp, rp, rank, n, what);
+        zero_copy_phase(comm, boot, v, s, sp, rp, rank, n, what)
+    };
+    // Nothing registered: every rank stages.
+    assert_eq!(
+        phase("nothing registered", sp, rp),
+        0,
+        "rank {rank}: nothing registered"
+    );
+    // The even ranks register: they read in place, the odd ones stage.
+    let mut ids = Vec::new();
+    if rank.is_multiple_of(2) {
+        ids.push(comm.register(send.addr(), BYTES as u64).unwrap());
+        ids.push(comm.register(recv.addr(), BYTES as u64).unwrap());
+    }
+    boot.barrier().unwrap();
+    let got = phase("even ranks registered", sp, rp);
+    assert_eq!(
+        got,
+        if rank.is_multiple_of(2) { calls } else { 0 },
+        "rank {rank}: even ranks registered"
+    );
+    // Every rank registered (a collective registration: mapped by every peer before it returns).
+    if rank % 2 == 1 {
+        for b in [&send, &recv] {
+            let (id, mapped) = comm
+                .register_collective(b.addr(), BYTES as u64, Duration::from_secs(30))
+                .unwrap();
+            ids.push(id);
+            let _ = mapped;
+        }
+    }
+    boot.barrier().unwrap();
+    assert_eq!(
+        phase("every rank registered", sp, rp),
+        calls,
+        "rank {rank}: every rank registered"
+    );
+    // A graph captured in place, replayed after every rank deregistered its buffers: the peers'
+    // mappings stay, the replays read them, exact.
+    let (ty, count, salt) = (TestType::Bf16, 100_000u64, 77u32);
+    v.fill(sp, count, ty, rank, salt, s).unwrap();
+    s.synchronize().unwrap();
+    boot.barrier().unwrap();
+    let before = comm.zero_copy_calls();
+    s.begin_capture().unwrap();
+    for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+        comm.execute(
+            &Request::typed(Collective::AllReduce, count, DataType::Bf16)
+                .forced(
+                    Choice::Force(algo),
+                    Choice::Force(flashcomm_comm::Protocol::Direct),
+                )
+                .between(sp, rp)
+                .on(s),
+        )
+        .unwrap();
+        v.check(
+            rp,
+            count,
+            count,
+            Collective::AllReduce,
+            ty,
+            n,
+            rank,
+            salt,
+            s,
+        )
+        .unwrap();
+    }
+    let graph = s.end_capture().expect("capture");
+    assert_eq!(
+        comm.zero_copy_calls() - before,
+        2,
+        "rank {rank}: the graph reads in place"
+    );
+    for id in ids.drain(..) {
+        comm.deregister(id).unwrap();
+    }
+    boot.barrier().unwrap();
+    for _ in 0..50 {
+        graph.launch(s).unwrap();
+    }
+    s.synchronize().unwrap();
+    comm.check_status().expect("device status");
+    let (bad, first) = v.errors().unwrap();
+    assert_eq!(
+        bad, 0,
+        "rank {rank}: graph after deregistration: {bad} wrong, first at {first}"
+    );
+    drop(graph);
+    boot.barrier().unwrap();
+    assert_eq!(
+        phase("deregistered", sp, rp),
+        0,
+        "rank {rank}: deregistered"
+    );
+    // A registered buffer freed and allocated again (at the same address, as the driver usually
+    // does) without a new registration: staged, exact; registered again: in place.
+    let id_recv = comm.register(recv.addr(), BYTES as u64).unwrap();
+    let x = v.alloc(BYTES).unwrap();
+    let x_addr = x.addr();
+    let id = comm.register(x_addr, BYTES as u64).unwrap();
+    boot.barrier().unwrap();
+    assert_eq!(
+        phase("scratch registered", x.as_ptr(), rp),
+        calls,
+        "rank {rank}: scratch registered"
+    );
+    drop(x);
+    let x2 = v.alloc(BYTES).unwrap();
+    println!(
+        "rank {rank}: reallocated at {} address",
+        if x2.addr() == x_addr {
+            "the same"
+        } else {
+            "another"
+        }
+    );
+    boot.barrier().unwrap();
+    assert_eq!(
+        phase("freed and reallocated", x2.as_ptr(), rp),
+        0,
+        "rank {rank}: stale registration"
+    );
+    comm.deregister(id).unwrap();
+    let id2 = comm.register(x2.addr(), BYTES as u64).unwrap();
+    boot.barrier().unwrap();
+    assert_eq!(
+        phase("registered again", x2.as_ptr(), rp),
+        calls,
+        "rank {rank}: registered again"
+    );
+    comm.deregister(id2).unwrap();
+    comm.deregister(id_recv).unwrap();
+    boot.barrier().unwrap();
+    println!("ok rank {rank} of {n}: zero-copy registered buffers");
 }

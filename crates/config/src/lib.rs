@@ -406,6 +406,18 @@ variables! {
         allowed: "`1`, `0`, `true`, `false`, `yes`, `no`, `on`, `off`",
         strict: true,
     }
+    /// Zero-copy between processes: on the peer transport, the direct PULL protocol also
+    /// serves ranks of different processes of one machine, and peers read a rank's buffers in
+    /// place where it registered them (`ncclCommRegister`, `ncclCommWindowRegister`; memory of
+    /// `cudaMalloc`, which legacy CUDA IPC exports). An unregistered buffer, or one a peer has not
+    /// mapped yet, is staged in the rank's own pull area, rank by rank, with the same results.
+    /// Off by default until measured on a GPU machine against the staged PULL protocol.
+    zero_copy: bool = false => {
+        name: "FLASHCOMM_ZERO_COPY",
+        kind: "bool",
+        allowed: "`1`, `0`, `true`, `false`, `yes`, `no`, `on`, `off`",
+        strict: true,
+    }
     /// Run a group of `ncclSend`/`ncclRecv` that forms an all-to-all (one communicator, one
     /// stream, one datatype, exactly one send and one receive per rank, all of one count; the
     /// buffers may lie anywhere) as flashcomm's AllToAll. Off by default, because it is a promise
@@ -919,6 +931,7 @@ mod tests {
             ("FLASHCOMM_OPS", "allreduce"),
             ("FLASHCOMM_QUANT_CHOICE", "always"),
             ("FLASHCOMM_CALIBRATE_MOVES", "1"),
+            ("FLASHCOMM_ZERO_COPY", "1"),
         ] {
             let mut vars = vec![
                 ("FLASHCOMM_QUANT_BITS", "4"),

@@ -305,6 +305,28 @@ impl HostArena {
         }
     }
 
+    /// Loads the 8-byte word at `offset` (8-byte aligned) with acquire ordering: words that other
+    /// processes store with [`HostArena::store_u64`].
+    pub fn load_u64(&self, offset: usize) -> u64 {
+        self.word(offset).load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Stores the 8-byte word at `offset` (8-byte aligned) with release ordering.
+    pub fn store_u64(&self, offset: usize, v: u64) {
+        self.word(offset)
+            .store(v, std::sync::atomic::Ordering::Release);
+    }
+
+    fn word(&self, offset: usize) -> &std::sync::atomic::AtomicU64 {
+        assert!(
+            offset.is_multiple_of(8) && offset + 8 <= self.bytes,
+            "host arena word out of bounds or unaligned"
+        );
+        // SAFETY: in bounds and aligned (asserted; the mapping is page-aligned); the memory lives
+        // as long as `self`; every access to these words, in any process, is atomic.
+        unsafe { &*(self.host.add(offset) as *const std::sync::atomic::AtomicU64) }
+    }
+
     /// Removes the segment's name (the memory stays until every process unmaps it). The creator
     /// calls this once every peer has opened it, so that no name outlives a crashed job.
     pub fn unlink(&mut self) {

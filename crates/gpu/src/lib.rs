@@ -41,7 +41,10 @@ pub use device::{CtxGuard, Device, device_count, init, mem_info};
 pub use event::Event;
 pub use graph::{CaptureRecord, Graph};
 pub use host_arena::{HostArena, remove_stale_segments};
-pub use memory::{DeviceMem, DevicePtr, HostMapped, IpcMapping, PointerKind, pointer_kind};
+pub use memory::{
+    DeviceMem, DevicePtr, HostMapped, IpcMapping, PointerKind, UserAllocation, buffer_id,
+    pointer_kind, user_allocation,
+};
 pub use module::{Function, LaunchConfig, Module, launch, launch_overlapped};
 pub use stream::Stream;
 

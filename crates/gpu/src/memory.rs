@@ -62,6 +62,64 @@ fn pointer_attribute(addr: u64, attr: sys::CUpointer_attribute) -> Option<u32> {
     (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
 }
 
+/// What a peer of another process needs to map the allocation that holds a user buffer: the
+/// allocation's base and length, its legacy IPC handle, and the driver's id of the allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UserAllocation {
+    /// Base address of the allocation holding the buffer.
+    pub base: u64,
+    /// Bytes of that allocation.
+    pub len: u64,
+    /// Its legacy IPC handle (`cuIpcGetMemHandle`).
+    pub handle: [u8; 64],
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`: unique to the allocation for the life of the process,
+    /// so a buffer freed and allocated again at the same address is told apart.
+    pub buffer_id: u64,
+}
+
+/// The allocation holding the device buffer at `addr`, exportable with a legacy IPC handle
+/// (memory of `cuMemAlloc` / `cudaMalloc`; memory of the virtual memory API, such as
+/// `ncclMemAlloc`'s, is refused by the driver: an error, never a wrong handle). The context of
+/// the buffer's device must be current.
+pub fn user_allocation(addr: u64) -> Result<UserAllocation, Error> {
+    if !driver_loaded() {
+        return Err(Error::NoDriver);
+    }
+    let (mut base, mut len): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: two out-pointers; any address may be asked about (unknown ones give an error).
+    let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut len, addr) };
+    check(r, "finding the allocation of a registered buffer")?;
+    let buffer_id = buffer_id(addr).ok_or(Error::Cuda {
+        during: "finding the allocation of a registered buffer",
+        detail: "the driver gives no buffer id".into(),
+    })?;
+    let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+    // SAFETY: `base` is the base of a live allocation (just asked); out-pointer.
+    let r = unsafe { sys::cuIpcGetMemHandle(&mut h, base) };
+    check(r, "exporting a registered buffer's IPC handle")?;
+    Ok(UserAllocation {
+        base,
+        len: len as u64,
+        handle: h.reserved.map(|b| b as u8),
+        buffer_id,
+    })
+}
+
+/// The driver's id of the allocation holding `addr` (`CU_POINTER_ATTRIBUTE_BUFFER_ID`), `None`
+/// for an address it does not know.
+pub fn buffer_id(addr: u64) -> Option<u64> {
+    let mut v: u64 = 0;
+    // SAFETY: a valid out pointer of 8 bytes, the attribute's size (an unsigned long long).
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut v as *mut u64).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+            addr,
+        )
+    };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
+}
+
 /// A device address range that the holder promises is valid device memory for as long as the
 /// work it is used for runs. Obtained safely from a [`DeviceMem`] (which owns the memory) or
 /// unsafely from a raw address (the NCCL entry points, whose callers make that promise).
@@ -254,6 +312,11 @@ impl IpcMapping {
             reserved: handle.map(|b| b as _),
         };
         let mut p: sys::CUdeviceptr = 0;
+        // Relaxed for this call: a registered buffer may be opened while some stream captures a
+        // graph (in global mode, the opening would otherwise invalidate that capture).
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: an in/out pointer to a valid mode; changes this thread's mode only.
+        let relaxed = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
         // SAFETY: out-pointer; the handle bytes came from a peer's cuIpcGetMemHandle (the driver
         // rejects anything else with an error code).
         let r = unsafe {
@@ -263,6 +326,10 @@ impl IpcMapping {
                 sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
             )
         };
+        if relaxed == sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: restores the mode exchanged above.
+            let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
         check(r, "opening a peer's IPC handle")?;
         Ok(IpcMapping { ptr: p })
     }

@@ -68,6 +68,11 @@ pub const FLAG_EARLY_LAUNCH: u32 = 4;
 /// is in place, where the kernel overwrites what its peers read). Rank-local: it changes the
 /// address this rank publishes, not the protocol.
 pub const FLAG_PULL_STAGE_SEND: u32 = 16;
+/// FcCollParams.flags, direct two-shot AllReduce only: some peer cannot store into this rank's
+/// receive buffer (a peer of another process that has not mapped it: [`FcCollParams::recv_view`]),
+/// so this rank copies the reduced shards from their owners' staging areas instead. Rank-local,
+/// like `FLAG_PULL_STAGE_SEND`: owners see it in the address this rank publishes.
+pub const FLAG_PULL_STAGE_RECV: u32 = 32;
 /// FcCollParams.flags: bits `FLAG_SIG_SHIFT..FLAG_SIG_SHIFT + 8` carry the call's signature
 /// (collective and datatype), which every tag of the call carries too: ranks that run the same
 /// sequence number with different collectives or datatypes see a foreign tag and report a
@@ -169,6 +174,13 @@ pub struct FcCollParams {
     /// encode into them and copy or decode from there), so those bytes never cross PCIe. 0: the
     /// own slots are in the arena.
     pub own_slots: u64,
+    /// Direct PULL: where peer q finds this rank's send buffer in its own process (the address
+    /// this rank publishes to q; the send buffer itself for a peer of this process, a mapping of
+    /// a registered buffer for a peer of another process). Unused with `FLAG_PULL_STAGE_SEND`.
+    pub send_view: [u64; MAX_RANKS],
+    /// Direct two-shot AllReduce: where peer q finds this rank's receive buffer (as `send_view`).
+    /// Unused with `FLAG_PULL_STAGE_RECV`.
+    pub recv_view: [u64; MAX_RANKS],
 }
 
 /// Parameters of the set-up probe, which writes one word into every peer's arena header.
@@ -208,7 +220,7 @@ pub struct FcReduceParams {
 const _: () = {
     use std::mem::{offset_of, size_of};
     assert!(size_of::<FcStatus>() == 32);
-    assert!(size_of::<FcCollParams>() == 224);
+    assert!(size_of::<FcCollParams>() == 352);
     assert!(offset_of!(FcCollParams, peer_base) == 24);
     assert!(offset_of!(FcCollParams, epochs) == 88);
     assert!(offset_of!(FcCollParams, shard_elems) == 160);
@@ -216,6 +228,8 @@ const _: () = {
     assert!(offset_of!(FcCollParams, q_bits_rs) == 184);
     assert!(offset_of!(FcCollParams, area_offset) == 208);
     assert!(offset_of!(FcCollParams, own_slots) == 216);
+    assert!(offset_of!(FcCollParams, send_view) == 224);
+    assert!(offset_of!(FcCollParams, recv_view) == 288);
     assert!(size_of::<FcProbeParams>() == 80);
     assert!(size_of::<FcReduceParams>() == 88);
     assert!(offset_of!(FcReduceParams, dst) == 64);

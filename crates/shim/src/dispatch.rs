@@ -157,6 +157,82 @@ pub(crate) fn on_comm_resumed(comm: ncclComm_t) {
     }
 }
 
+/// A buffer the real NCCL registered (`ncclCommRegister`, or with `collective`,
+/// `ncclCommWindowRegister`) under `handle`: for a communicator flashcomm serves it is registered
+/// with flashcomm's communicator too, so that with `FLASHCOMM_ZERO_COPY` peers of other processes
+/// read it in place. Nothing here changes the call's result: a buffer flashcomm cannot serve in
+/// place is staged. A collective registration waits (bounded) for the peers' mappings, except
+/// inside a group, where the real registration itself is deferred to the group's end.
+pub(crate) fn on_registered(
+    comm: ncclComm_t,
+    buff: u64,
+    size: u64,
+    handle: usize,
+    collective: bool,
+) {
+    if comm.is_null() || buff == 0 || size == 0 || handle == 0 {
+        return;
+    }
+    let Some(state) = registry::by_handle(CommHandle::of(comm)) else {
+        return;
+    };
+    let Some(c) = state.served() else { return };
+    let got = if collective && group::depth() == 0 {
+        c.register_collective(buff, size, REGISTER_WAIT)
+            .map(|(id, mapped)| {
+                if !mapped && c.serves_registered_buffers() {
+                    logging::info(
+                        Subsys::Init,
+                        &format!(
+                            "window {buff:#x} ({size} bytes): not every peer mapped it in time;                              it is staged until they do"
+                        ),
+                    );
+                }
+                id
+            })
+    } else {
+        c.register(buff, size)
+    };
+    match got {
+        Ok(id) => state
+            .registrations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((handle, id)),
+        Err(e) => logging::info(
+            Subsys::Init,
+            &format!("buffer {buff:#x} not registered with flashcomm ({e}): it is staged"),
+        ),
+    }
+}
+
+/// How long a collective registration waits for every peer's mapping.
+const REGISTER_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The registration `handle` (of `ncclCommRegister` or `ncclCommWindowRegister`) ends: flashcomm's
+/// communicator stages the buffer from its next call.
+pub(crate) fn on_deregistering(comm: ncclComm_t, handle: usize) {
+    if comm.is_null() {
+        return;
+    }
+    let Some(state) = registry::by_handle(CommHandle::of(comm)) else {
+        return;
+    };
+    let id = {
+        let mut regs = state
+            .registrations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let Some(i) = regs.iter().position(|(h, _)| *h == handle) else {
+            return;
+        };
+        regs.swap_remove(i).1
+    };
+    if let Some(c) = state.served() {
+        let _ = c.deregister(id);
+    }
+}
+
 /// The creation hook panicked (a bug in flashcomm). A communicator whose set-up exchange had not
 /// begun takes part in its first round saying so (its peers wait in that round:
 /// `serve::refuse`), and every new communicator not set up yet stays with NCCL; one whose set-up

@@ -62,6 +62,8 @@ pub(crate) struct CommState {
     pub(crate) gate: Arc<ExchangeGate>,
     /// Whether the set-up exchange began (its first round is, or was, under way).
     exchange: AtomicBool,
+    /// Buffers registered with flashcomm's communicator too: (NCCL's handle or window, ours).
+    pub(crate) registrations: std::sync::Mutex<Vec<(usize, flashcomm_comm::RegistrationId)>>,
 }
 
 impl std::fmt::Debug for CommState {
@@ -94,6 +96,7 @@ impl CommState {
             async_warned: AtomicBool::new(false),
             gate: Arc::new(ExchangeGate::default()),
             exchange: AtomicBool::new(false),
+            registrations: std::sync::Mutex::new(Vec::new()),
         }
     }
 

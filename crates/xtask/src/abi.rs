@@ -67,6 +67,12 @@ fn handling(name: &str) -> Option<&'static str> {
         "ncclCommDestroy" => {
             "the ending hook (**intercepted**: flashcomm's communicator is released); then forwarded"
         }
+        "ncclCommRegister" | "ncclCommWindowRegister" => {
+            "forwarded; then, for a communicator flashcomm serves, **intercepted**: the buffer is registered with flashcomm's communicator too (zero-copy for peers of other processes with `FLASHCOMM_ZERO_COPY`; the window's registration waits, bounded, for every peer's mapping)"
+        }
+        "ncclCommDeregister" | "ncclCommWindowDeregister" => {
+            "**intercepted**: flashcomm's communicator stops reading the buffer in place; then forwarded"
+        }
         "ncclCommGetAsyncError" => {
             "forwarded; **intercepted**: a device error of flashcomm's kernels is merged in"
         }

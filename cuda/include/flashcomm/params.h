@@ -69,6 +69,11 @@
 // in place, where the kernel overwrites what its peers read). Rank-local: it changes the address
 // this rank publishes, not the protocol.
 #define FC_FLAG_PULL_STAGE_SEND 16u
+// FcCollParams.flags, direct two-shot AllReduce only: some peer cannot store into this rank's
+// receive buffer (a peer of another process that has not mapped it: [`FcCollParams::recv_view`]),
+// so this rank copies the reduced shards from their owners' staging areas instead. Rank-local, like
+// `FLAG_PULL_STAGE_SEND`: owners see it in the address this rank publishes.
+#define FC_FLAG_PULL_STAGE_RECV 32u
 // FcCollParams.flags: bits `FLAG_SIG_SHIFT..FLAG_SIG_SHIFT + 8` carry the call's signature
 // (collective and datatype), which every tag of the call carries too: ranks that run the same
 // sequence number with different collectives or datatypes see a foreign tag and report a mismatch
@@ -127,6 +132,8 @@ struct FcCollParams {
   uint32_t q_block_bytes_ag;         // Encoded bytes per 1024-value block, second step.
   uint64_t area_offset;              // Where this protocol's area starts inside every slot. PULL: where the pull area starts in every arena.
   uint64_t own_slots;                // Host transport: device memory that stands in for this rank's own slots (regions A and B, `2 * slot_bytes`), which only this rank's kernels write and read (the quantized kernels encode into them and copy or decode from there), so those bytes never cross PCIe. 0: the own slots are in the arena.
+  uint64_t send_view[FC_MAX_RANKS];  // Direct PULL: where peer q finds this rank's send buffer in its own process (the address this rank publishes to q; the send buffer itself for a peer of this process, a mapping of a registered buffer for a peer of another process). Unused with `FLAG_PULL_STAGE_SEND`.
+  uint64_t recv_view[FC_MAX_RANKS];  // Direct two-shot AllReduce: where peer q finds this rank's receive buffer (as `send_view`). Unused with `FLAG_PULL_STAGE_RECV`.
 };
 
 // Parameters of the set-up probe, which writes one word into every peer's arena header.
@@ -183,7 +190,9 @@ static_assert(offsetof(FcCollParams, q_block_bytes_rs) == 200, "FcCollParams.q_b
 static_assert(offsetof(FcCollParams, q_block_bytes_ag) == 204, "FcCollParams.q_block_bytes_ag");
 static_assert(offsetof(FcCollParams, area_offset) == 208, "FcCollParams.area_offset");
 static_assert(offsetof(FcCollParams, own_slots) == 216, "FcCollParams.own_slots");
-static_assert(sizeof(FcCollParams) == 224, "FcCollParams layout");
+static_assert(offsetof(FcCollParams, send_view) == 224, "FcCollParams.send_view");
+static_assert(offsetof(FcCollParams, recv_view) == 288, "FcCollParams.recv_view");
+static_assert(sizeof(FcCollParams) == 352, "FcCollParams layout");
 static_assert(offsetof(FcProbeParams, peer_base) == 0, "FcProbeParams.peer_base");
 static_assert(offsetof(FcProbeParams, rank) == 64, "FcProbeParams.rank");
 static_assert(offsetof(FcProbeParams, nranks) == 68, "FcProbeParams.nranks");

@@ -7,15 +7,20 @@
 //   written there too. `FC_PROTO_DIRECT` (ranks of one process on one device, where every device
 //   pointer of a rank is a valid pointer of its peers): peers load straight from the user's send
 //   buffer, and two-shot owners store the reduced shard straight into every rank's receive
-//   buffer; a rank whose send buffer is not 16-byte aligned, or whose one-shot call is in place
-//   (its peers would read what it overwrites), stages its input instead (FLAG_PULL_STAGE_SEND:
-//   rank-local, it changes only which address the rank publishes, not the protocol its peers
-//   run).
+//   buffer. A rank publishes to each peer q the address q's process sees its buffer at
+//   (`send_view[q]`, `recv_view[q]`: the buffer itself for a rank of the same process, a mapping
+//   of a registered buffer for a rank of another process). A rank whose send buffer peers cannot
+//   read in place (not 16-byte aligned, a one-shot call in place, a peer of another process
+//   without a mapping of it) stages its input instead (FLAG_PULL_STAGE_SEND), and a rank whose
+//   receive buffer some peer cannot store into copies the reduced shards from their owners'
+//   staging areas (FLAG_PULL_STAGE_RECV): both rank-local, they change only what the rank
+//   publishes (kPullStaged), not the protocol its peers run.
 // * Readiness. A flag line is an LL line {addr_lo, ll0, addr_hi, ll1} in the READER's arena
 //   (pull flag area, slot [parity][stage][block][source]): the two 8-byte halves each carry the
 //   call's 32-bit epoch tag, so a line is complete when both tags match, and the payload is the
-//   address the source's data of this stage has in this process (direct) or 0 (staged: the
-//   reader knows where a peer's pull area is). Data the source's kernel wrote (staging, reduced
+//   address the source's data of this stage has in this process (direct), kPullStaged plus an
+//   offset (direct, staged: the data is in the source's pull area, which the reader has mapped),
+//   or 0 (PULL: the reader knows where a peer's pull area is). Data the source's kernel wrote (staging, reduced
 //   shards): the source's block synchronizes (bar.sync), its threads 0..N-1 issue a
 //   system-scope fence and store the lines, one per peer (a release), with bit 63 of the address
 //   set; the reader's thread s polls source s's line with volatile loads and, seeing bit 63,
@@ -42,6 +47,9 @@ namespace fc {
 
 // Bit 63 of a flag line's address: the data it announces was written by the source's kernel.
 constexpr uint64_t kPullFenced = 1ull << 63;
+// Bit 62 of an address a direct rank publishes: its data is staged in its own pull area, at the
+// offset in the low bits (the source's own address of it means nothing in a peer's process).
+constexpr uint64_t kPullStaged = 1ull << 62;
 
 // The flag line of (half, stage, block, src) in `owner`'s arena.
 __device__ __forceinline__ char* pull_flag(const FcCollParams& p, uint32_t owner, uint32_t half, uint32_t stage,
@@ -75,6 +83,26 @@ __device__ __forceinline__ void pull_publish(const FcCollParams& p, const Ctx& c
     const uint64_t a = (addr != 0 ? addr + q * stride : 0ull) | (fenced ? kPullFenced : 0ull);
     st_volatile_v4(pull_flag(p, q, c.half, stage, p.rank), make_uint4((uint32_t)a, c.ll0, (uint32_t)(a >> 32), c.ll1));
   }
+}
+
+// pull_publish for a direct rank: to peer q, `view[q] + q * stride` (where q's process sees this
+// rank's buffer), or with `staged`, kPullStaged plus `q * stride` (the data is in this rank's pull
+// area). Fenced (a release) exactly when staged: staged data was written by this kernel, a user
+// buffer before it; the block synchronizes first then too.
+__device__ __forceinline__ void pull_publish_direct(const FcCollParams& p, const Ctx& c, uint32_t stage,
+                                                    const uint64_t* view, bool staged, uint64_t stride = 0) {
+  if (staged) __syncthreads();
+  const uint32_t q = threadIdx.x;
+  if (q < p.nranks && q != p.rank) {
+    if (staged) fence_sys();
+    const uint64_t a = staged ? (kPullStaged | kPullFenced) + q * stride : view[q] + q * stride;
+    st_volatile_v4(pull_flag(p, q, c.half, stage, p.rank), make_uint4((uint32_t)a, c.ll0, (uint32_t)(a >> 32), c.ll1));
+  }
+}
+
+// Where the data source `s` published (pull_wait's `a`, bit 63 cleared) is in this process.
+__device__ __forceinline__ char* pull_src(const FcCollParams& p, uint32_t half, uint32_t s, uint64_t a) {
+  return (a & kPullStaged) ? pull_stage(p, s, half) + (a & ~kPullStaged) : reinterpret_cast<char*>(a);
 }
 
 // Waits for stage `stage` of this block from every peer; `addr[s]` receives what source s
@@ -259,13 +287,16 @@ __device__ void pull_oneshot(const FcCollParams& p) {
   char* mine = pull_stage(p, p.rank, c.half);
   const bool stage = !DIRECT || (p.flags & FC_FLAG_PULL_STAGE_SEND);
   if (stage) pull_stage_copy(in, mine, off, len);
-  pull_publish(p, c, 0, !DIRECT ? 0ull : stage ? reinterpret_cast<uint64_t>(mine) : p.send, stage, stage);
+  if (DIRECT)
+    pull_publish_direct(p, c, 0, p.send_view, stage);
+  else
+    pull_publish(p, c, 0, 0ull, true, true);
   pull_wait(p, c, 0, addr);
   if (!c.dead) {
     char* src[FC_MAX_RANKS];
 #pragma unroll
     for (uint32_t s = 0; s < FC_MAX_RANKS; ++s)
-      src[s] = s < p.nranks ? (DIRECT ? reinterpret_cast<char*>(addr[s]) : pull_stage(p, s, c.half)) : nullptr;
+      src[s] = s < p.nranks ? (DIRECT ? pull_src(p, c.half, s, addr[s]) : pull_stage(p, s, c.half)) : nullptr;
     pull_reduce<T>(p, src, in, off, len, &out, 1);
   }
   if (DIRECT) {
@@ -340,12 +371,21 @@ __device__ void pull_twoshot_direct(const FcCollParams& p) {
   };
   char* mine = pull_stage(p, p.rank, c.half);
   const bool stage_in = (p.flags & FC_FLAG_PULL_STAGE_SEND) != 0;
+  const bool stage_out = (p.flags & FC_FLAG_PULL_STAGE_RECV) != 0;
   if (stage_in) {
     for (uint32_t j = 0; j < p.nranks; ++j)
       if (j != p.rank) pull_stage_copy(in, mine, (uint64_t)j * shard + poff, len_of(j));
   }
-  pull_publish(p, c, 0, stage_in ? reinterpret_cast<uint64_t>(mine) : p.send, stage_in, stage_in);
-  pull_publish(p, c, 2, p.recv, false, false);
+  pull_publish_direct(p, c, 0, p.send_view, stage_in);
+  // The receive buffer: where peers store (written before this kernel: a plain line, no sync),
+  // or, staged, "copy from the owners' staging areas" (announces nothing written yet).
+  {
+    const uint32_t q = threadIdx.x;
+    if (q < p.nranks && q != p.rank) {
+      const uint64_t a = stage_out ? kPullStaged : p.recv_view[q];
+      st_volatile_v4(pull_flag(p, q, c.half, 2, p.rank), make_uint4((uint32_t)a, c.ll0, (uint32_t)(a >> 32), c.ll1));
+    }
+  }
   pull_wait(p, c, 0, sends);
   pull_wait(p, c, 2, recvs);
   if (!c.dead) {
@@ -353,13 +393,19 @@ __device__ void pull_twoshot_direct(const FcCollParams& p) {
     char* dst[FC_MAX_RANKS];
 #pragma unroll
     for (uint32_t s = 0; s < FC_MAX_RANKS; ++s) {
-      src[s] = s < p.nranks ? reinterpret_cast<char*>(sends[s]) : nullptr;
-      dst[s] = s < p.nranks ? (s == p.rank ? out : reinterpret_cast<char*>(recvs[s])) : nullptr;
+      src[s] = s < p.nranks ? pull_src(p, c.half, s, sends[s]) : nullptr;
+      // A rank that copies from the owners' staging areas gets this owner's sum in its own
+      // staging half, at the shard's place (free: a rank stages only the other shards).
+      dst[s] = s >= p.nranks ? nullptr : s == p.rank ? out : (recvs[s] & kPullStaged) ? mine : reinterpret_cast<char*>(recvs[s]);
     }
     pull_reduce<T, true>(p, src, in, (uint64_t)p.rank * shard + poff, len_of(p.rank), dst, p.nranks);
   }
   pull_publish(p, c, 1, 0, true);
-  pull_wait(p, c, 1, sends, false);
+  pull_wait(p, c, 1, sends, stage_out);
+  if (stage_out && !c.dead) {
+    for (uint32_t j = 0; j < p.nranks; ++j)
+      if (j != p.rank) pull_copy(pull_stage(p, j, c.half), (uint64_t)j * shard + poff, len_of(j), out);
+  }
   finish(p, c);
 }
 
@@ -411,18 +457,20 @@ __device__ void pull_move(const FcCollParams& p) {
         if (j != p.rank) pull_stage_copy(in + (uint64_t)j * piece, mine + (uint64_t)j * pstride, off, len);
     }
   }
-  // Peer q loads from base + q * stride (direct), or from this rank's pull area (staged: the
-  // line carries no address).
-  const uint64_t base = !DIRECT ? 0ull : stage ? reinterpret_cast<uint64_t>(mine) : p.send;
+  // Peer q loads piece q: from this rank's send buffer as q sees it (direct) or from this rank's
+  // pull area (staged; PULL's line carries no address, the reader knows the place).
   const uint64_t stride = kOne ? 0ull : stage ? pstride : piece;
-  pull_publish(p, c, 0, base, stage, stage, stride);
+  if (DIRECT)
+    pull_publish_direct(p, c, 0, p.send_view, stage, stride);
+  else
+    pull_publish(p, c, 0, 0ull, true, true);
   pull_wait(p, c, 0, addr);
   if (!c.dead) {
     char* src[FC_MAX_RANKS];
 #pragma unroll
     for (uint32_t s = 0; s < FC_MAX_RANKS; ++s)
       src[s] = s >= p.nranks ? nullptr
-               : DIRECT     ? reinterpret_cast<char*>(addr[s])
+               : DIRECT     ? pull_src(p, c.half, s, addr[s])
                             : pull_stage(p, s, c.half) + (kOne ? 0ull : (uint64_t)p.rank * pstride);
     if constexpr (KIND == kPullReduceScatter) {
       pull_reduce<T>(p, src, in + (uint64_t)p.rank * piece, off, len, &out, 1);

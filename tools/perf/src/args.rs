@@ -233,6 +233,8 @@ pub struct Options {
     pub calibrate: bool,
     /// `--calibrate-moves`: the calibration also times ReduceScatter, AllGather and AllToAll.
     pub calibrate_moves: bool,
+    /// `--zero-copy`: zero-copy between processes, with the send and receive buffers registered.
+    pub zero_copy: bool,
     /// `--early-launch`: each kernel lets the next one launch as soon as it starts.
     pub early_launch: bool,
     /// `--graph-mixing`: captured calls ordered with eager ones through graph nodes.
@@ -279,6 +281,7 @@ impl Default for Options {
             timeout_s: 60,
             calibrate: true,
             calibrate_moves: false,
+            zero_copy: false,
             early_launch: true,
             graph_mixing: true,
             check_values: 1 << 20,
@@ -653,6 +656,10 @@ struct Cli {
     /// (FLASHCOMM_CALIBRATE_MOVES) [0]
     #[arg(long = "calibrate-moves", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     calibrate_moves: Option<bool>,
+    /// Zero-copy between processes (FLASHCOMM_ZERO_COPY), with the send and receive buffers
+    /// registered with the communicator (ncclCommWindowRegister's way) [0]
+    #[arg(long = "zero-copy", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
+    zero_copy: Option<bool>,
     /// Order captured calls with eager ones through graph nodes (FLASHCOMM_GRAPH_MIXING) [1]
     #[arg(long = "graph-mixing", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     graph_mixing: Option<bool>,
@@ -785,6 +792,7 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
     set(&mut o.timeout_s, cli.timeout_s);
     set(&mut o.calibrate, cli.calibrate);
     set(&mut o.calibrate_moves, cli.calibrate_moves);
+    set(&mut o.zero_copy, cli.zero_copy);
     set(&mut o.early_launch, cli.early_launch);
     set(&mut o.graph_mixing, cli.graph_mixing);
     o.json = cli.json.or(o.json);

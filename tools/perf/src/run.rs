@@ -524,6 +524,7 @@ fn rank_main(
         transport: o.transport,
         calibrate: o.calibrate,
         calibrate_moves: o.calibrate_moves,
+        zero_copy: o.zero_copy,
         quant_calibrate: allreduce_quant_specs(o),
         quant_choice: o.quant_choice,
         early_launch: o.early_launch,
@@ -663,6 +664,18 @@ fn rank_main(
             }
         }
     }
+    // Zero-copy: the buffers registered with the communicator, collectively (every rank is
+    // here), as a serving stack registers its own.
+    if let (Some(c), true) = (comm.as_ref(), o.zero_copy) {
+        for b in [&send, &recv] {
+            let (_, mapped) = c
+                .register_collective(b.addr(), b.len() as u64, Duration::from_secs(30))
+                .map_err(e2s(&format!("rank {rank}: registering buffers")))?;
+            if !mapped && c.serves_registered_buffers() {
+                eprintln!("# rank {rank}: not every peer mapped the registered buffers in time");
+            }
+        }
+    }
     let fp = if qb > 0 { Some(alloc(qb)?) } else { None };
     let nev = o.iters.max(o.graph_replays).max(1) as usize;
     let mut starts = Vec::with_capacity(nev);
@@ -743,6 +756,14 @@ fn rank_main(
         }
     }
     let _ = r.stream.synchronize();
+    if let (Some(c), true) = (&r.comm, o.zero_copy)
+        && r.rank == 0
+    {
+        eprintln!(
+            "# flashcomm zero-copy: {} calls on rank 0 read by peers of other processes in place",
+            c.zero_copy_calls()
+        );
+    }
     // After a failure NCCL's kernels may still wait for a peer that stopped; destroying the
     // communicator could then block, so it is left to the end of the process.
     if let Some((lib, nc)) = r.nccl.take()

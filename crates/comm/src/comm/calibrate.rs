@@ -73,6 +73,21 @@ impl Communicator {
         ag.check(verdict(buffers.as_ref().map(|_| ())))?;
         let (send, recv, (start, end)) =
             buffers.map_err(|e| Error::Internal(format!("failed set-up step passed: {e}")))?;
+        // Zero-copy between processes: the calibration buffers are registered, as a serving
+        // stack registers its own, so the direct protocol is timed reading in place. Every rank
+        // is here (the round above), so each waits for its peers' mappings (bounded; a rank
+        // whose peers were late times its direct plans staged, which the agreed model absorbs).
+        let registered = if self.registry.has_boards() && self.arena.direct {
+            let _ctx = self.device.activate()?;
+            let ids =
+                [send.addr(), recv.addr()].map(|a| self.registry.register(a, buf_bytes as u64));
+            for id in ids {
+                self.registry.wait_acknowledged(id, SETUP_WAIT);
+            }
+            ids.to_vec()
+        } else {
+            Vec::new()
+        };
         let configured = self.cfg.timeout;
         self.cfg.timeout = if configured.is_zero() {
             SETUP_WAIT
@@ -92,6 +107,9 @@ impl Communicator {
             let quant = self.time_quant(ag, &timers)?;
             Ok((m, quant, lossless_ms))
         });
+        for id in registered {
+            let _ = self.deregister(id);
+        }
         self.cfg.timeout = configured;
         // A failure here was agreed in one of the timing rounds: every rank returns it there.
         let (measured, quant, lossless_ms) = measured?;

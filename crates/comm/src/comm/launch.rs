@@ -452,6 +452,56 @@ impl Communicator {
         }
     }
 
+    /// What a direct PULL rank publishes: where each peer's process sees its send buffer (and,
+    /// for the two-shot AllReduce, its receive buffer), or the flags that stage them instead
+    /// (rank-local: [`Communicator::direct_staging`], and for peers of other processes a buffer
+    /// they have not mapped: [`crate::register`]).
+    fn direct_views(
+        &self,
+        p: &Plan,
+        params: &mut FcCollParams,
+        send: u64,
+        recv: u64,
+        piece: u64,
+    ) -> Result<(), Error> {
+        params.flags |= Self::direct_staging(p, self.rank, self.nranks, send, recv, piece);
+        let n = u64::from(self.nranks);
+        let send_len = match p.coll {
+            Collective::ReduceScatter | Collective::AlltoAll => piece * n,
+            _ => piece,
+        };
+        let two_shot = p.coll == Collective::AllReduce && p.algo == Algorithm::TwoShot;
+        let remote = self.registry.has_boards();
+        // Buffer ids and peers' new registrations need the context; ranks of one process only
+        // need neither.
+        let _ctx = if remote {
+            Some(self.device.activate()?)
+        } else {
+            None
+        };
+        if remote {
+            self.registry.refresh();
+        }
+        if params.flags & abi::FLAG_PULL_STAGE_SEND == 0 {
+            match self.registry.views(send, send_len) {
+                Some(v) => params.send_view = v,
+                None => params.flags |= abi::FLAG_PULL_STAGE_SEND,
+            }
+        }
+        if two_shot {
+            match self.registry.views(recv, piece) {
+                Some(v) => params.recv_view = v,
+                None => params.flags |= abi::FLAG_PULL_STAGE_RECV,
+            }
+        }
+        let staged = abi::FLAG_PULL_STAGE_SEND | abi::FLAG_PULL_STAGE_RECV;
+        if remote && params.flags & staged == 0 {
+            self.zero_copy_calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     /// The catalogue kernel of a plan: a few integer operations, no name and no lookup.
     fn kernel_for(p: &Plan, dtype: Option<DataType>) -> Result<Kernel<FcCollParams>, Error> {
         let (proto, algo) = (p.proto, p.algo);
@@ -522,14 +572,7 @@ impl Communicator {
         };
         let mut params = params;
         if p.proto == Protocol::Direct {
-            params.flags |= Self::direct_staging(
-                p,
-                self.rank,
-                self.nranks,
-                send.addr(),
-                recv.addr(),
-                count * elem,
-            );
+            self.direct_views(p, &mut params, send.addr(), recv.addr(), count * elem)?;
         }
         let threads = p.threads;
         if let (Some(q), Some(d)) = (p.quant, dtype) {

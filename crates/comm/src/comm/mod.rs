@@ -30,10 +30,12 @@ use std::time::Duration;
 use flashcomm_kernels::Kernels;
 
 use crate::abi::MAX_RANKS;
+use crate::error::Error;
 use crate::gpu::{CaptureRecord, Device, DeviceMem, Event, HostMapped};
 use crate::plan::{
     Algorithm, Arena, Choice, CostModel, HostCopy, Protocol, QuantChoice, QuantModel, QuantSpec,
 };
+use crate::register::{RegistrationId, Registry};
 use crate::release::{self, Releasable, Release};
 use crate::transport::{LocalArena, PeerMapping, Transport};
 
@@ -85,6 +87,11 @@ pub struct CommConfig {
     /// launch as soon as it starts, where twice the grid fits the resident share
     /// ([`abi::FLAG_EARLY_LAUNCH`](crate::abi::FLAG_EARLY_LAUNCH)).
     pub early_launch: bool,
+    /// Zero-copy between processes (`FLASHCOMM_ZERO_COPY`): on the peer transport, the direct
+    /// PULL protocol also serves ranks of different processes of one machine, reading registered
+    /// buffers in place ([`Communicator::register`]); a rank whose buffer a peer has not mapped
+    /// stages it. Off by default.
+    pub zero_copy: bool,
     /// Tests only: this rank fails set-up step `n` (0..=7, see [`Communicator::new_agreed`]), as
     /// an allocation, a driver call or a kernel launch failing there would.
     #[doc(hidden)]
@@ -112,6 +119,7 @@ impl Default for CommConfig {
             host_copy: HostCopy::Off,
             graph_mixing: true,
             early_launch: true,
+            zero_copy: false,
             fail_at: None,
             panic_at: None,
         }
@@ -186,6 +194,8 @@ pub struct Communicator {
     own_slots: Option<DeviceMem>,
     peers: [u64; MAX_RANKS],
     mappings: Vec<PeerMapping>,
+    /// Registered buffers and the boards of peers of other processes (zero-copy).
+    registry: Registry,
     host: HostMapped,
     kernels: Arc<Kernels>,
     max_grid: u32,
@@ -204,6 +214,8 @@ pub struct Communicator {
     /// Set by [`Communicator::defer_release`]: dropping hands the memory to a thread of its own
     /// instead of freeing it here.
     deferred: std::sync::Mutex<Option<Deferred>>,
+    /// [`Communicator::zero_copy_calls`].
+    zero_copy_calls: std::sync::atomic::AtomicU64,
 }
 
 /// How a communicator's drop releases its memory after [`Communicator::defer_release`].
@@ -218,6 +230,7 @@ struct Remains {
     device: Arc<Device>,
     last: Arc<LastLaunch>,
     mappings: Vec<PeerMapping>,
+    registry: Registry,
     local: LocalArena,
     keep_arena: bool,
     own_slots: Option<DeviceMem>,
@@ -235,6 +248,7 @@ impl Releasable for Remains {
             device,
             last,
             mut mappings,
+            registry,
             local,
             keep_arena,
             own_slots,
@@ -245,6 +259,7 @@ impl Releasable for Remains {
         // Peers' mappings are closed with this device's context current.
         if let Ok(_ctx) = device.activate() {
             mappings.clear();
+            registry.close();
         }
         if keep_arena {
             // Aborted while peers may still run collectives that write into this arena (a
@@ -295,6 +310,59 @@ impl Communicator {
     }
 }
 
+/// Registered buffers ([`crate::register`]: zero-copy for peers of other processes).
+impl Communicator {
+    /// Registers `len` bytes of device memory at `ptr` (`ncclCommRegister`: local, no peer
+    /// takes part). With zero-copy on and peers in other processes, the allocation holding the
+    /// buffer is exported to them, and once each has mapped it (at its next call) the direct
+    /// PULL protocol lets it read the buffer in place; until then, or if the driver cannot
+    /// export the memory, the buffer is staged as unregistered ones are. Never fails: what
+    /// cannot be served in place is served by staging.
+    pub fn register(&self, ptr: u64, len: u64) -> Result<RegistrationId, Error> {
+        let _ctx = self.device.activate()?;
+        Ok(self.registry.register(ptr, len))
+    }
+
+    /// [`Communicator::register`] for a collective registration (`ncclCommWindowRegister`,
+    /// which every rank calls): also waits, at most `limit`, until every peer of another process
+    /// has mapped the buffer, so the first call after it already reads in place. Whether they
+    /// all did in time.
+    pub fn register_collective(
+        &self,
+        ptr: u64,
+        len: u64,
+        limit: Duration,
+    ) -> Result<(RegistrationId, bool), Error> {
+        let _ctx = self.device.activate()?;
+        let id = self.registry.register(ptr, len);
+        Ok((id, self.registry.wait_acknowledged(id, limit)))
+    }
+
+    /// Ends registration `id`: later calls stage the buffer. Peers keep their mappings until
+    /// the communicator is released (a captured graph may still publish the buffer).
+    pub fn deregister(&self, id: RegistrationId) -> Result<(), Error> {
+        if self.registry.deregister(id) {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "no registration {id} on this communicator"
+            )))
+        }
+    }
+
+    /// Whether this rank has peers of other processes that may read its registered buffers in
+    /// place (zero-copy on, the peer transport, a board made and mapped).
+    pub fn serves_registered_buffers(&self) -> bool {
+        self.registry.has_boards() && self.arena.direct
+    }
+
+    /// Calls whose direct PULL kernel let every peer read this rank's buffers in place with at
+    /// least one peer of another process (zero-copy across processes; tests and statistics).
+    pub fn zero_copy_calls(&self) -> u64 {
+        self.zero_copy_calls.load(Ordering::Relaxed)
+    }
+}
+
 impl Communicator {
     /// From now on, dropping this communicator (wherever its last reference goes) never blocks:
     /// its memory goes to a thread of its own that waits for the last eager launch and then
@@ -325,6 +393,10 @@ impl Drop for Communicator {
                 device: self.device.clone(),
                 last: self.last.clone(),
                 mappings: std::mem::take(&mut self.mappings),
+                registry: std::mem::replace(
+                    &mut self.registry,
+                    Registry::local_only(self.rank, self.nranks, [true; MAX_RANKS]),
+                ),
                 local: std::mem::replace(&mut self.local, LocalArena::Empty),
                 keep_arena: d.keep_arena,
                 own_slots: self.own_slots.take(),
@@ -340,6 +412,7 @@ impl Drop for Communicator {
         let _ = self.wait_idle();
         if let Ok(_ctx) = self.device.activate() {
             self.mappings.clear();
+            self.registry.close();
         }
     }
 }

@@ -10,16 +10,17 @@ use flashcomm_kernels::{Kernel, Kernels, LaunchConfig};
 use crate::abi::{self, FcProbeParams, MAX_RANKS, THREADS};
 use crate::bootstrap::{Agreement, Bootstrap};
 use crate::error::Error;
-use crate::gpu::{self, Device, DeviceMem, Event, HostMapped, OwnStream};
+use crate::gpu::{self, Device, DeviceMem, Event, HostArena, HostMapped, OwnStream};
 use crate::identity;
 use crate::plan::{Algorithm, Arena, Choice, CostModel, DataType, Protocol};
+use crate::register::{self, Registry};
 use crate::release;
 use crate::transport::{self, LocalArena, PeerMapping, Transport};
 
 use super::{CaptureMark, CommConfig, Communicator, HOST_BYTES, LastLaunch};
 
 const INFO_MAGIC: u32 = 0x4643_4f4d; // "FCOM"
-const INFO_BYTES: usize = 160;
+const INFO_BYTES: usize = 184;
 const PROBE_MAGIC: u32 = 0x5052_0000;
 
 /// A local step's outcome as the verdict of the next round.
@@ -43,6 +44,8 @@ struct PeerInfo {
     ipc: Option<[u8; 64]>,
     max_grid: u32,
     transport: Transport,
+    /// The name of the rank's registration board ([`crate::register`]), when it made one.
+    board: Option<[u8; transport::NAME_BYTES]>,
 }
 
 impl PeerInfo {
@@ -61,6 +64,8 @@ impl PeerInfo {
         v.resize(120, 0);
         v.extend_from_slice(&self.token.to_le_bytes());
         v.extend_from_slice(&self.build.to_le_bytes());
+        v.push(self.board.is_some() as u8);
+        v.extend_from_slice(&self.board.unwrap_or([0; transport::NAME_BYTES]));
         v.resize(INFO_BYTES, 0);
         v
     }
@@ -82,6 +87,8 @@ impl PeerInfo {
         uuid.copy_from_slice(&b[16..32]);
         let mut ipc = [0u8; 64];
         ipc.copy_from_slice(&b[49..113]);
+        let mut board = [0u8; transport::NAME_BYTES];
+        board.copy_from_slice(&b[137..137 + transport::NAME_BYTES]);
         Ok(PeerInfo {
             pid: u32_at(4),
             token: u64_at(120),
@@ -95,6 +102,7 @@ impl PeerInfo {
             transport: transport::from_code(b[117]).ok_or_else(|| {
                 Error::Bootstrap("a peer's set-up record names no transport".into())
             })?,
+            board: (b[136] != 0).then_some(board),
         })
     }
 }
@@ -120,6 +128,8 @@ struct LocalSetup {
     host: HostMapped,
     kernels: Arc<Kernels>,
     grid: u32,
+    /// This rank's registration board (zero-copy on the peer transport), with its name.
+    board: Option<(HostArena, [u8; transport::NAME_BYTES])>,
 }
 
 impl Communicator {
@@ -181,6 +191,7 @@ impl Communicator {
                         ipc: ls.local.export(),
                         max_grid: ls.grid,
                         transport,
+                        board: ls.board.as_ref().map(|b| b.1),
                     }
                 };
                 Ok((ls, info))
@@ -195,6 +206,7 @@ impl Communicator {
                 host,
                 kernels,
                 grid: my_grid,
+                board,
             },
             info,
         ) = local.map_err(|e| Error::Internal(format!("failed set-up step passed: {e}")))?;
@@ -207,25 +219,33 @@ impl Communicator {
                 .iter()
                 .map(|b| PeerInfo::decode(b))
                 .collect::<Result<Vec<_>, _>>()?;
-            Self::map_peers(rank, &dev, &arena, &local, &info, &infos)
+            let m = Self::map_peers(rank, &dev, &arena, &local, &info, &infos)?;
+            Ok((m, Self::registry(rank, &info, &infos, board)))
         });
         ag.check(verdict(mapped.as_ref().map(|_| ())))?;
-        // Every peer has mapped this rank's arena: a shared segment's name can go.
+        // Every peer has mapped this rank's arena (and board): a shared segment's name can go.
         let mut local = local;
         local.peers_mapped();
-        let (peers, mappings, my_grid) = match mapped {
-            Ok((peers, mappings, colocated)) => (peers, mappings, (my_grid / colocated).max(1)),
+        let (peers, mappings, my_grid, registry) = match mapped {
+            Ok(((peers, mappings, colocated), reg)) => {
+                (peers, mappings, (my_grid / colocated).max(1), reg)
+            }
             Err(e) => return Err(Error::Internal(format!("failed set-up step passed: {e}"))),
         };
         // The direct PULL protocol loads peers' user buffers at the addresses they publish: only
         // where every rank is a thread of this process on this device (every device pointer of
         // a rank is then one of its peers'). The records are the same on every rank, so every
         // rank decides alike.
+        // With zero-copy on (`FLASHCOMM_ZERO_COPY`), also between processes of one machine: a
+        // rank whose buffer a peer of another process has not mapped (a registered buffer,
+        // `crate::register`) stages it, rank-locally.
         let mut arena = arena;
         arena.direct = transport == Transport::P2p
             && all.iter().all(|b| {
-                PeerInfo::decode(b)
-                    .is_ok_and(|p| p.pid == info.pid && p.host == info.host && p.uuid == info.uuid)
+                PeerInfo::decode(b).is_ok_and(|p| {
+                    (p.pid == info.pid && p.host == info.host && p.uuid == info.uuid)
+                        || (cfg.zero_copy && p.host == info.host)
+                })
             });
 
         // Step 2 (round 3): probe: every rank writes into every arena. The stream is this
@@ -308,6 +328,7 @@ impl Communicator {
             own_slots,
             peers,
             mappings,
+            registry,
             host,
             kernels,
             max_grid,
@@ -316,6 +337,7 @@ impl Communicator {
             cfg: cfg.clone(),
             scratch: std::sync::Mutex::new(Vec::new()),
             deferred: std::sync::Mutex::new(None),
+            zero_copy_calls: std::sync::atomic::AtomicU64::new(0),
             last: Arc::new(LastLaunch {
                 device: dev.clone(),
                 stream: AtomicUsize::new(0),
@@ -432,6 +454,22 @@ impl Communicator {
             Transport::P2p => None,
         };
         let host = HostMapped::alloc(HOST_BYTES)?;
+        // A board where peers of other processes find this rank's registered buffers: only for
+        // zero-copy on the peer transport (the host transport's peers cannot read device memory).
+        // A rank that cannot make one stages its buffers for such peers: no failure.
+        let board = (cfg.zero_copy && transport == Transport::P2p && nranks > 1)
+            .then(|| {
+                let name = transport::segment_name();
+                HostArena::create_shared(&name, register::BOARD_BYTES, dev.numa_node())
+                    .map_err(|e| tracing::debug!("no registration board ({e}): buffers are staged"))
+                    .ok()
+                    .map(|b| {
+                        let mut n = [0u8; transport::NAME_BYTES];
+                        n[..name.len()].copy_from_slice(name.as_bytes());
+                        (b, n)
+                    })
+            })
+            .flatten();
         // Largest grid that keeps all co-located ranks resident at once (the kernels wait on one
         // another across ranks): occupancy of the heaviest kernel times SMs, shared among the
         // ranks of this GPU. The count of co-located ranks is not known yet; the caller's cap and
@@ -461,7 +499,45 @@ impl Communicator {
             host,
             kernels,
             grid,
+            board,
         })
+    }
+
+    /// The registry of this rank: which ranks share its process, its board and its peers'
+    /// boards (opened here, while their creators keep the names). A board that cannot be opened
+    /// leaves that peer's registrations unacknowledged by this rank, which then stages for it:
+    /// rank-local, no failure.
+    fn registry(
+        rank: u32,
+        info: &PeerInfo,
+        infos: &[PeerInfo],
+        board: Option<(HostArena, [u8; transport::NAME_BYTES])>,
+    ) -> Registry {
+        let mut local = [false; MAX_RANKS];
+        for (r, p) in infos.iter().enumerate() {
+            local[r] = p.same_process(info);
+        }
+        let nranks = infos.len() as u32;
+        let Some((mut own, _)) = board else {
+            return Registry::local_only(rank, nranks, local);
+        };
+        if local.iter().take(infos.len()).all(|&l| l) {
+            own.unlink();
+            return Registry::local_only(rank, nranks, local);
+        }
+        let boards = infos
+            .iter()
+            .enumerate()
+            .map(|(r, p)| {
+                let name = p.board.filter(|_| !local[r])?;
+                let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+                let s = std::str::from_utf8(&name[..end]).ok()?;
+                HostArena::open_shared(s, register::BOARD_BYTES)
+                    .map_err(|e| tracing::debug!("rank {r}'s registration board: {e}"))
+                    .ok()
+            })
+            .collect();
+        Registry::with_boards(rank, nranks, local, own, boards)
     }
 
     /// The transport of this communicator, the same on every rank. Forced: as asked, with no
@@ -554,7 +630,20 @@ mod tests {
             ipc: Some([3; 64]),
             max_grid: 132,
             transport: Transport::Host,
+            board: None,
         }
+    }
+
+    /// The registration board's name travels in the record (and its absence too).
+    #[test]
+    fn the_board_name_travels_in_the_record() {
+        let mut a = info(5, 9);
+        assert_eq!(PeerInfo::decode(&a.encode()).unwrap().board, None);
+        let mut name = [0u8; transport::NAME_BYTES];
+        name[..12].copy_from_slice(b"/flashcomm-x");
+        a.board = Some(name);
+        assert_eq!(a.encode().len(), INFO_BYTES);
+        assert_eq!(PeerInfo::decode(&a.encode()).unwrap(), a);
     }
 
     /// Two processes of one machine in different PID namespaces (containers of one pod: same

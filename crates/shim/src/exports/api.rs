@@ -11,7 +11,7 @@ use std::ffi::{CString, c_char, c_int, c_void};
 
 use flashcomm_nccl_sys::{
     NCCL_SHRINK_ABORT, cudaStream_t, ncclCollConfig_t, ncclComm_t, ncclConfig_t, ncclDataType_t,
-    ncclRedOp_t, ncclResult_t, ncclSimInfo_t, ncclUniqueId,
+    ncclRedOp_t, ncclResult_t, ncclSimInfo_t, ncclUniqueId, ncclWindow_t,
 };
 
 use crate::args::Args;
@@ -57,6 +57,10 @@ static RESUME: Slot = Slot::new(c"ncclCommResume");
 static DESTROY: Slot = Slot::new(c"ncclCommDestroy");
 static ABORT: Slot = Slot::new(c"ncclCommAbort");
 static GET_ASYNC_ERROR: Slot = Slot::new(c"ncclCommGetAsyncError");
+static REGISTER: Slot = Slot::new(c"ncclCommRegister");
+static DEREGISTER: Slot = Slot::new(c"ncclCommDeregister");
+static WINDOW_REGISTER: Slot = Slot::new(c"ncclCommWindowRegister");
+static WINDOW_DEREGISTER: Slot = Slot::new(c"ncclCommWindowDeregister");
 static GROUP_START: Slot = Slot::new(c"ncclGroupStart");
 static GROUP_END: Slot = Slot::new(c"ncclGroupEnd");
 static GROUP_SIMULATE_END: Slot = Slot::new(c"ncclGroupSimulateEnd");
@@ -530,6 +534,45 @@ nccl_api! {
             hook("flashcommAbortedHook", comm, || dispatch::on_comm_aborted(pending));
         }
         forwarded!(real)
+    }
+
+    /// The real NCCL registers the buffer; once it has, a communicator flashcomm serves registers
+    /// it too (zero-copy for peers of other processes: `dispatch::on_registered`).
+    fn ncclCommRegister(comm: ncclComm_t, buff: *mut c_void, size: usize,
+        handle: *mut *mut c_void) -> ncclResult_t {
+        let r = forwarded!(call_real!(REGISTER, (comm, buff, size, handle) -> ncclResult_t));
+        if r == ncclResult_t::ncclSuccess && !handle.is_null() {
+            // SAFETY: the caller passed a valid out-pointer (NCCL's contract), which the real call
+            // just filled.
+            let h = unsafe { handle.read() };
+            dispatch::on_registered(comm, buff as u64, size as u64, h as usize, false);
+        }
+        r
+    }
+
+    fn ncclCommDeregister(comm: ncclComm_t, handle: *mut c_void) -> ncclResult_t {
+        dispatch::on_deregistering(comm, handle as usize);
+        forwarded!(call_real!(DEREGISTER, (comm, handle) -> ncclResult_t))
+    }
+
+    /// Collective, like the real one: a communicator flashcomm serves registers the window too and
+    /// waits (bounded) until every peer of another process has mapped it.
+    fn ncclCommWindowRegister(comm: ncclComm_t, buff: *mut c_void, size: usize,
+        win: *mut ncclWindow_t, win_flags: c_int) -> ncclResult_t {
+        let r = forwarded!(call_real!(WINDOW_REGISTER,
+            (comm, buff, size, win, win_flags) -> ncclResult_t));
+        if r == ncclResult_t::ncclSuccess && !win.is_null() {
+            // SAFETY: as for ncclCommRegister's handle (inside a group the real library may fill
+            // it only at the group's end: a null window is then not registered with flashcomm).
+            let w = unsafe { win.read() };
+            dispatch::on_registered(comm, buff as u64, size as u64, w as usize, true);
+        }
+        r
+    }
+
+    fn ncclCommWindowDeregister(comm: ncclComm_t, win: ncclWindow_t) -> ncclResult_t {
+        dispatch::on_deregistering(comm, win as usize);
+        forwarded!(call_real!(WINDOW_DEREGISTER, (comm, win) -> ncclResult_t))
     }
 
     /// Inside a group that holds its Send/Recv calls back, a nested start is held with them.

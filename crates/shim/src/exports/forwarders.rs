@@ -24,10 +24,6 @@ forward! {
         comm: ncclComm_t,
         device: *mut ::std::os::raw::c_int,
     ) -> ncclResult_t;
-    pub fn ncclCommDeregister(
-        comm: ncclComm_t,
-        handle: *mut ::std::os::raw::c_void,
-    ) -> ncclResult_t;
     pub fn ncclCommGetUniqueId(
         comm: ncclComm_t,
         uniqueId: *mut ncclUniqueId,
@@ -41,23 +37,9 @@ forward! {
         comm: ncclComm_t,
         props: *mut ncclCommProperties_t,
     ) -> ncclResult_t;
-    pub fn ncclCommRegister(
-        comm: ncclComm_t,
-        buff: *mut ::std::os::raw::c_void,
-        size: usize,
-        handle: *mut *mut ::std::os::raw::c_void,
-    ) -> ncclResult_t;
     pub fn ncclCommUserRank(
         comm: ncclComm_t,
         rank: *mut ::std::os::raw::c_int,
-    ) -> ncclResult_t;
-    pub fn ncclCommWindowDeregister(comm: ncclComm_t, win: ncclWindow_t) -> ncclResult_t;
-    pub fn ncclCommWindowRegister(
-        comm: ncclComm_t,
-        buff: *mut ::std::os::raw::c_void,
-        size: usize,
-        win: *mut ncclWindow_t,
-        winFlags: ::std::os::raw::c_int,
     ) -> ncclResult_t;
     pub fn ncclDevCommCreate(
         comm: ncclComm_t,

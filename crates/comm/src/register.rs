@@ -1,0 +1,514 @@
+//! Registered buffers: user memory that peers of other processes read in place (zero-copy).
+//!
+//! The direct PULL protocol lets peers load a rank's send buffer (and store into its receive
+//! buffer) where it lies. Ranks of one process share an address space, so any buffer will do. A
+//! peer of another process must first map the allocation that holds the buffer: that is what
+//! registration (`ncclCommRegister`, `ncclCommWindowRegister`) arranges, with
+//! `FLASHCOMM_ZERO_COPY` on, on the peer transport.
+//!
+//! **The board.** Each rank of a communicator with peers in other processes owns a small shared
+//! host segment (its *board*), which every peer maps at set-up. Registering a buffer exports the
+//! allocation holding it (a legacy IPC handle) into a slot of the owner's board; every peer,
+//! at its next call (or while it waits in a collective registration), opens the handles it has
+//! not seen and acknowledges each in the slot's row: the address at which its process sees the
+//! allocation. Nothing in this is collective, so a registration on some ranks only, or at
+//! different times, is fine: a rank publishes a peer the address of its buffer in that peer's
+//! process only once the peer acknowledged the slot; until then it stages its data in its own
+//! pull area, which every peer has mapped since set-up (rank-local: [`crate::abi`]'s
+//! `FLAG_PULL_STAGE_SEND`/`FLAG_PULL_STAGE_RECV`). The protocol every rank runs is the same
+//! either way, and so are the results, bit for bit.
+//!
+//! **Words.** Every board word is an 8-byte atomic: a writer stores the payload words first and
+//! the word that validates them last (release); a reader loads the validating word first
+//! (acquire). A slot's state is `gen << 1 | live`; `gen` grows each time the slot is reused, and
+//! an acknowledgement names the generation it is for, so one for an earlier buffer of the slot
+//! never counts for a later one. The board's first word counts changes, so a peer with nothing
+//! new to read loads one word per board per call.
+//!
+//! **Lifetimes.** A mapping a peer opened stays open until the communicator is released, even
+//! after the owner deregistered the buffer: a CUDA graph captured while the buffer was registered
+//! keeps publishing the address, and replays must keep reading valid memory. (Freeing a buffer
+//! that a graph still uses is the application's error, as with NCCL.) An owner checks at every
+//! call that the buffer is still the allocation it registered (the driver's buffer id), so a
+//! buffer freed and allocated again at the same address is staged, never read through a stale
+//! mapping, until it is registered again.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::abi::MAX_RANKS;
+use crate::gpu::{HostArena, IpcMapping, UserAllocation};
+
+/// Registrations a rank's board holds at once (further ones are served by staging).
+pub(crate) const SLOTS: usize = 32;
+/// Words of one slot: state, base, length, IPC handle (8), one spare.
+const SLOT_WORDS: usize = 12;
+/// The first slot's word (word 0 counts changes).
+const SLOTS_AT: usize = 8;
+/// The first acknowledgement's word: `[slot][peer]` pairs of (generation, address).
+const ACKS_AT: usize = SLOTS_AT + SLOTS * SLOT_WORDS;
+/// Bytes of a board.
+pub(crate) const BOARD_BYTES: usize = 8192;
+const _: () = assert!((ACKS_AT + SLOTS * MAX_RANKS * 2) * 8 <= BOARD_BYTES);
+
+/// A board's words: the shared segment, or plain memory in tests.
+pub(crate) trait Words {
+    fn load(&self, word: usize) -> u64;
+    fn store(&self, word: usize, v: u64);
+}
+
+impl Words for HostArena {
+    fn load(&self, word: usize) -> u64 {
+        self.load_u64(word * 8)
+    }
+    fn store(&self, word: usize, v: u64) {
+        self.store_u64(word * 8, v)
+    }
+}
+
+fn state_word(slot: usize) -> usize {
+    SLOTS_AT + slot * SLOT_WORDS
+}
+
+fn ack_word(slot: usize, peer: u32) -> usize {
+    ACKS_AT + (slot * MAX_RANKS + peer as usize) * 2
+}
+
+/// What a slot announces: the allocation and its handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Export {
+    pub base: u64,
+    pub len: u64,
+    pub handle: [u8; 64],
+}
+
+/// Writes `e` into a free slot of board `b` (one whose state is not live) and returns the slot
+/// and its new generation; `None` when every slot is live.
+pub(crate) fn publish<W: Words + ?Sized>(b: &W, e: &Export) -> Option<(usize, u64)> {
+    let slot = (0..SLOTS).find(|&s| b.load(state_word(s)) & 1 == 0)?;
+    let w = state_word(slot);
+    let gen_ = (b.load(w) >> 1) + 1;
+    b.store(w + 1, e.base);
+    b.store(w + 2, e.len);
+    for (i, c) in e.handle.chunks_exact(8).enumerate() {
+        b.store(
+            w + 3 + i,
+            u64::from_le_bytes(c.try_into().expect("8 bytes")),
+        );
+    }
+    b.store(w, gen_ << 1 | 1);
+    b.store(0, b.load(0).wrapping_add(1));
+    Some((slot, gen_))
+}
+
+/// Marks `slot` of generation `gen_` free (its peers' mappings stay open: see the module).
+pub(crate) fn retract<W: Words + ?Sized>(b: &W, slot: usize, gen_: u64) {
+    let w = state_word(slot);
+    if b.load(w) == gen_ << 1 | 1 {
+        b.store(w, gen_ << 1);
+        b.store(0, b.load(0).wrapping_add(1));
+    }
+}
+
+/// The live slots of a board, with their generation and export, read consistently (a slot
+/// rewritten while it was read is left for the next look, which the change count brings).
+pub(crate) fn live_slots<W: Words + ?Sized>(b: &W) -> Vec<(usize, u64, Export)> {
+    let mut out = Vec::new();
+    for s in 0..SLOTS {
+        let w = state_word(s);
+        let st = b.load(w);
+        if st & 1 == 0 {
+            continue;
+        }
+        let mut handle = [0u8; 64];
+        for i in 0..8 {
+            handle[8 * i..8 * i + 8].copy_from_slice(&b.load(w + 3 + i).to_le_bytes());
+        }
+        let e = Export {
+            base: b.load(w + 1),
+            len: b.load(w + 2),
+            handle,
+        };
+        if b.load(w) == st {
+            out.push((s, st >> 1, e));
+        }
+    }
+    out
+}
+
+/// Peer `peer` acknowledges generation `gen_` of `slot`: its process sees the allocation at
+/// `addr` (0: it could not map it).
+pub(crate) fn acknowledge<W: Words + ?Sized>(b: &W, slot: usize, gen_: u64, peer: u32, addr: u64) {
+    let w = ack_word(slot, peer);
+    b.store(w + 1, addr);
+    b.store(w, gen_);
+}
+
+/// Where `peer` sees generation `gen_` of `slot`: `None` until it acknowledged, `Some(0)` when it
+/// could not map it.
+pub(crate) fn acknowledged<W: Words + ?Sized>(
+    b: &W,
+    slot: usize,
+    gen_: u64,
+    peer: u32,
+) -> Option<u64> {
+    let w = ack_word(slot, peer);
+    (b.load(w) == gen_).then(|| b.load(w + 1))
+}
+
+/// One registration of this rank.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    id: u64,
+    ptr: u64,
+    len: u64,
+    /// The allocation exported, with its board slot and generation (`None`: not exportable, or
+    /// no peer of another process: served as any unregistered buffer).
+    export: Option<(UserAllocation, usize, u64)>,
+}
+
+/// What a registration is: its id, to deregister it.
+pub type RegistrationId = u64;
+
+#[derive(Default)]
+struct State {
+    entries: Vec<Entry>,
+    next_id: u64,
+    /// Per peer: the change count of its board last read.
+    seen: [u64; MAX_RANKS],
+    /// Per peer and slot: the generation acknowledged.
+    imported: Vec<[u64; SLOTS]>,
+    /// Mappings of peers' allocations: (peer, handle), kept until the communicator is released.
+    maps: Vec<(u32, [u8; 64], IpcMapping)>,
+}
+
+/// A rank's registrations, its board and its peers' boards.
+pub(crate) struct Registry {
+    rank: u32,
+    /// Per rank: reached by address (a rank of this process: any buffer is readable).
+    local: [bool; MAX_RANKS],
+    nranks: u32,
+    own: Option<HostArena>,
+    boards: Vec<Option<HostArena>>,
+    state: Mutex<State>,
+}
+
+impl Registry {
+    /// A registry with no board (every peer of this process, or zero-copy off).
+    pub(crate) fn local_only(rank: u32, nranks: u32, local: [bool; MAX_RANKS]) -> Registry {
+        Registry {
+            rank,
+            local,
+            nranks,
+            own: None,
+            boards: Vec::new(),
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    /// A registry with this rank's board and its peers' (`boards[r]`: `None` for this rank and
+    /// ranks of this process).
+    pub(crate) fn with_boards(
+        rank: u32,
+        nranks: u32,
+        local: [bool; MAX_RANKS],
+        own: HostArena,
+        boards: Vec<Option<HostArena>>,
+    ) -> Registry {
+        let state = State {
+            imported: vec![[0; SLOTS]; nranks as usize],
+            ..State::default()
+        };
+        Registry {
+            rank,
+            local,
+            nranks,
+            own: Some(own),
+            boards,
+            state: Mutex::new(state),
+        }
+    }
+
+    /// Whether some peer is of another process and this rank has a board (zero-copy possible).
+    pub(crate) fn has_boards(&self) -> bool {
+        self.own.is_some()
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers `len` bytes at `ptr` (the device's context current): exported to the board when
+    /// peers of other processes exist and the driver can export the allocation (otherwise the
+    /// buffer is served as unregistered ones are, by staging, which is no error).
+    pub(crate) fn register(&self, ptr: u64, len: u64) -> RegistrationId {
+        let export = self.own.as_ref().and_then(|b| {
+            let a = crate::gpu::user_allocation(ptr)
+                .map_err(|e| {
+                    tracing::debug!(
+                        "buffer {ptr:#x} ({len} bytes) registered but not exportable ({e}): \
+                         peers of other processes read it staged"
+                    )
+                })
+                .ok()?;
+            let (slot, gen_) = publish(
+                b,
+                &Export {
+                    base: a.base,
+                    len: a.len,
+                    handle: a.handle,
+                },
+            )
+            .or_else(|| {
+                tracing::debug!("every registration slot is taken: buffer {ptr:#x} is staged");
+                None
+            })?;
+            Some((a, slot, gen_))
+        });
+        let mut st = self.state();
+        st.next_id += 1;
+        let id = st.next_id;
+        st.entries.push(Entry {
+            id,
+            ptr,
+            len,
+            export,
+        });
+        id
+    }
+
+    /// Removes registration `id`; false when there is none.
+    pub(crate) fn deregister(&self, id: RegistrationId) -> bool {
+        let mut st = self.state();
+        let Some(i) = st.entries.iter().position(|e| e.id == id) else {
+            return false;
+        };
+        let e = st.entries.swap_remove(i);
+        if let (Some(b), Some((_, slot, gen_))) = (self.own.as_ref(), e.export) {
+            retract(b, slot, gen_);
+        }
+        true
+    }
+
+    /// Opens what peers registered since the last look and acknowledges it (the device's
+    /// context current). Cheap when nothing changed: one load per peer's board.
+    pub(crate) fn refresh(&self) {
+        if self.own.is_none() {
+            return;
+        }
+        let mut st = self.state();
+        for (r, b) in self.boards.iter().enumerate() {
+            let Some(b) = b else { continue };
+            let changes = b.load(0);
+            if changes == st.seen[r] {
+                continue;
+            }
+            st.seen[r] = changes;
+            for (slot, gen_, e) in live_slots(b) {
+                if st.imported[r][slot] == gen_ {
+                    continue;
+                }
+                let addr = match st
+                    .maps
+                    .iter()
+                    .find(|(p, h, _)| *p == r as u32 && *h == e.handle)
+                {
+                    Some((_, _, m)) => m.ptr(),
+                    None => match IpcMapping::open(&e.handle) {
+                        Ok(m) => {
+                            let a = m.ptr();
+                            st.maps.push((r as u32, e.handle, m));
+                            a
+                        }
+                        Err(err) => {
+                            tracing::debug!(
+                                "rank {r}'s registered allocation {:#x} could not be mapped \
+                                 ({err}): it stages for this rank",
+                                e.base
+                            );
+                            0
+                        }
+                    },
+                };
+                acknowledge(b, slot, gen_, self.rank, addr);
+                st.imported[r][slot] = gen_;
+            }
+        }
+    }
+
+    /// Where each rank's process sees the `len` bytes at `ptr` of this rank: `ptr` itself for
+    /// ranks of this process, the mapping a peer acknowledged for the others; `None` when some
+    /// peer of another process cannot read them in place (not registered, not yet acknowledged,
+    /// or no longer the allocation registered). Needs the device's context current.
+    pub(crate) fn views(&self, ptr: u64, len: u64) -> Option<[u64; MAX_RANKS]> {
+        let mut v = [0u64; MAX_RANKS];
+        let all_local = (0..self.nranks as usize).all(|q| self.local[q]);
+        for (q, x) in v.iter_mut().enumerate().take(self.nranks as usize) {
+            if self.local[q] {
+                *x = ptr;
+            }
+        }
+        if all_local {
+            return Some(v);
+        }
+        let b = self.own.as_ref()?;
+        let st = self.state();
+        let end = ptr.checked_add(len)?;
+        let (a, slot, gen_) = st.entries.iter().find_map(|e| {
+            let (a, slot, gen_) = e.export?;
+            (ptr >= e.ptr && end <= e.ptr + e.len).then_some((a, slot, gen_))
+        })?;
+        drop(st);
+        if crate::gpu::buffer_id(ptr) != Some(a.buffer_id) {
+            return None;
+        }
+        for q in 0..self.nranks {
+            if self.local[q as usize] {
+                continue;
+            }
+            let at = acknowledged(b, slot, gen_, q).filter(|&x| x != 0)?;
+            v[q as usize] = at + (ptr - a.base);
+        }
+        Some(v)
+    }
+
+    /// Waits until every peer of another process acknowledged registration `id` (a collective
+    /// registration: every peer is registering too, and acknowledges while it waits), at most
+    /// `limit`. Whether they all did.
+    pub(crate) fn wait_acknowledged(&self, id: RegistrationId, limit: Duration) -> bool {
+        let Some(b) = self.own.as_ref() else {
+            return true;
+        };
+        let t0 = Instant::now();
+        loop {
+            self.refresh();
+            let export = self
+                .state()
+                .entries
+                .iter()
+                .find(|e| e.id == id)
+                .and_then(|e| e.export);
+            let Some((_, slot, gen_)) = export else {
+                return false;
+            };
+            let done = (0..self.nranks)
+                .filter(|&q| !self.local[q as usize])
+                .all(|q| acknowledged(b, slot, gen_, q).is_some());
+            if done {
+                return true;
+            }
+            if t0.elapsed() >= limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
+    /// Closes the peers' mappings (the device's context current).
+    pub(crate) fn close(&self) {
+        self.state().maps.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    struct Mem(Vec<AtomicU64>);
+    impl Mem {
+        fn new() -> Mem {
+            Mem((0..BOARD_BYTES / 8).map(|_| AtomicU64::new(0)).collect())
+        }
+    }
+    impl Words for Mem {
+        fn load(&self, w: usize) -> u64 {
+            self.0[w].load(Ordering::Acquire)
+        }
+        fn store(&self, w: usize, v: u64) {
+            self.0[w].store(v, Ordering::Release)
+        }
+    }
+
+    fn export(base: u64) -> Export {
+        let mut handle = [0u8; 64];
+        for (i, h) in handle.iter_mut().enumerate() {
+            *h = (base as u8).wrapping_add(i as u8);
+        }
+        Export {
+            base,
+            len: 1 << 20,
+            handle,
+        }
+    }
+
+    #[test]
+    fn a_slot_round_trips_and_counts_a_change() {
+        let b = Mem::new();
+        let (s, g) = publish(&b, &export(0x7000_0000)).unwrap();
+        assert_eq!((s, g), (0, 1));
+        assert_eq!(b.load(0), 1);
+        assert_eq!(live_slots(&b), vec![(0, 1, export(0x7000_0000))]);
+    }
+
+    #[test]
+    fn acknowledgements_name_their_generation() {
+        let b = Mem::new();
+        let (s, g) = publish(&b, &export(0x1000)).unwrap();
+        assert_eq!(acknowledged(&b, s, g, 3), None);
+        acknowledge(&b, s, g, 3, 0xabc0);
+        assert_eq!(acknowledged(&b, s, g, 3), Some(0xabc0));
+        assert_eq!(acknowledged(&b, s, g, 2), None);
+        // The slot is freed and reused: the old acknowledgement does not count for the new buffer.
+        retract(&b, s, g);
+        assert!(live_slots(&b).is_empty());
+        let (s2, g2) = publish(&b, &export(0x2000)).unwrap();
+        assert_eq!((s2, g2), (s, g + 1));
+        assert_eq!(acknowledged(&b, s2, g2, 3), None);
+        // A peer that could not map it says so with address 0.
+        acknowledge(&b, s2, g2, 3, 0);
+        assert_eq!(acknowledged(&b, s2, g2, 3), Some(0));
+    }
+
+    #[test]
+    fn a_stale_retraction_leaves_the_new_generation_alone() {
+        let b = Mem::new();
+        let (s, g) = publish(&b, &export(0x1000)).unwrap();
+        retract(&b, s, g);
+        let (_, g2) = publish(&b, &export(0x3000)).unwrap();
+        retract(&b, s, g);
+        assert_eq!(live_slots(&b), vec![(s, g2, export(0x3000))]);
+    }
+
+    #[test]
+    fn a_full_board_refuses_more() {
+        let b = Mem::new();
+        for i in 0..SLOTS {
+            assert_eq!(publish(&b, &export(i as u64 * 16)).map(|x| x.0), Some(i));
+        }
+        assert_eq!(publish(&b, &export(0xffff)), None);
+        retract(&b, 5, 1);
+        assert_eq!(publish(&b, &export(0xffff)), Some((5, 2)));
+    }
+
+    #[test]
+    fn ranks_of_one_process_see_any_buffer_in_place() {
+        let mut local = [false; MAX_RANKS];
+        local[..4].fill(true);
+        let r = Registry::local_only(1, 4, local);
+        assert!(!r.has_boards());
+        assert_eq!(r.views(0x5000, 64).unwrap()[..4], [0x5000; 4]);
+        let id = r.register(0x5000, 64);
+        assert!(r.wait_acknowledged(id, Duration::ZERO));
+        assert!(r.deregister(id));
+        assert!(!r.deregister(id));
+    }
+
+    #[test]
+    fn peers_of_another_process_without_a_board_stage() {
+        let mut local = [false; MAX_RANKS];
+        local[0] = true;
+        let r = Registry::local_only(0, 2, local);
+        assert_eq!(r.views(0x5000, 64), None);
+    }
+}
