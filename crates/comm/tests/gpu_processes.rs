@@ -838,15 +838,17 @@ fn zero_copy_checks(
         if rank.is_multiple_of(2) { calls } else { 0 },
         "rank {rank}: even ranks registered"
     );
-    // Every rank registered (a collective registration: mapped by every peer before it returns).
-    if rank % 2 == 1 {
-        for b in [&send, &recv] {
-            let (id, mapped) = comm
-                .register_collective(b.addr(), BYTES as u64, Duration::from_secs(30))
-                .unwrap();
-            ids.push(id);
-            let _ = mapped;
-        }
+    // Every rank registers (a collective registration, on every rank: each returns once every
+    // peer has mapped its buffer; the even ranks register theirs a second time, which is fine).
+    for b in [&send, &recv] {
+        let (id, mapped) = comm
+            .register_collective(b.addr(), BYTES as u64, Duration::from_secs(30))
+            .unwrap();
+        assert!(
+            mapped,
+            "rank {rank}: a peer did not map a collective registration"
+        );
+        ids.push(id);
     }
     boot.barrier().unwrap();
     assert_eq!(
