@@ -40,7 +40,7 @@ use crate::abi::MAX_RANKS;
 use crate::gpu::{HostArena, IpcMapping, UserAllocation};
 
 /// Registrations a rank's board holds at once (further ones are served by staging).
-pub(crate) const SLOTS: usize = 32;
+pub(crate) const SLOTS: usize = 128;
 /// Words of one slot: state, base, length, IPC handle (8), one spare.
 const SLOT_WORDS: usize = 12;
 /// The first slot's word (word 0 counts changes).
@@ -48,7 +48,7 @@ const SLOTS_AT: usize = 8;
 /// The first acknowledgement's word: `[slot][peer]` pairs of (generation, address).
 const ACKS_AT: usize = SLOTS_AT + SLOTS * SLOT_WORDS;
 /// Bytes of a board.
-pub(crate) const BOARD_BYTES: usize = 8192;
+pub(crate) const BOARD_BYTES: usize = 32768;
 const _: () = assert!((ACKS_AT + SLOTS * MAX_RANKS * 2) * 8 <= BOARD_BYTES);
 
 /// A board's words: the shared segment, or plain memory in tests.
@@ -275,6 +275,32 @@ impl Registry {
             export,
         });
         id
+    }
+
+    /// A buffer that a call being captured into a CUDA graph publishes, not registered (or
+    /// registered as an allocation since freed): the whole allocation holding it is registered
+    /// for the rest of the communicator's life, and this waits, at most `limit`, until every peer
+    /// of another process mapped it, so that the graph's kernels read it in place at every
+    /// replay. Every rank captures the same calls (NCCL requires it of graphs), so the peers are
+    /// registering their buffers of this call too, and acknowledge while they wait. This is the
+    /// exchange at capture that serving stacks make for their graphs' buffers.
+    pub(crate) fn register_captured(&self, ptr: u64, limit: Duration) {
+        if self.own.is_none() {
+            return;
+        }
+        let id = crate::gpu::buffer_id(ptr);
+        let existing = self.state().entries.iter().find_map(|e| {
+            let (a, _, _) = e.export?;
+            (ptr >= e.ptr && ptr < e.ptr + e.len && Some(a.buffer_id) == id).then_some(e.id)
+        });
+        let id = match existing {
+            Some(id) => id,
+            None => match crate::gpu::user_allocation(ptr) {
+                Ok(a) => self.register(a.base, a.len),
+                Err(_) => return,
+            },
+        };
+        self.wait_acknowledged(id, limit);
     }
 
     /// Removes registration `id`; false when there is none.

@@ -915,6 +915,58 @@ fn zero_copy_checks(
         0,
         "rank {rank}: deregistered"
     );
+    // Buffers never registered, captured into a graph on every rank: the capture registers the
+    // allocations holding them and waits for the peers' mappings (the exchange at capture), so
+    // the graph reads in place.
+    let (gs, gr) = (v.alloc(BYTES).unwrap(), v.alloc(BYTES).unwrap());
+    v.fill(gs.as_ptr(), count, ty, rank, salt + 1, s).unwrap();
+    s.synchronize().unwrap();
+    boot.barrier().unwrap();
+    let before = comm.zero_copy_calls();
+    s.begin_capture().unwrap();
+    for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+        comm.execute(
+            &Request::typed(Collective::AllReduce, count, DataType::Bf16)
+                .forced(
+                    Choice::Force(algo),
+                    Choice::Force(flashcomm_comm::Protocol::Direct),
+                )
+                .between(gs.as_ptr(), gr.as_ptr())
+                .on(s),
+        )
+        .unwrap();
+        v.check(
+            gr.as_ptr(),
+            count,
+            count,
+            Collective::AllReduce,
+            ty,
+            n,
+            rank,
+            salt + 1,
+            s,
+        )
+        .unwrap();
+    }
+    let graph = s.end_capture().expect("capture");
+    assert_eq!(
+        comm.zero_copy_calls() - before,
+        2,
+        "rank {rank}: the captured calls read unregistered buffers in place"
+    );
+    boot.barrier().unwrap();
+    for _ in 0..50 {
+        graph.launch(s).unwrap();
+    }
+    s.synchronize().unwrap();
+    comm.check_status().expect("device status");
+    let (bad, first) = v.errors().unwrap();
+    assert_eq!(
+        bad, 0,
+        "rank {rank}: graph of unregistered buffers: {bad} wrong, first at {first}"
+    );
+    drop(graph);
+    boot.barrier().unwrap();
     // A registered buffer freed and allocated again (at the same address, as the driver usually
     // does) without a new registration: staged, exact; registered again: in place.
     let id_recv = comm.register(recv.addr(), BYTES as u64).unwrap();

@@ -334,6 +334,7 @@ impl Communicator {
                 count,
                 2,
                 Some(DataType::Bf16),
+                None,
             )?;
             self.launch_in_order(&l, stream)
         };

@@ -150,6 +150,9 @@ pub(super) struct Launch {
     pub(super) overlapped: bool,
 }
 
+/// How long a call being captured waits for its peers to map the buffers it registers.
+const CAPTURE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl Communicator {
     /// The plan of a request: exactly what [`Communicator::execute`] runs for it (pure; the
     /// same on every rank for the same request). A lossless call is planned by the cost model
@@ -218,7 +221,7 @@ impl Communicator {
         let p = self.plan(req)?;
         let work = match req.buffers {
             Buffers::Contiguous { send, recv } => {
-                self.contiguous(&p, send, recv, req.count, req.elem, req.dtype)?
+                self.contiguous(&p, send, recv, req.count, req.elem, req.dtype, req.stream)?
             }
             Buffers::Scattered { send, recv } => {
                 if req.coll != Collective::AlltoAll || p.quant.is_some() {
@@ -293,7 +296,7 @@ impl Communicator {
             mem.slice(q * block as usize, block as usize)
                 .copy_from(*b, block, stream)?;
         }
-        let work = self.contiguous(p, s_in, s_out, count, elem, None)?;
+        let work = self.contiguous(p, s_in, s_out, count, elem, None, stream)?;
         self.enqueue(work, stream)?;
         for (r, b) in recv.iter().enumerate() {
             b.copy_from(
@@ -316,6 +319,7 @@ impl Communicator {
         count: u64,
         elem: u64,
         dtype: Option<DataType>,
+        stream: Stream,
     ) -> Result<Work<'static>, Error> {
         if count == 0 {
             return Ok(Work::Nothing);
@@ -391,9 +395,15 @@ impl Communicator {
                 bytes: recv_bytes,
             });
         }
-        Ok(Work::Kernel(
-            self.launch_of(p, send, recv, count, elem, dtype)?,
-        ))
+        Ok(Work::Kernel(self.launch_of(
+            p,
+            send,
+            recv,
+            count,
+            elem,
+            dtype,
+            Some(stream),
+        )?))
     }
 
     /// [`abi::FLAG_EARLY_LAUNCH`] for a lossless plan whose grid, doubled, still fits this rank's
@@ -456,13 +466,15 @@ impl Communicator {
     /// for the two-shot AllReduce, its receive buffer), or the flags that stage them instead
     /// (rank-local: [`Communicator::direct_staging`], and for peers of other processes a buffer
     /// they have not mapped: [`crate::register`]).
+    /// A call being captured into a graph registers its unregistered buffers for good and waits
+    /// for the peers' mappings ([`crate::register`]), so the graph reads them in place.
     fn direct_views(
         &self,
         p: &Plan,
         params: &mut FcCollParams,
-        send: u64,
-        recv: u64,
+        (send, recv): (u64, u64),
         piece: u64,
+        stream: Option<Stream>,
     ) -> Result<(), Error> {
         params.flags |= Self::direct_staging(p, self.rank, self.nranks, send, recv, piece);
         let n = u64::from(self.nranks);
@@ -482,14 +494,24 @@ impl Communicator {
         if remote {
             self.registry.refresh();
         }
+        let capturing = remote && stream.is_some_and(|s| s.is_capturing().unwrap_or(false));
+        let views = |ptr: u64, len: u64| {
+            self.registry.views(ptr, len).or_else(|| {
+                if !capturing {
+                    return None;
+                }
+                self.registry.register_captured(ptr, CAPTURE_WAIT);
+                self.registry.views(ptr, len)
+            })
+        };
         if params.flags & abi::FLAG_PULL_STAGE_SEND == 0 {
-            match self.registry.views(send, send_len) {
+            match views(send, send_len) {
                 Some(v) => params.send_view = v,
                 None => params.flags |= abi::FLAG_PULL_STAGE_SEND,
             }
         }
         if two_shot {
-            match self.registry.views(recv, piece) {
+            match views(recv, piece) {
                 Some(v) => params.recv_view = v,
                 None => params.flags |= abi::FLAG_PULL_STAGE_RECV,
             }
@@ -536,7 +558,8 @@ impl Communicator {
         })
     }
 
-    /// The kernel of plan `p`, its launch configuration and its parameters.
+    /// The kernel of plan `p`, its launch configuration and its parameters (`stream`: the call's
+    /// stream, which tells whether the call is being captured; `None` for calibration's own).
     pub(super) fn launch_of(
         &self,
         p: &Plan,
@@ -545,6 +568,7 @@ impl Communicator {
         count: u64,
         elem: u64,
         dtype: Option<DataType>,
+        stream: Option<Stream>,
     ) -> Result<Launch, Error> {
         let k = Self::kernel_for(p, dtype)?;
         let params = FcCollParams {
@@ -572,7 +596,13 @@ impl Communicator {
         };
         let mut params = params;
         if p.proto == Protocol::Direct {
-            self.direct_views(p, &mut params, send.addr(), recv.addr(), count * elem)?;
+            self.direct_views(
+                p,
+                &mut params,
+                (send.addr(), recv.addr()),
+                count * elem,
+                stream,
+            )?;
         }
         let threads = p.threads;
         if let (Some(q), Some(d)) = (p.quant, dtype) {
