@@ -8,9 +8,10 @@
 /// The driver layer's error (the communicator's own [`crate::Error`] converts from it).
 pub use flashcomm_gpu::Error;
 pub use flashcomm_gpu::{
-    CaptureRecord, CtxGuard, Device, DeviceMem, DevicePtr, Event, Function, Graph, HostArena,
-    HostMapped, IpcMapping, LaunchConfig, OwnStream, Stream, UserAllocation, buffer_id,
-    device_count, driver_present, init, mem_info, remove_stale_segments, user_allocation,
+    CaptureRecord, CtxGuard, Device, DeviceMem, DevicePtr, Event, ExportKind, Function, Graph,
+    HostArena, HostMapped, IpcMapping, LaunchConfig, OwnStream, Stream, UserAllocation, VmmMem,
+    buffer_id, close_export, device_count, driver_present, init, mem_info, remove_stale_segments,
+    user_allocation,
 };
 
 use flashcomm_kernels::Kernel;

@@ -41,7 +41,7 @@ use crate::gpu::{HostArena, IpcMapping, UserAllocation};
 
 /// Registrations a rank's board holds at once (further ones are served by staging).
 pub(crate) const SLOTS: usize = 128;
-/// Words of one slot: state, base, length, IPC handle (8), one spare.
+/// Words of one slot: state, base, length, handle (8), the handle's kind.
 const SLOT_WORDS: usize = 12;
 /// The first slot's word (word 0 counts changes).
 const SLOTS_AT: usize = 8;
@@ -74,12 +74,14 @@ fn ack_word(slot: usize, peer: u32) -> usize {
     ACKS_AT + (slot * MAX_RANKS + peer as usize) * 2
 }
 
-/// What a slot announces: the allocation and its handle.
+/// What a slot announces: the allocation, its handle and the handle's kind (0: a legacy IPC
+/// handle, 1: a file descriptor to take from the owner's process).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Export {
     pub base: u64,
     pub len: u64,
     pub handle: [u8; 64],
+    pub kind: u64,
 }
 
 /// Writes `e` into a free slot of board `b` (one whose state is not live) and returns the slot
@@ -96,6 +98,7 @@ pub(crate) fn publish<W: Words + ?Sized>(b: &W, e: &Export) -> Option<(usize, u6
             u64::from_le_bytes(c.try_into().expect("8 bytes")),
         );
     }
+    b.store(w + 11, e.kind);
     b.store(w, gen_ << 1 | 1);
     b.store(0, b.load(0).wrapping_add(1));
     Some((slot, gen_))
@@ -128,6 +131,7 @@ pub(crate) fn live_slots<W: Words + ?Sized>(b: &W) -> Vec<(usize, u64, Export)> 
             base: b.load(w + 1),
             len: b.load(w + 2),
             handle,
+            kind: b.load(w + 11),
         };
         if b.load(w) == st {
             out.push((s, st >> 1, e));
@@ -251,15 +255,21 @@ impl Registry {
                     )
                 })
                 .ok()?;
+            let kind = match a.kind {
+                crate::gpu::ExportKind::Legacy => 0,
+                crate::gpu::ExportKind::Fd => 1,
+            };
             let (slot, gen_) = publish(
                 b,
                 &Export {
                     base: a.base,
                     len: a.len,
                     handle: a.handle,
+                    kind,
                 },
             )
             .or_else(|| {
+                crate::gpu::close_export(&a);
                 tracing::debug!("every registration slot is taken: buffer {ptr:#x} is staged");
                 None
             })?;
@@ -310,8 +320,9 @@ impl Registry {
             return false;
         };
         let e = st.entries.swap_remove(i);
-        if let (Some(b), Some((_, slot, gen_))) = (self.own.as_ref(), e.export) {
+        if let (Some(b), Some((a, slot, gen_))) = (self.own.as_ref(), e.export) {
             retract(b, slot, gen_);
+            crate::gpu::close_export(&a);
         }
         true
     }
@@ -340,7 +351,11 @@ impl Registry {
                     .find(|(p, h, _)| *p == r as u32 && *h == e.handle)
                 {
                     Some((_, _, m)) => m.ptr(),
-                    None => match IpcMapping::open(&e.handle) {
+                    None => match if e.kind == 1 {
+                        IpcMapping::open_fd(&e.handle)
+                    } else {
+                        IpcMapping::open(&e.handle)
+                    } {
                         Ok(m) => {
                             let a = m.ptr();
                             st.maps.push((r as u32, e.handle, m));
@@ -430,9 +445,16 @@ impl Registry {
         }
     }
 
-    /// Closes the peers' mappings (the device's context current).
+    /// Closes the peers' mappings and this rank's exported descriptors (the device's context
+    /// current).
     pub(crate) fn close(&self) {
-        self.state().maps.clear();
+        let mut st = self.state();
+        st.maps.clear();
+        for e in st.entries.drain(..) {
+            if let Some((a, _, _)) = e.export {
+                crate::gpu::close_export(&a);
+            }
+        }
     }
 }
 
@@ -465,6 +487,7 @@ mod tests {
             base,
             len: 1 << 20,
             handle,
+            kind: base & 1,
         }
     }
 

@@ -1004,7 +1004,29 @@ fn zero_copy_checks(
         "rank {rank}: registered again"
     );
     comm.deregister(id2).unwrap();
+    // Memory of the virtual memory API, shareable as a file descriptor (what ncclMemAlloc
+    // allocates): exported as a descriptor, which peers take with pidfd_getfd.
+    let vm = flashcomm_comm::gpu::VmmMem::alloc(BYTES, s).expect("virtual memory API allocation");
+    let (id_vm, mapped) = comm
+        .register_collective(vm.addr(), BYTES as u64, Duration::from_secs(30))
+        .unwrap();
+    boot.barrier().unwrap();
+    let got = phase("ncclMemAlloc-like memory", vm.as_ptr(), rp);
+    println!(
+        "rank {rank}: virtual memory API buffer: mapped by every peer {mapped}, {got} of {calls} calls in place"
+    );
+    assert_eq!(
+        got,
+        if mapped { calls } else { 0 },
+        "rank {rank}: virtual memory API buffer"
+    );
+    assert!(
+        mapped,
+        "rank {rank}: peers could not map a file-descriptor export"
+    );
+    comm.deregister(id_vm).unwrap();
     comm.deregister(id_recv).unwrap();
     boot.barrier().unwrap();
+    drop(vm);
     println!("ok rank {rank} of {n}: zero-copy registered buffers");
 }

@@ -408,9 +408,11 @@ variables! {
     }
     /// Zero-copy between processes: on the peer transport, the direct PULL protocol also
     /// serves ranks of different processes of one machine, and peers read a rank's buffers in
-    /// place where it registered them (`ncclCommRegister`, `ncclCommWindowRegister`; memory of
-    /// `cudaMalloc`, which legacy CUDA IPC exports). An unregistered buffer, or one a peer has not
-    /// mapped yet, is staged in the rank's own pull area, rank by rank, with the same results.
+    /// place where it registered them (`ncclCommRegister`, `ncclCommWindowRegister`: memory of
+    /// `cudaMalloc`, exported with legacy CUDA IPC, or of `ncclMemAlloc`, exported as a file
+    /// descriptor that peers take with `pidfd_getfd`), and buffers of calls captured into a CUDA
+    /// graph are exchanged at capture. An unregistered buffer, or one a peer has not mapped, is
+    /// staged in the rank's own pull area, rank by rank, with the same results.
     /// Off by default until measured on a GPU machine against the staged PULL protocol.
     zero_copy: bool = false => {
         name: "FLASHCOMM_ZERO_COPY",

@@ -42,8 +42,8 @@ pub use event::Event;
 pub use graph::{CaptureRecord, Graph};
 pub use host_arena::{HostArena, remove_stale_segments};
 pub use memory::{
-    DeviceMem, DevicePtr, HostMapped, IpcMapping, PointerKind, UserAllocation, buffer_id,
-    pointer_kind, user_allocation,
+    DeviceMem, DevicePtr, ExportKind, HostMapped, IpcMapping, PointerKind, UserAllocation, VmmMem,
+    buffer_id, close_export, pointer_kind, user_allocation,
 };
 pub use module::{Function, LaunchConfig, Module, launch, launch_overlapped};
 pub use stream::Stream;

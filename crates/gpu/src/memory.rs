@@ -62,25 +62,66 @@ fn pointer_attribute(addr: u64, attr: sys::CUpointer_attribute) -> Option<u32> {
     (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
 }
 
+/// How a user allocation travels to peers of other processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExportKind {
+    /// A legacy IPC handle (`cuIpcGetMemHandle`: memory of `cuMemAlloc` / `cudaMalloc`).
+    Legacy,
+    /// A POSIX file descriptor of the allocation (the virtual memory API's `cuMemCreate` with
+    /// that handle type requested, as `ncclMemAlloc` makes it), which a peer takes from this
+    /// process with `pidfd_getfd` ([`IpcMapping::open_fd`]).
+    Fd,
+}
+
 /// What a peer of another process needs to map the allocation that holds a user buffer: the
-/// allocation's base and length, its legacy IPC handle, and the driver's id of the allocation.
+/// allocation's base and length, its handle, and the driver's id of the allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UserAllocation {
     /// Base address of the allocation holding the buffer.
     pub base: u64,
     /// Bytes of that allocation.
     pub len: u64,
-    /// Its legacy IPC handle (`cuIpcGetMemHandle`).
+    /// How it is exported.
+    pub kind: ExportKind,
+    /// Legacy: the IPC handle. Fd: this process's id, the descriptor, the length and the buffer
+    /// id (little-endian u32, i32, u64, u64), unique to the allocation like a legacy handle.
     pub handle: [u8; 64],
     /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`: unique to the allocation for the life of the process,
     /// so a buffer freed and allocated again at the same address is told apart.
     pub buffer_id: u64,
+    /// Fd: the descriptor this process keeps open while peers may take it (closed with
+    /// [`close_export`]); -1 otherwise.
+    pub fd: i32,
 }
 
-/// The allocation holding the device buffer at `addr`, exportable with a legacy IPC handle
-/// (memory of `cuMemAlloc` / `cudaMalloc`; memory of the virtual memory API, such as
-/// `ncclMemAlloc`'s, is refused by the driver: an error, never a wrong handle). The context of
-/// the buffer's device must be current.
+/// Closes the descriptor of an [`ExportKind::Fd`] export (peers that mapped it keep their
+/// mappings).
+pub fn close_export(a: &UserAllocation) {
+    if a.kind == ExportKind::Fd && a.fd >= 0 {
+        // SAFETY: closes the descriptor `user_allocation` opened for this export, once.
+        unsafe { libc::close(a.fd) };
+    }
+}
+
+/// Runs `f` with this thread's stream-capture mode relaxed: the driver calls it makes (mapping
+/// memory) may then run while some stream captures a graph without invalidating that capture.
+fn relaxed<T>(f: impl FnOnce() -> T) -> T {
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: an in/out pointer to a valid mode; changes this thread's mode only.
+    let ok = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    let out = f();
+    if ok == sys::CUresult::CUDA_SUCCESS {
+        // SAFETY: restores the mode exchanged above.
+        let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+    out
+}
+
+/// The allocation holding the device buffer at `addr`, exported for peers of other processes:
+/// with a legacy IPC handle (memory of `cuMemAlloc` / `cudaMalloc`), else as a POSIX file
+/// descriptor (the virtual memory API's allocations made shareable that way, such as
+/// `ncclMemAlloc`'s); anything else is an error, never a wrong handle. The context of the
+/// buffer's device must be current.
 pub fn user_allocation(addr: u64) -> Result<UserAllocation, Error> {
     if !driver_loaded() {
         return Err(Error::NoDriver);
@@ -96,12 +137,52 @@ pub fn user_allocation(addr: u64) -> Result<UserAllocation, Error> {
     let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
     // SAFETY: `base` is the base of a live allocation (just asked); out-pointer.
     let r = unsafe { sys::cuIpcGetMemHandle(&mut h, base) };
-    check(r, "exporting a registered buffer's IPC handle")?;
+    if r == sys::CUresult::CUDA_SUCCESS {
+        return Ok(UserAllocation {
+            base,
+            len: len as u64,
+            kind: ExportKind::Legacy,
+            handle: h.reserved.map(|b| b as u8),
+            buffer_id,
+            fd: -1,
+        });
+    }
+    let legacy = check(r, "exporting a registered buffer's IPC handle");
+    let mut g: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: out-pointer; `base` is mapped (asked above); memory not of the virtual memory API
+    // gives an error.
+    let r = unsafe { sys::cuMemRetainAllocationHandle(&mut g, base as *mut c_void) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        // Neither kind of export: the legacy export's error says why.
+        legacy?;
+        return check(r, "exporting a registered buffer").map(|()| unreachable!());
+    }
+    let mut fd: i32 = -1;
+    // SAFETY: out-pointer of the descriptor's size; `g` was just retained (and is released next:
+    // the export does not need it retained).
+    let r = unsafe {
+        let r = sys::cuMemExportToShareableHandle(
+            (&mut fd as *mut i32).cast(),
+            g,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        );
+        let _ = sys::cuMemRelease(g);
+        r
+    };
+    check(r, "exporting a registered buffer as a file descriptor")?;
+    let mut handle = [0u8; 64];
+    handle[0..4].copy_from_slice(&std::process::id().to_le_bytes());
+    handle[4..8].copy_from_slice(&fd.to_le_bytes());
+    handle[8..16].copy_from_slice(&(len as u64).to_le_bytes());
+    handle[16..24].copy_from_slice(&buffer_id.to_le_bytes());
     Ok(UserAllocation {
         base,
         len: len as u64,
-        handle: h.reserved.map(|b| b as u8),
+        kind: ExportKind::Fd,
+        handle,
         buffer_id,
+        fd,
     })
 }
 
@@ -300,9 +381,11 @@ impl Drop for DeviceMem {
     }
 }
 
-/// A peer's allocation opened through a legacy IPC handle; closed on drop.
+/// A peer's allocation opened through a legacy IPC handle, or imported from its file descriptor
+/// and mapped (`vmm`: the mapped bytes); closed or unmapped on drop.
 pub struct IpcMapping {
     ptr: u64,
+    vmm: Option<usize>,
 }
 
 impl IpcMapping {
@@ -331,7 +414,87 @@ impl IpcMapping {
             let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
         }
         check(r, "opening a peer's IPC handle")?;
-        Ok(IpcMapping { ptr: p })
+        Ok(IpcMapping { ptr: p, vmm: None })
+    }
+
+    /// Maps, in the current context, an allocation that process `pid` exported as a file
+    /// descriptor (what [`user_allocation`] puts in an [`ExportKind::Fd`] handle): the
+    /// descriptor is taken from that process (`pidfd_getfd`, which needs the right to trace it:
+    /// the same user, and a ptrace policy that allows it), imported, and mapped read-write for
+    /// this context's device.
+    pub fn open_fd(handle: &[u8; 64]) -> Result<IpcMapping, Error> {
+        let pid = u32::from_le_bytes(handle[0..4].try_into().expect("4 bytes"));
+        let fd = i32::from_le_bytes(handle[4..8].try_into().expect("4 bytes"));
+        let size = u64::from_le_bytes(handle[8..16].try_into().expect("8 bytes")) as usize;
+        let os = |during: &'static str| Error::Cuda {
+            during,
+            detail: std::io::Error::last_os_error().to_string(),
+        };
+        // SAFETY: plain system calls on integers; their results are checked.
+        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) } as i32;
+        if pidfd < 0 {
+            return Err(os("opening a peer process (pidfd_open)"));
+        }
+        // SAFETY: as above; `pidfd` is ours and closed right after.
+        let local = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd, 0) } as i32;
+        // SAFETY: closes the descriptor opened above.
+        unsafe { libc::close(pidfd) };
+        if local < 0 {
+            return Err(os("taking a peer's allocation descriptor (pidfd_getfd)"));
+        }
+        relaxed(|| {
+            let mut g: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: out-pointer; the descriptor is passed by value as the driver expects, and
+            // closed right after (the imported handle does not need it).
+            let r = unsafe {
+                let r = sys::cuMemImportFromShareableHandle(
+                    &mut g,
+                    local as usize as *mut c_void,
+                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                );
+                libc::close(local);
+                r
+            };
+            check(r, "importing a peer's allocation")?;
+            let mut va: sys::CUdeviceptr = 0;
+            let mut dev: sys::CUdevice = 0;
+            // SAFETY: out-pointers; a fresh reservation of the allocation's size, mapped to the
+            // imported handle, given read-write access for this context's device; every step
+            // undone on failure, and the handle released (the mapping holds the allocation).
+            let r = unsafe {
+                let mut r = sys::cuMemAddressReserve(&mut va, size, 0, 0, 0);
+                if r == sys::CUresult::CUDA_SUCCESS {
+                    r = sys::cuMemMap(va, size, 0, g, 0);
+                    if r != sys::CUresult::CUDA_SUCCESS {
+                        let _ = sys::cuMemAddressFree(va, size);
+                    }
+                }
+                let _ = sys::cuMemRelease(g);
+                if r == sys::CUresult::CUDA_SUCCESS {
+                    r = sys::cuCtxGetDevice(&mut dev);
+                }
+                if r == sys::CUresult::CUDA_SUCCESS {
+                    let desc = sys::CUmemAccessDesc_st {
+                        location: sys::CUmemLocation_st {
+                            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                            id: dev,
+                        },
+                        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                    };
+                    r = sys::cuMemSetAccess(va, size, &desc, 1);
+                    if r != sys::CUresult::CUDA_SUCCESS {
+                        let _ = sys::cuMemUnmap(va, size);
+                        let _ = sys::cuMemAddressFree(va, size);
+                    }
+                }
+                r
+            };
+            check(r, "mapping a peer's allocation")?;
+            Ok(IpcMapping {
+                ptr: va,
+                vmm: Some(size),
+            })
+        })
     }
 
     /// The mapped address.
@@ -342,8 +505,111 @@ impl IpcMapping {
 
 impl Drop for IpcMapping {
     fn drop(&mut self) {
-        // SAFETY: closes the mapping this value opened.
-        let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        match self.vmm {
+            // SAFETY: closes the mapping this value opened.
+            None => unsafe {
+                let _ = sys::cuIpcCloseMemHandle(self.ptr);
+            },
+            // SAFETY: unmaps and frees the reservation this value made.
+            Some(size) => unsafe {
+                let _ = sys::cuMemUnmap(self.ptr, size);
+                let _ = sys::cuMemAddressFree(self.ptr, size);
+            },
+        }
+    }
+}
+
+/// Device memory of the virtual memory API, shareable as a POSIX file descriptor (what
+/// `ncclMemAlloc` allocates when the driver supports it): physical memory of the current
+/// context's device, mapped read-write at a reservation of its own. Freed on drop.
+pub struct VmmMem {
+    ptr: u64,
+    size: usize,
+}
+
+impl VmmMem {
+    /// At least `bytes` (rounded up to the allocation granularity), zero-filled through `stream`
+    /// (synchronized), on the current context's device.
+    pub fn alloc(bytes: usize, stream: Stream) -> Result<VmmMem, Error> {
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: out-pointer.
+        let r = unsafe { sys::cuCtxGetDevice(&mut dev) };
+        check(r, "reading the context's device")?;
+        // SAFETY: all-zero is a valid (default) value of this plain C struct.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.requestedHandleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        prop.location = sys::CUmemLocation_st {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: dev,
+        };
+        let mut gran = 0usize;
+        let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+        // SAFETY: out-pointer and a valid property struct.
+        let r = unsafe { sys::cuMemGetAllocationGranularity(&mut gran, &prop, minimum) };
+        check(r, "reading the allocation granularity")?;
+        let size = bytes.max(1).next_multiple_of(gran.max(1));
+        let mut g: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: out-pointer and a valid property struct.
+        let r = unsafe { sys::cuMemCreate(&mut g, size, &prop, 0) };
+        check(r, "creating physical memory")?;
+        let mut va: sys::CUdeviceptr = 0;
+        // SAFETY: as in `IpcMapping::open_fd`: reserve, map, give access, undo on failure; the
+        // handle is released once mapped (the mapping holds the memory).
+        let r = unsafe {
+            let mut r = sys::cuMemAddressReserve(&mut va, size, 0, 0, 0);
+            if r == sys::CUresult::CUDA_SUCCESS {
+                r = sys::cuMemMap(va, size, 0, g, 0);
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    let _ = sys::cuMemAddressFree(va, size);
+                }
+            }
+            let _ = sys::cuMemRelease(g);
+            if r == sys::CUresult::CUDA_SUCCESS {
+                let desc = sys::CUmemAccessDesc_st {
+                    location: prop.location,
+                    flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                };
+                r = sys::cuMemSetAccess(va, size, &desc, 1);
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    let _ = sys::cuMemUnmap(va, size);
+                    let _ = sys::cuMemAddressFree(va, size);
+                }
+            }
+            r
+        };
+        check(r, "mapping physical memory")?;
+        let m = VmmMem { ptr: va, size };
+        // SAFETY: the range is exactly this mapping.
+        unsafe { result::memset_d8_async(m.ptr, 0, m.size, stream.0) }
+            .map_err(cuda("clearing memory"))?;
+        stream.synchronize()?;
+        Ok(m)
+    }
+
+    /// The mapping as a device range.
+    pub fn as_ptr(&self) -> DevicePtr {
+        DevicePtr {
+            addr: self.ptr,
+            len: self.size as u64,
+        }
+    }
+
+    /// The mapped address.
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for VmmMem {
+    fn drop(&mut self) {
+        // SAFETY: unmaps and frees what `alloc` mapped and reserved (callers make sure no kernel
+        // still uses it).
+        unsafe {
+            let _ = sys::cuMemUnmap(self.ptr, self.size);
+            let _ = sys::cuMemAddressFree(self.ptr, self.size);
+        }
     }
 }
 
