@@ -286,7 +286,7 @@ mod tests {
                 .unwrap();
             assert_eq!(val, v, "{name}");
         }
-        assert!(h.contains("sizeof(FcCollParams) == 224"));
+        assert!(h.contains("sizeof(FcCollParams) == 352"));
         // The frame sizes moved from transport.cuh into the generated params.h.
         assert!(h.contains("#define FC_FRAME_PAYLOAD 4096"));
         assert!(h.contains("#define FC_FRAME_HEADER 16"));
