@@ -456,40 +456,17 @@ impl IpcMapping {
                 r
             };
             check(r, "importing a peer's allocation")?;
-            let mut va: sys::CUdeviceptr = 0;
             let mut dev: sys::CUdevice = 0;
-            // SAFETY: out-pointers; a fresh reservation of the allocation's size, mapped to the
-            // imported handle, given read-write access for this context's device; every step
-            // undone on failure, and the handle released (the mapping holds the allocation).
-            let r = unsafe {
-                let mut r = sys::cuMemAddressReserve(&mut va, size, 0, 0, 0);
-                if r == sys::CUresult::CUDA_SUCCESS {
-                    r = sys::cuMemMap(va, size, 0, g, 0);
-                    if r != sys::CUresult::CUDA_SUCCESS {
-                        let _ = sys::cuMemAddressFree(va, size);
-                    }
-                }
-                let _ = sys::cuMemRelease(g);
-                if r == sys::CUresult::CUDA_SUCCESS {
-                    r = sys::cuCtxGetDevice(&mut dev);
-                }
-                if r == sys::CUresult::CUDA_SUCCESS {
-                    let desc = sys::CUmemAccessDesc_st {
-                        location: sys::CUmemLocation_st {
-                            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                            id: dev,
-                        },
-                        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-                    };
-                    r = sys::cuMemSetAccess(va, size, &desc, 1);
-                    if r != sys::CUresult::CUDA_SUCCESS {
-                        let _ = sys::cuMemUnmap(va, size);
-                        let _ = sys::cuMemAddressFree(va, size);
-                    }
-                }
-                r
+            // SAFETY: out-pointer.
+            let r = unsafe { sys::cuCtxGetDevice(&mut dev) };
+            let r = if r == sys::CUresult::CUDA_SUCCESS {
+                map_handle(g, size, dev)
+            } else {
+                // SAFETY: releases the handle imported above.
+                let _ = unsafe { sys::cuMemRelease(g) };
+                Err(r)
             };
-            check(r, "mapping a peer's allocation")?;
+            let va = r.or_else(|r| check(r, "mapping a peer's allocation").map(|()| 0))?;
             Ok(IpcMapping {
                 ptr: va,
                 vmm: Some(size),
@@ -517,6 +494,51 @@ impl Drop for IpcMapping {
             },
         }
     }
+}
+
+/// Maps allocation handle `g` of `size` bytes at a reservation of its own, read-write for device
+/// `dev`, and releases the handle (the mapping holds the memory): the mapped address, or the
+/// driver's error with every step undone.
+fn map_handle(
+    g: sys::CUmemGenericAllocationHandle,
+    size: usize,
+    dev: sys::CUdevice,
+) -> Result<u64, sys::CUresult> {
+    let ok = sys::CUresult::CUDA_SUCCESS;
+    let mut va: sys::CUdeviceptr = 0;
+    // SAFETY: out-pointer; a fresh reservation of `size` bytes.
+    let mut r = unsafe { sys::cuMemAddressReserve(&mut va, size, 0, 0, 0) };
+    if r == ok {
+        // SAFETY: maps the whole handle at the reservation just made; undone on failure.
+        r = unsafe { sys::cuMemMap(va, size, 0, g, 0) };
+        if r != ok {
+            // SAFETY: frees the reservation made above.
+            let _ = unsafe { sys::cuMemAddressFree(va, size) };
+        }
+    }
+    // SAFETY: the caller's handle, released once (mapped, the mapping holds the memory).
+    let _ = unsafe { sys::cuMemRelease(g) };
+    if r != ok {
+        return Err(r);
+    }
+    let desc = sys::CUmemAccessDesc_st {
+        location: sys::CUmemLocation_st {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: dev,
+        },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: the range is exactly the mapping made above; one valid descriptor.
+    r = unsafe { sys::cuMemSetAccess(va, size, &desc, 1) };
+    if r != ok {
+        // SAFETY: undoes the mapping and the reservation made above.
+        unsafe {
+            let _ = sys::cuMemUnmap(va, size);
+            let _ = sys::cuMemAddressFree(va, size);
+        }
+        return Err(r);
+    }
+    Ok(va)
 }
 
 /// Device memory of the virtual memory API, shareable as a POSIX file descriptor (what
@@ -554,32 +576,8 @@ impl VmmMem {
         // SAFETY: out-pointer and a valid property struct.
         let r = unsafe { sys::cuMemCreate(&mut g, size, &prop, 0) };
         check(r, "creating physical memory")?;
-        let mut va: sys::CUdeviceptr = 0;
-        // SAFETY: as in `IpcMapping::open_fd`: reserve, map, give access, undo on failure; the
-        // handle is released once mapped (the mapping holds the memory).
-        let r = unsafe {
-            let mut r = sys::cuMemAddressReserve(&mut va, size, 0, 0, 0);
-            if r == sys::CUresult::CUDA_SUCCESS {
-                r = sys::cuMemMap(va, size, 0, g, 0);
-                if r != sys::CUresult::CUDA_SUCCESS {
-                    let _ = sys::cuMemAddressFree(va, size);
-                }
-            }
-            let _ = sys::cuMemRelease(g);
-            if r == sys::CUresult::CUDA_SUCCESS {
-                let desc = sys::CUmemAccessDesc_st {
-                    location: prop.location,
-                    flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-                };
-                r = sys::cuMemSetAccess(va, size, &desc, 1);
-                if r != sys::CUresult::CUDA_SUCCESS {
-                    let _ = sys::cuMemUnmap(va, size);
-                    let _ = sys::cuMemAddressFree(va, size);
-                }
-            }
-            r
-        };
-        check(r, "mapping physical memory")?;
+        let va = map_handle(g, size, dev)
+            .or_else(|r| check(r, "mapping physical memory").map(|()| 0))?;
         let m = VmmMem { ptr: va, size };
         // SAFETY: the range is exactly this mapping.
         unsafe { result::memset_d8_async(m.ptr, 0, m.size, stream.0) }
