@@ -43,8 +43,11 @@ use crate::gpu::{HostArena, IpcMapping, UserAllocation};
 pub(crate) const SLOTS: usize = 128;
 /// Words of one slot: state, base, length, handle (8), the handle's kind.
 const SLOT_WORDS: usize = 12;
-/// The first slot's word (word 0 counts changes).
+/// The first slot's word (word 0 counts changes, word 1 the collective exchanges the owner began:
+/// [`Registry::exchange`]).
 const SLOTS_AT: usize = 8;
+/// The word that counts the owner's collective exchanges.
+const ROUNDS: usize = 1;
 /// The first acknowledgement's word: `[slot][peer]` pairs of (generation, address).
 const ACKS_AT: usize = SLOTS_AT + SLOTS * SLOT_WORDS;
 /// Bytes of a board.
@@ -140,6 +143,14 @@ pub(crate) fn live_slots<W: Words + ?Sized>(b: &W) -> Vec<(usize, u64, Export)> 
     out
 }
 
+/// Whether every board in `boards` announced exchange `k` (or a later one).
+pub(crate) fn peers_reached<'a, W: Words + 'a>(
+    boards: impl IntoIterator<Item = &'a W>,
+    k: u64,
+) -> bool {
+    boards.into_iter().all(|b| b.load(ROUNDS) >= k)
+}
+
 /// Peer `peer` acknowledges generation `gen_` of `slot`: its process sees the allocation at
 /// `addr` (0: it could not map it).
 pub(crate) fn acknowledge<W: Words + ?Sized>(b: &W, slot: usize, gen_: u64, peer: u32, addr: u64) {
@@ -178,6 +189,11 @@ pub type RegistrationId = u64;
 struct State {
     entries: Vec<Entry>,
     next_id: u64,
+    /// Collective exchanges begun ([`Registry::exchange`]).
+    rounds: u64,
+    /// A capture's exchange timed out (the ranks do not capture alike): later captures do not
+    /// wait again.
+    broken: bool,
     /// Per peer: the change count of its board last read.
     seen: [u64; MAX_RANKS],
     /// Per peer and slot: the generation acknowledged.
@@ -287,30 +303,109 @@ impl Registry {
         id
     }
 
-    /// A buffer that a call being captured into a CUDA graph publishes, not registered (or
-    /// registered as an allocation since freed): the whole allocation holding it is registered
-    /// for the rest of the communicator's life, and this waits, at most `limit`, until every peer
-    /// of another process mapped it, so that the graph's kernels read it in place at every
-    /// replay. Every rank captures the same calls (NCCL requires it of graphs), so the peers are
-    /// registering their buffers of this call too, and acknowledge while they wait. This is the
-    /// exchange at capture that serving stacks make for their graphs' buffers.
-    pub(crate) fn register_captured(&self, ptr: u64, limit: Duration) {
+    /// The exchange at capture: a direct call being captured into a CUDA graph registers the
+    /// allocations holding `ptrs` that are not registered yet (or were freed since), for the rest
+    /// of the communicator's life, and takes part in a collective exchange
+    /// ([`Registry::exchange`], at most `limit`), so that the graph's kernels read every peer's
+    /// buffers in place at every replay. Every rank captures the same calls, so every rank runs
+    /// the same exchanges in the same order. If one times out (the ranks do not capture alike),
+    /// later captures only register, without waiting.
+    pub(crate) fn register_captured(&self, ptrs: &[u64], limit: Duration) {
         if self.own.is_none() {
             return;
         }
-        let id = crate::gpu::buffer_id(ptr);
-        let existing = self.state().entries.iter().find_map(|e| {
-            let (a, _, _) = e.export?;
-            (ptr >= e.ptr && ptr < e.ptr + e.len && Some(a.buffer_id) == id).then_some(e.id)
-        });
-        let id = match existing {
-            Some(id) => id,
-            None => match crate::gpu::user_allocation(ptr) {
-                Ok(a) => self.register(a.base, a.len),
-                Err(_) => return,
-            },
+        let mut ids = Vec::with_capacity(ptrs.len());
+        for &ptr in ptrs {
+            let bid = crate::gpu::buffer_id(ptr);
+            let existing = self.state().entries.iter().find_map(|e| {
+                let (a, _, _) = e.export?;
+                (ptr >= e.ptr && ptr < e.ptr + e.len && Some(a.buffer_id) == bid).then_some(e.id)
+            });
+            match existing {
+                Some(id) => ids.push(id),
+                None => {
+                    if let Ok(a) = crate::gpu::user_allocation(ptr) {
+                        ids.push(self.register(a.base, a.len));
+                    }
+                }
+            }
+        }
+        if self.state().broken {
+            return;
+        }
+        if !self.exchange(&ids, limit) {
+            tracing::debug!(
+                "a capture's registration exchange timed out: later captures do not wait"
+            );
+            self.state().broken = true;
+        }
+    }
+
+    /// A collective exchange of registrations `ids` (every rank calls it at the same point: a
+    /// window registration, a captured call, the calibration): this rank announces that it
+    /// began exchange k (after its registrations are on its board), then waits, at most `limit`,
+    /// until (1) every peer of another process announced exchange k and this rank has looked at
+    /// the boards since, which maps and acknowledges everything they registered before it, and
+    /// (2) every such peer acknowledged `ids`. No rank leaves before it acknowledged every
+    /// peer's registrations of the exchange, so a rank that finishes early never leaves a later
+    /// peer waiting. Whether both held in time.
+    pub(crate) fn exchange(&self, ids: &[RegistrationId], limit: Duration) -> bool {
+        let Some(own) = self.own.as_ref() else {
+            return true;
         };
-        self.wait_acknowledged(id, limit);
+        let k = {
+            let mut st = self.state();
+            st.rounds += 1;
+            st.rounds
+        };
+        own.store(ROUNDS, k);
+        let remote: Vec<u32> = (0..self.nranks)
+            .filter(|&q| !self.local[q as usize])
+            .collect();
+        let t0 = Instant::now();
+        let mut reached = false;
+        loop {
+            self.refresh();
+            if reached && self.acknowledged_by(ids, &remote) {
+                return true;
+            }
+            if !reached {
+                reached = peers_reached(
+                    remote
+                        .iter()
+                        .filter_map(|&q| self.boards.get(q as usize)?.as_ref()),
+                    k,
+                );
+                if reached {
+                    continue;
+                }
+            }
+            if t0.elapsed() >= limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    /// Whether every peer in `peers` acknowledged the current generation of each of `ids` that
+    /// was exported (a registration that could not be exported has nothing to wait for).
+    fn acknowledged_by(&self, ids: &[RegistrationId], peers: &[u32]) -> bool {
+        let Some(own) = self.own.as_ref() else {
+            return true;
+        };
+        let st = self.state();
+        ids.iter().all(|id| {
+            let export = st
+                .entries
+                .iter()
+                .find(|e| e.id == *id)
+                .and_then(|e| e.export);
+            export.is_none_or(|(_, slot, gen_)| {
+                peers
+                    .iter()
+                    .all(|&q| acknowledged(own, slot, gen_, q).is_some())
+            })
+        })
     }
 
     /// Removes registration `id`; false when there is none.
@@ -413,38 +508,6 @@ impl Registry {
         Some(v)
     }
 
-    /// Waits until every peer of another process acknowledged registration `id` (a collective
-    /// registration: every peer is registering too, and acknowledges while it waits), at most
-    /// `limit`. Whether they all did.
-    pub(crate) fn wait_acknowledged(&self, id: RegistrationId, limit: Duration) -> bool {
-        let Some(b) = self.own.as_ref() else {
-            return true;
-        };
-        let t0 = Instant::now();
-        loop {
-            self.refresh();
-            let export = self
-                .state()
-                .entries
-                .iter()
-                .find(|e| e.id == id)
-                .and_then(|e| e.export);
-            let Some((_, slot, gen_)) = export else {
-                return false;
-            };
-            let done = (0..self.nranks)
-                .filter(|&q| !self.local[q as usize])
-                .all(|q| acknowledged(b, slot, gen_, q).is_some());
-            if done {
-                return true;
-            }
-            if t0.elapsed() >= limit {
-                return false;
-            }
-            std::thread::sleep(Duration::from_micros(100));
-        }
-    }
-
     /// Closes the peers' mappings and this rank's exported descriptors (the device's context
     /// current).
     pub(crate) fn close(&self) {
@@ -530,6 +593,18 @@ mod tests {
     }
 
     #[test]
+    fn an_exchange_is_reached_when_every_board_announced_it() {
+        let (a, b) = (Mem::new(), Mem::new());
+        assert!(peers_reached([&a, &b], 0));
+        a.store(ROUNDS, 1);
+        assert!(!peers_reached([&a, &b], 1));
+        b.store(ROUNDS, 2);
+        assert!(peers_reached([&a, &b], 1));
+        assert!(!peers_reached([&a, &b], 2));
+        assert!(peers_reached(std::iter::empty::<&Mem>(), 7));
+    }
+
+    #[test]
     fn a_full_board_refuses_more() {
         let b = Mem::new();
         for i in 0..SLOTS {
@@ -548,7 +623,7 @@ mod tests {
         assert!(!r.has_boards());
         assert_eq!(r.views(0x5000, 64).unwrap()[..4], [0x5000; 4]);
         let id = r.register(0x5000, 64);
-        assert!(r.wait_acknowledged(id, Duration::ZERO));
+        assert!(r.exchange(&[id], Duration::ZERO));
         assert!(r.deregister(id));
         assert!(!r.deregister(id));
     }

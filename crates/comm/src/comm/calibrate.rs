@@ -81,9 +81,7 @@ impl Communicator {
             let _ctx = self.device.activate()?;
             let ids =
                 [send.addr(), recv.addr()].map(|a| self.registry.register(a, buf_bytes as u64));
-            for id in ids {
-                self.registry.wait_acknowledged(id, SETUP_WAIT);
-            }
+            self.registry.exchange(&ids, SETUP_WAIT);
             ids.to_vec()
         } else {
             Vec::new()

@@ -494,16 +494,15 @@ impl Communicator {
         if remote {
             self.registry.refresh();
         }
-        let capturing = remote && stream.is_some_and(|s| s.is_capturing().unwrap_or(false));
-        let views = |ptr: u64, len: u64| {
-            self.registry.views(ptr, len).or_else(|| {
-                if !capturing {
-                    return None;
-                }
-                self.registry.register_captured(ptr, CAPTURE_WAIT);
-                self.registry.views(ptr, len)
-            })
-        };
+        // Captured: every captured direct call takes part in the exchange at capture (every rank
+        // captures the same calls, so every rank runs the same exchanges), registering what is
+        // not registered yet.
+        if remote && stream.is_some_and(|s| s.is_capturing().unwrap_or(false)) {
+            let ptrs = [send, recv];
+            self.registry
+                .register_captured(&ptrs[..if two_shot { 2 } else { 1 }], CAPTURE_WAIT);
+        }
+        let views = |ptr: u64, len: u64| self.registry.views(ptr, len);
         if params.flags & abi::FLAG_PULL_STAGE_SEND == 0 {
             match views(send, send_len) {
                 Some(v) => params.send_view = v,

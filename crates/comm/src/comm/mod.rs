@@ -335,7 +335,7 @@ impl Communicator {
     ) -> Result<(RegistrationId, bool), Error> {
         let _ctx = self.device.activate()?;
         let id = self.registry.register(ptr, len);
-        Ok((id, self.registry.wait_acknowledged(id, limit)))
+        Ok((id, self.registry.exchange(&[id], limit)))
     }
 
     /// Ends registration `id`: later calls stage the buffer. Peers keep their mappings until
