@@ -858,115 +858,50 @@ fn zero_copy_checks(
     );
     // A graph captured in place, replayed after every rank deregistered its buffers: the peers'
     // mappings stay, the replays read them, exact.
-    let (ty, count, salt) = (TestType::Bf16, 100_000u64, 77u32);
-    v.fill(sp, count, ty, rank, salt, s).unwrap();
-    s.synchronize().unwrap();
-    boot.barrier().unwrap();
-    let before = comm.zero_copy_calls();
-    s.begin_capture().unwrap();
-    for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
-        comm.execute(
-            &Request::typed(Collective::AllReduce, count, DataType::Bf16)
-                .forced(
-                    Choice::Force(algo),
-                    Choice::Force(flashcomm_comm::Protocol::Direct),
-                )
-                .between(sp, rp)
-                .on(s),
-        )
-        .unwrap();
-        v.check(
-            rp,
-            count,
-            count,
-            Collective::AllReduce,
-            ty,
-            n,
-            rank,
-            salt,
-            s,
-        )
-        .unwrap();
-    }
-    let graph = s.end_capture().expect("capture");
-    assert_eq!(
-        comm.zero_copy_calls() - before,
-        2,
-        "rank {rank}: the graph reads in place"
+    let graph = zero_copy_graph(
+        comm,
+        boot,
+        v,
+        s,
+        (sp, rp),
+        rank,
+        n,
+        77,
+        "registered buffers",
     );
     for id in ids.drain(..) {
         comm.deregister(id).unwrap();
     }
-    boot.barrier().unwrap();
-    for _ in 0..50 {
-        graph.launch(s).unwrap();
-    }
-    s.synchronize().unwrap();
-    comm.check_status().expect("device status");
-    let (bad, first) = v.errors().unwrap();
-    assert_eq!(
-        bad, 0,
-        "rank {rank}: graph after deregistration: {bad} wrong, first at {first}"
-    );
-    drop(graph);
-    boot.barrier().unwrap();
+    zero_copy_replays(comm, boot, v, s, graph, rank, "graph after deregistration");
     assert_eq!(
         phase("deregistered", sp, rp),
         0,
         "rank {rank}: deregistered"
     );
     // Buffers never registered, captured into a graph on every rank: the capture registers the
-    // allocations holding them and waits for the peers' mappings (the exchange at capture), so
-    // the graph reads in place.
+    // allocations holding them and exchanges them (the exchange at capture), so the graph reads
+    // in place.
     let (gs, gr) = (v.alloc(BYTES).unwrap(), v.alloc(BYTES).unwrap());
-    v.fill(gs.as_ptr(), count, ty, rank, salt + 1, s).unwrap();
-    s.synchronize().unwrap();
-    boot.barrier().unwrap();
-    let before = comm.zero_copy_calls();
-    s.begin_capture().unwrap();
-    for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
-        comm.execute(
-            &Request::typed(Collective::AllReduce, count, DataType::Bf16)
-                .forced(
-                    Choice::Force(algo),
-                    Choice::Force(flashcomm_comm::Protocol::Direct),
-                )
-                .between(gs.as_ptr(), gr.as_ptr())
-                .on(s),
-        )
-        .unwrap();
-        v.check(
-            gr.as_ptr(),
-            count,
-            count,
-            Collective::AllReduce,
-            ty,
-            n,
-            rank,
-            salt + 1,
-            s,
-        )
-        .unwrap();
-    }
-    let graph = s.end_capture().expect("capture");
-    assert_eq!(
-        comm.zero_copy_calls() - before,
-        2,
-        "rank {rank}: the captured calls read unregistered buffers in place"
+    let graph = zero_copy_graph(
+        comm,
+        boot,
+        v,
+        s,
+        (gs.as_ptr(), gr.as_ptr()),
+        rank,
+        n,
+        78,
+        "unregistered buffers",
     );
-    boot.barrier().unwrap();
-    for _ in 0..50 {
-        graph.launch(s).unwrap();
-    }
-    s.synchronize().unwrap();
-    comm.check_status().expect("device status");
-    let (bad, first) = v.errors().unwrap();
-    assert_eq!(
-        bad, 0,
-        "rank {rank}: graph of unregistered buffers: {bad} wrong, first at {first}"
+    zero_copy_replays(
+        comm,
+        boot,
+        v,
+        s,
+        graph,
+        rank,
+        "graph of unregistered buffers",
     );
-    drop(graph);
-    boot.barrier().unwrap();
     // A registered buffer freed and allocated again (at the same address, as the driver usually
     // does) without a new registration: staged, exact; registered again: in place.
     let id_recv = comm.register(recv.addr(), BYTES as u64).unwrap();
@@ -1029,4 +964,80 @@ fn zero_copy_checks(
     boot.barrier().unwrap();
     drop(vm);
     println!("ok rank {rank} of {n}: zero-copy registered buffers");
+}
+
+/// Captures a one-shot and a two-shot direct AllReduce of `send` into `recv` (each checked on the
+/// device by the graph itself) on every rank, and checks that both read this rank's buffers in
+/// place.
+#[allow(clippy::too_many_arguments)]
+fn zero_copy_graph(
+    comm: &Communicator,
+    boot: &FileBootstrap,
+    v: &Verifier,
+    s: Stream,
+    (send, recv): (flashcomm_comm::DevicePtr, flashcomm_comm::DevicePtr),
+    rank: u32,
+    n: u32,
+    salt: u32,
+    what: &str,
+) -> flashcomm_comm::gpu::Graph {
+    let (ty, count) = (TestType::Bf16, 100_000u64);
+    v.fill(send, count, ty, rank, salt, s).unwrap();
+    s.synchronize().unwrap();
+    boot.barrier().unwrap();
+    let before = comm.zero_copy_calls();
+    s.begin_capture().unwrap();
+    for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+        comm.execute(
+            &Request::typed(Collective::AllReduce, count, DataType::Bf16)
+                .forced(
+                    Choice::Force(algo),
+                    Choice::Force(flashcomm_comm::Protocol::Direct),
+                )
+                .between(send, recv)
+                .on(s),
+        )
+        .unwrap();
+        v.check(
+            recv,
+            count,
+            count,
+            Collective::AllReduce,
+            ty,
+            n,
+            rank,
+            salt,
+            s,
+        )
+        .unwrap();
+    }
+    let graph = s.end_capture().expect("capture");
+    assert_eq!(
+        comm.zero_copy_calls() - before,
+        2,
+        "rank {rank}: {what}: the captured calls read in place"
+    );
+    graph
+}
+
+/// Replays `graph` 50 times once every rank is ready; every element exact.
+fn zero_copy_replays(
+    comm: &Communicator,
+    boot: &FileBootstrap,
+    v: &Verifier,
+    s: Stream,
+    graph: flashcomm_comm::gpu::Graph,
+    rank: u32,
+    what: &str,
+) {
+    boot.barrier().unwrap();
+    for _ in 0..50 {
+        graph.launch(s).unwrap();
+    }
+    s.synchronize().unwrap();
+    comm.check_status().expect("device status");
+    let (bad, first) = v.errors().unwrap();
+    assert_eq!(bad, 0, "rank {rank}: {what}: {bad} wrong, first at {first}");
+    drop(graph);
+    boot.barrier().unwrap();
 }
