@@ -17,6 +17,9 @@ use super::setup::verdict;
 /// timeout is configured: every rank starts them right after the same exchange round, so only a
 /// rank that failed to launch keeps its peers waiting, and they must not wait for ever.
 pub const SETUP_WAIT: Duration = Duration::from_secs(60);
+/// How long the calibration's exchange of its registered buffers waits (a rank that could not
+/// make its registration board takes no part: its peers go on staged for it after this long).
+const REGISTER_WAIT: Duration = Duration::from_secs(10);
 
 /// The buffers, events and stream the calibration times its plans with.
 struct Timers<'a> {
@@ -81,7 +84,7 @@ impl Communicator {
             let _ctx = self.device.activate()?;
             let ids =
                 [send.addr(), recv.addr()].map(|a| self.registry.register(a, buf_bytes as u64));
-            self.registry.exchange(&ids, SETUP_WAIT);
+            self.registry.exchange(&ids, REGISTER_WAIT);
             ids.to_vec()
         } else {
             Vec::new()
