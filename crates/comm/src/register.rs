@@ -25,13 +25,27 @@
 //! never counts for a later one. The board's first word counts changes, so a peer with nothing
 //! new to read loads one word per board per call.
 //!
-//! **Lifetimes.** A mapping a peer opened stays open until the communicator is released, even
-//! after the owner deregistered the buffer: a CUDA graph captured while the buffer was registered
-//! keeps publishing the address, and replays must keep reading valid memory. (Freeing a buffer
-//! that a graph still uses is the application's error, as with NCCL.) An owner checks at every
-//! call that the buffer is still the allocation it registered (the driver's buffer id), so a
-//! buffer freed and allocated again at the same address is staged, never read through a stale
-//! mapping, until it is registered again.
+//! **Who takes part.** A peer's board says whose boards it opened at set-up; a rank's exchanges
+//! wait only for peers that opened its board and whose board it opened, and a rank whose exchange
+//! timed out says so on its board ([`WITHDRAWN`]) and waits no more, nor do its peers for it:
+//! what they have not mapped is staged, never waited for again.
+//!
+//! **Identity.** A file-descriptor export names its owner by process id, which means something
+//! only in the owner's PID namespace (two containers of one pod often both have pid 1). Before
+//! taking the descriptor, a peer takes the owner's identity descriptor through the same pidfd and
+//! checks that it holds the owner's token from the set-up records
+//! ([`crate::gpu::IpcMapping::open_fd`]); any other process is refused, and the buffer staged.
+//!
+//! **Lifetimes.** A deregistered export (or one whose allocation was freed, found when the board
+//! is full) is retracted once the owner's launches have finished: a direct call's kernel ends only
+//! after every peer stopped reading its buffers, so no call reads it any more, and peers close
+//! their mapping when they see the retraction (their next call or exchange). Mapped memory stays
+//! bounded by the live slots. An export that a call captured into a CUDA graph published is pinned:
+//! replays keep publishing it, so it stays live, and mapped, until the communicator is released,
+//! even after deregistration. (Freeing a buffer that a graph still uses is the application's
+//! error, as with NCCL.) An owner checks at every call that the buffer is still the allocation it
+//! registered (the driver's buffer id), so a buffer freed and allocated again at the same address
+//! is staged, never read through a stale mapping, until it is registered again.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -171,6 +185,12 @@ pub(crate) fn acknowledged<W: Words + ?Sized>(
     (b.load(w) == gen_).then(|| b.load(w + 1))
 }
 
+/// Whether the owner of board `b` takes part in `rank`'s exchanges: it opened `rank`'s board at
+/// set-up and has not withdrawn.
+pub(crate) fn takes_part<W: Words + ?Sized>(b: &W, rank: u32) -> bool {
+    b.load(OPENED) & 1 << rank != 0 && b.load(ROUNDS) != WITHDRAWN
+}
+
 /// One registration of this rank.
 #[derive(Clone, Copy, Debug)]
 struct Entry {
@@ -179,11 +199,24 @@ struct Entry {
     len: u64,
     /// The allocation exported, with its board slot and generation (`None`: not exportable, or
     /// no peer of another process: served as any unregistered buffer).
-    export: Option<(UserAllocation, usize, u64)>,
+    export: Option<Exported>,
+    /// A call captured into a graph published it: its slot stays live (peers keep their mapping)
+    /// until the communicator is released, since replays keep publishing it.
+    pinned: bool,
 }
+
+/// An export of this rank: the allocation, its board slot and the slot's generation.
+type Exported = (UserAllocation, usize, u64);
 
 /// What a registration is: its id, to deregister it.
 pub type RegistrationId = u64;
+
+/// The value of a board's exchange word once its owner takes no more part in exchanges (one of
+/// its exchanges timed out): peers no longer wait for it.
+const WITHDRAWN: u64 = u64::MAX;
+/// The word where a board's owner says whose boards it opened at set-up (bit q: rank q's):
+/// only such peers acknowledge its registrations, so only they are waited for.
+const OPENED: usize = 2;
 
 #[derive(Default)]
 struct State {
@@ -191,14 +224,21 @@ struct State {
     next_id: u64,
     /// Collective exchanges begun ([`Registry::exchange`]).
     rounds: u64,
-    /// A capture's exchange timed out (the ranks do not capture alike): later captures do not
-    /// wait again.
-    broken: bool,
+    /// An exchange of this rank timed out: it takes no more part in exchanges (its board says
+    /// [`WITHDRAWN`]), so neither it nor its peers wait again.
+    withdrawn: bool,
+    /// Exports no longer registered and never captured: retracted (and so unmapped by the
+    /// peers) once this rank's launches have finished, since peers may read them until then.
+    pending: Vec<Exported>,
+    /// Exports deregistered after a graph captured them: live until the communicator is
+    /// released.
+    pinned: Vec<Exported>,
     /// Per peer: the change count of its board last read.
     seen: [u64; MAX_RANKS],
     /// Per peer and slot: the generation acknowledged.
     imported: Vec<[u64; SLOTS]>,
-    /// Mappings of peers' allocations: (peer, handle), kept until the communicator is released.
+    /// Mappings of peers' live exports: (peer, handle); closed once the owner retracts the
+    /// export.
     maps: Vec<(u32, [u8; 64], IpcMapping)>,
 }
 
@@ -208,6 +248,9 @@ pub(crate) struct Registry {
     /// Per rank: reached by address (a rank of this process: any buffer is readable).
     local: [bool; MAX_RANKS],
     nranks: u32,
+    /// Per rank: its process's identity token (set-up records), which an import of a file
+    /// descriptor from that process checks.
+    tokens: [u64; MAX_RANKS],
     own: Option<HostArena>,
     boards: Vec<Option<HostArena>>,
     state: Mutex<State>,
@@ -220,21 +263,30 @@ impl Registry {
             rank,
             local,
             nranks,
+            tokens: [0; MAX_RANKS],
             own: None,
             boards: Vec::new(),
             state: Mutex::new(State::default()),
         }
     }
 
-    /// A registry with this rank's board and its peers' (`boards[r]`: `None` for this rank and
-    /// ranks of this process).
+    /// A registry with this rank's board and its peers' (`boards[r]`: `None` for this rank,
+    /// ranks of this process and boards that could not be opened); says on its own board whose
+    /// boards it opened.
     pub(crate) fn with_boards(
         rank: u32,
         nranks: u32,
         local: [bool; MAX_RANKS],
+        tokens: [u64; MAX_RANKS],
         own: HostArena,
         boards: Vec<Option<HostArena>>,
     ) -> Registry {
+        let opened = boards
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.is_some())
+            .fold(0u64, |m, (q, _)| m | 1 << q);
+        own.store(OPENED, opened);
         let state = State {
             imported: vec![[0; SLOTS]; nranks as usize],
             ..State::default()
@@ -243,9 +295,17 @@ impl Registry {
             rank,
             local,
             nranks,
+            tokens,
             own: Some(own),
             boards,
             state: Mutex::new(state),
+        }
+    }
+
+    /// Every peer has opened this rank's board (set-up's next round passed): its name can go.
+    pub(crate) fn peers_mapped(&mut self) {
+        if let Some(b) = self.own.as_mut() {
+            b.unlink();
         }
     }
 
@@ -258,12 +318,27 @@ impl Registry {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The peers this rank's exchanges wait for: of another process, with a board this rank
+    /// opened, that opened this rank's board, and not withdrawn.
+    fn partners(&self) -> Vec<u32> {
+        (0..self.nranks)
+            .filter(|&q| {
+                let Some(Some(b)) = self.boards.get(q as usize) else {
+                    return false;
+                };
+                !self.local[q as usize] && takes_part(b, self.rank)
+            })
+            .collect()
+    }
+
     /// Registers `len` bytes at `ptr` (the device's context current): exported to the board when
     /// peers of other processes exist and the driver can export the allocation (otherwise the
-    /// buffer is served as unregistered ones are, by staging, which is no error).
-    pub(crate) fn register(&self, ptr: u64, len: u64) -> RegistrationId {
+    /// buffer is served as unregistered ones are, by staging, which is no error). A full board
+    /// first gives up the slots of registered allocations that were freed since (retracted once
+    /// `idle` says this rank's launches have finished).
+    pub(crate) fn register(&self, ptr: u64, len: u64, idle: &dyn Fn() -> bool) -> RegistrationId {
         let export = self.own.as_ref().and_then(|b| {
-            let a = crate::gpu::user_allocation(ptr)
+            let a = crate::gpu::user_allocation(ptr, crate::identity::process_token())
                 .map_err(|e| {
                     tracing::debug!(
                         "buffer {ptr:#x} ({len} bytes) registered but not exportable ({e}): \
@@ -275,20 +350,23 @@ impl Registry {
                 crate::gpu::ExportKind::Legacy => 0,
                 crate::gpu::ExportKind::Fd => 1,
             };
-            let (slot, gen_) = publish(
-                b,
-                &Export {
-                    base: a.base,
-                    len: a.len,
-                    handle: a.handle,
-                    kind,
-                },
-            )
-            .or_else(|| {
-                crate::gpu::close_export(&a);
-                tracing::debug!("every registration slot is taken: buffer {ptr:#x} is staged");
-                None
-            })?;
+            let e = Export {
+                base: a.base,
+                len: a.len,
+                handle: a.handle,
+                kind,
+            };
+            let (slot, gen_) = publish(b, &e)
+                .or_else(|| {
+                    self.release_freed();
+                    self.retire(idle);
+                    publish(b, &e)
+                })
+                .or_else(|| {
+                    crate::gpu::close_export(&a);
+                    tracing::debug!("every registration slot is taken: buffer {ptr:#x} is staged");
+                    None
+                })?;
             Some((a, slot, gen_))
         });
         let mut st = self.state();
@@ -299,17 +377,48 @@ impl Registry {
             ptr,
             len,
             export,
+            pinned: false,
         });
         id
     }
 
+    /// Gives up the exports of registrations whose allocation was freed since (the driver's
+    /// buffer id changed) and that no graph captured: their registrations stay (deregistering
+    /// them is no error) but stage.
+    fn release_freed(&self) {
+        let mut st = self.state();
+        let st = &mut *st;
+        for e in st.entries.iter_mut() {
+            if let Some(x) = e.export.filter(|(a, _, _)| {
+                !e.pinned && crate::gpu::buffer_id(e.ptr) != Some(a.buffer_id)
+            }) {
+                e.export = None;
+                st.pending.push(x);
+            }
+        }
+    }
+
+    /// Retracts the exports given up ([`State::pending`]) once `idle` says this rank's launches
+    /// have finished: every call that published one to a peer has then ended, and a direct
+    /// call's kernel ends only after every peer stopped reading its buffers, so peers can close
+    /// their mappings as soon as they see the slot retracted.
+    fn retire(&self, idle: &dyn Fn() -> bool) {
+        let Some(b) = self.own.as_ref() else { return };
+        if self.state().pending.is_empty() || !idle() {
+            return;
+        }
+        for (a, slot, gen_) in std::mem::take(&mut self.state().pending) {
+            retract(b, slot, gen_);
+            crate::gpu::close_export(&a);
+        }
+    }
+
     /// The exchange at capture: a direct call being captured into a CUDA graph registers the
     /// allocations holding `ptrs` that are not registered yet (or were freed since), for the rest
-    /// of the communicator's life, and takes part in a collective exchange
-    /// ([`Registry::exchange`], at most `limit`), so that the graph's kernels read every peer's
-    /// buffers in place at every replay. Every rank captures the same calls, so every rank runs
-    /// the same exchanges in the same order. If one times out (the ranks do not capture alike),
-    /// later captures only register, without waiting.
+    /// of the communicator's life, pins their exports (replays keep publishing them), and takes
+    /// part in a collective exchange ([`Registry::exchange`], at most `limit`), so that the
+    /// graph's kernels read every peer's buffers in place at every replay. Every rank captures
+    /// the same calls, so every rank runs the same exchanges in the same order.
     pub(crate) fn register_captured(&self, ptrs: &[u64], limit: Duration) {
         if self.own.is_none() {
             return;
@@ -324,54 +433,56 @@ impl Registry {
             match existing {
                 Some(id) => ids.push(id),
                 None => {
-                    if let Ok(a) = crate::gpu::user_allocation(ptr) {
-                        ids.push(self.register(a.base, a.len));
+                    if let Ok(a) = crate::gpu::user_allocation(ptr, crate::identity::process_token())
+                    {
+                        crate::gpu::close_export(&a);
+                        ids.push(self.register(a.base, a.len, &|| false));
                     }
                 }
             }
         }
-        if self.state().broken {
-            return;
+        for e in self.state().entries.iter_mut() {
+            if ids.contains(&e.id) {
+                e.pinned = true;
+            }
         }
-        if !self.exchange(&ids, limit) {
-            tracing::debug!(
-                "a capture's registration exchange timed out: later captures do not wait"
-            );
-            self.state().broken = true;
-        }
+        self.exchange(&ids, limit);
     }
 
     /// A collective exchange of registrations `ids` (every rank calls it at the same point: a
     /// window registration, a captured call, the calibration): this rank announces that it
     /// began exchange k (after its registrations are on its board), then waits, at most `limit`,
-    /// until (1) every peer of another process announced exchange k and this rank has looked at
-    /// the boards since, which maps and acknowledges everything they registered before it, and
-    /// (2) every such peer acknowledged `ids`. No rank leaves before it acknowledged every
-    /// peer's registrations of the exchange, so a rank that finishes early never leaves a later
-    /// peer waiting. Whether both held in time.
+    /// until (1) every partner ([`Registry::partners`]) announced exchange k and this rank has
+    /// looked at the boards since, which maps and acknowledges everything they registered before
+    /// it, and (2) every partner acknowledged `ids`. No rank leaves before it acknowledged every
+    /// partner's registrations of the exchange, so a rank that finishes early never leaves a
+    /// later peer waiting. A rank whose exchange times out withdraws from exchanges for good
+    /// (later ones return at once, and its peers stop waiting for it): one bad exchange costs
+    /// the job one wait, not one per call. Whether both held in time.
     pub(crate) fn exchange(&self, ids: &[RegistrationId], limit: Duration) -> bool {
         let Some(own) = self.own.as_ref() else {
             return true;
         };
         let k = {
             let mut st = self.state();
+            if st.withdrawn {
+                return false;
+            }
             st.rounds += 1;
             st.rounds
         };
         own.store(ROUNDS, k);
-        let remote: Vec<u32> = (0..self.nranks)
-            .filter(|&q| !self.local[q as usize])
-            .collect();
         let t0 = Instant::now();
         let mut reached = false;
         loop {
-            self.refresh();
-            if reached && self.acknowledged_by(ids, &remote) {
+            self.refresh(&|| false);
+            let partners = self.partners();
+            if reached && self.acknowledged_by(ids, &partners) {
                 return true;
             }
             if !reached {
                 reached = peers_reached(
-                    remote
+                    partners
                         .iter()
                         .filter_map(|&q| self.boards.get(q as usize)?.as_ref()),
                     k,
@@ -381,6 +492,12 @@ impl Registry {
                 }
             }
             if t0.elapsed() >= limit {
+                tracing::debug!(
+                    "a registration exchange timed out: this rank takes no more part in them \
+                     (its peers stage for what they have not mapped)"
+                );
+                own.store(ROUNDS, WITHDRAWN);
+                self.state().withdrawn = true;
                 return false;
             }
             std::thread::sleep(Duration::from_micros(50));
@@ -408,27 +525,39 @@ impl Registry {
         })
     }
 
-    /// Removes registration `id`; false when there is none.
-    pub(crate) fn deregister(&self, id: RegistrationId) -> bool {
-        let mut st = self.state();
-        let Some(i) = st.entries.iter().position(|e| e.id == id) else {
-            return false;
-        };
-        let e = st.entries.swap_remove(i);
-        if let (Some(b), Some((a, slot, gen_))) = (self.own.as_ref(), e.export) {
-            retract(b, slot, gen_);
-            crate::gpu::close_export(&a);
+    /// Removes registration `id`; false when there is none. Its export is retracted once `idle`
+    /// says this rank's launches have finished (now, or at a later call), unless a graph
+    /// captured it.
+    pub(crate) fn deregister(&self, id: RegistrationId, idle: &dyn Fn() -> bool) -> bool {
+        {
+            let mut st = self.state();
+            let Some(i) = st.entries.iter().position(|e| e.id == id) else {
+                return false;
+            };
+            let e = st.entries.swap_remove(i);
+            if let Some(x) = e.export {
+                if e.pinned {
+                    st.pinned.push(x);
+                } else {
+                    st.pending.push(x);
+                }
+            }
         }
+        self.retire(idle);
         true
     }
 
-    /// Opens what peers registered since the last look and acknowledges it (the device's
-    /// context current). Cheap when nothing changed: one load per peer's board.
-    pub(crate) fn refresh(&self) {
+    /// Opens what peers registered since the last look and acknowledges it, and closes the
+    /// mappings of what they retracted (the device's context current); retracts this rank's
+    /// given-up exports when `idle` ([`Registry::retire`]). Cheap when nothing changed: one load
+    /// per peer's board.
+    pub(crate) fn refresh(&self, idle: &dyn Fn() -> bool) {
         if self.own.is_none() {
             return;
         }
+        self.retire(idle);
         let mut st = self.state();
+        let st = &mut *st;
         for (r, b) in self.boards.iter().enumerate() {
             let Some(b) = b else { continue };
             let changes = b.load(0);
@@ -436,7 +565,11 @@ impl Registry {
                 continue;
             }
             st.seen[r] = changes;
-            for (slot, gen_, e) in live_slots(b) {
+            let live = live_slots(b);
+            // What the owner retracted is read by no call any more (see `retire`).
+            st.maps
+                .retain(|(p, h, _)| *p != r as u32 || live.iter().any(|(_, _, e)| e.handle == *h));
+            for (slot, gen_, e) in live {
                 if st.imported[r][slot] == gen_ {
                     continue;
                 }
@@ -447,7 +580,7 @@ impl Registry {
                 {
                     Some((_, _, m)) => m.ptr(),
                     None => match if e.kind == 1 {
-                        IpcMapping::open_fd(&e.handle)
+                        IpcMapping::open_fd(&e.handle, self.tokens[r])
                     } else {
                         IpcMapping::open(&e.handle)
                     } {
@@ -472,6 +605,10 @@ impl Registry {
         }
     }
 
+    /// Peers' allocations this rank has mapped now.
+    pub(crate) fn mapped(&self) -> usize {
+        self.state().maps.len()
+    }
     /// Where each rank's process sees the `len` bytes at `ptr` of this rank: `ptr` itself for
     /// ranks of this process, the mapping a peer acknowledged for the others; `None` when some
     /// peer of another process cannot read them in place (not registered, not yet acknowledged,
@@ -512,11 +649,11 @@ impl Registry {
     /// current).
     pub(crate) fn close(&self) {
         let mut st = self.state();
+        let st = &mut *st;
         st.maps.clear();
-        for e in st.entries.drain(..) {
-            if let Some((a, _, _)) = e.export {
-                crate::gpu::close_export(&a);
-            }
+        let exports = st.entries.drain(..).filter_map(|e| e.export);
+        for (a, _, _) in exports.chain(st.pending.drain(..)).chain(st.pinned.drain(..)) {
+            crate::gpu::close_export(&a);
         }
     }
 }
@@ -622,10 +759,25 @@ mod tests {
         let r = Registry::local_only(1, 4, local);
         assert!(!r.has_boards());
         assert_eq!(r.views(0x5000, 64).unwrap()[..4], [0x5000; 4]);
-        let id = r.register(0x5000, 64);
+        let id = r.register(0x5000, 64, &|| true);
         assert!(r.exchange(&[id], Duration::ZERO));
-        assert!(r.deregister(id));
-        assert!(!r.deregister(id));
+        assert!(r.deregister(id, &|| true));
+        assert!(!r.deregister(id, &|| true));
+        assert_eq!(r.mapped(), 0);
+    }
+
+    #[test]
+    fn only_peers_that_opened_the_board_and_did_not_withdraw_take_part() {
+        let b = Mem::new();
+        assert!(!takes_part(&b, 1));
+        b.store(OPENED, 0b101);
+        assert!(takes_part(&b, 0) && takes_part(&b, 2) && !takes_part(&b, 1));
+        b.store(ROUNDS, 7);
+        assert!(takes_part(&b, 2));
+        b.store(ROUNDS, WITHDRAWN);
+        assert!(!takes_part(&b, 0) && !takes_part(&b, 2));
+        // A withdrawn board counts as having reached every exchange: no one waits for it.
+        assert!(peers_reached([&b], u64::MAX - 1));
     }
 
     #[test]

@@ -83,8 +83,9 @@ pub struct UserAllocation {
     pub len: u64,
     /// How it is exported.
     pub kind: ExportKind,
-    /// Legacy: the IPC handle. Fd: this process's id, the descriptor, the length and the buffer
-    /// id (little-endian u32, i32, u64, u64), unique to the allocation like a legacy handle.
+    /// Legacy: the IPC handle. Fd: this process's id, the descriptor, the length, the buffer id
+    /// and the identity descriptor (little-endian u32, i32, u64, u64, i32), unique to the
+    /// allocation like a legacy handle.
     pub handle: [u8; 64],
     /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`: unique to the allocation for the life of the process,
     /// so a buffer freed and allocated again at the same address is told apart.
@@ -120,9 +121,11 @@ fn relaxed<T>(f: impl FnOnce() -> T) -> T {
 /// The allocation holding the device buffer at `addr`, exported for peers of other processes:
 /// with a legacy IPC handle (memory of `cuMemAlloc` / `cudaMalloc`), else as a POSIX file
 /// descriptor (the virtual memory API's allocations made shareable that way, such as
-/// `ncclMemAlloc`'s); anything else is an error, never a wrong handle. The context of the
-/// buffer's device must be current.
-pub fn user_allocation(addr: u64) -> Result<UserAllocation, Error> {
+/// `ncclMemAlloc`'s), which names this process's identity descriptor ([`identity_fd`], holding
+/// `token`) so that an importer can tell this process from another of the same id in another PID
+/// namespace; anything else is an error, never a wrong handle. The context of the buffer's device
+/// must be current.
+pub fn user_allocation(addr: u64, token: u64) -> Result<UserAllocation, Error> {
     if !driver_loaded() {
         return Err(Error::NoDriver);
     }
@@ -171,11 +174,20 @@ pub fn user_allocation(addr: u64) -> Result<UserAllocation, Error> {
         r
     };
     check(r, "exporting a registered buffer as a file descriptor")?;
+    let ident = match identity_fd(token) {
+        Ok(i) => i,
+        Err(e) => {
+            // SAFETY: closes the descriptor just exported, which nothing else holds.
+            unsafe { libc::close(fd) };
+            return Err(e);
+        }
+    };
     let mut handle = [0u8; 64];
     handle[0..4].copy_from_slice(&std::process::id().to_le_bytes());
     handle[4..8].copy_from_slice(&fd.to_le_bytes());
     handle[8..16].copy_from_slice(&(len as u64).to_le_bytes());
     handle[16..24].copy_from_slice(&buffer_id.to_le_bytes());
+    handle[24..28].copy_from_slice(&ident.to_le_bytes());
     Ok(UserAllocation {
         base,
         len: len as u64,
@@ -184,6 +196,62 @@ pub fn user_allocation(addr: u64) -> Result<UserAllocation, Error> {
         buffer_id,
         fd,
     })
+}
+
+/// This process's identity descriptor: an anonymous file holding `token` (8 bytes), made once
+/// per process and token (again in a fork child, whose token differs). A peer that takes a
+/// descriptor from this process by its process id first takes this one through the same pidfd
+/// and reads `token` back ([`IpcMapping::open_fd`]): a process id means something only in its
+/// own PID namespace, and in another namespace the same number may name another process, even
+/// the importer itself, whose descriptors would map the wrong memory without an error.
+fn identity_fd(token: u64) -> Result<i32, Error> {
+    static IDENT: std::sync::Mutex<Option<(u64, i32)>> = std::sync::Mutex::new(None);
+    let mut id = IDENT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((t, fd)) = *id {
+        if t == token {
+            return Ok(fd);
+        }
+        // A fork child's copy of its parent's descriptor: the child proves its own token.
+        // SAFETY: closes this process's copy of the descriptor made below, once.
+        unsafe { libc::close(fd) };
+        *id = None;
+    }
+    let os = |during: &'static str| Error::Cuda {
+        during,
+        detail: std::io::Error::last_os_error().to_string(),
+    };
+    // SAFETY: a NUL-terminated name and flags; the result is checked.
+    let fd = unsafe { libc::memfd_create(c"flashcomm-identity".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(os("making the identity descriptor (memfd_create)"));
+    }
+    let b = token.to_le_bytes();
+    // SAFETY: writes the 8 bytes of `b` into the descriptor just made.
+    let n = unsafe { libc::pwrite(fd, b.as_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        let e = os("writing the identity descriptor");
+        // SAFETY: closes the descriptor made above.
+        unsafe { libc::close(fd) };
+        return Err(e);
+    }
+    *id = Some((token, fd));
+    Ok(fd)
+}
+
+/// Whether the process behind `pidfd` holds `token` in its identity descriptor `ident`
+/// ([`identity_fd`]).
+fn proves_identity(pidfd: i32, ident: i32, token: u64) -> bool {
+    // SAFETY: plain system call on integers; the result is checked.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, ident, 0) } as i32;
+    if fd < 0 {
+        return false;
+    }
+    let mut b = [0u8; 8];
+    // SAFETY: reads at most 8 bytes into `b`; `fd` is ours and closed right after.
+    let n = unsafe { libc::pread(fd, b.as_mut_ptr().cast(), b.len(), 0) };
+    // SAFETY: closes the descriptor taken above.
+    unsafe { libc::close(fd) };
+    n == b.len() as isize && u64::from_le_bytes(b) == token
 }
 
 /// The driver's id of the allocation holding `addr` (`CU_POINTER_ATTRIBUTE_BUFFER_ID`), `None`
@@ -421,11 +489,14 @@ impl IpcMapping {
     /// descriptor (what [`user_allocation`] puts in an [`ExportKind::Fd`] handle): the
     /// descriptor is taken from that process (`pidfd_getfd`, which needs the right to trace it:
     /// the same user, and a ptrace policy that allows it), imported, and mapped read-write for
-    /// this context's device.
-    pub fn open_fd(handle: &[u8; 64]) -> Result<IpcMapping, Error> {
+    /// this context's device. The process behind `pid` must first prove that it is the owner,
+    /// whose identity token is `owner` (its identity descriptor, taken through the same pidfd,
+    /// holds it): otherwise an error, never another process's memory.
+    pub fn open_fd(handle: &[u8; 64], owner: u64) -> Result<IpcMapping, Error> {
         let pid = u32::from_le_bytes(handle[0..4].try_into().expect("4 bytes"));
         let fd = i32::from_le_bytes(handle[4..8].try_into().expect("4 bytes"));
         let size = u64::from_le_bytes(handle[8..16].try_into().expect("8 bytes")) as usize;
+        let ident = i32::from_le_bytes(handle[24..28].try_into().expect("4 bytes"));
         let os = |during: &'static str| Error::Cuda {
             during,
             detail: std::io::Error::last_os_error().to_string(),
@@ -434,6 +505,17 @@ impl IpcMapping {
         let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) } as i32;
         if pidfd < 0 {
             return Err(os("opening a peer process (pidfd_open)"));
+        }
+        if !proves_identity(pidfd, ident, owner) {
+            // SAFETY: closes the descriptor opened above.
+            unsafe { libc::close(pidfd) };
+            return Err(Error::Cuda {
+                during: "authenticating a peer process",
+                detail: format!(
+                    "process {pid} as this process sees it is not the buffer's owner (another \
+                     PID namespace?)"
+                ),
+            });
         }
         // SAFETY: as above; `pidfd` is ours and closed right after.
         let local = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd, 0) } as i32;
@@ -733,5 +815,46 @@ impl Drop for HostMapped {
         }
         // SAFETY: frees the allocation this value owns (kernels that read it have finished).
         let _ = unsafe { result::free_host(self.host as *mut c_void) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// This test process's token (one for every test: the identity descriptor is per process).
+    const TOKEN: u64 = 0x1234_5678_9abc_def0;
+
+    fn pidfd_of_self() -> i32 {
+        // SAFETY: plain system call on integers.
+        let p = unsafe { libc::syscall(libc::SYS_pidfd_open, std::process::id(), 0) } as i32;
+        assert!(p >= 0, "pidfd_open: {}", std::io::Error::last_os_error());
+        p
+    }
+
+    #[test]
+    fn only_the_owner_proves_its_identity() {
+        let ident = identity_fd(TOKEN).unwrap();
+        assert_eq!(identity_fd(TOKEN).unwrap(), ident);
+        let p = pidfd_of_self();
+        assert!(proves_identity(p, ident, TOKEN));
+        assert!(!proves_identity(p, ident, TOKEN + 1));
+        assert!(!proves_identity(p, 100_000, TOKEN));
+        // SAFETY: closes the pidfd opened above.
+        unsafe { libc::close(p) };
+    }
+
+    /// The case of two containers whose ranks are both pid 1: the handle's pid names the
+    /// importer itself, whose identity descriptor holds its own token, not the owner's.
+    #[test]
+    fn an_import_from_a_process_that_is_not_the_owner_is_refused() {
+        let ident = identity_fd(TOKEN).unwrap();
+        let mut h = [0u8; 64];
+        h[0..4].copy_from_slice(&std::process::id().to_le_bytes());
+        h[4..8].copy_from_slice(&ident.to_le_bytes());
+        h[8..16].copy_from_slice(&(2u64 << 20).to_le_bytes());
+        h[24..28].copy_from_slice(&ident.to_le_bytes());
+        let err = IpcMapping::open_fd(&h, 0x5eed_0f_0a_e1).err().expect("refused");
+        assert!(err.to_string().contains("not the buffer's owner"), "{err}");
     }
 }

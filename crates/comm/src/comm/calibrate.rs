@@ -83,7 +83,7 @@ impl Communicator {
         let registered = if self.registry.has_boards() && self.arena.direct {
             let _ctx = self.device.activate()?;
             let ids =
-                [send.addr(), recv.addr()].map(|a| self.registry.register(a, buf_bytes as u64));
+                [send.addr(), recv.addr()].map(|a| self.registry.register(a, buf_bytes as u64, &|| true));
             self.registry.exchange(&ids, REGISTER_WAIT);
             ids.to_vec()
         } else {

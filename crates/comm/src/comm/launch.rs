@@ -492,7 +492,7 @@ impl Communicator {
             None
         };
         if remote {
-            self.registry.refresh();
+            self.registry.refresh(&|| self.idle_now());
         }
         // Captured: every captured direct call takes part in the exchange at capture (every rank
         // captures the same calls, so every rank runs the same exchanges), registering what is

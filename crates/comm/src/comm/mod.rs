@@ -320,7 +320,7 @@ impl Communicator {
     /// cannot be served in place is served by staging.
     pub fn register(&self, ptr: u64, len: u64) -> Result<RegistrationId, Error> {
         let _ctx = self.device.activate()?;
-        Ok(self.registry.register(ptr, len))
+        Ok(self.registry.register(ptr, len, &|| self.idle_now()))
     }
 
     /// [`Communicator::register`] for a collective registration (`ncclCommWindowRegister`,
@@ -334,20 +334,33 @@ impl Communicator {
         limit: Duration,
     ) -> Result<(RegistrationId, bool), Error> {
         let _ctx = self.device.activate()?;
-        let id = self.registry.register(ptr, len);
+        let id = self.registry.register(ptr, len, &|| self.idle_now());
         Ok((id, self.registry.exchange(&[id], limit)))
     }
 
-    /// Ends registration `id`: later calls stage the buffer. Peers keep their mappings until
-    /// the communicator is released (a captured graph may still publish the buffer).
+    /// Ends registration `id`: later calls stage the buffer. Peers close their mappings of it
+    /// once this rank's launches have finished, unless a captured graph may still publish it
+    /// (then when the communicator is released).
     pub fn deregister(&self, id: RegistrationId) -> Result<(), Error> {
-        if self.registry.deregister(id) {
+        let _ctx = self.device.activate()?;
+        if self.registry.deregister(id, &|| self.idle_now()) {
             Ok(())
         } else {
             Err(Error::InvalidArgument(format!(
                 "no registration {id} on this communicator"
             )))
         }
+    }
+
+    /// Whether this communicator's last eager launch has finished (or cannot be told: a failed
+    /// device, whose work reads nothing any more).
+    pub(super) fn idle_now(&self) -> bool {
+        !matches!(release::Activity::idle(&*self.last), Ok(false))
+    }
+
+    /// Peers' allocations this rank has mapped now (registered buffers read in place).
+    pub fn peer_mappings(&self) -> usize {
+        self.registry.mapped()
     }
 
     /// Whether this rank has peers of other processes that may read its registered buffers in

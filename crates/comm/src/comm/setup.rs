@@ -226,12 +226,13 @@ impl Communicator {
         // Every peer has mapped this rank's arena (and board): a shared segment's name can go.
         let mut local = local;
         local.peers_mapped();
-        let (peers, mappings, my_grid, registry) = match mapped {
+        let (peers, mappings, my_grid, mut registry) = match mapped {
             Ok(((peers, mappings, colocated), reg)) => {
                 (peers, mappings, (my_grid / colocated).max(1), reg)
             }
             Err(e) => return Err(Error::Internal(format!("failed set-up step passed: {e}"))),
         };
+        registry.peers_mapped();
         // The direct PULL protocol loads peers' user buffers at the addresses they publish: only
         // where every rank is a thread of this process on this device (every device pointer of
         // a rank is then one of its peers'). The records are the same on every rank, so every
@@ -518,6 +519,10 @@ impl Communicator {
             local[r] = p.same_process(info);
         }
         let nranks = infos.len() as u32;
+        let mut tokens = [0u64; MAX_RANKS];
+        for (t, p) in tokens.iter_mut().zip(infos) {
+            *t = p.token;
+        }
         let Some((mut own, _)) = board else {
             return Registry::local_only(rank, nranks, local);
         };
@@ -537,7 +542,7 @@ impl Communicator {
                     .ok()
             })
             .collect();
-        Registry::with_boards(rank, nranks, local, own, boards)
+        Registry::with_boards(rank, nranks, local, tokens, own, boards)
     }
 
     /// The transport of this communicator, the same on every rank. Forced: as asked, with no
