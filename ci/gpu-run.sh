@@ -87,6 +87,10 @@ for t in "$here"/tests/*; do
       cmd="unset CUDA_DEVICE_MAX_CONNECTIONS; nvidia-cuda-mps-control -d; $cmd; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc";;
     esac
     add "$(basename "$t")::$case" "${FLASHCOMM_TEST_LIMIT:-300}" "$cmd"
+    # The collectives in rank processes run with zero-copy (the default) and without it.
+    case "$(basename "$t")::$case" in *gpu_processes::processes_exchange_through_ipc|*gpu_processes::stress_100k_random_collectives_across_processes)
+      add "$(basename "$t")::${case}_zero_copy_off" "${FLASHCOMM_TEST_LIMIT:-300}" "export FLASHCOMM_ZERO_COPY=0; $cmd";;
+    esac
   done
 done
 [ -x "$here/c/abi_smoke" ] && add "c::abi_smoke_gpu" 120 "FLASHCOMM_NCCL_LIB='$real' '$here/c/abi_smoke' --gpu"

@@ -816,59 +816,9 @@ fn fill_run_check(
     .unwrap();
 }
 
-/// The stress sequence's random words (the same on every rank).
-fn stress_words() -> impl Iterator<Item = u64> {
-    let mut rng = 0x2545_f491_4f6c_dd1du64;
-    std::iter::from_fn(move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        Some(rng)
-    })
-}
-
-/// The plan of one stress call: every call takes a protocol from the word (the PULL protocols
-/// included, which the default cost model never picks for them), AllReduce calls an algorithm
-/// too; one word in five leaves the choice to the communicator.
+/// The plan of one stress call ([`common::stress_plan`]).
 fn stress_plan(r: &Rank, x: u64, coll: Collective, ty: TestType, count: u64) -> Plan {
-    if (x >> 48).is_multiple_of(5) {
-        return r
-            .comm
-            .plan(&Request::bytes(coll, count, ty.bytes()))
-            .unwrap();
-    }
-    let proto = Protocol::ALL[((x >> 40) % 4) as usize];
-    let algo = Algorithm::ALL[((x >> 44) % 2) as usize];
-    r.comm
-        .plan(
-            &Request::bytes(coll, count, ty.bytes())
-                .forced(Choice::Force(algo), Choice::Force(proto)),
-        )
-        .unwrap()
-}
-
-/// One call of the stress sequence from a random word: the collective (AllReduce twice as often
-/// as each of AllGather, ReduceScatter and AllToAll), the type and the count (mostly up to 64 KiB,
-/// one in 64 up to 2 MiB).
-fn stress_call(x: u64, n: u64) -> (Collective, TestType, u64) {
-    let coll = [
-        Collective::AllReduce,
-        Collective::AllReduce,
-        Collective::AllGather,
-        Collective::ReduceScatter,
-        Collective::AlltoAll,
-    ][(x % 5) as usize];
-    let moves_bytes = matches!(coll, Collective::AllGather | Collective::AlltoAll);
-    let ty = if moves_bytes && (x >> 8).is_multiple_of(2) {
-        TestType::U8
-    } else {
-        TYPES[((x >> 4) % 3) as usize]
-    };
-    let big = (x >> 12).is_multiple_of(64);
-    let max_bytes: u64 = if big { 2 << 20 } else { 64 << 10 };
-    let count = 1
-        + (x >> 20) % (max_bytes / ty.bytes() / if coll == Collective::AllReduce { 1 } else { n });
-    (coll, ty, count)
+    common::stress_plan(&r.comm, x, coll, ty, count)
 }
 
 /// The start of the stress sequence (its first 200 calls, with their input fills and result
@@ -882,8 +832,8 @@ fn stress_sequence_graph_replayed_1000_times() {
         let send = r.alloc(4 << 20);
         let recv = r.alloc(32 << 20);
         r.sync();
-        let words: Vec<u64> = stress_words().take(calls as usize).collect();
-        let seq: Vec<_> = words.iter().map(|&x| stress_call(x, n)).collect();
+        let words: Vec<u64> = common::stress_words().take(calls as usize).collect();
+        let seq: Vec<_> = words.iter().map(|&x| common::stress_call(x, n)).collect();
         // Plans are made (and any first use of a kernel happens) before the capture.
         let plans: Vec<_> = words
             .iter()
@@ -926,8 +876,8 @@ fn stress_100k_random_collectives() {
         let send = r.alloc(4 << 20);
         let recv = r.alloc(32 << 20);
         r.sync();
-        for (i, x) in (0..100_000u32).zip(stress_words()) {
-            let (coll, ty, count) = stress_call(x, n);
+        for (i, x) in (0..100_000u32).zip(common::stress_words()) {
+            let (coll, ty, count) = common::stress_call(x, n);
             let p = stress_plan(r, x, coll, ty, count);
             fill_run_check(r, &p, coll, ty, count, i % 1024, &send, &recv);
             if i % 10_000 == 9_999 {
@@ -1087,7 +1037,7 @@ fn epochs_wrap_around_without_a_wrong_result() {
             r.sync();
             r.comm.set_epoch_for_testing(0xffff_fffe - 20).unwrap();
             r.boot.barrier().unwrap();
-            for (i, x) in (0..64u32).zip(stress_words().skip(777)) {
+            for (i, x) in (0..64u32).zip(common::stress_words().skip(777)) {
                 let (coll, ty, count, p) = if i % 8 == 3 {
                     let (ty, count) = (TestType::Bf16, 1u64 << 20);
                     let p = r

@@ -28,6 +28,8 @@ use flashcomm_testkit::verify::{TestType, Verifier};
 const ENV: &str = "FLASHCOMM_TEST_CHILD";
 /// Exit code of a child that saw the expected error in time (the "killed peer" mode).
 const EXPECTED_ERROR: i32 = 3;
+/// Exit code of a child whose communicator set-up was refused with an error (the "pidns" mode).
+const SETUP_REFUSED: i32 = 4;
 
 fn spawn(dir: &std::path::Path, rank: u32, n: u32, mode: &str) -> Child {
     Command::new(std::env::current_exe().unwrap())
@@ -108,6 +110,79 @@ fn processes_exchange_through_ipc() {
 #[test]
 fn zero_copy_registered_buffers() {
     let codes = processes("zerocopy", "zerocopy", "zerocopy", Duration::from_secs(120));
+    assert!(
+        codes.iter().all(|c| *c == Some(0)),
+        "rank processes exited with {codes:?}"
+    );
+}
+
+/// Zero-copy with allocator churn: every rank process registers (collectively), reads in place,
+/// deregisters and frees 10,000 buffers (`FLASHCOMM_TEST_CHURN` sets another count); the peers'
+/// mappings of retracted buffers are closed, so what a rank has mapped stays bounded, and every
+/// checked call is exact.
+#[test]
+fn zero_copy_mappings_stay_bounded_under_churn() {
+    let codes = processes("churn", "churn", "churn", Duration::from_secs(280));
+    assert!(
+        codes.iter().all(|c| *c == Some(0)),
+        "rank processes exited with {codes:?}"
+    );
+}
+
+/// Two rank processes, each in a PID namespace of its own (both pid 1 there, as in two
+/// containers of one pod): a file-descriptor export names its owner by a pid that means the
+/// importer itself in the importer's namespace. The importer must refuse it (the owner's identity
+/// descriptor does not hold the owner's token) and stage, with exact results, never read its own
+/// memory in place; or, where the driver refuses legacy CUDA IPC across PID namespaces (the
+/// arenas), every rank's set-up fails with an error. Needs root (`unshare`); runs without MPS
+/// (kernels of the two processes then time-slice: slow, but correct).
+#[test]
+fn zero_copy_refuses_an_owner_of_another_pid_namespace() {
+    let dir = scratch_dir("pidns");
+    // No MPS client: the daemon is not reached from a directory of its own.
+    let pipes = dir.join("no-mps");
+    std::fs::create_dir_all(&pipes).unwrap();
+    let mut kids: Vec<Child> = (0..2)
+        .map(|r| {
+            Command::new("unshare")
+                .args(["--pid", "--fork", "--kill-child"])
+                .arg(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "child_process_entry",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(ENV, format!("mps:{}:{r}:2:pidns", dir.display()))
+                .env("CUDA_MPS_PIPE_DIRECTORY", &pipes)
+                .env("CUDA_MPS_LOG_DIRECTORY", &pipes)
+                .spawn()
+                .expect("unshare (util-linux) runs the rank processes")
+        })
+        .collect();
+    let codes = wait_all(&mut kids, Duration::from_secs(240));
+    let _ = std::fs::remove_dir_all(&dir);
+    // Either every rank refused the set-up with an error, or every rank ran exact (staging what
+    // it could not authenticate): never a wrong result, never a hang.
+    assert!(
+        codes.iter().all(|c| *c == Some(0)) || codes.iter().all(|c| *c == Some(SETUP_REFUSED)),
+        "rank processes in their own PID namespaces exited with {codes:?} (unshare needs root)"
+    );
+    println!(
+        "ranks in two PID namespaces: {}",
+        if codes[0] == Some(0) {
+            "set up, descriptor exports refused and staged, exact"
+        } else {
+            "set-up refused with an error on every rank"
+        }
+    );
+}
+
+/// 100,000 back-to-back collectives of random sizes, kinds, types and protocols (the sequence of
+/// `gpu_collectives`' stress test) across the rank processes, each verified on the device.
+#[test]
+fn stress_100k_random_collectives_across_processes() {
+    let codes = processes("stress", "stress", "stress", Duration::from_secs(280));
     assert!(
         codes.iter().all(|c| *c == Some(0)),
         "rank processes exited with {codes:?}"
@@ -299,14 +374,19 @@ fn child_process_entry() {
     };
     let boot = FileBootstrap::new(&dir, rank, n, Duration::from_secs(60)).expect("bootstrap");
     // Zero-copy is a peer-transport matter (the host transport's peers cannot read device
-    // memory), whatever transport the other modes take.
-    let zero_copy = mode == "zerocopy";
+    // memory), whatever transport the other modes take. The other modes run with the product's
+    // default, or as `FLASHCOMM_ZERO_COPY` says (the runner runs them both ways).
+    let forced_zero_copy = matches!(mode, "zerocopy" | "churn" | "pidns");
+    let zero_copy = forced_zero_copy
+        || std::env::var("FLASHCOMM_ZERO_COPY").map_or(CommConfig::default().zero_copy, |v| {
+            !matches!(v.as_str(), "0" | "false" | "no" | "off")
+        });
     let cfg = CommConfig {
         timeout,
         calibrate: false,
         zero_copy,
         transport: match std::env::var("FLASHCOMM_TRANSPORT").as_deref() {
-            _ if zero_copy => Choice::Force(Transport::P2p),
+            _ if forced_zero_copy => Choice::Force(Transport::P2p),
             Ok("host") => Choice::Force(Transport::Host),
             Ok("p2p") => Choice::Force(Transport::P2p),
             _ => Choice::Auto,
@@ -314,8 +394,16 @@ fn child_process_entry() {
         ..CommConfig::default()
     };
     let dev = common::test_device(rank);
-    let comm =
-        Communicator::new(&boot, dev, cfg.clone()).expect("communicator set-up across processes");
+    let comm = match Communicator::new(&boot, dev, cfg.clone()) {
+        Ok(c) => c,
+        // Legacy CUDA IPC (the arenas) may be refused across PID namespaces: an error on every
+        // rank, never a wrong mapping.
+        Err(e) if mode == "pidns" => {
+            println!("rank {rank}: set-up across PID namespaces refused: {e}");
+            std::process::exit(SETUP_REFUSED);
+        }
+        Err(e) => panic!("communicator set-up across processes: {e}"),
+    };
     // A second communicator of the same ranks (the "queued" mode's stuck operation).
     let second = matches!(mode, "queued" | "absent2").then(|| {
         let d = dir.join("second");
@@ -484,6 +572,9 @@ fn child_process_entry() {
             );
         }
         "zerocopy" => zero_copy_checks(&comm, &boot, &v, s, rank, n),
+        "churn" => zero_copy_churn(&comm, &boot, &v, s, rank, n),
+        "pidns" => zero_copy_other_namespace(&comm, &boot, &v, s, &recv, rank, n),
+        "stress" => stress_calls(&comm, &v, s, &send, &recv, rank, n),
         "victim" => {
             std::fs::write(dir.join("victim-ready"), b"").unwrap();
             std::thread::sleep(Duration::from_secs(600));
@@ -1040,4 +1131,161 @@ fn zero_copy_replays(
     assert_eq!(bad, 0, "rank {rank}: {what}: {bad} wrong, first at {first}");
     drop(graph);
     boot.barrier().unwrap();
+}
+
+/// The "stress" mode: [`common::stress_words`]'s 100,000 calls (`FLASHCOMM_TEST_STRESS_CALLS`
+/// sets another count), each filled, run and checked on the device.
+fn stress_calls(
+    comm: &Communicator,
+    v: &Verifier,
+    s: Stream,
+    send: &DeviceMem,
+    recv: &DeviceMem,
+    rank: u32,
+    n: u32,
+) {
+    let calls: u32 = std::env::var("FLASHCOMM_TEST_STRESS_CALLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000);
+    let n64 = u64::from(n);
+    let t0 = Instant::now();
+    for (i, x) in (0..calls).zip(common::stress_words()) {
+        let (coll, ty, count) = common::stress_call(x, n64);
+        // Buffers of 4 and 16 MiB: the sequence's largest calls fit.
+        let p = common::stress_plan(comm, x, coll, ty, count);
+        let (se, re) = match coll {
+            Collective::AllReduce => (count, count),
+            Collective::AllGather => (count, count * n64),
+            Collective::ReduceScatter => (count * n64, count),
+            _ => (count * n64, count * n64),
+        };
+        let elem = ty.bytes();
+        let salt = i % 1024;
+        v.fill(send.as_ptr(), se, ty, rank, salt, s).unwrap();
+        comm.execute(
+            &Request::pinned(p, count, ty.dtype(), elem)
+                .between(
+                    send.slice(0, (se * elem) as usize),
+                    recv.slice(0, (re * elem) as usize),
+                )
+                .on(s),
+        )
+        .unwrap_or_else(|e| panic!("rank {rank}: stress call {i}: {e}"));
+        v.check(recv.as_ptr(), re, count, coll, ty, n, rank, salt, s)
+            .unwrap();
+        if i % 10_000 == 9_999 || i + 1 == calls {
+            s.synchronize().unwrap();
+            comm.check_status().expect("device status");
+            let (bad, first) = v.errors().unwrap();
+            assert_eq!(bad, 0, "rank {rank}: stress up to call {i}: {bad} wrong, first at {first}");
+        }
+    }
+    println!(
+        "ok rank {rank} of {n}: {calls} random collectives verified in {:.1} s ({} read in place)",
+        t0.elapsed().as_secs_f64(),
+        comm.zero_copy_calls()
+    );
+}
+
+/// The "churn" mode: register (collectively), read in place, deregister and free buffers many
+/// times; the peers' mappings stay bounded.
+fn zero_copy_churn(
+    comm: &Communicator,
+    boot: &FileBootstrap,
+    v: &Verifier,
+    s: Stream,
+    rank: u32,
+    n: u32,
+) {
+    const BYTES: usize = 64 << 10;
+    let rounds: u32 = std::env::var("FLASHCOMM_TEST_CHURN")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let (ty, count) = (TestType::Bf16, (BYTES / 2) as u64);
+    let recv = v.alloc(BYTES).unwrap();
+    let (mut most, mut in_place) = (0usize, 0u64);
+    let t0 = Instant::now();
+    for i in 0..rounds {
+        let x = v.alloc(BYTES).unwrap();
+        let (id, mapped) = comm
+            .register_collective(x.addr(), BYTES as u64, Duration::from_secs(10))
+            .unwrap();
+        assert!(mapped, "rank {rank}: round {i}: a peer did not map the buffer");
+        let before = comm.zero_copy_calls();
+        let salt = i % 1024;
+        v.fill(x.as_ptr(), count, ty, rank, salt, s).unwrap();
+        comm.execute(
+            &Request::typed(Collective::AllReduce, count, DataType::Bf16)
+                .forced(
+                    Choice::Force(Algorithm::OneShot),
+                    Choice::Force(flashcomm_comm::Protocol::Direct),
+                )
+                .between(x.as_ptr(), recv.as_ptr())
+                .on(s),
+        )
+        .unwrap();
+        v.check(recv.as_ptr(), count, count, Collective::AllReduce, ty, n, rank, salt, s)
+            .unwrap();
+        in_place += comm.zero_copy_calls() - before;
+        most = most.max(comm.peer_mappings());
+        comm.deregister(id).unwrap();
+        // Freeing synchronizes the device: the call above has ended.
+        drop(x);
+        if i % 1000 == 999 || i + 1 == rounds {
+            comm.check_status().expect("device status");
+            let (bad, first) = v.errors().unwrap();
+            assert_eq!(bad, 0, "rank {rank}: churn round {i}: {bad} wrong, first at {first}");
+        }
+    }
+    boot.barrier().unwrap();
+    println!(
+        "ok rank {rank} of {n}: {rounds} buffers registered, read in place ({in_place} calls), \
+         freed in {:.1} s; at most {most} peer allocations mapped at once, {} now",
+        t0.elapsed().as_secs_f64(),
+        comm.peer_mappings()
+    );
+    assert_eq!(in_place, u64::from(rounds), "rank {rank}: calls read in place");
+    // At most each peer's live buffer and the one it retracts last.
+    assert!(
+        most <= 2 * (n as usize - 1),
+        "rank {rank}: {most} peer allocations mapped at once"
+    );
+}
+
+/// The "pidns" mode: each rank is pid 1 of its own PID namespace; memory of the virtual memory
+/// API (exported as a file descriptor named by pid) is refused by the peer and staged, exact.
+fn zero_copy_other_namespace(
+    comm: &Communicator,
+    boot: &FileBootstrap,
+    v: &Verifier,
+    s: Stream,
+    recv: &DeviceMem,
+    rank: u32,
+    n: u32,
+) {
+    const BYTES: usize = 4 << 20;
+    println!("rank {rank}: pid {} in its namespace", std::process::id());
+    let vm = flashcomm_comm::gpu::VmmMem::alloc(BYTES, s).expect("virtual memory API allocation");
+    let (id, mapped) = comm
+        .register_collective(vm.addr(), BYTES as u64, Duration::from_secs(30))
+        .unwrap();
+    boot.barrier().unwrap();
+    let calls = ZERO_COPY_CALLS.len() as u64;
+    // Two rounds: the first lets every peer look at what was registered.
+    let rp = recv.slice(0, BYTES);
+    zero_copy_phase(comm, boot, v, s, vm.as_ptr(), rp, rank, n, "other namespace");
+    let got = zero_copy_phase(comm, boot, v, s, vm.as_ptr(), rp, rank, n, "other namespace");
+    println!(
+        "rank {rank}: mapped by every peer {mapped}, {got} of {calls} calls in place, {} peer \
+         allocations mapped",
+        comm.peer_mappings()
+    );
+    assert_eq!(got, 0, "rank {rank}: read in place across PID namespaces");
+    assert_eq!(comm.peer_mappings(), 0, "rank {rank}: mapped a peer's descriptor export");
+    comm.deregister(id).unwrap();
+    boot.barrier().unwrap();
+    drop(vm);
+    println!("ok rank {rank} of {n}: zero-copy refused across PID namespaces, exact");
 }

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flashcomm_comm::{
-    Bootstrap, Choice, CommConfig, Communicator, DeviceMem, Protocol, Stream, ThreadBootstrap,
-    ThreadGroup, Transport,
+    Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DeviceMem, Plan, Protocol,
+    Request, Stream, ThreadBootstrap, ThreadGroup, Transport,
 };
 use flashcomm_testkit::verify::{TestType, Verifier};
 
@@ -237,4 +237,63 @@ pub fn half_bytes(dtype: flashcomm_comm::DataType, v: &[f32]) -> Vec<u8> {
             .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
             .collect(),
     }
+}
+
+/// The stress sequence's random words (the same on every rank).
+pub fn stress_words() -> impl Iterator<Item = u64> {
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    std::iter::from_fn(move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        Some(rng)
+    })
+}
+
+/// The plan of one stress call: every call takes a protocol from the word (the PULL protocols
+/// included, which the default cost model never picks for them), AllReduce calls an algorithm
+/// too; one word in five leaves the choice to the communicator.
+pub fn stress_plan(
+    comm: &Communicator,
+    x: u64,
+    coll: Collective,
+    ty: TestType,
+    count: u64,
+) -> Plan {
+    if (x >> 48).is_multiple_of(5) {
+        return comm
+            .plan(&Request::bytes(coll, count, ty.bytes()))
+            .unwrap();
+    }
+    let proto = Protocol::ALL[((x >> 40) % 4) as usize];
+    let algo = Algorithm::ALL[((x >> 44) % 2) as usize];
+    comm.plan(
+            &Request::bytes(coll, count, ty.bytes())
+                .forced(Choice::Force(algo), Choice::Force(proto)),
+        )
+        .unwrap()
+}
+
+/// One call of the stress sequence from a random word: the collective (AllReduce twice as often
+/// as each of AllGather, ReduceScatter and AllToAll), the type and the count (mostly up to 64 KiB,
+/// one in 64 up to 2 MiB).
+pub fn stress_call(x: u64, n: u64) -> (Collective, TestType, u64) {
+    let coll = [
+        Collective::AllReduce,
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+        Collective::AlltoAll,
+    ][(x % 5) as usize];
+    let moves_bytes = matches!(coll, Collective::AllGather | Collective::AlltoAll);
+    let ty = if moves_bytes && (x >> 8).is_multiple_of(2) {
+        TestType::U8
+    } else {
+        TYPES[((x >> 4) % 3) as usize]
+    };
+    let big = (x >> 12).is_multiple_of(64);
+    let max_bytes: u64 = if big { 2 << 20 } else { 64 << 10 };
+    let count = 1
+        + (x >> 20) % (max_bytes / ty.bytes() / if coll == Collective::AllReduce { 1 } else { n });
+    (coll, ty, count)
 }
