@@ -12,10 +12,13 @@
 //! resident at once; fewer for small messages (one block per [`THREADS`] 16-byte vectors).
 //!
 //! Ranks are threads of one process whose devices can read and write each other's memory
-//! (virtual ranks on one GPU, or GPUs with peer access enabled). Set-up, while every rank is
-//! idle: [`PullReference::new`] on every rank (it allocates), then every rank takes every peer's
-//! [`PullReference::addrs`] with [`PullReference::set_peers`], and registers every buffer a call
-//! will read or write with [`PullReference::register`] (with every rank's address of it). A call
+//! (virtual ranks on one GPU, or GPUs with peer access enabled), or processes of their own that
+//! map each other's buffers through CUDA IPC at set-up, as vLLM's ranks do
+//! ([`PullReference::allocations`]: each a whole `cuMemAlloc` allocation, so its legacy IPC handle
+//! maps exactly it). Set-up, while every rank is idle: [`PullReference::new`] on every rank (it
+//! allocates), then every rank takes every peer's [`PullReference::addrs`] (as mapped in its own
+//! address space) with [`PullReference::set_peers`], and registers every buffer a call will read
+//! or write with [`PullReference::register`] (with every rank's address of it). A call
 //! is launched per rank on the rank's stream ([`PullReference::all_reduce`]), or, with every
 //! rank on one GPU, for every rank in one grid by one thread ([`PullReference::all_reduce_grid`]).
 
@@ -246,6 +249,12 @@ impl PullReference {
     /// [`PullReference::set_peers`].
     pub fn addrs(&self) -> [u64; 3] {
         [self.signal.addr(), self.scratch.addr(), self.state.addr()]
+    }
+
+    /// This rank's signal area, scratch and state (in the order of [`PullReference::addrs`]),
+    /// each a whole allocation: what a rank process exports to its peers (CUDA IPC).
+    pub fn allocations(&self) -> [&DeviceMem; 3] {
+        [&self.signal, &self.scratch, &self.state]
     }
 
     /// Every rank's [`PullReference::addrs`], in rank order.

@@ -5,8 +5,11 @@
 //! ([`Reference::all_to_all`]) is the yardstick of `--coll alltoall`.
 //!
 //! Ranks are threads of one process whose devices can read and write each other's memory (virtual
-//! ranks on one GPU, or GPUs with peer access enabled): every rank allocates an inbox, publishes
-//! its address, and takes every peer's with [`Reference::set_peers`] before the first call.
+//! ranks on one GPU, or GPUs with peer access enabled), or processes of their own that map each
+//! other's inboxes through CUDA IPC ([`Reference::allocations`]: the inbox and the epochs, each a
+//! whole `cuMemAlloc` allocation, so a legacy IPC handle maps exactly it): every rank allocates
+//! an inbox, shares it, and takes every peer's address of it (in its own address space) with
+//! [`Reference::set_peers`] before the first call.
 //!
 //! With every rank on one GPU, [`Reference::all_reduce_grid`] runs the same AllReduce for every
 //! rank in one grid launched by one thread (flashcomm-perf `--ref-launch single`): what launching
@@ -154,6 +157,12 @@ impl Reference {
     /// This rank's inbox address, for every peer's [`Reference::set_peers`].
     pub fn inbox_addr(&self) -> u64 {
         self.inbox.addr()
+    }
+
+    /// This rank's inbox and epochs ([`Reference::inbox_addr`], [`Reference::epochs_addr`]),
+    /// each a whole allocation: what a rank process exports to its peers (CUDA IPC).
+    pub fn allocations(&self) -> [&DeviceMem; 2] {
+        [&self.inbox, &self.state]
     }
 
     /// Every rank's inbox address, in rank order.

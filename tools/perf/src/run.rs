@@ -2,8 +2,8 @@
 //! communicator), stream, buffers and events, running the same list of jobs in lockstep. In the
 //! process modes each rank is a process of its own running one such thread ([`run_process`]);
 //! the team barrier, the gathering of every rank's measurements at rank 0 and the exchange of
-//! rank 0's output buffer (a CUDA IPC handle) then go through files in a folder that the
-//! launcher creates ([`FileBootstrap`]).
+//! the buffers peers reach into (CUDA IPC handles, [`Team::share`]) then go through files in a
+//! folder that the launcher creates ([`FileBootstrap`]).
 //!
 //! Rules that keep virtual ranks (several ranks on one GPU) from deadlocking, as in the GPU
 //! tests: everything is allocated before the first collective; no rank touches the legacy
@@ -189,8 +189,6 @@ struct Team {
     cv: Condvar,
     slots: Mutex<Vec<Option<RankOut>>>,
     recv0: Mutex<Option<DevicePtr>>,
-    /// Every rank's inbox of the reference AllReduce (threads of one process only).
-    inboxes: Mutex<Vec<u64>>,
     /// What every rank published with [`Team::publish`] (threads of one process only).
     published: Mutex<Vec<Vec<u64>>>,
     link: Option<FileBootstrap>,
@@ -215,7 +213,6 @@ impl Team {
             cv: Condvar::new(),
             slots: Mutex::new(vec![None; n]),
             recv0: Mutex::new(None),
-            inboxes: Mutex::new(vec![0; n]),
             published: Mutex::new(vec![Vec::new(); n]),
             link: None,
         }
@@ -242,13 +239,64 @@ impl Team {
         })
     }
 
-    /// All-gathers `mine` across the rank threads of this process (addresses of the reference
-    /// kernels' buffers): every rank's list, in rank order. Collective; the lists may be read
-    /// only after every rank has published, and published again only after every rank has read.
-    fn publish(&self, rank: u32, mine: Vec<u64>) -> Result<Vec<Vec<u64>>, String> {
-        if self.link.is_some() {
-            return Err("rank processes cannot share device addresses".into());
+    /// Every rank's address of each of `mine`, this rank's device allocations (every rank passes
+    /// the same kinds, in the same order): in rank order, each rank's list in the order of
+    /// `mine`, this rank's being the allocations' own addresses. The threads of one process
+    /// publish their addresses ([`Team::publish`]); rank processes exchange each allocation's
+    /// legacy CUDA IPC handle and open their peers' in the current context (the rank's
+    /// device's), into `maps`, which the caller keeps open until no rank uses the addresses any
+    /// more and closes before any peer frees its allocations. A handle names a whole allocation
+    /// and opens at its base: a [`DeviceMem`] is a whole `cuMemAlloc` allocation, so the mapped
+    /// address is the peer's own address of it (a sub-allocation would need its offset too).
+    /// Collective.
+    fn share(
+        &self,
+        rank: u32,
+        mine: &[&DeviceMem],
+        maps: &mut Vec<IpcMapping>,
+    ) -> Result<Vec<Vec<u64>>, String> {
+        let all = if self.link.is_none() {
+            self.publish(rank, mine.iter().map(|m| m.addr()).collect())?
+        } else {
+            let handles = mine.iter().try_fold(Vec::new(), |mut hs, m| {
+                hs.extend_from_slice(&m.ipc_handle().map_err(e2s("exporting a buffer"))?);
+                Ok::<_, String>(hs)
+            });
+            // Every rank takes part in the exchange, even one whose export failed, so that none
+            // waits in vain.
+            let theirs = self.exchange(handles.as_deref().unwrap_or(&[]))?;
+            handles?;
+            let mut all = Vec::with_capacity(theirs.len());
+            for (r, hs) in theirs.iter().enumerate() {
+                if r == rank as usize {
+                    all.push(mine.iter().map(|m| m.addr()).collect());
+                    continue;
+                }
+                let mut addrs = Vec::with_capacity(mine.len());
+                for h in hs.chunks_exact(64) {
+                    let h: &[u8; 64] = h.try_into().expect("chunks of 64 bytes");
+                    let m = IpcMapping::open(h).map_err(e2s(&format!("rank {r}'s buffer")))?;
+                    addrs.push(m.ptr());
+                    maps.push(m);
+                }
+                all.push(addrs);
+            }
+            all
+        };
+        match all.iter().position(|v| v.len() != mine.len()) {
+            Some(r) => Err(format!(
+                "rank {r} shared {} buffers, not {}",
+                all[r].len(),
+                mine.len()
+            )),
+            None => Ok(all),
         }
+    }
+
+    /// All-gathers `mine` across the rank threads of this process: every rank's list, in rank
+    /// order. Collective; the lists may be read only after every rank has published, and
+    /// published again only after every rank has read.
+    fn publish(&self, rank: u32, mine: Vec<u64>) -> Result<Vec<Vec<u64>>, String> {
         self.published.lock().unwrap_or_else(|e| e.into_inner())[rank as usize] = mine;
         self.wait()?;
         let all = self
@@ -338,6 +386,9 @@ struct Rank<'a> {
     ends: Vec<Event>,
     can_compare: bool,
     threads: usize,
+    /// Peers' buffers mapped from other rank processes ([`Team::share`]): closed once every
+    /// rank has run every job, before any rank frees its own.
+    maps: Vec<IpcMapping>,
 }
 
 /// A second stream of rank 0, forked from its stream and joined back by two events.
@@ -566,8 +617,6 @@ fn rank_main(
             Some((lib, comm))
         }
     };
-    // The reference AllReduce: set up (it allocates) before any collective runs; ranks publish
-    // their inboxes through the team (threads of one process: the arguments check the mode).
     // The link baseline's pinned host buffer: rank 0 alone times it.
     let link = if o.transport == Choice::Force(Transport::Host) && rank == 0 {
         let bytes = jobs
@@ -588,6 +637,11 @@ fn rank_main(
     let reference_grid = jobs
         .iter()
         .any(|j| j.variant == Variant::Reference(RefLaunch::Single));
+    // Peers' buffers that this rank's kernels reach into, mapped from other rank processes:
+    // open until every rank has run every job.
+    let mut maps = Vec::new();
+    // The reference kernels: set up (it allocates) before any collective runs; every rank takes
+    // every peer's inbox (and, for one grid, epochs).
     let mut reference = if o.impls.contains(&Impl::Reference) {
         let max = jobs
             .iter()
@@ -597,22 +651,10 @@ fn rank_main(
             .unwrap_or(0);
         let mut rf = Reference::new(&devices(o), rank, max, Duration::from_secs(o.timeout_s))
             .map_err(e2s(&format!("rank {rank}: reference set-up")))?;
-        team.inboxes.lock().unwrap_or_else(|e| e.into_inner())[rank as usize] = rf.inbox_addr();
-        team.wait()?;
-        let all = team
-            .inboxes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        rf.set_peers(&all).map_err(|e| e.to_string())?;
-        if reference_grid {
-            let all = team.publish(rank, vec![rf.epochs_addr()])?;
-            let epochs: Vec<u64> = all
-                .iter()
-                .map(|v| v.first().copied().unwrap_or(0))
-                .collect();
-            rf.set_grid_peers(&epochs).map_err(|e| e.to_string())?;
-        }
+        let all = team.share(rank, &rf.allocations(), &mut maps)?;
+        rf.set_peers(&column(&all, 0)).map_err(|e| e.to_string())?;
+        rf.set_grid_peers(&column(&all, 1))
+            .map_err(|e| e.to_string())?;
         Some(rf)
     } else {
         None
@@ -628,12 +670,8 @@ fn rank_main(
             .unwrap_or(0);
         let mut p = PullReference::new(&devices(o), rank, max, Duration::from_secs(o.timeout_s))
             .map_err(e2s(&format!("rank {rank}: pull reference set-up")))?;
-        let all = team.publish(rank, p.addrs().to_vec())?;
-        let peers = all
-            .iter()
-            .map(|v| <[u64; 3]>::try_from(v.as_slice()))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|_| "pull reference: a rank published no addresses".to_string())?;
+        let all = team.share(rank, &p.allocations(), &mut maps)?;
+        let peers: Vec<[u64; 3]> = all.iter().map(|v| [v[0], v[1], v[2]]).collect();
         p.set_peers(&peers).map_err(|e| e.to_string())?;
         Some(p)
     } else {
@@ -647,13 +685,13 @@ fn rank_main(
     };
     let send = alloc(sb)?;
     let recv = alloc(rb)?;
-    // Kernels that reach into peers' buffers (the pull reference; the one-grid reference, which
-    // runs every rank's part) register every rank's send and receive buffers, while every rank
-    // is idle.
+    // Every rank's send and receive buffers, while every rank is idle: kernels that reach into
+    // peers' buffers (the pull reference; the one-grid reference, which runs every rank's part)
+    // register them, and every rank compares its output with rank 0's.
+    let bufs = team.share(rank, &[&send, &recv], &mut maps)?;
     if pull.is_some() || reference_grid {
-        let all = team.publish(rank, vec![send.addr(), recv.addr()])?;
         for (k, buf) in [send.as_ptr(), recv.as_ptr()].into_iter().enumerate() {
-            let addrs: Vec<u64> = all.iter().map(|v| v.get(k).copied().unwrap_or(0)).collect();
+            let addrs = column(&bufs, k);
             if let Some(p) = pull.as_mut() {
                 p.register(buf, &addrs)
                     .map_err(e2s(&format!("rank {rank}: registering buffers")))?;
@@ -684,30 +722,17 @@ fn rank_main(
         starts.push(Event::new(true).map_err(e2s("creating events"))?);
         ends.push(Event::new(true).map_err(e2s("creating events"))?);
     }
-    // Rank 0's output for the bitwise comparison: shared memory among threads, a CUDA IPC
+    // Rank 0's output for the bitwise comparison: shared memory among threads, its CUDA IPC
     // mapping among processes (opened with peer access when the GPUs differ).
-    let mut peer0: Option<IpcMapping> = None;
-    if team.link.is_some() {
-        let handle = if rank == 0 {
-            recv.ipc_handle()
-                .map(|h| h.to_vec())
-                .map_err(e2s("exporting rank 0's output buffer"))
-        } else {
-            Ok(Vec::new())
-        };
-        let all = team.exchange(handle.as_deref().unwrap_or(&[]))?;
-        handle?;
-        if rank != 0 {
-            let h: [u8; 64] = all[0]
-                .as_slice()
-                .try_into()
-                .map_err(|_| "rank 0's IPC handle is not 64 bytes".to_string())?;
-            let m = IpcMapping::open(&h).map_err(e2s("opening rank 0's output buffer"))?;
-            *team.recv0.lock().unwrap_or_else(|e| e.into_inner()) = Some(ffi::peer_range(&m, rb));
-            peer0 = Some(m);
-        }
-    } else if rank == 0 {
-        *team.recv0.lock().unwrap_or_else(|e| e.into_inner()) = Some(recv.as_ptr());
+    let recv0 = if rank == 0 {
+        Some(recv.as_ptr())
+    } else {
+        maps.iter()
+            .find(|m| m.ptr() == bufs[0][1])
+            .map(|m| ffi::peer_range(m, rb))
+    };
+    if let Some(p) = recv0 {
+        *team.recv0.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
     }
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
@@ -742,11 +767,13 @@ fn rank_main(
         ends,
         can_compare,
         threads,
+        maps,
     };
     let mut result = r.jobs(jobs, rows);
     if team.link.is_some() && result.is_ok() {
-        // Rank 0 frees its output only after every mapping of it is closed.
-        drop(peer0);
+        // Every rank's kernels are over (each job ends synchronized, then the team meets);
+        // a rank frees its buffers only after every peer has closed its mappings of them.
+        drop(std::mem::take(&mut r.maps));
         result = team.wait();
     }
     if let Err(e) = &result {
@@ -1470,6 +1497,11 @@ fn pull_stages(row: PullRow) -> Option<Stages> {
 /// 512 threads).
 pub fn pull_plan_label(stages: Stages, blocks: u32) -> String {
     format!("{}/g{blocks}", stages.name())
+}
+
+/// Item `k` of every rank's list of [`Team::share`]: every rank's address of one buffer.
+fn column(all: &[Vec<u64>], k: usize) -> Vec<u64> {
+    all.iter().map(|v| v[k]).collect()
 }
 
 /// Rank 0's output as a range of `len` bytes (its buffer is at least as long as ours: every
