@@ -586,13 +586,13 @@ struct Cli {
     /// flashcomm, nccl, reference (the plain LL one-shot AllReduce that decode latency is
     /// measured against), pull-reference (the pull design of vLLM's and SGLang's custom
     /// all-reduce, clean-room: rows pull-1stage, pull-2stage and the better of the two,
-    /// pull-best; AllReduce only), or a comma list side by side; the references need --mode
-    /// virtual or gpus [flashcomm]
+    /// pull-best; AllReduce only), or a comma list side by side; the references run in every
+    /// --mode (rank processes map each other's buffers through CUDA IPC at set-up) [flashcomm]
     #[arg(long = "impl", value_name = "list", value_parser = impls_value, help_heading = FLASHCOMM)]
     impls: Option<List<Impl>>,
     /// How the reference kernels' ranks are launched: per-rank (each rank's thread on its
-    /// stream) | single (every rank in one grid launched by one thread; rows <impl>-1grid;
-    /// --mode virtual, AllReduce) | per-rank,single [per-rank]
+    /// stream, or its own process) | single (every rank in one grid launched by one thread;
+    /// rows <impl>-1grid; --mode virtual, AllReduce) | per-rank,single [per-rank]
     #[arg(long = "ref-launch", value_name = "list", value_parser = ref_launches_value, help_heading = FLASHCOMM)]
     ref_launches: Option<List<RefLaunch>>,
     /// The real libnccl.so.2 for --impl nccl [$FLASHCOMM_NCCL_LIB]
@@ -890,26 +890,15 @@ fn validate(o: &Options) -> Result<(), ArgError> {
              (virtual ranks and procs-one-gpu are flashcomm's)",
         );
     }
-    if o.impls.contains(&Impl::Reference) {
-        if !matches!(o.coll, Collective::AllReduce | Collective::AlltoAll) {
-            return err("--impl reference: the reference kernels are an AllReduce and an AllToAll");
-        }
-        if !matches!(o.mode, Mode::Virtual | Mode::Gpus) {
-            return err(
-                "--impl reference needs --mode virtual or gpus (its ranks are threads of one process)",
-            );
-        }
+    // The references run in every mode: rank processes map each other's buffers through CUDA
+    // IPC at set-up.
+    if o.impls.contains(&Impl::Reference)
+        && !matches!(o.coll, Collective::AllReduce | Collective::AlltoAll)
+    {
+        return err("--impl reference: the reference kernels are an AllReduce and an AllToAll");
     }
-    if o.impls.contains(&Impl::PullReference) {
-        if o.coll != Collective::AllReduce {
-            return err("--impl pull-reference: the pull reference kernels are an AllReduce");
-        }
-        if !matches!(o.mode, Mode::Virtual | Mode::Gpus) {
-            return err(
-                "--impl pull-reference needs --mode virtual or gpus (its ranks are threads of one \
-                 process that read each other's buffers)",
-            );
-        }
+    if o.impls.contains(&Impl::PullReference) && o.coll != Collective::AllReduce {
+        return err("--impl pull-reference: the pull reference kernels are an AllReduce");
     }
     if o.ref_launches.is_empty() {
         return err("--ref-launch: no launch mode");
@@ -920,6 +909,14 @@ fn validate(o: &Options) -> Result<(), ArgError> {
                 "--ref-launch single launches the reference kernels: add --impl reference or \
                  pull-reference",
             );
+        }
+        if o.mode.processes() {
+            return err(format!(
+                "--ref-launch single: one grid for every rank is launched by one thread, so it \
+                 needs every rank in one process on one GPU (--mode virtual); in --mode {} each \
+                 rank is a process of its own: use --ref-launch per-rank",
+                o.mode.name()
+            ));
         }
         if o.mode != Mode::Virtual {
             return err(format!(
@@ -1164,7 +1161,19 @@ mod tests {
             run("--impl reference --coll alltoall").coll,
             Collective::AlltoAll
         );
-        assert!(fails("--impl reference --mode procs").contains("--mode virtual or gpus"));
+        // The references run in the process modes too (buffers exchanged through CUDA IPC).
+        for mode in ["procs", "procs-one-gpu"] {
+            let o = run(&format!(
+                "--impl reference,flashcomm --mode {mode} --ranks 4"
+            ));
+            assert_eq!(o.impls, vec![Impl::Reference, Impl::Flashcomm]);
+            assert_eq!(o.ref_launches, vec![RefLaunch::PerRank]);
+            assert!(o.mode.processes());
+            let o = run(&format!(
+                "--impl reference --coll alltoall --mode {mode} --ranks 2"
+            ));
+            assert_eq!(o.coll, Collective::AlltoAll);
+        }
         assert_eq!(
             run("--impl reference,flashcomm --ranks 8").impls,
             vec![Impl::Reference, Impl::Flashcomm]
@@ -1206,14 +1215,32 @@ mod tests {
         );
         assert_eq!(Impl::PullReference.name(), "pull-reference");
         assert!(Impl::PullReference.is_reference() && !Impl::Nccl.is_reference());
-        // AllReduce only; threads of one process only.
+        // AllReduce only; in every mode, launched per rank in the process modes.
         for coll in ["alltoall", "allgather", "reducescatter"] {
             let e = fails(&format!("--impl pull-reference --coll {coll}"));
             assert!(e.contains("pull reference kernels are an AllReduce"), "{e}");
+            let e = fails(&format!(
+                "--impl pull-reference --coll {coll} --mode procs-one-gpu"
+            ));
+            assert!(e.contains("pull reference kernels are an AllReduce"), "{e}");
         }
         for mode in ["procs", "procs-one-gpu"] {
-            let e = fails(&format!("--impl pull-reference --mode {mode} --ranks 2"));
-            assert!(e.contains("--mode virtual or gpus"), "{e}");
+            let o = run(&format!(
+                "--impl flashcomm,reference,pull-reference --mode {mode} --ranks 8 \
+                 --ref-launch per-rank"
+            ));
+            assert_eq!(
+                o.impls,
+                vec![Impl::Flashcomm, Impl::Reference, Impl::PullReference]
+            );
+            assert_eq!(o.ref_launches, vec![RefLaunch::PerRank]);
+            for launch in ["single", "per-rank,single"] {
+                let e = fails(&format!(
+                    "--impl pull-reference --mode {mode} --ranks 2 --ref-launch {launch}"
+                ));
+                assert!(e.contains("each rank is a process of its own"), "{e}");
+                assert!(e.contains("--ref-launch per-rank"), "{e}");
+            }
         }
         assert!(fails("--impl pullish").contains("pull-reference"));
         // --ref-launch: per-rank, single, or both (one set of rows each, in the order given).

@@ -1783,6 +1783,69 @@ mod tests {
     }
 
     #[test]
+    fn reference_rows_of_rank_processes_reach_vs_best() {
+        use crate::report::{Layout, Table};
+        let o = opts(
+            "-b 8K -e 8K --mode procs-one-gpu --ranks 2 --impl reference,pull-reference,flashcomm",
+        );
+        let j = jobs(&o);
+        let v: Vec<String> = j.iter().map(|j| j.variant.label()).collect();
+        assert_eq!(v, ["reference", "pull-1stage", "pull-2stage", "flashcomm"]);
+        let layout = Layout {
+            inplace: false,
+            quant: false,
+            vs_nccl: false,
+            vs_copy: false,
+            vs_ref: true,
+            vs_link: false,
+            vs_best: true,
+        };
+        // Per job, rank 0's and rank 1's per-call times: rank 1's report crosses the processes'
+        // wire, rank 0's is its own; a row takes the slowest rank per call, then the median.
+        let times = [
+            ([4.0, 5.0, 6.0], [5.0, 7.0, 5.0]),
+            ([3.0, 3.0, 3.0], [4.0, 4.0, 4.0]),
+            ([8.0, 8.0, 8.0], [2.0, 2.0, 2.0]),
+            ([2.0, 2.0, 2.0], [2.0, 3.0, 2.0]),
+        ];
+        let mut table = Table::default();
+        for (job, (t0, t1)) in j.iter().zip(times) {
+            let out = |t: [f64; 3]| RankOut {
+                plan: Some("plan".into()),
+                out: Some(RankMeasure {
+                    times: t.to_vec(),
+                    wrong: Some(0),
+                    mismatch: Some(0),
+                    accuracy: None,
+                }),
+                ..RankOut::default()
+            };
+            let outs = vec![out(t0), unwire(&wire(&out(t1)).unwrap()).unwrap()];
+            table.add(&layout, merge(&o, job, &outs));
+        }
+        let row = |label: &str| {
+            table
+                .rows
+                .iter()
+                .find(|r| r.variant.label() == label)
+                .unwrap_or_else(|| panic!("no {label} row"))
+        };
+        let time = |label: &str| row(label).out.measure().unwrap().time.median_us;
+        assert_eq!(time("reference"), 6.0);
+        assert_eq!(time("pull-1stage"), 4.0);
+        assert_eq!(time("pull-2stage"), 8.0);
+        assert_eq!(time("pull-best"), 4.0);
+        let fc = row("flashcomm");
+        assert_eq!(fc.out.measure().unwrap().time.median_us, 2.0);
+        assert_eq!(
+            fc.vs_best,
+            Some(0.5),
+            "over pull-1stage, the fastest competitor"
+        );
+        assert_eq!(fc.vs_ref, Some(2.0 / 6.0));
+    }
+
+    #[test]
     fn latency_preset_jobs() {
         let j = jobs(&opts("--preset latency"));
         // 8K..1M: 8 sizes, eager and graph, copy and flashcomm.
