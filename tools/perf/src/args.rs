@@ -233,8 +233,11 @@ pub struct Options {
     pub calibrate: bool,
     /// `--calibrate-moves`: the calibration also times ReduceScatter, AllGather and AllToAll.
     pub calibrate_moves: bool,
-    /// `--zero-copy`: zero-copy between processes, with the send and receive buffers registered.
+    /// `--zero-copy`: zero-copy between processes (the library's default: on).
     pub zero_copy: bool,
+    /// `--register`: every rank's send and receive buffers registered with the communicator,
+    /// collectively, as `ncclCommWindowRegister` registers them.
+    pub register: bool,
     /// `--early-launch`: each kernel lets the next one launch as soon as it starts.
     pub early_launch: bool,
     /// `--graph-mixing`: captured calls ordered with eager ones through graph nodes.
@@ -281,7 +284,8 @@ impl Default for Options {
             timeout_s: 60,
             calibrate: true,
             calibrate_moves: false,
-            zero_copy: false,
+            zero_copy: true,
+            register: false,
             early_launch: true,
             graph_mixing: true,
             check_values: 1 << 20,
@@ -656,10 +660,14 @@ struct Cli {
     /// (FLASHCOMM_CALIBRATE_MOVES) [0]
     #[arg(long = "calibrate-moves", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     calibrate_moves: Option<bool>,
-    /// Zero-copy between processes (FLASHCOMM_ZERO_COPY), with the send and receive buffers
-    /// registered with the communicator (ncclCommWindowRegister's way) [0]
+    /// Zero-copy between processes (FLASHCOMM_ZERO_COPY): graphs read every rank's buffers in
+    /// place (exchanged at capture), eager calls stage unregistered buffers [1]
     #[arg(long = "zero-copy", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     zero_copy: Option<bool>,
+    /// Register the send and receive buffers with the communicator, collectively
+    /// (ncclCommWindowRegister's way), so eager calls read them in place too [0]
+    #[arg(long = "register", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
+    register: Option<bool>,
     /// Order captured calls with eager ones through graph nodes (FLASHCOMM_GRAPH_MIXING) [1]
     #[arg(long = "graph-mixing", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     graph_mixing: Option<bool>,
@@ -793,6 +801,7 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
     set(&mut o.calibrate, cli.calibrate);
     set(&mut o.calibrate_moves, cli.calibrate_moves);
     set(&mut o.zero_copy, cli.zero_copy);
+    set(&mut o.register, cli.register);
     set(&mut o.early_launch, cli.early_launch);
     set(&mut o.graph_mixing, cli.graph_mixing);
     o.json = cli.json.or(o.json);

@@ -702,9 +702,9 @@ fn rank_main(
             }
         }
     }
-    // Zero-copy: the buffers registered with the communicator, collectively (every rank is
-    // here), as a serving stack registers its own.
-    if let (Some(c), true) = (comm.as_ref(), o.zero_copy) {
+    // `--register`: the buffers registered with the communicator, collectively (every rank is
+    // here), as a serving stack registers a window.
+    if let (Some(c), true) = (comm.as_ref(), o.register) {
         for b in [&send, &recv] {
             let (_, mapped) = c
                 .register_collective(b.addr(), b.len() as u64, Duration::from_secs(30))
