@@ -389,9 +389,10 @@ impl Registry {
         let mut st = self.state();
         let st = &mut *st;
         for e in st.entries.iter_mut() {
-            if let Some(x) = e.export.filter(|(a, _, _)| {
-                !e.pinned && crate::gpu::buffer_id(e.ptr) != Some(a.buffer_id)
-            }) {
+            if let Some(x) = e
+                .export
+                .filter(|(a, _, _)| !e.pinned && crate::gpu::buffer_id(e.ptr) != Some(a.buffer_id))
+            {
                 e.export = None;
                 st.pending.push(x);
             }
@@ -433,7 +434,8 @@ impl Registry {
             match existing {
                 Some(id) => ids.push(id),
                 None => {
-                    if let Ok(a) = crate::gpu::user_allocation(ptr, crate::identity::process_token())
+                    if let Ok(a) =
+                        crate::gpu::user_allocation(ptr, crate::identity::process_token())
                     {
                         crate::gpu::close_export(&a);
                         ids.push(self.register(a.base, a.len, &|| false));
@@ -652,7 +654,10 @@ impl Registry {
         let st = &mut *st;
         st.maps.clear();
         let exports = st.entries.drain(..).filter_map(|e| e.export);
-        for (a, _, _) in exports.chain(st.pending.drain(..)).chain(st.pinned.drain(..)) {
+        for (a, _, _) in exports
+            .chain(st.pending.drain(..))
+            .chain(st.pinned.drain(..))
+        {
             crate::gpu::close_export(&a);
         }
     }

@@ -1178,7 +1178,10 @@ fn stress_calls(
             s.synchronize().unwrap();
             comm.check_status().expect("device status");
             let (bad, first) = v.errors().unwrap();
-            assert_eq!(bad, 0, "rank {rank}: stress up to call {i}: {bad} wrong, first at {first}");
+            assert_eq!(
+                bad, 0,
+                "rank {rank}: stress up to call {i}: {bad} wrong, first at {first}"
+            );
         }
     }
     println!(
@@ -1212,7 +1215,10 @@ fn zero_copy_churn(
         let (id, mapped) = comm
             .register_collective(x.addr(), BYTES as u64, Duration::from_secs(10))
             .unwrap();
-        assert!(mapped, "rank {rank}: round {i}: a peer did not map the buffer");
+        assert!(
+            mapped,
+            "rank {rank}: round {i}: a peer did not map the buffer"
+        );
         let before = comm.zero_copy_calls();
         let salt = i % 1024;
         v.fill(x.as_ptr(), count, ty, rank, salt, s).unwrap();
@@ -1226,8 +1232,18 @@ fn zero_copy_churn(
                 .on(s),
         )
         .unwrap();
-        v.check(recv.as_ptr(), count, count, Collective::AllReduce, ty, n, rank, salt, s)
-            .unwrap();
+        v.check(
+            recv.as_ptr(),
+            count,
+            count,
+            Collective::AllReduce,
+            ty,
+            n,
+            rank,
+            salt,
+            s,
+        )
+        .unwrap();
         in_place += comm.zero_copy_calls() - before;
         most = most.max(comm.peer_mappings());
         comm.deregister(id).unwrap();
@@ -1236,7 +1252,10 @@ fn zero_copy_churn(
         if i % 1000 == 999 || i + 1 == rounds {
             comm.check_status().expect("device status");
             let (bad, first) = v.errors().unwrap();
-            assert_eq!(bad, 0, "rank {rank}: churn round {i}: {bad} wrong, first at {first}");
+            assert_eq!(
+                bad, 0,
+                "rank {rank}: churn round {i}: {bad} wrong, first at {first}"
+            );
         }
     }
     boot.barrier().unwrap();
@@ -1246,7 +1265,11 @@ fn zero_copy_churn(
         t0.elapsed().as_secs_f64(),
         comm.peer_mappings()
     );
-    assert_eq!(in_place, u64::from(rounds), "rank {rank}: calls read in place");
+    assert_eq!(
+        in_place,
+        u64::from(rounds),
+        "rank {rank}: calls read in place"
+    );
     // At most each peer's live buffer and the one it retracts last.
     assert!(
         most <= 2 * (n as usize - 1),
@@ -1275,15 +1298,39 @@ fn zero_copy_other_namespace(
     let calls = ZERO_COPY_CALLS.len() as u64;
     // Two rounds: the first lets every peer look at what was registered.
     let rp = recv.slice(0, BYTES);
-    zero_copy_phase(comm, boot, v, s, vm.as_ptr(), rp, rank, n, "other namespace");
-    let got = zero_copy_phase(comm, boot, v, s, vm.as_ptr(), rp, rank, n, "other namespace");
+    zero_copy_phase(
+        comm,
+        boot,
+        v,
+        s,
+        vm.as_ptr(),
+        rp,
+        rank,
+        n,
+        "other namespace",
+    );
+    let got = zero_copy_phase(
+        comm,
+        boot,
+        v,
+        s,
+        vm.as_ptr(),
+        rp,
+        rank,
+        n,
+        "other namespace",
+    );
     println!(
         "rank {rank}: mapped by every peer {mapped}, {got} of {calls} calls in place, {} peer \
          allocations mapped",
         comm.peer_mappings()
     );
     assert_eq!(got, 0, "rank {rank}: read in place across PID namespaces");
-    assert_eq!(comm.peer_mappings(), 0, "rank {rank}: mapped a peer's descriptor export");
+    assert_eq!(
+        comm.peer_mappings(),
+        0,
+        "rank {rank}: mapped a peer's descriptor export"
+    );
     comm.deregister(id).unwrap();
     boot.barrier().unwrap();
     drop(vm);

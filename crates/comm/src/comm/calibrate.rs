@@ -82,8 +82,8 @@ impl Communicator {
         // whose peers were late times its direct plans staged, which the agreed model absorbs).
         let registered = if self.registry.has_boards() && self.arena.direct {
             let _ctx = self.device.activate()?;
-            let ids =
-                [send.addr(), recv.addr()].map(|a| self.registry.register(a, buf_bytes as u64, &|| true));
+            let ids = [send.addr(), recv.addr()]
+                .map(|a| self.registry.register(a, buf_bytes as u64, &|| true));
             self.registry.exchange(&ids, REGISTER_WAIT);
             ids.to_vec()
         } else {

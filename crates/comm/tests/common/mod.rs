@@ -261,17 +261,14 @@ pub fn stress_plan(
     count: u64,
 ) -> Plan {
     if (x >> 48).is_multiple_of(5) {
-        return comm
-            .plan(&Request::bytes(coll, count, ty.bytes()))
-            .unwrap();
+        return comm.plan(&Request::bytes(coll, count, ty.bytes())).unwrap();
     }
     let proto = Protocol::ALL[((x >> 40) % 4) as usize];
     let algo = Algorithm::ALL[((x >> 44) % 2) as usize];
     comm.plan(
-            &Request::bytes(coll, count, ty.bytes())
-                .forced(Choice::Force(algo), Choice::Force(proto)),
-        )
-        .unwrap()
+        &Request::bytes(coll, count, ty.bytes()).forced(Choice::Force(algo), Choice::Force(proto)),
+    )
+    .unwrap()
 }
 
 /// One call of the stress sequence from a random word: the collective (AllReduce twice as often
