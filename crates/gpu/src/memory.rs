@@ -854,7 +854,7 @@ mod tests {
         h[4..8].copy_from_slice(&ident.to_le_bytes());
         h[8..16].copy_from_slice(&(2u64 << 20).to_le_bytes());
         h[24..28].copy_from_slice(&ident.to_le_bytes());
-        let err = IpcMapping::open_fd(&h, 0x5eed_0f_0a_e1)
+        let err = IpcMapping::open_fd(&h, 0x5eed_0f0a_e1e1)
             .err()
             .expect("refused");
         assert!(err.to_string().contains("not the buffer's owner"), "{err}");
