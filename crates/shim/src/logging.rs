@@ -144,12 +144,17 @@ pub(crate) fn expand_file_name(pattern: &str, host: &str, pid: u32) -> String {
 /// process id (`%p`), so no other process writes it: it is created new (`O_EXCL`), and a file
 /// already there (planted, or left by an earlier process with this id) is refused. Names
 /// without `%p` may be shared by every process of a job, so an existing regular file is
-/// appended to, as before.
+/// appended to, as before. Anything else at the name (a FIFO, a device, a socket) is refused, and
+/// the open never waits: it is made with `O_NONBLOCK`, since opening a FIFO for writing would
+/// otherwise wait for a reader for ever inside the first call of the program.
 pub(crate) fn open_log_file(path: &str, per_process: bool) -> Result<std::fs::File, String> {
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let mut o = OpenOptions::new();
+    // O_NONBLOCK: a FIFO without a reader fails at once (ENXIO) instead of blocking. It has no
+    // effect on the regular file kept below (writes to regular files never return EAGAIN), so
+    // it is left set.
     o.append(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC);
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK);
     if per_process {
         o.create_new(true);
     } else {
@@ -157,6 +162,9 @@ pub(crate) fn open_log_file(path: &str, per_process: bool) -> Result<std::fs::Fi
     }
     let f = o.open(path).map_err(|e| match e.raw_os_error() {
         Some(libc::ELOOP) => "it is a symbolic link (refused)".to_string(),
+        Some(libc::ENXIO) => {
+            "it is not a regular file (a FIFO or a socket without a reader; refused)".to_string()
+        }
         Some(libc::EEXIST) => {
             "it exists already, and its name holds the process id (%p), so no other process \
              should have made it (refused)"
@@ -165,13 +173,32 @@ pub(crate) fn open_log_file(path: &str, per_process: bool) -> Result<std::fs::Fi
         _ => e.to_string(),
     })?;
     let m = f.metadata().map_err(|e| e.to_string())?;
-    if !m.file_type().is_file() {
-        return Err("it is not a regular file (refused)".into());
+    let t = m.file_type();
+    if !t.is_file() {
+        use std::os::unix::fs::FileTypeExt;
+        let what = if t.is_fifo() {
+            "a FIFO"
+        } else if t.is_char_device() || t.is_block_device() {
+            "a device"
+        } else if t.is_socket() {
+            "a socket"
+        } else if t.is_dir() {
+            "a directory"
+        } else {
+            "not a file"
+        };
+        return Err(format!("it is not a regular file ({what}; refused)"));
     }
     if m.nlink() > 1 {
         return Err(format!("it has {} names (a hard link; refused)", m.nlink()));
     }
     Ok(f)
+}
+
+/// [`open_log_file`], with the warning to log when it fails (it names the path).
+fn open_or_explain(path: &str, per_process: bool) -> Result<std::fs::File, String> {
+    open_log_file(path, per_process)
+        .map_err(|e| format!("cannot open log file {path}: {e}; logging to standard error"))
 }
 
 /// The host name as NCCL prints it (up to the first dot).
@@ -289,12 +316,10 @@ pub(crate) fn install(config: &mut Config) -> Vec<String> {
         (None, None) => None,
     };
     let file = file.and_then(
-        |(path, per_process)| match open_log_file(&path, per_process) {
+        |(path, per_process)| match open_or_explain(&path, per_process) {
             Ok(f) => Some(Arc::new(f)),
-            Err(e) => {
-                later.push(format!(
-                    "cannot open log file {path}: {e}; logging to standard error"
-                ));
+            Err(msg) => {
+                later.push(msg);
                 None
             }
         },
@@ -453,6 +478,52 @@ mod tests {
             .unwrap();
         }
         assert_eq!(std::fs::read_to_string(&shared).unwrap(), "a\nb\n");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A FIFO (named pipe) at a shared log file's name: opening it for writing would wait for a
+    /// reader for ever, blocking the first call. It is refused at once, whether or not a reader
+    /// has it open, and the warning names the path.
+    #[test]
+    #[allow(unsafe_code)]
+    fn a_fifo_at_the_log_files_name_is_refused_without_blocking() {
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = std::env::temp_dir().join(format!("flashcomm-logfifo-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("shared.log");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let path = fifo.to_str().unwrap().to_string();
+        // In a thread with a time limit: before the fix the open never returned.
+        let open = |per_process: bool| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let p = path.clone();
+            std::thread::spawn(move || {
+                let _ = tx.send(open_or_explain(&p, per_process).map(|_| ()));
+            });
+            rx.recv_timeout(std::time::Duration::from_secs(5))
+                .expect("opening a FIFO as the log file blocked")
+        };
+        for per_process in [false, true] {
+            let e = open(per_process).unwrap_err();
+            assert!(e.contains(&path), "{e}");
+            assert!(
+                per_process || e.contains("not a regular file"),
+                "{per_process}: {e}"
+            );
+        }
+        // With a reader, opening it would succeed: it is refused all the same.
+        let reader = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo)
+            .unwrap();
+        let e = open(false).unwrap_err();
+        assert!(e.contains(&path) && e.contains("not a regular file"), "{e}");
+        drop(reader);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
