@@ -56,10 +56,12 @@ pub(crate) enum LocalArena {
     Empty,
 }
 
-/// The prefix of this process's segment names: `flashcomm-<PID namespace>-`, so that names of
-/// creators that died can be told apart from those of live processes of other namespaces.
+/// The prefix of this process's segment names: `fc-<PID namespace>-`, the namespace's inode
+/// number in 8 hex digits, so that names of creators that died can be told apart from those of
+/// live processes of other namespaces (`remove_stale_segments`).
 fn segment_prefix() -> String {
-    // "pid:[4026531836]": the namespace's inode number.
+    // "pid:[4026531836]": the namespace's inode number (32 bits in the kernel; a wider one is
+    // folded, keeping the prefix's width fixed).
     let ns = std::fs::read_link("/proc/self/ns/pid")
         .ok()
         .and_then(|l| {
@@ -70,17 +72,41 @@ fn segment_prefix() -> String {
                 .ok()
         })
         .unwrap_or(0);
-    format!("flashcomm-{ns:x}-")
+    format!("fc-{:08x}-", (ns ^ (ns >> 32)) as u32)
 }
 
-/// A unique segment name for this process's next arena: `/<prefix><pid>-<n>-<time>`.
+/// A unique segment name for this process's next arena: `/<prefix><pid>-<n>`, `n` in base 36.
+/// `n` counts from the time the process made its first name, so a name a dead process of the
+/// same id left behind (not swept: the id is alive again) is not made again.
 pub(crate) fn segment_name() -> String {
+    static FIRST: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64 & 0xffff_ffff);
-    format!("/{}{}-{n}-{t:08x}", segment_prefix(), std::process::id())
+    let first = *FIRST.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    let n = first.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed));
+    segment_name_of(&segment_prefix(), std::process::id(), n)
+}
+
+/// The name of segment `n` of process `pid`: at most 1 + 12 + 10 + 1 + 13 = 37 bytes, so it
+/// always fits the set-up record's [`NAME_BYTES`] with its terminating NUL (the process id
+/// stays decimal: `remove_stale_segments` reads it so).
+fn segment_name_of(prefix: &str, pid: u32, mut n: u64) -> String {
+    const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    let mut b36 = [0u8; 13];
+    let mut i = b36.len();
+    loop {
+        i -= 1;
+        b36[i] = DIGITS[(n % 36) as usize];
+        n /= 36;
+        if n == 0 {
+            break;
+        }
+    }
+    let n = std::str::from_utf8(&b36[i..]).unwrap_or("0");
+    format!("/{prefix}{pid}-{n}")
 }
 
 impl LocalArena {
@@ -215,5 +241,60 @@ mod tests {
         assert_ne!(a, b);
         assert!(a.len() < NAME_BYTES && a.starts_with('/') && !a[1..].contains('/'));
         assert!(a[1..].starts_with(&segment_prefix()));
+    }
+
+    /// Every name fits the set-up record's field, however long the process lives: before, the
+    /// 1,000th segment of a process with a 7-digit id overflowed it (a caught panic, and every
+    /// later set-up of the process stayed with NCCL). The longest name possible, the largest
+    /// process id and counter, leaves room for the field's terminating NUL. The stale-name
+    /// sweep still reads the process id of every name.
+    #[test]
+    fn the_longest_segment_name_fits_its_field() {
+        let prefix = segment_prefix();
+        let longest = segment_name_of(&prefix, u32::MAX, u64::MAX);
+        assert!(
+            longest.len() < NAME_BYTES,
+            "{longest}: {} bytes",
+            longest.len()
+        );
+        assert_eq!(prefix.len(), "fc-01234567-".len(), "{prefix}");
+        for (n, text) in [(0, "0"), (35, "z"), (36, "10"), (u64::MAX, "3w5e11264sgsf")] {
+            assert_eq!(segment_name_of("p-", 7, n), format!("/p-7-{text}"));
+        }
+        for pid in [1, 4_194_304, i32::MAX as u32] {
+            let n = segment_name_of(&prefix, pid, 1_000);
+            let rest = n.strip_prefix('/').unwrap().strip_prefix(&prefix).unwrap();
+            assert_eq!(
+                rest.split('-').next().unwrap().parse::<i32>().ok(),
+                Some(pid as i32),
+                "{n}"
+            );
+        }
+    }
+
+    /// The sweep of names whose creator died reads this format: a dead creator's name goes, a
+    /// live one's stays.
+    #[test]
+    fn names_of_dead_creators_are_swept_in_this_format() {
+        let dead = {
+            let mut c = std::process::Command::new("true").spawn().unwrap();
+            let pid = c.id();
+            c.wait().unwrap();
+            pid
+        };
+        let prefix = segment_prefix();
+        let stale = segment_name_of(&prefix, dead, u64::MAX);
+        let live = segment_name();
+        let path = |n: &str| std::path::PathBuf::from(format!("/dev/shm{n}"));
+        for n in [&stale, &live] {
+            std::fs::write(path(n), b"").unwrap();
+        }
+        crate::gpu::remove_stale_segments(&prefix);
+        assert!(
+            !path(&stale).exists(),
+            "{stale}: the dead creator's name is gone"
+        );
+        assert!(path(&live).exists(), "{live}: a live creator's name stays");
+        std::fs::remove_file(path(&live)).unwrap();
     }
 }
