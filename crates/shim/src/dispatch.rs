@@ -422,7 +422,20 @@ pub(crate) fn group_ended(depth: u32, result: ncclResult_t) {
     if states.is_empty() {
         return;
     }
-    serve::set_up(&states, false, result == ncclResult_t::ncclSuccess);
+    let ready = result == ncclResult_t::ncclSuccess;
+    // As after a creating call outside a group (`exports::api::created`): the real group has
+    // ended and its communicators are the caller's, so a panic of the set-up (a bug) must not
+    // fail the group's end, and the ranks whose exchange had not begun tell their peers, which
+    // wait for them in its first round.
+    let set_up = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        serve::set_up(&states, false, ready);
+    }));
+    if let Err(payload) = set_up {
+        let comms: Vec<ncclComm_t> = states.iter().map(|(h, _)| h.raw()).collect();
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            on_creation_hook_panicked(&comms, ready, payload.as_ref());
+        }));
+    }
 }
 
 /// Hook: the real `ncclGroupSimulateEnd` returned, leaving depth `depth`. The group is over

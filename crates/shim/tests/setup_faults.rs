@@ -81,7 +81,10 @@ fn info(ours: &Nccl, comm: usize) -> (c_int, String) {
 
 /// In a child: `RANKS` threads each create their rank of one communicator through flashcomm;
 /// returns every rank's outcome, or panics when a rank has not returned within 20 s (a hang).
-fn set_up_all(ours: &Nccl, fake: &Lib) -> Vec<Outcome> {
+/// Every rank creates its communicator in a thread of its own (`grouped`: inside
+/// `ncclGroupStart`/`ncclGroupEnd`, where flashcomm sets it up in the outermost group end; `rc`
+/// is then the first failure of the init and the group end).
+fn set_up_all(ours: &Nccl, fake: &Lib, grouped: bool) -> Vec<Outcome> {
     let get_id: unsafe extern "C" fn(*mut UniqueId) -> c_int = fake.get("ncclGetUniqueId");
     let mut id = UniqueId([0; 128]);
     // SAFETY: a valid out pointer of 128 bytes.
@@ -94,12 +97,30 @@ fn set_up_all(ours: &Nccl, fake: &Lib) -> Vec<Outcome> {
     let (tx, rx) = mpsc::channel();
     let init: unsafe extern "C" fn(*mut usize, c_int, UniqueId, c_int) -> c_int =
         ours.lib.get("ncclCommInitRank");
+    let group_start: unsafe extern "C" fn() -> c_int = ours.lib.get("ncclGroupStart");
+    let group_end: unsafe extern "C" fn() -> c_int = ours.lib.get("ncclGroupEnd");
     for r in 0..RANKS {
         let tx = tx.clone();
         std::thread::spawn(move || {
             let mut comm = 0usize;
+            let start = if grouped {
+                // SAFETY: no arguments.
+                unsafe { group_start() }
+            } else {
+                SUCCESS
+            };
             // SAFETY: a valid out pointer; the id is passed by value as the header declares.
             let rc = unsafe { init(&mut comm, RANKS as c_int, id, r as c_int) };
+            let end = if grouped {
+                // SAFETY: no arguments; ends the group this thread started.
+                unsafe { group_end() }
+            } else {
+                SUCCESS
+            };
+            let rc = [start, rc, end]
+                .into_iter()
+                .find(|&rc| rc != SUCCESS)
+                .unwrap_or(SUCCESS);
             let _ = tx.send((r, rc, comm));
         });
     }
@@ -154,7 +175,7 @@ fn set_up_ends_alike_on_every_rank_wherever_one_rank_fails() {
     let name = "set_up_ends_alike_on_every_rank_wherever_one_rank_fails";
     if is_child(name) {
         let (ours, fake) = child_opened();
-        let got = set_up_all(&ours, &fake);
+        let got = set_up_all(&ours, &fake, false);
         println!();
         for (r, o) in got.iter().enumerate() {
             println!(
@@ -223,6 +244,41 @@ fn set_up_ends_alike_on_every_rank_wherever_one_rank_fails() {
         faults.len(),
         t0.elapsed().as_secs_f64()
     );
+}
+
+/// A panic in flashcomm's set-up of communicators created inside a group, which runs in the
+/// outermost `ncclGroupEnd` (issue 45, item 9). Before, it escaped to that export's boundary:
+/// `ncclGroupEnd` returned `ncclInternalError` on the panicking rank for a group the real
+/// library had completed (the caller would not destroy the communicator it was given), and that
+/// rank never told its peers, which waited in their set-up exchange for ever. Now the group end
+/// returns the real result and every rank keeps the communicator with NCCL alike, naming the
+/// rank that failed, as for the same panic outside a group.
+#[test]
+fn a_panic_in_a_grouped_set_up_fails_no_call_and_leaves_no_rank_waiting() {
+    let name = "a_panic_in_a_grouped_set_up_fails_no_call_and_leaves_no_rank_waiting";
+    if is_child(name) {
+        let (ours, fake) = child_opened();
+        let got = set_up_all(&ours, &fake, true);
+        println!();
+        for (r, o) in got.iter().enumerate() {
+            println!(
+                "RANK {r} rc={} served={} rounds={} reason={}",
+                o.rc, o.served, o.rounds, o.reason
+            );
+        }
+        for o in &got {
+            assert_eq!(o.rc, SUCCESS, "the real group succeeded: {got:?}");
+            assert_eq!(o, &got[0], "every rank alike: {got:?}");
+        }
+        assert_eq!(got[0].served, 0, "{got:?}");
+        assert!(
+            got[0].reason.contains("rank 1") && got[0].reason.contains("internal error"),
+            "{got:?}"
+        );
+        return;
+    }
+    let out = scenario(name, "hook-panic@1");
+    println!("{out}");
 }
 
 /// Fault class 3 through the C API: rank 0 waits in its set-up exchange for rank 1, which is
