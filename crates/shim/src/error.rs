@@ -118,10 +118,11 @@ impl Error {
         }
     }
 
-    /// Logs the error at WARN and records it for `ncclGetLastError`; returns its code.
+    /// Records the error for `ncclGetLastError` and logs it at WARN; returns its code. Recorded
+    /// first, so that the failure keeps its message even if the log line cannot be written.
     pub(crate) fn report(&self) -> ncclResult_t {
-        crate::logging::warn(self.subsys, self.message());
         crate::last_error::record(self.message());
+        crate::logging::warn(self.subsys, self.message());
         self.code()
     }
 }

@@ -324,6 +324,32 @@ fn a_panic_becomes_an_internal_error() {
     );
 }
 
+/// Every error has a message, a panic of `ncclGetLastError` itself included: before, it returned
+/// an empty string (the boundary's default for string functions), so the caller's failure was
+/// left without a word. It says that flashcomm failed and where to look, and
+/// `ncclGetErrorString`, which did not panic, answers as always.
+#[test]
+fn a_panic_in_get_last_error_still_gives_a_message() {
+    let name = "a_panic_in_get_last_error_still_gives_a_message";
+    if is_child(name) {
+        let Both { ours, .. } = both();
+        assert_eq!(ours.comm_call("ncclCommFinalize", 0), INVALID_ARGUMENT);
+        let msg = ours.last_error();
+        assert!(
+            msg.contains("flashcomm") && msg.contains("internal error"),
+            "{msg:?}"
+        );
+        assert_eq!(ours.error_string(SUCCESS), "no error");
+        return;
+    }
+    let out = child(name, &[("FLASHCOMM_DEBUG_PANIC", "ncclGetLastError")]);
+    assert!(
+        stderr(&out).contains("FLASHCOMM WARN ncclGetLastError: internal error in flashcomm"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 #[test]
 fn a_panic_in_the_creation_hook_leaves_the_communicator_to_nccl() {
     let name = "a_panic_in_the_creation_hook_leaves_the_communicator_to_nccl";

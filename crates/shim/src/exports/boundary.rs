@@ -28,6 +28,8 @@ use crate::logging::Subsys;
 /// function) is unavailable. `ncclResult_t` functions return an error code; the few others return
 /// a documented safe default (listed in `docs/abi.md`).
 pub(crate) trait CReturn: Copy {
+    /// What [`on_panic`](CReturn::on_panic) returns, in words, for the panic's message.
+    const ON_PANIC: &'static str;
     /// The value after a caught panic.
     fn on_panic() -> Self;
     /// The value when the call cannot be forwarded because of `e`.
@@ -42,6 +44,7 @@ pub(crate) trait CReturn: Copy {
 }
 
 impl CReturn for ncclResult_t {
+    const ON_PANIC: &'static str = "the call returned ncclInternalError";
     fn on_panic() -> Self {
         ncclResult_t::ncclInternalError
     }
@@ -67,6 +70,7 @@ impl CReturn for ncclResult_t {
 
 /// `void` functions (`ncclParamDumpAll`, `ncclResetDebugInit`): nothing happens.
 impl CReturn for () {
+    const ON_PANIC: &'static str = "the call did nothing";
     fn on_panic() -> Self {}
     fn on_unavailable(_: &Error) -> Self {}
 }
@@ -74,6 +78,7 @@ impl CReturn for () {
 /// `int` functions (`ncclTeamRankToWorld`, `ncclTeamRankToLsa`, `ncclLLA2ACalcSlots`): -1, which
 /// is neither a rank nor a slot count.
 impl CReturn for std::ffi::c_int {
+    const ON_PANIC: &'static str = "the call returned -1";
     fn on_panic() -> Self {
         -1
     }
@@ -84,6 +89,7 @@ impl CReturn for std::ffi::c_int {
 
 /// Team functions (`ncclTeamWorld`, ...): the empty team `{nRanks 0, rank 0, stride 0}`.
 impl CReturn for ncclTeam_t {
+    const ON_PANIC: &'static str = "the call returned the empty team";
     fn on_panic() -> Self {
         ncclTeam_t {
             nRanks: 0,
@@ -96,10 +102,13 @@ impl CReturn for ncclTeam_t {
     }
 }
 
-/// String functions (`ncclGetErrorString`, `ncclGetLastError`): a static empty string.
+/// String functions (`ncclGetErrorString`, `ncclGetLastError`): a static string; after a panic
+/// one that says so, not an empty one (a caller asking `ncclGetLastError` about its failure must
+/// not be left without a word).
 impl CReturn for *const c_char {
+    const ON_PANIC: &'static str = "the call returned a message saying so";
     fn on_panic() -> Self {
-        c"".as_ptr()
+        PANIC_TEXT.as_ptr()
     }
     fn on_unavailable(_: &Error) -> Self {
         c"".as_ptr()
@@ -113,7 +122,11 @@ pub(crate) fn unavailable<R: CReturn>(e: Error) -> R {
     R::on_unavailable(&e)
 }
 
-fn panic_message(api: &str, payload: &(dyn Any + Send)) -> String {
+/// What a string function returns after a panic.
+const PANIC_TEXT: &std::ffi::CStr =
+    c"internal error in flashcomm (a panic); flashcomm's WARN line in the log says where";
+
+fn panic_message(api: &str, payload: &(dyn Any + Send), returned: &str) -> String {
     let stashed = crate::init::take_panic_text();
     let text = stashed.unwrap_or_else(|| {
         payload
@@ -122,7 +135,7 @@ fn panic_message(api: &str, payload: &(dyn Any + Send)) -> String {
             .or_else(|| payload.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown panic".to_string())
     });
-    format!("{api}: internal error in flashcomm ({text}); the call returned ncclInternalError")
+    format!("{api}: internal error in flashcomm ({text}); {returned}")
 }
 
 /// Runs one export's body: the first call initializes configuration and logging, a panic is
@@ -138,11 +151,21 @@ pub(crate) fn guard<R: CReturn>(
     })) {
         Ok(r) => r,
         Err(payload) => {
-            // Reporting must not unwind either.
-            let _ = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                let msg = panic_message(api, payload.as_ref());
+            // Reporting must not unwind either, and the failure has a message for
+            // `ncclGetLastError` even if describing the panic fails too.
+            let reported = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                let msg = panic_message(api, payload.as_ref(), R::ON_PANIC);
                 Error::internal(Subsys::Call, msg).report();
             }));
+            if reported.is_err() {
+                let _ = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    crate::last_error::record(&format!(
+                        "{api}: internal error in flashcomm (a panic, which could not be \
+                         described); {}",
+                        R::ON_PANIC
+                    ));
+                }));
+            }
             R::on_panic()
         }
     };
