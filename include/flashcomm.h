@@ -146,10 +146,15 @@ ncclResult_t flashcommGetConfigString(char *buf, size_t len);
 // environment's. Which collectives and element types may be quantized stays
 // `FLASHCOMM_QUANT_OPS` and `FLASHCOMM_QUANT_DTYPES`.
 //
-// Routing must be identical on every rank: every rank of the communicator must call this with
-// the same values, at the same point of its sequence of calls, before the calls it should
-// affect (no call of `comm` may be in flight on another thread meanwhile). Invalid values are
-// `ncclInvalidArgument` and change nothing.
+// Collective: the settings decide where calls go, so on a communicator flashcomm serves with
+// several ranks every rank must call this at the same point of its sequence of calls (no call of
+// `comm` in flight on another thread meanwhile), and the ranks agree on the values before any
+// rank applies them: when every rank gave the same settings they take effect on every rank;
+// otherwise every rank returns `ncclInvalidUsage` (a rank whose own values are invalid,
+// `ncclInvalidArgument`) and nothing changes on any rank. Like an NCCL collective, a thread that
+// drives several ranks (the communicators of `ncclCommInitAll`, which are refused outside a
+// group) calls it for each inside `ncclGroupStart`/`ncclGroupEnd`: the settings are then agreed
+// and take effect when the outermost group ends, which returns the error of a disagreement.
 //
 // # Safety
 // `config` is NULL or points to a readable `flashcommQuantConfig_t`.

@@ -409,11 +409,24 @@ pub(crate) fn async_error(comm: ncclComm_t) -> Option<(ncclResult_t, String, boo
 /// Hook: the real `ncclGroupEnd` returned `result`, leaving depth `depth`. When the outermost
 /// group ended, the communicators created inside it are set up now (collectively: every rank
 /// reaches this point after the same group); if the group failed or is still in progress, they
-/// stay with NCCL.
+/// stay with NCCL. Then the group's `flashcommCommSetQuant` calls are agreed on (after the
+/// set-ups, which decide whether a communicator created in the group is served); their failures
+/// are the group's.
 pub(crate) fn group_ended(depth: u32, result: ncclResult_t) {
     if depth > 0 {
         return;
     }
+    set_up_deferred(result);
+    let quant = group::take_deferred_quant();
+    if !quant.is_empty() {
+        for e in serve::set_quant_at_group_end(quant, result == ncclResult_t::ncclSuccess) {
+            group::failed(e.report(), e.message());
+        }
+    }
+}
+
+/// The set-ups of [`group_ended`].
+fn set_up_deferred(result: ncclResult_t) {
     let states: Vec<(CommHandle, Arc<CommState>)> = group::take_deferred()
         .into_iter()
         .filter_map(|h| registry::by_handle(h).map(|s| (h, s)))

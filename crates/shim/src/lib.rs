@@ -17,7 +17,7 @@
 //! |---|---|---|
 //! | `exports::api` | the NCCL exports we inspect: versions, errors, collectives, communicator lifecycle, groups | `exports::collective`, `exports::boundary`, `grouped`, `dispatch`, `group`, `args`, `calls::real`, `error`, `logging`, `last_error`, `init`, `types` |
 //! | `exports::forwarders` | the generated plain forwarders | `exports::boundary` |
-//! | `exports::ext` | flashcomm's own C API (`include/flashcomm.h`) | `exports::boundary`, `registry`, `stats`, `init`, `error`, `logging`, `types` |
+//! | `exports::ext` | flashcomm's own C API (`include/flashcomm.h`) | `exports::boundary`, `serve`, `registry`, `group`, `stats`, `init`, `error`, `logging`, `types` |
 //! | `exports::collective` | the common path of the collective exports: checks, then dispatch | `exports::boundary`, `grouped`, `dispatch`, `args`, `error`, `types` |
 //! | `exports::boundary` | the panic boundary, the export macros, signature checks, a group call flashcomm fails inside a group | `calls::real`, `calls::nccl`, `group`, `init`, `error`, `logging`, `last_error` |
 //! | `grouped` | the AllToAll a group of `ncclSend`/`ncclRecv` forms: its calls held back, recognized, run as flashcomm's AllToAll or given to NCCL in order | `dispatch`, `serve`, `registry`, `policy`, `calls::cuda`, `types` |

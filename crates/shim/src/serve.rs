@@ -18,7 +18,12 @@
 //!
 //! The caller's current CUDA context is saved before and restored after set-up and teardown.
 //!
-//! Owns: [`set_up`], [`tear_down`], [`execute`], [`Executed`], [`comm_config`].
+//! `flashcommCommSetQuant` on a served communicator of several ranks is collective the same way:
+//! its settings feed the routing decision, so the ranks agree on them in one round of the same
+//! exchange before any rank applies them ([`set_quant`], [`agree_quant`]).
+//!
+//! Owns: [`set_up`], [`tear_down`], [`execute`], [`Executed`], [`comm_config`], [`set_quant`],
+//! [`set_quant_at_group_end`], [`agree_quant`].
 //! May import: `types`, `error`, `logging`, `init`, `calls::cuda`, `calls::nccl`, `policy`,
 //! `registry`, `bootstrap`.
 
@@ -30,7 +35,7 @@ use flashcomm_comm::{
     Agreement, Bootstrap, Buffers, Build, CommConfig, Communicator, Error as CommError, Request,
     ThreadGroup,
 };
-use flashcomm_config::{Config, FaultPoint};
+use flashcomm_config::{Config, FaultPoint, QuantSettings};
 use flashcomm_nccl_sys::ncclResult_t;
 
 use crate::bootstrap::{ExchangeFaults, NcclBootstrap};
@@ -181,6 +186,246 @@ pub(crate) fn agree_on_entry(ag: &mut Agreement<'_>, entry: &Entry) -> Result<()
         }
     }
     Ok(())
+}
+
+/// The quantization settings `flashcommCommSetQuant` gives a communicator, agreed among its
+/// ranks in one round: `mine` is what this rank was given (`Ok(None)`: NULL, the environment's;
+/// `Err`: why its values are invalid). `Ok` on every rank when every rank was given the same
+/// settings in force (NULL counts as the environment's, which set-up agreed on, and `off` as
+/// `16`); otherwise the same `Err` on every rank, naming the lowest rank that differs, and the
+/// caller changes nothing. The settings feed the routing decision (`policy::decide`: a width
+/// pair without kernels or a call outside the window goes to NCCL, or to the lossless kernels),
+/// so a rank given settings its peers were not would otherwise route its calls alone.
+pub(crate) fn agree_quant(
+    ag: &mut Agreement<'_>,
+    mine: Result<Option<QuantSettings>, String>,
+    config: &Config,
+) -> Result<Option<QuantSettings>, String> {
+    let record = mine
+        .as_ref()
+        .map(|q| quant_record(&q.unwrap_or_else(|| config.quant_settings())))
+        .map_err(|why| format!("invalid {why}"));
+    let all = ag.round(record).map_err(|e| match e {
+        CommError::Unsupported(m) => m,
+        other => other.to_string(),
+    })?;
+    let shown = |b: &[u8]| {
+        quant_of_record(b).map_or_else(|| "unreadable settings".to_string(), |q| q.to_string())
+    };
+    if let Some(r) = all.iter().position(|b| *b != all[0]) {
+        return Err(format!(
+            "rank {r} was given other quantization settings ({}) than rank 0 ({}); every rank \
+             must give the same",
+            shown(&all[r]),
+            shown(&all[0])
+        ));
+    }
+    mine
+}
+
+/// The settings as [`agree_quant`] compares them: the five widths (`off` and `16` alike: both
+/// keep a collective lossless), group, spikes and window, little-endian.
+fn quant_record(q: &QuantSettings) -> Vec<u8> {
+    use flashcomm_config::QuantBits;
+    let code = |b: QuantBits| match b {
+        QuantBits::Bits(n) => n,
+        QuantBits::Off | QuantBits::Half => 16,
+    };
+    let mut v = vec![
+        code(q.rs_bits),
+        code(q.ag_bits),
+        code(q.allgather_bits),
+        code(q.reducescatter_bits),
+        code(q.alltoall_bits),
+    ];
+    v.extend_from_slice(&q.group.to_le_bytes());
+    v.extend_from_slice(&q.spikes.to_le_bytes());
+    v.extend_from_slice(&q.min_bytes.to_le_bytes());
+    v.extend_from_slice(&q.max_bytes.to_le_bytes());
+    v
+}
+
+/// The settings of a [`quant_record`] (for messages).
+fn quant_of_record(b: &[u8]) -> Option<QuantSettings> {
+    use flashcomm_config::QuantBits;
+    let bits = |i: usize| {
+        b.get(i).map(|&n| match n {
+            16 => QuantBits::Off,
+            n => QuantBits::Bits(n),
+        })
+    };
+    let u32_at = |i: usize| Some(u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?));
+    let u64_at = |i: usize| Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?));
+    Some(QuantSettings {
+        rs_bits: bits(0)?,
+        ag_bits: bits(1)?,
+        allgather_bits: bits(2)?,
+        reducescatter_bits: bits(3)?,
+        alltoall_bits: bits(4)?,
+        group: u32_at(5)?,
+        spikes: u32_at(9)?,
+        min_bytes: u64_at(13)?,
+        max_bytes: u64_at(21)?,
+    })
+}
+
+/// What one rank gave `flashcommCommSetQuant`: its settings (`None`: NULL, the environment's),
+/// or why they are invalid (as `group` keeps it for a group's end).
+pub(crate) type GivenQuant = Result<Option<QuantSettings>, String>;
+
+/// `flashcommCommSetQuant` of communicator `h` on this rank, called outside any group (`given`:
+/// its values, checked). A communicator that flashcomm serves with several ranks agrees on them
+/// with its other ranks first ([`agree_quant`], one round over the real `ncclAllGather`, so the
+/// call is collective): every rank takes them, or every rank fails and nothing changes. One that
+/// is not served (every call goes to NCCL whatever the settings), has one rank or was finalized
+/// or revoked takes them alone. The ranks of `ncclCommInitAll` are driven by one thread, which
+/// would wait in the first one's round for ever: they are refused outside a group (alike, since
+/// they all live in this process), and agreed when the group ends
+/// ([`set_quant_at_group_end`]).
+pub(crate) fn set_quant(h: CommHandle, state: &CommState, given: GivenQuant) -> Result<(), Error> {
+    if state.origin == CommOrigin::InitAll && state.served().is_some_and(|c| c.nranks() > 1) {
+        return Err(Error::invalid_usage(
+            Subsys::Call,
+            format!(
+                "flashcommCommSetQuant: communicator {h:?} is one of ncclCommInitAll's, whose \
+                 ranks one thread drives: call it for each of them inside \
+                 ncclGroupStart/ncclGroupEnd (the settings are agreed when the group ends); \
+                 nothing changed"
+            ),
+        ));
+    }
+    settle_quant(h, state, given)
+}
+
+/// The `flashcommCommSetQuant` calls made inside the group that just ended (`ready`: the real
+/// group end succeeded), agreed now, one thread per communicator (one thread may drive several
+/// ranks, as with the set-ups of a group, which ran before). Returns the failures, for the group
+/// end to return. After a failed group nothing is exchanged and nothing changes.
+pub(crate) fn set_quant_at_group_end(
+    calls: Vec<(CommHandle, GivenQuant)>,
+    ready: bool,
+) -> Vec<Error> {
+    let todo: Vec<(CommHandle, Arc<CommState>, GivenQuant)> = calls
+        .into_iter()
+        .filter_map(|(h, given)| crate::registry::by_handle(h).map(|st| (h, st, given)))
+        .collect();
+    if !ready {
+        for (h, _, _) in &todo {
+            logging::warn(
+                Subsys::Call,
+                &format!(
+                    "flashcommCommSetQuant of communicator {h:?} in a group that failed: nothing \
+                     changed"
+                ),
+            );
+        }
+        return Vec::new();
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = todo
+            .into_iter()
+            .map(|(h, st, given)| {
+                std::thread::Builder::new()
+                    .name("flashcomm-setquant".into())
+                    .spawn_scoped(s, move || settle_quant(h, &st, given))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .filter_map(|h| {
+                match h {
+                    Ok(h) => h.join().unwrap_or_else(|p| {
+                        Err(Error::internal(
+                            Subsys::Call,
+                            format!(
+                                "flashcommCommSetQuant: internal error in flashcomm ({})",
+                                panic_text(p.as_ref())
+                            ),
+                        ))
+                    }),
+                    Err(e) => Err(Error::system(
+                        Subsys::Call,
+                        format!("flashcommCommSetQuant: cannot start a thread: {e}"),
+                    )),
+                }
+                .err()
+            })
+            .collect()
+    })
+}
+
+/// [`set_quant`]'s outcome on this rank, agreed where that is needed, applied when it is `Ok`.
+fn settle_quant(h: CommHandle, state: &CommState, given: GivenQuant) -> Result<(), Error> {
+    let config = &crate::init::state().config;
+    let outcome = match state.served() {
+        Some(c) if c.nranks() > 1 && !state.is_closed() => {
+            agree_quant_over_nccl(h, state, c, given.clone(), config)
+        }
+        _ => given.clone(),
+    };
+    match (outcome, given) {
+        (Ok(q), _) => {
+            state.set_quant(q);
+            let what = q.map_or_else(
+                || "settings of the environment".to_string(),
+                |q| format!("set to {q}"),
+            );
+            logging::info(
+                Subsys::Coll,
+                &format!("communicator {h:?}: quantization {what}"),
+            );
+            Ok(())
+        }
+        (Err(_), Err(why)) => Err(Error::invalid_argument(
+            Subsys::Call,
+            format!("flashcommCommSetQuant: invalid {why}; nothing changed"),
+        )),
+        (Err(why), Ok(_)) => Err(Error::invalid_usage(
+            Subsys::Call,
+            format!(
+                "flashcommCommSetQuant of communicator {h:?}: the ranks did not agree: {why}; \
+                 nothing changed on any rank"
+            ),
+        )),
+    }
+}
+
+/// [`agree_quant`] with the other ranks of served communicator `c`, over the real NCCL.
+fn agree_quant_over_nccl(
+    h: CommHandle,
+    state: &CommState,
+    c: &Communicator,
+    given: GivenQuant,
+    config: &Config,
+) -> GivenQuant {
+    let _saved = SavedContext::save();
+    let boot = NcclBootstrap::new(
+        h,
+        c.rank(),
+        c.nranks(),
+        c.device(),
+        state.gate.clone(),
+        ExchangeFaults::default(),
+    )
+    .map_err(|e| {
+        format!(
+            "this rank cannot take part in the exchange ({e}); the other ranks wait for it in \
+             theirs"
+        )
+    })?;
+    let mut ag = Agreement::new(&boot);
+    // A panic (a bug) must not leave the round: the other ranks would wait for this one.
+    let agreed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        agree_quant(&mut ag, given, config)
+    }));
+    agreed.unwrap_or_else(|payload| {
+        Err(ag
+            .abandon(format!(
+                "internal error in flashcomm ({})",
+                panic_text(payload.as_ref())
+            ))
+            .to_string())
+    })
 }
 
 /// Builds one rank over `boot`: the entry round, then [`Communicator::new_agreed`]. A panic in
@@ -869,6 +1114,78 @@ mod tests {
         }
         assert_eq!(results[0].0, 1, "one round");
         results[0].1.clone()
+    }
+
+    /// Runs [`agree_quant`] on one thread per rank, rank `r` given `given[r]`.
+    fn quant_round(given: &[GivenQuant], config: &Config) -> Vec<GivenQuant> {
+        let group = ThreadGroup::new(given.len() as u32, Duration::ZERO);
+        let members = group.members();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = members
+                .iter()
+                .zip(given)
+                .map(|(m, g)| {
+                    s.spawn(move || agree_quant(&mut Agreement::new(m), g.clone(), config))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn set_quant_agrees_or_fails_alike_naming_the_rank() {
+        let config = Config::from_vars([("FLASHCOMM_QUANT_BITS", "4")]);
+        let env = config.quant_settings();
+        let q2 = QuantSettings {
+            rs_bits: flashcomm_config::QuantBits::Bits(2),
+            ag_bits: flashcomm_config::QuantBits::Bits(8),
+            max_bytes: 1 << 20,
+            ..env
+        };
+        // The same settings, NULL beside the environment's own values included: each rank keeps
+        // what it was given.
+        let got = quant_round(&[Ok(Some(q2)), Ok(Some(q2)), Ok(Some(q2))], &config);
+        assert!(got.iter().all(|g| *g == Ok(Some(q2))), "{got:?}");
+        let got = quant_round(&[Ok(None), Ok(Some(env)), Ok(None)], &config);
+        assert_eq!(got, vec![Ok(None), Ok(Some(env)), Ok(None)]);
+        // `off` and `16` are one setting.
+        let off = QuantSettings {
+            rs_bits: flashcomm_config::QuantBits::Off,
+            ..env
+        };
+        let half = QuantSettings {
+            rs_bits: flashcomm_config::QuantBits::Half,
+            ..env
+        };
+        let got = quant_round(&[Ok(Some(off)), Ok(Some(half))], &config);
+        assert!(got.iter().all(Result::is_ok), "{got:?}");
+        // Rank 2 differs: every rank fails with the same message, naming it and both settings.
+        let got = quant_round(&[Ok(Some(q2)), Ok(Some(q2)), Ok(None)], &config);
+        let why = got[0].clone().unwrap_err();
+        assert!(got.iter().all(|g| *g == Err(why.clone())), "{got:?}");
+        assert!(
+            why.starts_with("rank 2 was given other quantization settings")
+                && why.contains(&env.to_string())
+                && why.contains(&q2.to_string()),
+            "{why}"
+        );
+        // Rank 1's values are invalid: every rank fails, saying so.
+        let got = quant_round(
+            &[
+                Ok(Some(q2)),
+                Err("group 100 (allowed: 32, 64, 128, 256)".into()),
+            ],
+            &config,
+        );
+        assert!(
+            got.iter()
+                .all(|g| *g == Err("rank 1: invalid group 100 (allowed: 32, 64, 128, 256)".into())),
+            "{got:?}"
+        );
+        // The record is the settings, exactly.
+        for q in [env, q2, off] {
+            assert_eq!(quant_of_record(&quant_record(&q)), Some(q));
+        }
     }
 
     #[test]

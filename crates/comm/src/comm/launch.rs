@@ -72,9 +72,10 @@ pub(crate) fn check_buffers(
 /// or AllToAll moves bytes, so its datatype does not matter). Never more than 8 bits.
 ///
 /// A quantized call's signature (top bit set; lossless ones stay below 0x80) also carries its
-/// codec settings, which `flashcommCommSetQuant` sets per rank: two ranks that run one collective
-/// with different widths, group or spikes then see a foreign tag and report a mismatch instead of
-/// decoding each other's bytes in the wrong format. Bits 5..7: the collective; bit 4: f16 or
+/// codec settings, which `flashcommCommSetQuant` sets per communicator (the shim has the ranks
+/// agree on them; a program that drives this crate directly may not): two ranks that run one
+/// collective with different widths, group or spikes then see a foreign tag and report a
+/// mismatch instead of decoding each other's bytes in the wrong format. Bits 5..7: the collective; bit 4: f16 or
 /// bf16; bits 0..4: `(rs - 2) + 5 (ag - 2) + 7 g + 3 s (mod 16)`, with `g` the group's index
 /// (32, 64, 128, 256) and `s` the spikes' (0, 2, 4). A difference in any one of the settings
 /// changes those four bits (each coefficient times any possible difference is not a multiple of

@@ -589,7 +589,8 @@ nccl_api! {
         r
     }
 
-    /// The communicators created inside the outermost group are set up after it ended. Send/Recv
+    /// The communicators created inside the outermost group are set up after it ended, and its
+    /// `flashcommCommSetQuant` calls agreed on (their failure is the group's result). Send/Recv
     /// calls the group held back (`FLASHCOMM_GROUPED_ALLTOALL`) run first, as flashcomm's
     /// AllToAll or given to the real library in their order, inside the real group.
     fn ncclGroupEnd() -> ncclResult_t {

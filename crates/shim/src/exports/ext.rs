@@ -5,7 +5,8 @@
 //! boundary as the NCCL exports.
 //!
 //! Owns: the `flashcomm*` exports and their C types and constants.
-//! May import: `exports::boundary`, `error`, `logging`, `init`, `types`, `stats`, `registry`.
+//! May import: `exports::boundary`, `serve`, `registry`, `group`, `stats`, `init`, `error`,
+//! `logging`, `types`.
 #![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int};
@@ -16,10 +17,12 @@ use flashcomm_nccl_sys::{ncclComm_t, ncclResult_t};
 
 use crate::error::Error;
 use crate::exports::boundary::guard;
+use crate::group;
 use crate::logging::Subsys;
 use crate::registry::{self, CommState};
+use crate::serve;
 use crate::stats;
-use crate::types::{Collective, Route};
+use crate::types::{Collective, CommHandle, Route};
 
 /// flashcomm's version as `major * 10000 + minor * 100 + patch`.
 pub const FLASHCOMM_VERSION_CODE: c_int = version_code();
@@ -320,10 +323,15 @@ fn settings_to_c(q: &QuantSettings) -> flashcommQuantConfig_t {
 /// environment's. Which collectives and element types may be quantized stays
 /// `FLASHCOMM_QUANT_OPS` and `FLASHCOMM_QUANT_DTYPES`.
 ///
-/// Routing must be identical on every rank: every rank of the communicator must call this with
-/// the same values, at the same point of its sequence of calls, before the calls it should
-/// affect (no call of `comm` may be in flight on another thread meanwhile). Invalid values are
-/// `ncclInvalidArgument` and change nothing.
+/// Collective: the settings decide where calls go, so on a communicator flashcomm serves with
+/// several ranks every rank must call this at the same point of its sequence of calls (no call of
+/// `comm` in flight on another thread meanwhile), and the ranks agree on the values before any
+/// rank applies them: when every rank gave the same settings they take effect on every rank;
+/// otherwise every rank returns `ncclInvalidUsage` (a rank whose own values are invalid,
+/// `ncclInvalidArgument`) and nothing changes on any rank. Like an NCCL collective, a thread that
+/// drives several ranks (the communicators of `ncclCommInitAll`, which are refused outside a
+/// group) calls it for each inside `ncclGroupStart`/`ncclGroupEnd`: the settings are then agreed
+/// and take effect when the outermost group ends, which returns the error of a disagreement.
 ///
 /// # Safety
 /// `config` is NULL or points to a readable `flashcommQuantConfig_t`.
@@ -337,30 +345,27 @@ pub unsafe extern "C" fn flashcommCommSetQuant(
             Ok(s) => s,
             Err(r) => return r,
         };
-        if config.is_null() {
-            state.set_quant(None);
-            crate::logging::info(
-                Subsys::Coll,
-                &format!("communicator {comm:p}: quantization settings of the environment"),
-            );
-            return ncclResult_t::ncclSuccess;
+        let given = if config.is_null() {
+            Ok(None)
+        } else {
+            // SAFETY: checked non-null; the caller guarantees it points to a readable struct.
+            settings_from_c(&unsafe { config.read() }).map(Some)
+        };
+        if group::depth() > 0 {
+            // Agreed when the outermost group ends; an invalid value fails here too.
+            group::defer_quant(CommHandle::of(comm), given.clone());
+            return match given {
+                Ok(_) => ncclResult_t::ncclSuccess,
+                Err(why) => Error::invalid_argument(
+                    Subsys::Call,
+                    format!("flashcommCommSetQuant: invalid {why}; nothing changed"),
+                )
+                .report(),
+            };
         }
-        // SAFETY: checked non-null; the caller guarantees it points to a readable struct.
-        let q = unsafe { config.read() };
-        match settings_from_c(&q) {
-            Ok(settings) => {
-                state.set_quant(Some(settings));
-                crate::logging::info(
-                    Subsys::Coll,
-                    &format!("communicator {comm:p}: quantization set to {settings}"),
-                );
-                ncclResult_t::ncclSuccess
-            }
-            Err(why) => Error::invalid_argument(
-                Subsys::Call,
-                format!("flashcommCommSetQuant: invalid {why}; nothing changed"),
-            )
-            .report(),
+        match serve::set_quant(CommHandle::of(comm), &state, given) {
+            Ok(()) => ncclResult_t::ncclSuccess,
+            Err(e) => e.report(),
         }
     })
 }
@@ -454,6 +459,8 @@ pub unsafe extern "C" fn flashcommCommGetInfo(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
     use crate::registry::Setup;
     use crate::types::CommOrigin;
 
@@ -527,6 +534,145 @@ mod tests {
         ] {
             assert!(settings_from_c(&bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// What each rank of a served communicator of two ranks ends up with after every rank
+    /// called `flashcommCommSetQuant` (`None`: with NULL) with its own `given[r]`: the call's
+    /// outcome on rank `r` (`Ok` with the settings now in force), decided as the export decides
+    /// (the values checked, then agreed with the other ranks: `serve::agree_quant`).
+    fn set_on_ranks(
+        given: &[Option<flashcommQuantConfig_t>],
+        config: &flashcomm_config::Config,
+    ) -> Vec<Result<QuantSettings, String>> {
+        let group = flashcomm_comm::ThreadGroup::new(given.len() as u32, Duration::ZERO);
+        let members = group.members();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = members
+                .iter()
+                .zip(given)
+                .map(|(m, q)| {
+                    s.spawn(move || {
+                        let mine = q.as_ref().map(settings_from_c).transpose();
+                        let mut ag = flashcomm_comm::Agreement::new(m);
+                        crate::serve::agree_quant(&mut ag, mine, config)
+                            .map(|q| q.unwrap_or_else(|| config.quant_settings()))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Issue 45, item 2: `flashcommCommSetQuant` is per rank, and before, a rank given settings
+    /// its peers were not (a width pair without kernels, another size window, widths off) routed
+    /// its calls alone: to NCCL while its peers ran flashcomm's kernels and waited for it, an
+    /// undetected hang. For every setting a rank can give differently from its peer (each field
+    /// of the C struct through valid and invalid values, NULL): either the call fails on every
+    /// rank, changing nothing, or every rank's routing decision is the same for every call.
+    #[test]
+    fn every_rank_routes_alike_whatever_settings_each_rank_gives() {
+        use crate::policy::tests::coll;
+        use crate::policy::{CommView, decide};
+        use flashcomm_nccl_sys::ncclDataType_t;
+        let base = flashcommQuantConfig_t {
+            rs_bits: 4,
+            ag_bits: 4,
+            group: 128,
+            spikes: 2,
+            min_bytes: 0,
+            max_bytes: 1 << 30,
+            allgather_bits: 4,
+            reducescatter_bits: 4,
+            alltoall_bits: 4,
+        };
+        let mut given = vec![None, Some(base)];
+        let with = |f: &dyn Fn(&mut flashcommQuantConfig_t)| {
+            let mut q = base;
+            f(&mut q);
+            Some(q)
+        };
+        for v in [0, 2, 3, 5, 8, 9, 16, -1] {
+            given.push(with(&|q| q.rs_bits = v));
+            given.push(with(&|q| q.ag_bits = v));
+            given.push(with(&|q| q.allgather_bits = v));
+            given.push(with(&|q| q.reducescatter_bits = v));
+            given.push(with(&|q| q.alltoall_bits = v));
+        }
+        for v in [32, 64, 100, 256, -1] {
+            given.push(with(&|q| q.group = v));
+        }
+        for v in [0, 1, 4] {
+            given.push(with(&|q| q.spikes = v));
+        }
+        for v in [4096usize, 1 << 20, usize::MAX] {
+            given.push(with(&|q| q.min_bytes = v));
+            given.push(with(&|q| q.max_bytes = v >> 1));
+        }
+        given.push(with(&|q| {
+            (q.rs_bits, q.ag_bits) = (2, 8);
+            q.max_bytes = 1 << 20;
+        }));
+        let configs = [
+            crate::policy::tests::cfg(&[]),
+            crate::policy::tests::cfg(&[("FLASHCOMM_QUANT_BITS", "4")]),
+            crate::policy::tests::cfg(&[
+                ("FLASHCOMM_QUANT_BITS", "4"),
+                (
+                    "FLASHCOMM_QUANT_OPS",
+                    "allreduce,reducescatter,allgather,alltoall",
+                ),
+                ("FLASHCOMM_MAX_BYTES", "1M"),
+            ]),
+        ];
+        let kinds = [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::AllGather,
+            Collective::AlltoAll,
+        ];
+        let dtypes = [
+            ncclDataType_t::ncclBfloat16,
+            ncclDataType_t::ncclFloat16,
+            ncclDataType_t::ncclFloat32,
+        ];
+        let sizes = [16u64, 4096, 64 << 10, 2 << 20, 64 << 20];
+        let mut checked = 0u64;
+        for config in &configs {
+            for a in &given {
+                for b in &given {
+                    let out = set_on_ranks(&[*a, *b], config);
+                    assert_eq!(
+                        out[0].is_ok(),
+                        out[1].is_ok(),
+                        "the call fails on one rank only: {a:?} / {b:?}: {out:?}"
+                    );
+                    // A failed call changes nothing: the environment's settings stay.
+                    let view = |r: &Result<QuantSettings, String>| CommView {
+                        served: true,
+                        nranks: 2,
+                        closed: false,
+                        quant: r.clone().unwrap_or_else(|_| config.quant_settings()),
+                    };
+                    let views = [view(&out[0]), view(&out[1])];
+                    for kind in kinds {
+                        for dt in dtypes {
+                            for bytes in sizes {
+                                let call = coll(kind, dt, bytes);
+                                let d0 = decide(&call, config, Some(&views[0]));
+                                let d1 = decide(&call, config, Some(&views[1]));
+                                assert_eq!(
+                                    d0, d1,
+                                    "{kind:?} {dt:?} {bytes} bytes routed apart after \
+                                     {a:?} / {b:?}"
+                                );
+                                checked += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 100_000, "{checked}");
     }
 
     #[test]
