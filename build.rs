@@ -9,7 +9,8 @@
 //!   every GPU, and compiling them once keeps the test command short.
 //!
 //! Each source becomes one CUDA module (one fatbin); the generated `$OUT_DIR/images.rs` lists the
-//! modules as `(name, bytes)` pairs.
+//! modules as `(name, bytes, digest)`: the digest of each image compiled here, which an image
+//! loaded at run time from `FLASHCOMM_KERNEL_DIR` must have.
 //!
 //! nvcc is found through `NVCC`, then `$CUDA_HOME/bin/nvcc`, then `PATH`; `ci/setup.sh` installs
 //! the pinned toolchain (CUDA 13.0 from PyPI). Without nvcc the build still succeeds with no
@@ -308,29 +309,51 @@ fn compile(nvcc: &Path, src: &Path, out: &Path, args: &[std::ffi::OsString]) -> 
     Ok(())
 }
 
+/// The digest of a kernel image, as `flashcomm_kernels::image_digest` computes it at run time
+/// (the same function: the image loaded from `FLASHCOMM_KERNEL_DIR` must have this one).
+fn image_digest(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ bytes.len() as u64;
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        h = (h ^ u64::from_le_bytes(w.try_into().unwrap())).wrapping_mul(0x0100_0000_01b3);
+    }
+    for &b in words.remainder() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// One `(name, bytes, digest)` line of `images.rs` (`bytes`: the expression of the image).
+fn image_line(name: &str, bytes: &str, path: &Path) -> String {
+    let digest = image_digest(&fs::read(path).expect("read a compiled fatbin"));
+    format!("    ({name:?}, {bytes}, {digest:#018x}),\n")
+}
+
 fn write_images(out_dir: &Path, images: &[(String, PathBuf)]) {
     let mut code = String::from(
-        "/// Every CUDA module this crate embeds, as `(module name, fatbin bytes)`.\n",
+        "/// Every CUDA module this crate embeds, as `(module name, fatbin bytes, image digest)`.\n",
     );
-    code.push_str("pub static IMAGES: &[(&str, &[u8])] = &[\n");
+    code.push_str("pub static IMAGES: &[(&str, &[u8], u64)] = &[\n");
     for (name, path) in images {
-        code.push_str(&format!(
-            "    ({name:?}, &crate::image::Aligned(*include_bytes!({:?})).0),\n",
+        let bytes = format!(
+            "&crate::image::Aligned(*include_bytes!({:?})).0",
             path.display().to_string()
-        ));
+        );
+        code.push_str(&image_line(name, &bytes, path));
     }
     code.push_str("];\n");
     fs::write(out_dir.join("images.rs"), code).expect("write images.rs");
 }
 
-/// Lists the modules without embedding them (their bytes are loaded at run time).
+/// Lists the modules without embedding them (their bytes are loaded at run time, and must have
+/// the digest of the image compiled here).
 fn write_names_only(out_dir: &Path, images: &[(String, PathBuf)]) {
     let mut code = String::from(
-        "/// Every CUDA module of this crate; not embedded in this build (loaded from FLASHCOMM_KERNEL_DIR).\n",
+        "/// Every CUDA module of this crate; not embedded in this build (loaded from FLASHCOMM_KERNEL_DIR, checked against the digest).\n",
     );
-    code.push_str("pub static IMAGES: &[(&str, &[u8])] = &[\n");
-    for (name, _) in images {
-        code.push_str(&format!("    ({name:?}, &[]),\n"));
+    code.push_str("pub static IMAGES: &[(&str, &[u8], u64)] = &[\n");
+    for (name, path) in images {
+        code.push_str(&image_line(name, "&[]", path));
     }
     code.push_str("];\n");
     fs::write(out_dir.join("images.rs"), code).expect("write images.rs");

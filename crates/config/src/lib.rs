@@ -342,7 +342,9 @@ variables! {
     }
     /// Folder of the kernel images (`<module>.fatbin`) for a library built without embedded
     /// kernels (the GPU test bundles, `FLASHCOMM_EMBED_KERNELS=0` at build time); when set, it
-    /// is used instead of the embedded images. Read by the kernel loader.
+    /// is used instead of the embedded images. Read by the kernel loader, which refuses an image
+    /// that is not the one this build compiled (its digest is embedded at build time): the
+    /// communicator then stays with NCCL, saying which file.
     kernel_dir: Option<Text> = None => {
         name: "FLASHCOMM_KERNEL_DIR",
         kind: "path",

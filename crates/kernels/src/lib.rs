@@ -39,14 +39,20 @@ pub fn built_with_kernels() -> bool {
 /// The fatbin of module `name`: from `$FLASHCOMM_KERNEL_DIR/<name>.fatbin` when that variable is
 /// set (development and GPU test bundles), else the image embedded at build time. A blank value
 /// is unset, as the configuration reads every empty variable (it never means the current folder).
+/// An image read from the folder must be the one this build compiled (`digest`, its
+/// [`image_digest`], from the module's line of `image::IMAGES`): another build's kernels would
+/// run under this build's identity, which the ranks agree on at set-up, with other layouts and
+/// tags ([`Error::ForeignImage`] otherwise).
 pub fn image_bytes(
     name: &str,
     embedded: &'static [u8],
+    digest: u64,
 ) -> Result<std::borrow::Cow<'static, [u8]>, Error> {
     image_from(
         std::env::var_os("FLASHCOMM_KERNEL_DIR").as_deref(),
         name,
         embedded,
+        digest,
     )
 }
 
@@ -55,17 +61,28 @@ fn image_from(
     dir: Option<&std::ffi::OsStr>,
     name: &str,
     embedded: &'static [u8],
+    digest: u64,
 ) -> Result<std::borrow::Cow<'static, [u8]>, Error> {
     if let Some(dir) = dir.filter(|d| !d.to_string_lossy().trim().is_empty()) {
         let path = std::path::Path::new(&dir).join(format!("{name}.fatbin"));
-        return std::fs::read(&path)
-            .map(std::borrow::Cow::Owned)
-            .map_err(|e| {
-                Error::Cuda(flashcomm_gpu::Error::Cuda {
-                    during: "reading a kernel image",
-                    detail: format!("{}: {e}", path.display()),
-                })
-            });
+        let bytes = std::fs::read(&path).map_err(|e| {
+            Error::Cuda(flashcomm_gpu::Error::Cuda {
+                during: "reading a kernel image",
+                detail: format!("{}: {e}", path.display()),
+            })
+        })?;
+        let got = image_digest(&bytes);
+        if got != digest {
+            return Err(Error::ForeignImage(format!(
+                "{} (from FLASHCOMM_KERNEL_DIR) is not the kernel image this flashcomm build was \
+                 compiled with: its digest is {got:016x}, the build's {digest:016x}; the folder \
+                 must hold the .fatbin files of this very build (a GPU bundle's kernels/ folder, \
+                 or the build's own), or leave FLASHCOMM_KERNEL_DIR unset to use the embedded \
+                 images",
+                path.display()
+            )));
+        }
+        return Ok(std::borrow::Cow::Owned(bytes));
     }
     if embedded.is_empty() {
         return Err(Error::NoKernels);
@@ -73,9 +90,28 @@ fn image_from(
     Ok(std::borrow::Cow::Borrowed(embedded))
 }
 
+/// The digest of a kernel image (FNV-1a over its 64-bit little-endian words, then its last
+/// bytes, seeded with its length): computed by the build script for every image it compiles, and
+/// again for an image loaded from `FLASHCOMM_KERNEL_DIR`. Words rather than bytes keep it fast
+/// on images of tens of MiB; each step is a bijection of the state, so images that differ in one
+/// word never share a digest.
+pub fn image_digest(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ bytes.len() as u64;
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(w);
+        h = (h ^ u64::from_le_bytes(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    for &b in words.remainder() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
 /// Names of the embedded modules (one per `cuda/*.cu`).
 pub fn module_names() -> Vec<&'static str> {
-    image::IMAGES.iter().map(|(n, _)| *n).collect()
+    image::IMAGES.iter().map(|(n, _, _)| *n).collect()
 }
 
 /// Errors of this crate.
@@ -90,6 +126,9 @@ pub enum Error {
     MissingKernel(String),
     /// A launcher refused its arguments (sizes, alignment, formats).
     InvalidArgument(String),
+    /// An image in `FLASHCOMM_KERNEL_DIR` is not the one this build compiled (the message says
+    /// which and what to do).
+    ForeignImage(String),
 }
 
 impl std::fmt::Display for Error {
@@ -102,6 +141,7 @@ impl std::fmt::Display for Error {
             Error::Cuda(e) => e.fmt(f),
             Error::MissingKernel(n) => write!(f, "kernel {n} is not in the embedded CUDA modules"),
             Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
+            Error::ForeignImage(m) => f.write_str(m),
         }
     }
 }
@@ -118,15 +158,79 @@ mod tests {
     fn an_empty_kernel_dir_means_the_embedded_images() {
         // (Before, "" named the current folder: `m.fatbin` was read from wherever the process ran.)
         for d in ["", " ", "\t"] {
-            let got = image_from(Some(std::ffi::OsStr::new(d)), "m", b"embedded");
+            let got = image_from(
+                Some(std::ffi::OsStr::new(d)),
+                "m",
+                b"embedded",
+                image_digest(b"embedded"),
+            );
             assert_eq!(got.map(|g| g.to_vec()), Ok(b"embedded".to_vec()), "{d:?}");
         }
-        // A folder that is set is used.
+        // A folder that is set is used (its image is the build's).
         let dir = std::env::temp_dir().join(format!("flashcomm-kdir2-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("m.fatbin"), b"from the folder").unwrap();
-        let g = image_from(Some(dir.as_os_str()), "m", b"embedded").unwrap();
-        assert_eq!(g.as_ref(), b"from the folder");
+        std::fs::write(dir.join("m.fatbin"), b"embedded").unwrap();
+        let g = image_from(
+            Some(dir.as_os_str()),
+            "m",
+            b"embedded",
+            image_digest(b"embedded"),
+        )
+        .unwrap();
+        assert_eq!(g.as_ref(), b"embedded");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Issue 45, item 8: an image loaded from `FLASHCOMM_KERNEL_DIR` must be the one this
+    /// build was compiled with (its digest is embedded at build time, with or without the
+    /// image). Before, any `<name>.fatbin` there was loaded: kernels of another build, with
+    /// other layouts or tags, ran under this build's identity, which the ranks agree on.
+    #[test]
+    fn a_kernel_image_that_is_not_the_builds_is_refused() {
+        let dir = std::env::temp_dir().join(format!("flashcomm-kdir3-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        const BUILT: &[u8] = b"the fatbin this build compiled";
+        let built = BUILT.to_vec();
+        let digest = image_digest(BUILT);
+        // A library that embeds no images (a GPU bundle): the folder's image must match the
+        // digest; so must one that overrides an embedded image.
+        for embedded in [&b""[..], BUILT] {
+            std::fs::write(dir.join("m.fatbin"), &built).unwrap();
+            let got = image_from(Some(dir.as_os_str()), "m", embedded, digest).unwrap();
+            assert_eq!(got.as_ref(), &built[..]);
+            for other in [
+                &b"another build's fatbin"[..],
+                &built[..built.len() - 1],
+                b"",
+            ] {
+                std::fs::write(dir.join("m.fatbin"), other).unwrap();
+                let err = image_from(Some(dir.as_os_str()), "m", embedded, digest).unwrap_err();
+                assert!(matches!(err, Error::ForeignImage(_)), "{err:?}");
+                let msg = err.to_string();
+                for part in [
+                    "m.fatbin",
+                    "FLASHCOMM_KERNEL_DIR",
+                    "not the kernel image this flashcomm build was compiled with",
+                    &format!("{digest:016x}"),
+                ] {
+                    assert!(msg.contains(part), "{part}: {msg}");
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        // One changed byte anywhere, or a length that differs, changes the digest.
+        let mut flipped = built.clone();
+        for i in 0..flipped.len() {
+            flipped[i] ^= 0x80;
+            assert_ne!(image_digest(&flipped), digest, "byte {i}");
+            flipped[i] ^= 0x80;
+        }
+        assert_ne!(image_digest(&[0; 8]), image_digest(&[0; 16]));
+        // Every image of this build carries its digest.
+        for (name, bytes, d) in image::IMAGES {
+            if !bytes.is_empty() {
+                assert_eq!(image_digest(bytes), *d, "{name}");
+            }
+        }
     }
 }

@@ -1248,8 +1248,9 @@ mod tests {
     }
 
     /// Ranks of one communicator that run different flashcomm builds (another version, other
-    /// kernel sources, another codec wire format) would read each other's tags and layouts
-    /// wrongly, whatever their settings: every rank stays with NCCL and says which builds met.
+    /// kernel sources, another codec wire format, other Rust sources of the library) would read
+    /// each other's tags and layouts wrongly, whatever their settings: every rank stays with NCCL
+    /// and says which builds met.
     #[test]
     fn a_different_flashcomm_build_on_one_rank_keeps_every_rank_with_nccl() {
         let this = Build::this();
@@ -1264,6 +1265,10 @@ mod tests {
             },
             Build {
                 codec: this.codec + 1,
+                ..this.clone()
+            },
+            Build {
+                library: this.library ^ 0x10,
                 ..this.clone()
             },
         ];

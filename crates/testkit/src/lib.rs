@@ -44,7 +44,7 @@ pub mod image {
 
 /// Names of the embedded test modules (one per `cuda/testing/*.cu`).
 pub fn module_names() -> Vec<&'static str> {
-    image::IMAGES.iter().map(|(n, _)| *n).collect()
+    image::IMAGES.iter().map(|(n, _, _)| *n).collect()
 }
 
 /// The test modules loaded into one CUDA context (once per context, then shared).
@@ -77,10 +77,10 @@ impl TestKernels {
         // found without touching the codec modules, which never run beside collectives and stay
         // lazy (they are large).
         let mut images: Vec<_> = image::IMAGES.iter().collect();
-        images.sort_by_key(|(name, _)| name.starts_with("codec"));
+        images.sort_by_key(|(name, _, _)| name.starts_with("codec"));
         let mut modules = Vec::new();
-        for (name, embedded) in images {
-            let bytes = flashcomm_kernels::image_bytes(name, embedded)?;
+        for (name, embedded, digest) in images {
+            let bytes = flashcomm_kernels::image_bytes(name, embedded, *digest)?;
             modules.push(Module::load(&bytes, !name.starts_with("codec"))?);
         }
         let k = Arc::new(TestKernels {

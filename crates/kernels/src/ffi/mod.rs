@@ -135,8 +135,8 @@ impl Kernels {
             return Ok(k.clone());
         }
         let mut modules = Vec::new();
-        for (name, embedded) in crate::image::IMAGES {
-            let bytes = crate::image_bytes(name, embedded)?;
+        for (name, embedded, digest) in crate::image::IMAGES {
+            let bytes = crate::image_bytes(name, embedded, *digest)?;
             // The collective modules are loaded completely now. With the driver's lazy loading
             // (the default since CUDA 12.2) a kernel's first launch loads it, which can wait for
             // the kernels already running in the context; a rank whose first launch waits behind
@@ -254,9 +254,9 @@ mod tests {
         let mut embedded = crate::module_names();
         embedded.sort();
         assert_eq!(embedded, sources);
-        for (_, img) in crate::image::IMAGES
+        for (_, img, _) in crate::image::IMAGES
             .iter()
-            .filter(|(_, img)| !img.is_empty())
+            .filter(|(_, img, _)| !img.is_empty())
         {
             assert!(img.len() > 1000, "suspiciously small image");
             assert_eq!(img.as_ptr() as usize % 16, 0, "image not 16-byte aligned");
