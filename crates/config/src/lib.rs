@@ -414,9 +414,10 @@ variables! {
     /// `cudaMalloc`, exported with legacy CUDA IPC, or of `ncclMemAlloc`, exported as a file
     /// descriptor that peers take with `pidfd_getfd`), and buffers of calls captured into a CUDA
     /// graph are exchanged at capture. An unregistered buffer, or one a peer has not mapped, is
-    /// staged in the rank's own pull area, rank by rank, with the same results.
-    /// Off by default until measured on a GPU machine against the staged PULL protocol.
-    zero_copy: bool = false => {
+    /// staged in the rank's own pull area, rank by rank, with the same results. Every import of
+    /// a descriptor is authenticated (the owner's identity token), and peers close their
+    /// mappings of deregistered buffers. `0` keeps the direct protocol to ranks of one process.
+    zero_copy: bool = true => {
         name: "FLASHCOMM_ZERO_COPY",
         kind: "bool",
         allowed: "`1`, `0`, `true`, `false`, `yes`, `no`, `on`, `off`",
@@ -935,7 +936,7 @@ mod tests {
             ("FLASHCOMM_OPS", "allreduce"),
             ("FLASHCOMM_QUANT_CHOICE", "always"),
             ("FLASHCOMM_CALIBRATE_MOVES", "1"),
-            ("FLASHCOMM_ZERO_COPY", "1"),
+            ("FLASHCOMM_ZERO_COPY", "0"),
         ] {
             let mut vars = vec![
                 ("FLASHCOMM_QUANT_BITS", "4"),

@@ -159,8 +159,8 @@ pub(crate) fn on_comm_resumed(comm: ncclComm_t) {
 
 /// A buffer the real NCCL registered (`ncclCommRegister`, or with `collective`,
 /// `ncclCommWindowRegister`) under `handle`: for a communicator flashcomm serves it is registered
-/// with flashcomm's communicator too, so that with `FLASHCOMM_ZERO_COPY` peers of other processes
-/// read it in place. Nothing here changes the call's result: a buffer flashcomm cannot serve in
+/// with flashcomm's communicator too, so that with `FLASHCOMM_ZERO_COPY` (the default) peers of
+/// other processes read it in place. Nothing here changes the call's result: a buffer flashcomm cannot serve in
 /// place is staged. A collective registration waits (bounded) for the peers' mappings, except
 /// inside a group, where the real registration itself is deferred to the group's end.
 pub(crate) fn on_registered(

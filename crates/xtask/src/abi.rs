@@ -68,7 +68,7 @@ fn handling(name: &str) -> Option<&'static str> {
             "the ending hook (**intercepted**: flashcomm's communicator is released); then forwarded"
         }
         "ncclCommRegister" | "ncclCommWindowRegister" => {
-            "forwarded; then, for a communicator flashcomm serves, **intercepted**: the buffer is registered with flashcomm's communicator too (zero-copy for peers of other processes with `FLASHCOMM_ZERO_COPY`; the window's registration waits, bounded, for every peer's mapping)"
+            "forwarded; then, for a communicator flashcomm serves, **intercepted**: the buffer is registered with flashcomm's communicator too (zero-copy for peers of other processes unless `FLASHCOMM_ZERO_COPY=0`; the window's registration waits, bounded, for every peer's mapping)"
         }
         "ncclCommDeregister" | "ncclCommWindowDeregister" => {
             "**intercepted**: flashcomm's communicator stops reading the buffer in place; then forwarded"

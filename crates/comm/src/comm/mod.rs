@@ -90,7 +90,7 @@ pub struct CommConfig {
     /// Zero-copy between processes (`FLASHCOMM_ZERO_COPY`): on the peer transport, the direct
     /// PULL protocol also serves ranks of different processes of one machine, reading registered
     /// buffers in place ([`Communicator::register`]); a rank whose buffer a peer has not mapped
-    /// stages it. Off by default.
+    /// stages it. On by default.
     pub zero_copy: bool,
     /// Tests only: this rank fails set-up step `n` (0..=7, see [`Communicator::new_agreed`]), as
     /// an allocation, a driver call or a kernel launch failing there would.
@@ -119,7 +119,7 @@ impl Default for CommConfig {
             host_copy: HostCopy::Off,
             graph_mixing: true,
             early_launch: true,
-            zero_copy: false,
+            zero_copy: true,
             fail_at: None,
             panic_at: None,
         }
