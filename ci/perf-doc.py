@@ -43,6 +43,7 @@ size: `designs` lists (impl, label, bytes as an expression of the rank count n, 
 # `doc` says otherwise) by its markers; a plot is written to docs/plots/<name>.svg. `files` is a
 # glob under docs/results (one file per rank count, sorted by the numbers in their names).
 SOURCES = {
+    "procs": dict(kind="versus", files="2026-12-07-h100-a2406fa/procs-n[248].json", launch="graph", dtype="bfloat16"),
     "decode": dict(kind="versus", files="2026-12-06-h100-323c796/comp-n*.json", launch="graph", dtype="bfloat16"),
     "bytes": dict(kind="bytes", files="2026-12-06-h100-323c796/comp-n8.json", launch="graph", dtype="bfloat16", size=16 << 20,
                   designs=[("flashcomm", "flashcomm's plan", "2*n"), ("pull-2stage", "pull design, 2-stage", "3*n+1"), ("pull-1stage", "pull design, 1-stage", "n*(n+1)")]),
@@ -51,7 +52,8 @@ SOURCES = {
     "quantized": dict(kind="host", files="2026-12-04-h200-18177d6/ar2.json", launch="graph"),
     "alltoall": dict(kind="versus", files="2026-12-06-h100-3ef811d/auto/alltoall-auto-n8.json", launch="graph", baselines=["copy"]),
     "host-cost": dict(kind="overhead", files="2026-12-04-h200-990b028/logs/c__overhead.log"),
-    "glance": dict(kind="glance", doc="README.md", decode="decode", pcie="quantized", cost="host-cost", alltoall="alltoall"),
+    "glance": dict(kind="glance", doc="README.md", decode=[("procs", "one process per rank (as serving stacks run), under CUDA MPS"), ("decode", "threads of one process (virtual ranks)")],
+                   pcie="quantized", cost="host-cost", alltoall="alltoall"),
     "decode-latency": dict(kind="latency_plot", files="2026-12-06-h100-323c796/comp-n*.json", dtype="bfloat16", title="AllReduce latency against the plain and the pull kernels (bf16, CUDA graphs)"),
     "pcie-bandwidth": dict(kind="bandwidth_plot", files="2026-12-04-h200-18177d6/ar2.json", title="AllReduce bandwidth across PCIe (2 ranks, bf16, CUDA graphs)", widths=[8, 4, 2]),
 }
@@ -329,8 +331,8 @@ def table_overhead(src):
     return out
 
 
-def table_glance(src):
-    dec = SOURCES[src["decode"]]
+def decode_line(name, shape):
+    dec = SOURCES[name]
     ratios, by_ranks, gpus = [], {}, set()
     for p in paths_of(dec["files"]):
         d = load(p)
@@ -349,6 +351,17 @@ def table_glance(src):
                 by_ranks.setdefault(n, []).append((b, tf, min(ts)))
     n_max = max(by_ranks)
     small = [x for x in by_ranks[n_max] if x[0] <= 64 << 10]
+    lo = size_label(min(x[0] for xs in by_ranks.values() for x in xs))
+    hi = size_label(max(x[0] for xs in by_ranks.values() for x in xs))
+    ranks = "-".join(str(n) for n in (min(by_ranks), max(by_ranks)))
+    return (f"| AllReduce, {lo}-{hi}, {ranks} ranks on one {', '.join(sorted(gpus))}, {shape} | "
+            f"{min(ratios):.2f}-{max(ratios):.2f}x the time of the fastest of a plain one-shot kernel "
+            f"and the pull design of vLLM's and SGLang's custom all-reduce, measured in the same shape; "
+            f"at {n_max} ranks and 8-64 KiB {min(x[1] for x in small):.2f}-{max(x[1] for x in small):.2f} us "
+            f"against {min(x[2] for x in small):.2f}-{max(x[2] for x in small):.2f} us |")
+
+
+def table_glance(src):
     q = load(paths_of(SOURCES[src["pcie"]]["files"])[0])
     qgpu = str(q["settings"].get("gpu"))
     qrows = {(r["impl"], r["size_bytes"]): r for r in pick(q, "graph", None)}
@@ -357,17 +370,10 @@ def table_glance(src):
     q2 = time_of(qrows[("flashcomm", big)]) / time_of(qrows[(quant_name(2), big)])
     cost, _ = parse_overhead(paths_of(SOURCES[src["cost"]]["files"])[0])
     ar = [fc / real for name, real, fc in cost if name.startswith("ncclAllReduce")]
-    lo = size_label(min(x[0] for xs in by_ranks.values() for x in xs))
-    hi = size_label(max(x[0] for xs in by_ranks.values() for x in xs))
-    ranks = "-".join(str(n) for n in (min(by_ranks), max(by_ranks)))
     lines = [
         "| question | answer (details in [docs/perf.md](docs/perf.md)) |",
         "|---|---|",
-        f"| AllReduce, {lo}-{hi}, {ranks} ranks on one {', '.join(sorted(gpus))} | "
-        f"{min(ratios):.2f}-{max(ratios):.2f}x the time of the fastest of a plain one-shot kernel "
-        f"and the pull design of vLLM's and SGLang's custom all-reduce; at {n_max} ranks and "
-        f"8-64 KiB {min(x[1] for x in small):.2f}-{max(x[1] for x in small):.2f} us against "
-        f"{min(x[2] for x in small):.2f}-{max(x[2] for x in small):.2f} us |",
+        *(decode_line(name, shape) for name, shape in src["decode"]),
         f"| Quantized AllReduce across PCIe, {q['settings']['ranks']} ranks, {size_label(big)} ({qgpu}) | "
         f"4-bit {q4:.2f}x and 2-bit {q2:.2f}x faster than lossless |",
         f"| Host cost of an eager `ncclAllReduce` (one rank) | {min(ar):.2f}-{max(ar):.2f}x the real NCCL's |",
@@ -380,7 +386,7 @@ def table_glance(src):
         pairs = sorted((b, time_of(by[("flashcomm", b)]) / time_of(by[("reference", b)]))
                        for (i, b) in by if i == "flashcomm" and ("reference", b) in by)
         large = [v for b, v in pairs if b >= 512 << 10]
-        lines.insert(3, f"| AllToAll, {size_label(pairs[0][0])}-{size_label(pairs[-1][0])} (whole buffer), "
+        lines.insert(2 + len(src["decode"]), f"| AllToAll, {size_label(pairs[0][0])}-{size_label(pairs[-1][0])} (whole buffer), "
                         f"{d['settings']['ranks']} ranks on one {d['settings'].get('gpu')} | "
                         f"{min(v for _, v in pairs):.2f}-{max(v for _, v in pairs):.2f}x the time of a plain kernel "
                         f"that pushes each peer's block as LL lines; from 512 KiB "
