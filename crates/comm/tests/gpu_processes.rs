@@ -109,11 +109,7 @@ fn processes_exchange_through_ipc() {
 /// same address without a new registration (staged), then registered again (in place).
 #[test]
 fn zero_copy_registered_buffers() {
-    let codes = processes("zerocopy", "zerocopy", "zerocopy", Duration::from_secs(120));
-    assert!(
-        codes.iter().all(|c| *c == Some(0)),
-        "rank processes exited with {codes:?}"
-    );
+    every_rank_passes("zerocopy", Duration::from_secs(120));
 }
 
 /// Zero-copy with allocator churn: every rank process registers (collectively), reads in place,
@@ -122,11 +118,7 @@ fn zero_copy_registered_buffers() {
 /// checked call is exact.
 #[test]
 fn zero_copy_mappings_stay_bounded_under_churn() {
-    let codes = processes("churn", "churn", "churn", Duration::from_secs(280));
-    assert!(
-        codes.iter().all(|c| *c == Some(0)),
-        "rank processes exited with {codes:?}"
-    );
+    every_rank_passes("churn", Duration::from_secs(280));
 }
 
 /// Two rank processes, each in a PID namespace of its own (both pid 1 there, as in two
@@ -182,11 +174,7 @@ fn zero_copy_refuses_an_owner_of_another_pid_namespace() {
 /// `gpu_collectives`' stress test) across the rank processes, each verified on the device.
 #[test]
 fn stress_100k_random_collectives_across_processes() {
-    let codes = processes("stress", "stress", "stress", Duration::from_secs(280));
-    assert!(
-        codes.iter().all(|c| *c == Some(0)),
-        "rank processes exited with {codes:?}"
-    );
+    every_rank_passes("stress", Duration::from_secs(280));
 }
 
 /// One of four processes is killed after set-up; the others' collective ends in an error within
@@ -228,6 +216,15 @@ fn processes(tag: &str, others: &str, last: &str, limit: Duration) -> Vec<Option
     let codes = wait_all(&mut kids, limit);
     let _ = std::fs::remove_dir_all(&dir);
     codes
+}
+
+/// Every rank process runs `mode` and exits 0 within `limit`.
+fn every_rank_passes(mode: &str, limit: Duration) {
+    let codes = processes(mode, mode, mode, limit);
+    assert!(
+        codes.iter().all(|c| *c == Some(0)),
+        "rank processes exited with {codes:?}"
+    );
 }
 
 /// All processes but the last saw their wait end in time (`EXPECTED_ERROR`), the last exited 0.
