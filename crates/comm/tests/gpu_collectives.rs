@@ -60,13 +60,7 @@ fn sweep_on(n: u32, cfg: CommConfig, max: u64) {
                 };
                 salt += 1;
                 let elem = ty.bytes();
-                let (send_elems, recv_elems) = match coll {
-                    Collective::AllReduce => (count, count),
-                    Collective::ReduceScatter => (count * n, count),
-                    Collective::AllGather => (count, count * n),
-                    Collective::AlltoAll => (count * n, count * n),
-                    other => unreachable!("{other} is not swept"),
-                };
+                let (send_elems, recv_elems) = common::send_recv_elems(coll, count, n);
                 r.v.fill(send.as_ptr(), send_elems, ty, r.rank(), salt, r.stream)
                     .unwrap();
                 recv.fill(0xA5, r.stream).unwrap();
@@ -782,13 +776,7 @@ fn fill_run_check(
     recv: &DeviceMem,
 ) {
     let n = r.n() as u64;
-    let (se, re) = match coll {
-        Collective::AllReduce => (count, count),
-        Collective::ReduceScatter => (count * n, count),
-        Collective::AllGather => (count, count * n),
-        Collective::AlltoAll => (count * n, count * n),
-        other => unreachable!("{other} is not tested"),
-    };
+    let (se, re) = common::send_recv_elems(coll, count, n);
     let elem = ty.bytes();
     r.v.fill(send.as_ptr(), se, ty, r.rank(), salt, r.stream)
         .unwrap();

@@ -427,13 +427,7 @@ fn child_process_entry() {
             .enumerate()
             {
                 let salt = 40 + i as u32;
-                let (se, re) = match coll {
-                    Collective::AllReduce => (count, count),
-                    Collective::AllGather => (count, count * n as u64),
-                    Collective::ReduceScatter => (count * n as u64, count),
-                    Collective::AlltoAll => (count * n as u64, count * n as u64),
-                    other => unreachable!("{other} is not tested"),
-                };
+                let (se, re) = common::send_recv_elems(coll, count, u64::from(n));
                 let elem = ty.bytes();
                 v.fill(send.as_ptr(), se, ty, rank, salt, s).unwrap();
                 let p = comm.plan(&Request::bytes(coll, count, elem)).unwrap();
@@ -856,12 +850,7 @@ fn zero_copy_phase(
     for (i, (coll, ty, count, algo)) in ZERO_COPY_CALLS.into_iter().enumerate() {
         let salt = 60 + i as u32;
         let n64 = u64::from(n);
-        let (se, re) = match coll {
-            Collective::AllReduce => (count, count),
-            Collective::AllGather => (count, count * n64),
-            Collective::ReduceScatter => (count * n64, count),
-            _ => (count * n64, count * n64),
-        };
+        let (se, re) = common::send_recv_elems(coll, count, n64);
         v.fill(send, se, ty, rank, salt, s).unwrap();
         comm.execute(
             &Request::shaped(coll, count, ty.dtype(), ty.bytes())
@@ -1151,12 +1140,7 @@ fn stress_calls(
         let (coll, ty, count) = common::stress_call(x, n64);
         // Buffers of 4 and 16 MiB: the sequence's largest calls fit.
         let p = common::stress_plan(comm, x, coll, ty, count);
-        let (se, re) = match coll {
-            Collective::AllReduce => (count, count),
-            Collective::AllGather => (count, count * n64),
-            Collective::ReduceScatter => (count * n64, count),
-            _ => (count * n64, count * n64),
-        };
+        let (se, re) = common::send_recv_elems(coll, count, n64);
         let elem = ty.bytes();
         let salt = i % 1024;
         v.fill(send.as_ptr(), se, ty, rank, salt, s).unwrap();
