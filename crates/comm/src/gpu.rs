@@ -213,3 +213,21 @@ pub unsafe fn copy_reduce_launcher(
         launch(&kernels, Kernel::copy_reduce(dtype), cfg, stream, &p, false)
     })
 }
+
+/// Writes `value` into the 32-bit word at `addr` of each of `words` (peers' arena headers, as
+/// mapped in this process: device memory or mapped pinned host memory) through a stream of its
+/// own, and waits for the writes alone (never for other work of the device).
+///
+/// Sound because every caller passes words of arenas that stay mapped until this returns: the
+/// communicator's release passes its peers' arenas before it closes their mappings, and a peer
+/// frees its arena only after it has seen this write ([`crate::transport::sweep`]).
+pub(crate) fn write_words(words: &[u64], value: u32) -> Result<(), crate::Error> {
+    let own = OwnStream::create()?;
+    for &addr in words {
+        // SAFETY: see above: `addr` is a 4-byte aligned word of a peer's arena header, mapped
+        // into the current context until after the synchronization below.
+        unsafe { own.stream().write_value32(addr, value) }?;
+    }
+    own.stream().synchronize()?;
+    Ok(())
+}

@@ -24,6 +24,7 @@ pub mod plan;
 mod register;
 mod release;
 pub mod request;
+mod residency;
 mod transport;
 pub mod watch;
 
@@ -40,3 +41,4 @@ pub use register::RegistrationId;
 pub use release::Release;
 pub use request::{Buffers, Request};
 pub use transport::Transport;
+pub use transport::kept_arenas;

@@ -13,11 +13,14 @@
 //! A free that waits is not harmless even on a thread of its own: while `cuMemFree` waits for
 //! the device, the driver holds other threads' launches behind it, so a free that waits for a
 //! stuck kernel stops every thread of the process at its next launch, including the thread that
-//! would end the stuck kernel with `ncclCommAbort`. So the thread frees only once no watched
-//! communicator of the process ([`Registry::watch`]) has work outstanding: while one is stuck,
-//! nothing is freed under it, and memory that never becomes free that way is leaked. Work the
-//! application or the real NCCL leaves stuck is not seen; a free can wait behind that, as the
-//! real NCCL's own frees do.
+//! would end the stuck kernel with `ncclCommAbort`. So the thread frees only while no watched
+//! communicator of the process ([`Registry::watch`]) looks stuck: work outstanding and no new
+//! launch seen (for [`STUCK_AFTER`] since the last). A busy communicator (a server's other communicator, launching all
+//! the time) holds nothing back, since what a free waits for then ends; one that stopped behind
+//! unfinished work holds every free until it ends or is aborted, and memory that never becomes
+//! free that way is leaked. Work the application or the real NCCL leaves stuck is not seen; a
+//! free can wait behind that, as the real NCCL's own frees do. A communicator that only replays
+//! graphs, back to back, launches nothing the host sees: it holds frees until it pauses.
 
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -75,7 +78,19 @@ pub(crate) trait Activity: Send + Sync + 'static {
     /// `Ok(true)`: nothing of it is outstanding on the device; `Err`: it cannot be told (a
     /// failed device), which does not hold frees back.
     fn idle(&self) -> Result<bool, String>;
+    /// How many operations it has enqueued so far (a count that moves while it makes progress).
+    fn launches(&self) -> u64;
 }
+
+/// How long a communicator with work outstanding may go without a new launch before it holds
+/// frees back (a collective that takes longer than this while its host thread launches nothing
+/// else holds them for its duration only).
+pub(crate) const STUCK_AFTER: Duration = Duration::from_millis(200);
+
+/// What one release has seen of each watched communicator with work outstanding: its address,
+/// its launch count, and when that count was first seen if it had moved (a communicator holds
+/// frees until this release has seen it launch).
+type Seen = Vec<(usize, u64, Option<Instant>)>;
 
 /// The communicators of the process whose work holds frees back (weakly held: a dropped one
 /// leaves by itself).
@@ -97,8 +112,9 @@ impl Registry {
         live.push(a);
     }
 
-    /// Whether no watched communicator has work outstanding now.
-    pub(crate) fn quiet(&self) -> bool {
+    /// Whether some watched communicator looks stuck: work outstanding, and no new launch since
+    /// this release first saw it or for [`STUCK_AFTER`] (`seen`: what this release saw before).
+    fn holds(&self, seen: &mut Seen) -> bool {
         let live: Vec<Arc<dyn Activity>> = self
             .0
             .lock()
@@ -106,12 +122,30 @@ impl Registry {
             .iter()
             .filter_map(Weak::upgrade)
             .collect();
-        live.iter().all(|a| !matches!(a.idle(), Ok(false)))
+        let now = Instant::now();
+        live.iter().any(|a| {
+            if !matches!(a.idle(), Ok(false)) {
+                return false;
+            }
+            let (id, n) = (Arc::as_ptr(a) as *const () as usize, a.launches());
+            match seen.iter_mut().find(|e| e.0 == id) {
+                // Unchanged since first seen, or since its last change long enough ago.
+                Some(e) if e.1 == n => e.2.is_none_or(|t| now.duration_since(t) >= STUCK_AFTER),
+                Some(e) => {
+                    *e = (id, n, Some(now));
+                    false
+                }
+                None => {
+                    seen.push((id, n, None));
+                    true
+                }
+            }
+        })
     }
 }
 
-/// Frees `r` on a thread of its own once it is ready and no communicator of `registry` has work
-/// outstanding, and says when through `done` (a release the caller made beforehand,
+/// Frees `r` on a thread of its own once it is ready and no communicator of `registry` looks
+/// stuck, and says when through `done` (a release the caller made beforehand,
 /// [`Release`]). A thread that cannot be started leaks `r` (freeing it here could block the
 /// caller).
 pub(crate) fn in_background<R: Releasable>(r: R, done: Release, registry: &'static Registry) {
@@ -125,10 +159,11 @@ pub(crate) fn in_background<R: Releasable>(r: R, done: Release, registry: &'stat
             };
             // Not yet (an error means the device cannot tell: free at once).
             let mut pause = Duration::from_micros(20);
+            let mut seen = Seen::new();
             loop {
                 match r.ready() {
                     Ok(false) => {}
-                    Ok(true) if !registry.quiet() => {}
+                    Ok(true) if registry.holds(&mut seen) => {}
                     _ => break,
                 }
                 std::thread::sleep(pause);
@@ -209,15 +244,60 @@ mod tests {
         release_in(polls, gate, &NONE)
     }
 
-    /// Another communicator's kernel, stuck until `stuck` is cleared.
+    /// Another communicator's kernel, stuck until `stuck` is cleared; `launches` counts what its
+    /// host thread enqueued.
     struct Kernel {
         stuck: std::sync::atomic::AtomicBool,
+        launches: std::sync::atomic::AtomicU64,
+    }
+
+    impl Kernel {
+        fn new(stuck: bool) -> Arc<Kernel> {
+            Arc::new(Kernel {
+                stuck: std::sync::atomic::AtomicBool::new(stuck),
+                launches: std::sync::atomic::AtomicU64::new(0),
+            })
+        }
     }
 
     impl Activity for Kernel {
         fn idle(&self) -> Result<bool, String> {
             Ok(!self.stuck.load(Ordering::SeqCst))
         }
+        fn launches(&self) -> u64 {
+            self.launches.load(Ordering::SeqCst)
+        }
+    }
+
+    /// Issue 45, item 5: a communicator that is busy (work always outstanding, new launches all
+    /// the time, as a server's other communicator) holds no free back: the release completes in
+    /// well under a second, where before it waited for an idle moment that never came.
+    #[test]
+    fn a_busy_communicator_holds_no_free_back() {
+        static LIVE: Registry = Registry::new();
+        let busy = Kernel::new(true);
+        let weak: Weak<dyn Activity> = Arc::downgrade(&(busy.clone() as Arc<dyn Activity>));
+        LIVE.watch(weak);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let launcher = {
+            let (busy, stop) = (busy.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    busy.launches.fetch_add(1, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+        };
+        let t0 = Instant::now();
+        let (r, freed) = release_in(Some(0), None, &LIVE);
+        assert!(
+            r.wait(Duration::from_secs(10)),
+            "never freed beside a busy communicator"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+        assert_eq!(freed.load(Ordering::SeqCst), 1);
+        stop.store(true, Ordering::SeqCst);
+        launcher.join().unwrap();
     }
 
     /// Fault class 3, the other communicators: a communicator whose own work is done is not
@@ -227,9 +307,7 @@ mod tests {
     #[test]
     fn nothing_is_freed_while_another_communicator_is_stuck() {
         static LIVE: Registry = Registry::new();
-        let stuck = Arc::new(Kernel {
-            stuck: std::sync::atomic::AtomicBool::new(true),
-        });
+        let stuck = Kernel::new(true);
         let weak: Weak<dyn Activity> = Arc::downgrade(&(stuck.clone() as Arc<dyn Activity>));
         LIVE.watch(weak);
         let (r, freed) = release_in(Some(0), None, &LIVE);

@@ -222,6 +222,92 @@ impl PeerMapping {
     }
 }
 
+/// Arena header, u32[MAX_RANKS] that no kernel touches: word `q` is set to [`CLOSED`] by rank `q`
+/// once it has finished with the communicator (its last launch done, no launch to come), so the
+/// arena's owner knows that no peer writes into it any more.
+pub(crate) const HDR_CLOSED: u64 = 128;
+const _: () = assert!(
+    HDR_CLOSED >= crate::abi::HDR_PROBE + 4 * crate::abi::MAX_RANKS as u64
+        && HDR_CLOSED + 4 * (crate::abi::MAX_RANKS as u64) <= crate::abi::HDR_EPOCHS
+);
+/// The value of a peer's closed word.
+pub(crate) const CLOSED: u32 = 0xc105_ed01;
+
+/// Tells every peer that this rank has finished with their communicator (`peers`: every rank's
+/// arena as mapped here): writes this rank's closed word in each peer's header. Called once the
+/// rank's last launch of the communicator has finished and before its peers' mappings close.
+pub(crate) fn tell_closed(peers: &[u64], rank: u32) -> Result<(), Error> {
+    let words: Vec<u64> = peers
+        .iter()
+        .enumerate()
+        .filter(|&(q, &base)| q != rank as usize && base != 0)
+        .map(|(_, &base)| base + HDR_CLOSED + 4 * u64::from(rank))
+        .collect();
+    crate::gpu::write_words(&words, CLOSED)
+}
+
+/// An arena whose peers have not all said they are done with it: freed by [`sweep`] once they
+/// have (a peer that never does, because it died or never releases its communicator, leaves it
+/// allocated, as before).
+struct Kept {
+    device: std::sync::Arc<Device>,
+    arena: LocalArena,
+    rank: u32,
+    nranks: u32,
+}
+
+static KEPT: std::sync::Mutex<Vec<Kept>> = std::sync::Mutex::new(Vec::new());
+
+/// Keeps the arena of a released communicator with peers until every peer's closed word is set:
+/// until then a peer that has not noticed a failure yet may still write into it, and freed, its
+/// memory could be handed to another allocation and overwritten.
+pub(crate) fn keep(device: std::sync::Arc<Device>, arena: LocalArena, rank: u32, nranks: u32) {
+    KEPT.lock().unwrap_or_else(|e| e.into_inner()).push(Kept {
+        device,
+        arena,
+        rank,
+        nranks,
+    });
+}
+
+/// Frees every kept arena whose peers have all closed; returns how many stay. Frees wait for
+/// the device's outstanding work: only a release thread that may free calls it.
+pub(crate) fn sweep() -> usize {
+    let mut kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+    kept.retain(|k| !k.all_closed());
+    kept.len()
+}
+
+impl Kept {
+    /// Whether every peer set its closed word (a device that cannot be read says no).
+    fn all_closed(&self) -> bool {
+        let Ok(_ctx) = self.device.activate() else {
+            return false;
+        };
+        let Ok(own) = crate::gpu::OwnStream::create() else {
+            return false;
+        };
+        let mut w = [0u8; 4 * crate::abi::MAX_RANKS];
+        if self
+            .arena
+            .read(HDR_CLOSED as usize, &mut w, own.stream())
+            .is_err()
+        {
+            return false;
+        }
+        (0..self.nranks as usize)
+            .filter(|&q| q != self.rank as usize)
+            .all(|q| {
+                u32::from_le_bytes([w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]]) == CLOSED
+            })
+    }
+}
+
+/// Arenas kept for peers that have not closed yet (the GPU tests of releases).
+pub fn kept_arenas() -> usize {
+    KEPT.lock().unwrap_or_else(|e| e.into_inner()).len()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

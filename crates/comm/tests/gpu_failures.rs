@@ -18,7 +18,7 @@ use flashcomm_comm::{
     Bootstrap, CommConfig, Communicator, DataType, Error, ThreadBootstrap, ThreadGroup,
 };
 use flashcomm_comm::{Collective, Request};
-use flashcomm_testkit::verify::Verifier;
+use flashcomm_testkit::verify::{TestType, Verifier};
 
 /// Counts the rounds a rank ran.
 struct Counting<'a>(&'a ThreadBootstrap, AtomicU32);
@@ -462,8 +462,8 @@ fn abort_and_destroy_return_while_other_device_work_is_stuck() {
     let t0 = Instant::now();
     let (released, returned) = std::thread::scope(|w| {
         w.spawn(|| {
-            let r = ours_a.defer_release(false);
-            let r_b = ours_b.defer_release(false);
+            let r = ours_a.defer_release();
+            let r_b = ours_b.defer_release();
             drop(ours_a);
             drop(ours_b);
             let t = t0.elapsed();
@@ -492,7 +492,7 @@ fn abort_and_destroy_return_while_other_device_work_is_stuck() {
         .unwrap();
     let t0 = Instant::now();
     mine_a.abort();
-    let r = mine_a.defer_release(true);
+    let r = mine_a.defer_release();
     drop(mine_a);
     assert!(
         !r.wait(Duration::from_millis(300)),
@@ -785,4 +785,268 @@ fn a_set_up_panic_at_any_step_on_one_rank_ends_alike_on_every_rank() {
     }
     let ok = set_up(&[base.clone(), base]);
     assert!(ok.iter().all(|(_, r)| r.is_ok()), "{ok:?}");
+}
+
+/// Issue 45, item 1: two and three communicators in flight at once on two streams never hang.
+/// Two virtual ranks (threads) hold K communicators; communicator k runs on stream k % 2, and
+/// each round every rank issues one 8 MiB AllReduce on each communicator in an order of its own
+/// (rank 1 in another order than rank 0; calls that share a stream keep one order, as any correct
+/// program's must). Before, each communicator's grid could fill the rank's share of the GPU: rank
+/// 0's kernel of one communicator and rank 1's of another could fill it together and wait for
+/// blocks that could not be scheduled (a timeout here). Now the live communicators' grids
+/// together stay under what the GPU keeps resident (crate's residency ledger).
+#[test]
+fn two_and_three_communicators_in_flight_on_two_streams_never_hang() {
+    let count = 2u64 << 20; // 8 MiB of f32: every plan takes its communicator's largest grid
+    let rounds = 1000u32;
+    let cfg = CommConfig {
+        calibrate: false,
+        timeout: Duration::from_secs(10),
+        ..CommConfig::default()
+    };
+    for k in [2usize, 3] {
+        // Every order of the K communicators in which communicator 0 comes before 2 (they share
+        // stream 0).
+        let orders: Vec<Vec<usize>> = [
+            [0, 1, 2],
+            [0, 2, 1],
+            [1, 0, 2],
+            [1, 2, 0],
+            [2, 0, 1],
+            [2, 1, 0],
+        ]
+        .iter()
+        .map(|o| o.iter().copied().filter(|&c| c < k).collect::<Vec<_>>())
+        .filter(|o| o.iter().position(|&c| c == 0) < o.iter().position(|&c| c == 2))
+        .fold(Vec::new(), |mut v, o| {
+            if !v.contains(&o) {
+                v.push(o);
+            }
+            v
+        });
+        let groups: Vec<_> = (0..k)
+            .map(|_| ThreadGroup::new(2, Duration::from_secs(60)))
+            .collect();
+        let members: Vec<_> = groups.iter().map(|g| g.members()).collect();
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            for rank in 0..2usize {
+                let (members, orders, cfg) = (&members, &orders, cfg.clone());
+                s.spawn(move || {
+                    let v = Verifier::new(0).unwrap();
+                    let _ctx = v.activate().unwrap();
+                    let streams = [v.stream().unwrap(), v.stream().unwrap()];
+                    let comms: Vec<Communicator> = (0..k)
+                        .map(|c| Communicator::new(&members[c][rank], 0, cfg.clone()).unwrap())
+                        .collect();
+                    let grids: Vec<u32> = comms.iter().map(|c| c.max_grid()).collect();
+                    if rank == 0 {
+                        println!("{k} communicators: largest grids per rank {grids:?}");
+                    }
+                    let bufs: Vec<_> = (0..k)
+                        .map(|c| {
+                            let send = v.alloc((count * 4) as usize).unwrap();
+                            let recv = v.alloc((count * 4) as usize).unwrap();
+                            let st = streams[c % 2];
+                            v.fill(
+                                send.as_ptr(),
+                                count,
+                                TestType::F32,
+                                rank as u32,
+                                c as u32,
+                                st,
+                            )
+                            .unwrap();
+                            st.synchronize().unwrap();
+                            (send, recv)
+                        })
+                        .collect();
+                    members[0][rank].barrier().unwrap();
+                    for i in 0..rounds as usize {
+                        for &c in &orders[(i + rank) % orders.len()] {
+                            let (send, recv) = &bufs[c];
+                            comms[c]
+                                .execute(
+                                    &Request::typed(Collective::AllReduce, count, DataType::F32)
+                                        .between(send.as_ptr(), recv.as_ptr())
+                                        .on(streams[c % 2]),
+                                )
+                                .unwrap();
+                        }
+                        if i % 100 == 99 {
+                            for (c, (_, recv)) in bufs.iter().enumerate() {
+                                let st = streams[c % 2];
+                                v.check(
+                                    recv.as_ptr(),
+                                    count,
+                                    0,
+                                    Collective::AllReduce,
+                                    TestType::F32,
+                                    2,
+                                    rank as u32,
+                                    c as u32,
+                                    st,
+                                )
+                                .unwrap();
+                            }
+                            for (c, comm) in comms.iter().enumerate() {
+                                streams[c % 2].synchronize().unwrap();
+                                comm.check_status().unwrap_or_else(|e| {
+                                    panic!("rank {rank}, communicator {c}, round {i}: {e}")
+                                });
+                            }
+                            let (n, first) = v.errors().unwrap();
+                            assert_eq!(
+                                n, 0,
+                                "rank {rank}, round {i}: {n} wrong elements, first {first}"
+                            );
+                        }
+                    }
+                    members[0][rank].barrier().unwrap();
+                });
+            }
+        });
+        println!(
+            "{k} communicators, {rounds} rounds of {k} AllReduces of 8 MiB in every order: {:.2} s",
+            t0.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// Issue 45, item 5: 1,000 abort-and-reinit cycles (the way elastic jobs recover) beside another
+/// communicator that is busy the whole time, two virtual ranks. Before, every abort with peers
+/// kept its arena for the life of the process (memory grew by one arena per rank and cycle), and
+/// the release gate freed only when every communicator of the process was idle, so beside a busy
+/// one nothing was freed and each release waited its full bound. Now each rank tells its peers
+/// when it is done with their arenas, an arena is freed once all its peers have, and a busy
+/// communicator holds no free back: device memory stays where it was after the first 50 cycles,
+/// no more than a few arenas wait for peers, and every release completes in under a second.
+#[test]
+fn a_thousand_abort_and_reinit_cycles_beside_a_busy_communicator_stay_bounded() {
+    let cfg = CommConfig {
+        calibrate: false,
+        arena_bytes: 4 << 20,
+        timeout: Duration::from_secs(10),
+        ..CommConfig::default()
+    };
+    let (warm, cycles) = (50u32, 1000u32);
+    let busy_group = ThreadGroup::new(2, Duration::from_secs(60));
+    let cycle_group = ThreadGroup::new(2, Duration::from_secs(60));
+    let (busy_members, cycle_members) = (busy_group.members(), cycle_group.members());
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let slowest = std::sync::Mutex::new(Duration::ZERO);
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for rank in 0..2usize {
+            let (bm, cm, cfg, stop, slowest) = (
+                &busy_members[rank],
+                &cycle_members[rank],
+                cfg.clone(),
+                &stop,
+                &slowest,
+            );
+            // The busy communicator: AllReduces of 1 MiB back to back, on a stream of its own,
+            // both ranks deciding together when to stop.
+            let busy_cfg = cfg.clone();
+            s.spawn(move || {
+                let v = Verifier::new(0).unwrap();
+                let _ctx = v.activate().unwrap();
+                let stream = v.stream().unwrap();
+                let comm = Communicator::new(bm, 0, busy_cfg).unwrap();
+                let buf = v.alloc(1 << 20).unwrap();
+                let mut calls = 0u64;
+                loop {
+                    for _ in 0..16 {
+                        comm.execute(
+                            &Request::typed(Collective::AllReduce, 1 << 18, DataType::F32)
+                                .between(buf.as_ptr(), buf.as_ptr())
+                                .on(stream),
+                        )
+                        .unwrap();
+                    }
+                    calls += 16;
+                    stream.synchronize().unwrap();
+                    comm.check_status().unwrap();
+                    let mine = [u8::from(stop.load(Ordering::SeqCst))];
+                    if bm.all_gather(&mine).unwrap().iter().any(|b| b[0] == 1) {
+                        break;
+                    }
+                }
+                if rank == 0 {
+                    println!("busy communicator: {calls} AllReduces of 1 MiB meanwhile");
+                }
+            });
+            // The cycles: set up, one AllReduce, abort, release.
+            s.spawn(move || {
+                // Stops the busy communicator however this thread ends (a failed assertion too).
+                let _stop = StopOnDrop(stop);
+                let v = Verifier::new(0).unwrap();
+                let _ctx = v.activate().unwrap();
+                let stream = v.stream().unwrap();
+                let buf = v.alloc(1 << 16).unwrap();
+                let mut start = 0;
+                for i in 0..cycles {
+                    let comm = Communicator::new(cm, 0, cfg.clone()).unwrap();
+                    comm.execute(
+                        &Request::typed(Collective::AllReduce, 256, DataType::F32)
+                            .between(buf.as_ptr(), buf.as_ptr())
+                            .on(stream),
+                    )
+                    .unwrap();
+                    stream.synchronize().unwrap();
+                    comm.check_status().unwrap();
+                    let t = Instant::now();
+                    comm.abort();
+                    let released = comm.defer_release();
+                    drop(comm);
+                    assert!(
+                        released.wait(Duration::from_secs(5)),
+                        "rank {rank}, cycle {i}: not released within 5 s beside a busy communicator"
+                    );
+                    let took = t.elapsed();
+                    {
+                        let mut m = slowest.lock().unwrap();
+                        *m = (*m).max(took);
+                    }
+                    cm.barrier().unwrap();
+                    if rank == 0 && i + 1 == warm {
+                        start = device_free_bytes();
+                    }
+                    cm.barrier().unwrap();
+                }
+                if rank == 0 {
+                    let end = device_free_bytes();
+                    let kept = flashcomm_comm::kept_arenas();
+                    println!(
+                        "{cycles} abort-and-reinit cycles in {:.1} s; device free from cycle \
+                         {warm} to the end: {} -> {} MiB; arenas waiting for peers: {kept}; \
+                         slowest release {:?}",
+                        t0.elapsed().as_secs_f64(),
+                        start >> 20,
+                        end >> 20,
+                        *slowest.lock().unwrap()
+                    );
+                    assert!(
+                        end + (16 << 20) >= start,
+                        "device memory grew: {start} -> {end} bytes free"
+                    );
+                    assert!(kept <= 4, "{kept} arenas still wait for peers that closed");
+                }
+            });
+        }
+    });
+    let slowest = *slowest.lock().unwrap();
+    assert!(
+        slowest < Duration::from_secs(1),
+        "a release took {slowest:?} beside a busy communicator"
+    );
+}
+
+/// Sets its flag when dropped.
+struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
 }

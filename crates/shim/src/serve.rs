@@ -769,7 +769,7 @@ pub(crate) fn tear_down(h: CommHandle, state: Arc<CommState>, abort: bool) {
     if abort {
         c.abort();
     }
-    let released = c.defer_release(abort && c.nranks() > 1);
+    let released = c.defer_release();
     drop(state);
     if !released.wait(DESTROY_WAIT) {
         logging::warn(
@@ -813,7 +813,7 @@ pub(crate) fn release_aborted(h: CommHandle, state: Arc<CommState>) {
     let Some(c) = state.served() else {
         return;
     };
-    let released = c.defer_release(c.nranks() > 1);
+    let released = c.defer_release();
     drop(state);
     if released.wait(ABORT_WAIT) {
         logging::info(

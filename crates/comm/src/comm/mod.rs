@@ -37,7 +37,7 @@ use crate::plan::{
 };
 use crate::register::{RegistrationId, Registry};
 use crate::release::{self, Releasable, Release};
-use crate::transport::{LocalArena, PeerMapping, Transport};
+use crate::transport::{self, LocalArena, PeerMapping, Transport};
 
 mod calibrate;
 mod launch;
@@ -149,6 +149,8 @@ struct LastLaunch {
     /// stream.
     captured: AtomicBool,
     event: Event,
+    /// Operations enqueued so far, eager ones (the release gate's sign of progress).
+    launches: std::sync::atomic::AtomicU64,
     /// Graph mixing: the event-record node of the capture in progress (the last one this
     /// communicator was captured into), beside its chain, which every captured operation of
     /// that capture joins. Touched only while capturing, never on an eager call.
@@ -162,6 +164,10 @@ impl release::Activity for LastLaunch {
         }
         let _ctx = self.device.activate().map_err(|e| e.to_string())?;
         self.event.is_done().map_err(|e| e.to_string())
+    }
+
+    fn launches(&self) -> u64 {
+        self.launches.load(Ordering::Relaxed)
     }
 }
 
@@ -199,6 +205,9 @@ pub struct Communicator {
     host: HostMapped,
     kernels: Arc<Kernels>,
     max_grid: u32,
+    /// This communicator's level of its device's ledger (crate::residency), given back once its
+    /// last kernel has finished.
+    share: Option<crate::residency::Share>,
     model: CostModel,
     /// The measured quantized AllReduce per codec setting of `cfg.quant_calibrate` (agreed by
     /// every rank; empty without calibration).
@@ -221,7 +230,6 @@ pub struct Communicator {
 /// How a communicator's drop releases its memory after [`Communicator::defer_release`].
 struct Deferred {
     done: Release,
-    keep_arena: bool,
 }
 
 /// A dropped communicator's memory on its way to being freed ([`release::in_background`]): ready
@@ -229,13 +237,16 @@ struct Deferred {
 struct Remains {
     device: Arc<Device>,
     last: Arc<LastLaunch>,
+    rank: u32,
+    nranks: u32,
+    peers: [u64; MAX_RANKS],
     mappings: Vec<PeerMapping>,
     registry: Registry,
     local: LocalArena,
-    keep_arena: bool,
     own_slots: Option<DeviceMem>,
     host: HostMapped,
     scratch: Vec<DeviceMem>,
+    share: Option<crate::residency::Share>,
 }
 
 impl Releasable for Remains {
@@ -243,33 +254,41 @@ impl Releasable for Remains {
         release::Activity::idle(&*self.last)
     }
 
+    /// Tells the peers this rank is done with their arenas, closes its mappings of them, and
+    /// frees the rest; the arena itself waits until every peer has said the same of it
+    /// (`transport::keep`: a peer that has not noticed a failure yet may still write into it),
+    /// and arenas kept earlier whose peers have all closed since are freed now.
     fn free(self) {
         let Remains {
             device,
             last,
+            rank,
+            nranks,
+            peers,
             mut mappings,
             registry,
             local,
-            keep_arena,
             own_slots,
             host,
             scratch,
-            ..
+            share,
         } = self;
-        // Peers' mappings are closed with this device's context current.
         if let Ok(_ctx) = device.activate() {
+            if nranks > 1
+                && let Err(e) = transport::tell_closed(&peers, rank)
+            {
+                tracing::debug!("could not tell the peers this rank is done with them: {e}");
+            }
             mappings.clear();
             registry.close();
         }
-        if keep_arena {
-            // Aborted while peers may still run collectives that write into this arena (a
-            // rank that has not noticed the failure yet): freed, its memory could be handed to
-            // another allocation and overwritten. It stays allocated for the life of the process.
-            std::mem::forget(local);
+        if nranks > 1 {
+            transport::keep(device.clone(), local, rank, nranks);
         } else {
             drop(local);
         }
-        drop((own_slots, host, scratch, last));
+        drop((own_slots, host, scratch, last, share));
+        transport::sweep();
     }
 }
 
@@ -381,15 +400,12 @@ impl Communicator {
     /// its memory goes to a thread of its own that waits for the last eager launch and then
     /// frees it (`ncclCommAbort` and `ncclCommDestroy`: freeing waits for the device's
     /// outstanding work, which after a fault may never end). The returned [`Release`] says when
-    /// the memory was freed; a caller waits for it at most a bound. `keep_arena`: the arena is
-    /// never freed (an abort with peers that may still write into it).
-    pub fn defer_release(&self, keep_arena: bool) -> Release {
+    /// the memory was freed (the arena, with peers, once they have closed too: `Remains::free`);
+    /// a caller waits for it at most a bound.
+    pub fn defer_release(&self) -> Release {
         let mut d = self.deferred.lock().unwrap_or_else(|e| e.into_inner());
         let done = d.as_ref().map_or_else(release::pending, |d| d.done.clone());
-        *d = Some(Deferred {
-            done: done.clone(),
-            keep_arena,
-        });
+        *d = Some(Deferred { done: done.clone() });
         done
     }
 }
@@ -401,31 +417,30 @@ impl Drop for Communicator {
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if let Some(d) = deferred {
-            let remains = Remains {
-                device: self.device.clone(),
-                last: self.last.clone(),
-                mappings: std::mem::take(&mut self.mappings),
-                registry: std::mem::replace(
-                    &mut self.registry,
-                    Registry::local_only(self.rank, self.nranks, [true; MAX_RANKS]),
-                ),
-                local: std::mem::replace(&mut self.local, LocalArena::Empty),
-                keep_arena: d.keep_arena,
-                own_slots: self.own_slots.take(),
-                host: std::mem::replace(&mut self.host, HostMapped::empty()),
-                scratch: std::mem::take(self.scratch.get_mut().unwrap_or_else(|e| e.into_inner())),
-            };
-            release::in_background(remains, d.done, &release::LIVE);
-            return;
+        if deferred.is_none() {
+            // The arena must outlive every kernel that uses it.
+            let _ = self.wait_idle();
         }
-        // The arena must outlive every kernel that uses it; peers' mappings are closed with this
-        // device's context current. The arena itself and the host words are freed when the fields
-        // drop right after (freeing needs no particular current context).
-        let _ = self.wait_idle();
-        if let Ok(_ctx) = self.device.activate() {
-            self.mappings.clear();
-            self.registry.close();
+        let remains = Remains {
+            device: self.device.clone(),
+            last: self.last.clone(),
+            rank: self.rank,
+            nranks: self.nranks,
+            peers: self.peers,
+            mappings: std::mem::take(&mut self.mappings),
+            registry: std::mem::replace(
+                &mut self.registry,
+                Registry::local_only(self.rank, self.nranks, [true; MAX_RANKS]),
+            ),
+            local: std::mem::replace(&mut self.local, LocalArena::Empty),
+            own_slots: self.own_slots.take(),
+            host: std::mem::replace(&mut self.host, HostMapped::empty()),
+            scratch: std::mem::take(self.scratch.get_mut().unwrap_or_else(|e| e.into_inner())),
+            share: self.share.take(),
+        };
+        match deferred {
+            Some(d) => release::in_background(remains, d.done, &release::LIVE),
+            None => remains.free(),
         }
     }
 }

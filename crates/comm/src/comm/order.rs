@@ -143,6 +143,7 @@ impl Communicator {
             return Ok(());
         }
         last.event.record(stream)?;
+        last.launches.fetch_add(1, Ordering::Relaxed);
         last.stream.store(stream.0 as usize, Ordering::Relaxed);
         last.launched.store(true, Ordering::Release);
         Ok(())

@@ -15,6 +15,7 @@ use crate::identity;
 use crate::plan::{Algorithm, Arena, Choice, CostModel, DataType, Protocol};
 use crate::register::{self, Registry};
 use crate::release;
+use crate::residency::Share;
 use crate::transport::{self, LocalArena, PeerMapping, Transport};
 
 use super::{CaptureMark, CommConfig, Communicator, HOST_BYTES, LastLaunch};
@@ -219,17 +220,37 @@ impl Communicator {
                 .iter()
                 .map(|b| PeerInfo::decode(b))
                 .collect::<Result<Vec<_>, _>>()?;
-            let m = Self::map_peers(rank, &dev, &arena, &local, &info, &infos)?;
-            Ok((m, Self::registry(rank, &info, &infos, board)))
+            let (peers, mappings, colocated) =
+                Self::map_peers(rank, &dev, &arena, &local, &info, &infos)?;
+            // This communicator's level of the device's ledger (crate::residency): one for its
+            // ranks of this process, keyed by the arena of the lowest of them.
+            let key = infos
+                .iter()
+                .filter(|p| p.same_process(&info) && p.uuid == info.uuid)
+                .map(|p| p.arena)
+                .min()
+                .unwrap_or(info.arena);
+            let share = Share::take(dev.ordinal(), key);
+            let grid = share.grid((my_grid / colocated).max(1));
+            if grid == 0 {
+                return Err(Error::Unsupported(format!(
+                    "{} other communicators of this process are live on device {}: the GPU \
+                     keeps no more of this one's blocks resident beside theirs",
+                    share.level(),
+                    dev.ordinal()
+                )));
+            }
+            Ok((
+                (peers, mappings, grid, share),
+                Self::registry(rank, &info, &infos, board),
+            ))
         });
         ag.check(verdict(mapped.as_ref().map(|_| ())))?;
         // Every peer has mapped this rank's arena (and board): a shared segment's name can go.
         let mut local = local;
         local.peers_mapped();
-        let (peers, mappings, my_grid, mut registry) = match mapped {
-            Ok(((peers, mappings, colocated), reg)) => {
-                (peers, mappings, (my_grid / colocated).max(1), reg)
-            }
+        let (peers, mappings, my_grid, share, mut registry) = match mapped {
+            Ok(((peers, mappings, grid, share), reg)) => (peers, mappings, grid, share, reg),
             Err(e) => return Err(Error::Internal(format!("failed set-up step passed: {e}"))),
         };
         registry.peers_mapped();
@@ -333,6 +354,7 @@ impl Communicator {
             host,
             kernels,
             max_grid,
+            share: Some(share),
             model: CostModel::default_for(nranks),
             quant_models: Vec::new(),
             cfg: cfg.clone(),
@@ -345,6 +367,7 @@ impl Communicator {
                 launched: AtomicBool::new(false),
                 captured: AtomicBool::new(false),
                 event,
+                launches: std::sync::atomic::AtomicU64::new(0),
                 capture: std::sync::Mutex::new(CaptureMark::default()),
             }),
         };
