@@ -1050,3 +1050,52 @@ impl Drop for StopOnDrop<'_> {
         self.0.store(true, Ordering::SeqCst);
     }
 }
+
+/// Issue 45, item 3: buffers that only one rank's kernel could not take as they are (send and
+/// receive overlapping other than in place; for the quantized kernels, buffers not aligned to
+/// the element) go through scratch on that rank alone, where before that rank returned
+/// `ncclInvalidArgument` and its peers waited in their kernels for it. NCCL runs such a call
+/// (an overlap races, an unaligned buffer is fine): now every rank completes, with the exact sum
+/// of the inputs as they were before the call.
+#[test]
+fn a_buffer_layout_only_one_rank_uses_is_staged_on_that_rank() {
+    let count = 1u64 << 16; // 256 KiB of f32
+    let mut cfg = common::test_config();
+    cfg.timeout = Duration::from_secs(10);
+    run_ranks(2, cfg, |r| {
+        let rank = r.rank();
+        let mem = r.alloc((count * 4 * 2 + 4096) as usize);
+        // Rank 0: the receive buffer starts 64 bytes into the send buffer; rank 1: apart.
+        let send = mem.slice(0, (count * 4) as usize);
+        let recv = if rank == 0 {
+            mem.slice(64, (count * 4) as usize)
+        } else {
+            mem.slice((count * 4 + 4096) as usize, (count * 4) as usize)
+        };
+        for round in 0..3u32 {
+            r.v.fill(send, count, TestType::F32, rank, round, r.stream)
+                .unwrap();
+            r.comm
+                .execute(
+                    &Request::typed(Collective::AllReduce, count, DataType::F32)
+                        .between(send, recv)
+                        .on(r.stream),
+                )
+                .unwrap_or_else(|e| panic!("rank {rank}, round {round}: {e}"));
+            r.v.check(
+                recv,
+                count,
+                0,
+                Collective::AllReduce,
+                TestType::F32,
+                2,
+                rank,
+                round,
+                r.stream,
+            )
+            .unwrap();
+            r.sync();
+            r.assert_clean(&format!("round {round}"));
+        }
+    });
+}

@@ -15,21 +15,35 @@ use crate::request::{Buffers, Request};
 
 use super::{Communicator, HOST_ABORT, HOST_STATUS};
 
-/// The checks of a call's buffers that the kernels need, with NCCL's answer
-/// (`InvalidArgument`, and a message) where a kernel would otherwise race or fault:
-/// * send and receive ranges overlap only in NCCL's in-place layout: the same buffer for
-///   AllReduce and AllToAll; for ReduceScatter the receive buffer at `in_place` bytes (rank x recvcount
-///   elements) into the send buffer; for AllGather the send buffer at `in_place` bytes into the
-///   receive buffer; any other overlap would let one rank's writes race with another's reads;
-/// * both buffers are aligned to `align` (the element size for the quantized kernels, which store
-///   whole elements; the lossless kernels take any alignment).
-pub(crate) fn check_buffers(
+/// What a call's buffers need before the kernels can take them ([`buffer_staging`]): whether
+/// the input is first copied into scratch (a send buffer that overlaps the receive buffer other
+/// than in NCCL's in-place layout, or one the kernel cannot read at its alignment), and whether
+/// the kernel writes into scratch that is copied to the receive buffer after (one it cannot
+/// write at its alignment). `why` says what made it so.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Staging {
+    pub(crate) input: bool,
+    pub(crate) output: bool,
+    pub(crate) why: Option<String>,
+}
+
+/// The staging a call's buffers need (issue 45, item 3: a refusal on one rank would leave its
+/// peers waiting in their kernels, where NCCL runs such a call; staging is rank-local, so every
+/// rank still runs the same kernel):
+/// * send and receive ranges may overlap only in NCCL's in-place layout: the same buffer for
+///   AllReduce and AllToAll; for ReduceScatter the receive buffer at `in_place` bytes (rank x
+///   recvcount elements) into the send buffer; for AllGather the send buffer at `in_place` bytes
+///   into the receive buffer; any other overlap would let one rank's writes race with another's
+///   reads, so the input is staged;
+/// * both buffers are aligned to `align` (the element size for the quantized kernels, which load
+///   and store whole elements; the lossless kernels take any alignment), or are staged.
+pub(crate) fn buffer_staging(
     coll: Collective,
     send: (u64, u64),
     recv: (u64, u64),
     in_place: u64,
     align: u64,
-) -> Result<(), Error> {
+) -> Staging {
     let (s, sn) = send;
     let (r, rn) = recv;
     let overlap = s < r.saturating_add(rn) && r < s.saturating_add(sn);
@@ -42,6 +56,7 @@ pub(crate) fn check_buffers(
         Collective::AllGather => r.checked_add(in_place) == Some(s),
         _ => false,
     };
+    let mut st = Staging::default();
     if overlap && !layout_ok {
         let want = match coll {
             Collective::AllReduce | Collective::AlltoAll => "the same buffer".to_string(),
@@ -53,18 +68,23 @@ pub(crate) fn check_buffers(
             }
             _ => "nothing: this collective has no in-place form here".to_string(),
         };
-        return Err(Error::InvalidArgument(format!(
+        st.input = true;
+        st.why = Some(format!(
             "{coll:?}: send buffer {s:#x} ({sn} bytes) and receive buffer {r:#x} ({rn} bytes) \
              overlap, but not in place (in place means {want})"
-        )));
+        ));
     }
     if align > 1 && (s % align != 0 || r % align != 0) {
-        return Err(Error::InvalidArgument(format!(
-            "{coll:?}: buffers {s:#x} and {r:#x} must be aligned to the {align}-byte datatype for \
-             the quantized kernels"
-        )));
+        st.input |= s % align != 0 || s == r;
+        st.output |= r % align != 0;
+        st.why.get_or_insert_with(|| {
+            format!(
+                "{coll:?}: buffers {s:#x} and {r:#x} are not aligned to the {align}-byte \
+                 datatype the quantized kernels load and store"
+            )
+        });
     }
-    Ok(())
+    st
 }
 
 /// The signature of a call that its tags carry (see `FLAG_SIG_SHIFT`): the collective, whether
@@ -135,6 +155,13 @@ pub(super) enum Work<'r> {
     },
     /// One kernel.
     Kernel(Launch),
+    /// One kernel between copies through scratch ([`Communicator::staged`]): (destination,
+    /// source, bytes) before and after it.
+    Staged {
+        input: Option<(DevicePtr, DevicePtr, u64)>,
+        launch: Launch,
+        output: Option<(DevicePtr, DevicePtr, u64)>,
+    },
     /// A scattered AllToAll ([`Communicator::run_scattered`]).
     Scattered {
         send: &'r [DevicePtr],
@@ -344,13 +371,13 @@ impl Communicator {
                 recv.len()
             )));
         }
-        check_buffers(
+        let staging = buffer_staging(
             p.coll,
             (send.addr(), send_bytes),
             (recv.addr(), recv_bytes),
             u64::from(self.rank) * count * elem,
             if p.quant.is_some() { elem } else { 1 },
-        )?;
+        );
         if p.coll.reduces() && dtype.is_none() {
             return Err(Error::InvalidArgument(
                 "a reducing collective needs a datatype".into(),
@@ -386,7 +413,11 @@ impl Communicator {
         }
         if self.nranks == 1 {
             // Nothing to exchange: every collective's result is the input (quantization never
-            // applies). In place that is free; out of place it is one device copy.
+            // applies). In place that is free; out of place it is one device copy (between
+            // overlapping ranges refused: no peer waits for this rank).
+            if let Some(why) = staging.why {
+                return Err(Error::InvalidArgument(why));
+            }
             if send.addr() == recv.addr() {
                 return Ok(Work::Nothing);
             }
@@ -395,6 +426,18 @@ impl Communicator {
                 recv,
                 bytes: recv_bytes,
             });
+        }
+        if staging.input || staging.output {
+            return self.staged(
+                p,
+                (send, send_bytes),
+                (recv, recv_bytes),
+                staging,
+                count,
+                elem,
+                dtype,
+                stream,
+            );
         }
         Ok(Work::Kernel(self.launch_of(
             p,
@@ -405,6 +448,62 @@ impl Communicator {
             dtype,
             Some(stream),
         )?))
+    }
+
+    /// The call through this communicator's scratch ([`buffer_staging`]): the input copied into
+    /// it first, and/or the output written there and copied out after, around the kernel every
+    /// rank runs. Rank-local: the peers run the same kernel on their own buffers. The scratch
+    /// (the scattered AllToAll's, aligned, grown by powers of two, kept until the communicator is
+    /// released) cannot be allocated under graph capture: a capture whose call needs more than an
+    /// earlier eager call left is refused, as before.
+    #[allow(clippy::too_many_arguments)]
+    fn staged(
+        &self,
+        p: &Plan,
+        send: (DevicePtr, u64),
+        recv: (DevicePtr, u64),
+        staging: Staging,
+        count: u64,
+        elem: u64,
+        dtype: Option<DataType>,
+        stream: Stream,
+    ) -> Result<Work<'static>, Error> {
+        let why = staging.why.clone().unwrap_or_default();
+        let at = |b: u64| b.next_multiple_of(256) as usize;
+        let need = if staging.input { at(send.1) } else { 0 }
+            + if staging.output { at(recv.1) } else { 0 };
+        // Never inside a scattered AllToAll, which holds the scratch (its buffers need no staging).
+        let Ok(mut scratch) = self.scratch.try_lock() else {
+            return Err(Error::InvalidArgument(why));
+        };
+        let _ctx = self.device.activate()?;
+        if scratch.last().is_none_or(|m| m.len() < need) {
+            if stream.is_capturing()? {
+                return Err(Error::InvalidArgument(format!(
+                    "{why}; staging it needs {need} bytes of scratch, which cannot be allocated \
+                     under graph capture (run the call once eagerly first)"
+                )));
+            }
+            let bytes = need.checked_next_power_of_two().unwrap_or(need);
+            scratch.push(DeviceMem::alloc_zeroed(&self.device, bytes)?);
+        }
+        let mem = scratch.last().expect("allocated above");
+        tracing::debug!("staged through scratch: {why}");
+        let input = staging
+            .input
+            .then(|| (mem.slice(0, send.1 as usize), send.0, send.1));
+        let off = if staging.input { at(send.1) } else { 0 };
+        let output = staging
+            .output
+            .then(|| (recv.0, mem.slice(off, recv.1 as usize), recv.1));
+        let kin = input.map_or(send.0, |i| i.0);
+        let kout = output.map_or(recv.0, |o| o.1);
+        let launch = self.launch_of(p, kin, kout, count, elem, dtype, Some(stream))?;
+        Ok(Work::Staged {
+            input,
+            launch,
+            output,
+        })
     }
 
     /// [`abi::FLAG_EARLY_LAUNCH`] for a lossless plan whose grid, doubled, still fits this rank's
@@ -714,7 +813,7 @@ mod tests {
     }
 
     #[test]
-    fn overlapping_buffers_are_refused_unless_in_place() {
+    fn overlapping_buffers_are_staged_unless_in_place() {
         const MB: u64 = 1 << 20;
         let base = 0x7f00_0000_0000u64;
         // Disjoint buffers, and NCCL's in-place layouts, pass.
@@ -745,12 +844,12 @@ mod tests {
             (Collective::AlltoAll, (base, 4 * MB), (base, 4 * MB), 0),
         ] {
             assert_eq!(
-                check_buffers(coll, send, recv, in_place, 1),
-                Ok(()),
+                buffer_staging(coll, send, recv, in_place, 1),
+                Staging::default(),
                 "{coll:?} {send:?} {recv:?}"
             );
         }
-        // Overlaps at any other offset race: refused with a message.
+        // Overlaps at any other offset would race: the input is staged, and the reason said.
         for (coll, send, recv, in_place) in [
             (Collective::AllReduce, (base, MB), (base + 2, MB), 0),
             (Collective::AllReduce, (base + MB - 1, MB), (base, MB), 0),
@@ -775,38 +874,41 @@ mod tests {
             ),
             (Collective::AlltoAll, (base, 4 * MB), (base + MB, 4 * MB), 0),
         ] {
-            let e = check_buffers(coll, send, recv, in_place, 1).unwrap_err();
-            let Error::InvalidArgument(m) = e else {
-                panic!("{e:?}")
-            };
+            let st = buffer_staging(coll, send, recv, in_place, 1);
+            assert!(st.input && !st.output, "{coll:?} {send:?} {recv:?}: {st:?}");
+            let m = st.why.unwrap_or_default();
             assert!(m.contains("overlap") && m.contains("in place"), "{m}");
         }
     }
 
     #[test]
-    fn quantized_calls_need_element_aligned_buffers() {
+    fn quantized_calls_stage_buffers_that_are_not_element_aligned() {
         let base = 0x7f00_0000_0000u64;
         assert_eq!(
-            check_buffers(Collective::AllReduce, (base, 64), (base + 4096, 64), 0, 2),
-            Ok(())
+            buffer_staging(Collective::AllReduce, (base, 64), (base + 4096, 64), 0, 2),
+            Staging::default()
         );
-        for (s, r) in [(base + 1, base + 4096), (base, base + 4097)] {
-            let e = check_buffers(Collective::AllReduce, (s, 64), (r, 64), 0, 2).unwrap_err();
-            assert!(
-                matches!(&e, Error::InvalidArgument(m) if m.contains("aligned")),
-                "{e:?}"
-            );
+        // (send, recv) -> (input staged, output staged); in place, both.
+        for (s, r, want) in [
+            (base + 1, base + 4096, (true, false)),
+            (base, base + 4097, (false, true)),
+            (base + 1, base + 4097, (true, true)),
+            (base + 1, base + 1, (true, true)),
+        ] {
+            let st = buffer_staging(Collective::AllReduce, (s, 64), (r, 64), 0, 2);
+            assert_eq!((st.input, st.output), want, "{s:#x} {r:#x}");
+            assert!(st.why.is_some_and(|m| m.contains("aligned")));
         }
         // The lossless kernels take any alignment.
         assert_eq!(
-            check_buffers(
+            buffer_staging(
                 Collective::AllReduce,
                 (base + 1, 64),
                 (base + 4097, 64),
                 0,
                 1
             ),
-            Ok(())
+            Staging::default()
         );
     }
 

@@ -24,8 +24,9 @@ impl Communicator {
     ///
     /// A quantized call's result is bitwise identical on every rank (each rank decodes the same
     /// bytes in the same order), within the error bound docs/codec.md states for its steps.
-    /// Contiguous buffers may be in place as NCCL lays them out (see
-    /// [`check_buffers`](super::launch::check_buffers)). Scattered blocks (an AllToAll of
+    /// Contiguous buffers may be in place as NCCL lays them out; other overlaps, and buffers a
+    /// quantized kernel cannot take at their alignment, go through scratch on this rank alone
+    /// (see [`buffer_staging`](super::launch::buffer_staging)). Scattered blocks (an AllToAll of
     /// `ncclSend`/`ncclRecv` with one buffer per peer) are gathered into a scratch buffer of the
     /// communicator's device, exchanged by the AllToAll kernel and scattered out: 2 x nranks
     /// device copies more, all on the stream. The scratch (2 x nranks x count x elem bytes) is
@@ -55,6 +56,29 @@ impl Communicator {
                 Ok(recv.copy_from(send, bytes, stream)?)
             }
             Work::Kernel(l) => self.launch_in_order(&l, stream),
+            Work::Staged {
+                input,
+                launch,
+                output,
+            } => {
+                let _ctx = self.device.activate()?;
+                let capturing = self.order_before(stream)?;
+                if let Some((dst, src, n)) = input {
+                    dst.copy_from(src, n, stream)?;
+                }
+                gpu::launch(
+                    &self.kernels,
+                    launch.kernel,
+                    launch.cfg,
+                    stream,
+                    &launch.params,
+                    launch.overlapped,
+                )?;
+                if let Some((dst, src, n)) = output {
+                    dst.copy_from(src, n, stream)?;
+                }
+                self.order_after(stream, capturing, false)
+            }
             Work::Scattered { .. } => Err(Error::Internal(
                 "scattered blocks enqueued as contiguous work".into(),
             )),
