@@ -7,6 +7,7 @@
 
 /// The driver layer's error (the communicator's own [`crate::Error`] converts from it).
 pub use flashcomm_gpu::Error;
+pub use flashcomm_gpu::process::PerProcess;
 pub use flashcomm_gpu::{
     CaptureRecord, CtxGuard, Device, DeviceMem, DevicePtr, Event, ExportKind, Function, Graph,
     HostArena, HostMapped, IpcMapping, LaunchConfig, OwnStream, Stream, UserAllocation, VmmMem,

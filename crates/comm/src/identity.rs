@@ -5,6 +5,8 @@
 
 use std::sync::Mutex;
 
+use crate::gpu::PerProcess;
+
 /// FNV-1a of the Rust sources of every crate of the library (their `src/`, their manifests, the
 /// workspace's manifest and lock file, the top-level `build.rs`), computed by this crate's build
 /// script: what two builds must share, beside the kernels, to serve one communicator together
@@ -107,9 +109,12 @@ impl std::fmt::Display for Build {
 /// cannot be equal for two processes of one machine in different PID namespaces (containers of
 /// one pod share the host and its boot id, and often have equal process ids).
 pub fn process_token() -> u64 {
-    static TOKEN: Mutex<Option<(u32, u64)>> = Mutex::new(None);
+    static TOKEN: PerProcess<Mutex<Option<(u32, u64)>>> = PerProcess::fresh_in_children();
     let pid = std::process::id();
-    let mut t = TOKEN.lock().unwrap_or_else(|e| e.into_inner());
+    let mut t = TOKEN
+        .get(|| Mutex::new(None))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     match *t {
         Some((p, token)) if p == pid => token,
         _ => {

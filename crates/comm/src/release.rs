@@ -25,6 +25,8 @@
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use crate::gpu::PerProcess;
+
 /// What a release thread frees: something to wait for, then something to drop.
 pub(crate) trait Releasable: Send + 'static {
     /// Whether everything that uses the memory has finished (the communicator's last launch);
@@ -93,35 +95,37 @@ pub(crate) const STUCK_AFTER: Duration = Duration::from_millis(200);
 type Seen = Vec<(usize, u64, Option<Instant>)>;
 
 /// The communicators of the process whose work holds frees back (weakly held: a dropped one
-/// leaves by itself).
-pub(crate) struct Registry(Mutex<Vec<Weak<dyn Activity>>>);
+/// leaves by itself). Per process: a fork child neither sees its parent's communicators nor
+/// waits for a lock a parent's thread held at the fork.
+pub(crate) struct Registry(PerProcess<Mutex<Vec<Weak<dyn Activity>>>>);
 
 /// Every communicator of the process.
 pub(crate) static LIVE: Registry = Registry::new();
 
 impl Registry {
     pub(crate) const fn new() -> Registry {
-        Registry(Mutex::new(Vec::new()))
+        Registry(PerProcess::fresh_in_children())
+    }
+
+    fn list(&'static self) -> std::sync::MutexGuard<'static, Vec<Weak<dyn Activity>>> {
+        self.0
+            .get(|| Mutex::new(Vec::new()))
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// From now on, no release frees while `a` has work outstanding. Once at set-up, never on a
     /// call.
-    pub(crate) fn watch(&self, a: Weak<dyn Activity>) {
-        let mut live = self.0.lock().unwrap_or_else(|e| e.into_inner());
+    pub(crate) fn watch(&'static self, a: Weak<dyn Activity>) {
+        let mut live = self.list();
         live.retain(|w| w.strong_count() > 0);
         live.push(a);
     }
 
     /// Whether some watched communicator looks stuck: work outstanding, and no new launch since
     /// this release first saw it or for [`STUCK_AFTER`] (`seen`: what this release saw before).
-    fn holds(&self, seen: &mut Seen) -> bool {
-        let live: Vec<Arc<dyn Activity>> = self
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect();
+    fn holds(&'static self, seen: &mut Seen) -> bool {
+        let live: Vec<Arc<dyn Activity>> = self.list().iter().filter_map(Weak::upgrade).collect();
         let now = Instant::now();
         live.iter().any(|a| {
             if !matches!(a.idle(), Ok(false)) {

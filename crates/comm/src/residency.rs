@@ -16,8 +16,20 @@
 
 use std::sync::Mutex;
 
-/// Levels of one device's ledger: (device, communicator key, level, ranks holding it).
-static LEDGER: Mutex<Vec<(i32, u64, u32, u32)>> = Mutex::new(Vec::new());
+use crate::gpu::PerProcess;
+
+/// A level of a device's ledger: (device, communicator key, level, ranks holding it).
+type Level = (i32, u64, u32, u32);
+
+/// The levels of every device. Per process: a fork child's GPUs run none of its parent's kernels.
+static LEDGER: PerProcess<Mutex<Vec<Level>>> = PerProcess::fresh_in_children();
+
+fn ledger() -> std::sync::MutexGuard<'static, Vec<Level>> {
+    LEDGER
+        .get(|| Mutex::new(Vec::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
 
 /// A communicator's level on its device, given back when dropped.
 #[derive(Debug)]
@@ -31,7 +43,7 @@ impl Share {
     /// The level of the communicator `key` on `device`: the one its ranks of this process already
     /// hold, else the lowest free one.
     pub(crate) fn take(device: i32, key: u64) -> Share {
-        let mut l = LEDGER.lock().unwrap_or_else(|e| e.into_inner());
+        let mut l = ledger();
         if let Some(e) = l.iter_mut().find(|e| e.0 == device && e.1 == key) {
             e.3 += 1;
             return Share {
@@ -60,7 +72,7 @@ impl Share {
 
 impl Drop for Share {
     fn drop(&mut self) {
-        let mut l = LEDGER.lock().unwrap_or_else(|e| e.into_inner());
+        let mut l = ledger();
         if let Some(i) = l.iter().position(|e| e.0 == self.device && e.1 == self.key) {
             l[i].3 -= 1;
             if l[i].3 == 0 {

@@ -79,9 +79,9 @@ fn segment_prefix() -> String {
 /// `n` counts from the time the process made its first name, so a name a dead process of the
 /// same id left behind (not swept: the id is alive again) is not made again.
 pub(crate) fn segment_name() -> String {
-    static FIRST: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    static FIRST: crate::gpu::PerProcess<u64> = crate::gpu::PerProcess::inherited();
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    let first = *FIRST.get_or_init(|| {
+    let first = *FIRST.get(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
@@ -256,13 +256,21 @@ struct Kept {
     nranks: u32,
 }
 
-static KEPT: std::sync::Mutex<Vec<Kept>> = std::sync::Mutex::new(Vec::new());
+/// Per process: a fork child holds none of its parent's arenas.
+static KEPT: crate::gpu::PerProcess<std::sync::Mutex<Vec<Kept>>> =
+    crate::gpu::PerProcess::fresh_in_children();
+
+fn kept_list() -> std::sync::MutexGuard<'static, Vec<Kept>> {
+    KEPT.get(|| std::sync::Mutex::new(Vec::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
 
 /// Keeps the arena of a released communicator with peers until every peer's closed word is set:
 /// until then a peer that has not noticed a failure yet may still write into it, and freed, its
 /// memory could be handed to another allocation and overwritten.
 pub(crate) fn keep(device: std::sync::Arc<Device>, arena: LocalArena, rank: u32, nranks: u32) {
-    KEPT.lock().unwrap_or_else(|e| e.into_inner()).push(Kept {
+    kept_list().push(Kept {
         device,
         arena,
         rank,
@@ -273,7 +281,7 @@ pub(crate) fn keep(device: std::sync::Arc<Device>, arena: LocalArena, rank: u32,
 /// Frees every kept arena whose peers have all closed; returns how many stay. Frees wait for
 /// the device's outstanding work: only a release thread that may free calls it.
 pub(crate) fn sweep() -> usize {
-    let mut kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+    let mut kept = kept_list();
     kept.retain(|k| !k.all_closed());
     kept.len()
 }
@@ -305,7 +313,7 @@ impl Kept {
 
 /// Arenas kept for peers that have not closed yet (the GPU tests of releases).
 pub fn kept_arenas() -> usize {
-    KEPT.lock().unwrap_or_else(|e| e.into_inner()).len()
+    kept_list().len()
 }
 
 #[cfg(test)]

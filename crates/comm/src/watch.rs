@@ -13,7 +13,7 @@
 //! status record) is behind [`Watched`], so the logic is tested on the CPU.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -104,8 +104,9 @@ impl Watchdog {
 
     /// The process's watchdog (started at its first use; it looks every 100 microseconds).
     pub fn process() -> &'static Watchdog {
-        static W: OnceLock<Watchdog> = OnceLock::new();
-        W.get_or_init(|| Watchdog::new(Duration::from_micros(100)))
+        // Per process: a fork child has no thread of its parent's.
+        static W: crate::gpu::PerProcess<Watchdog> = crate::gpu::PerProcess::fresh_in_children();
+        W.get(|| Watchdog::new(Duration::from_micros(100)))
     }
 
     /// Watches `call` from now until it is done or released.

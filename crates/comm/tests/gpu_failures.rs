@@ -1099,3 +1099,97 @@ fn a_buffer_layout_only_one_rank_uses_is_staged_on_that_rank() {
         }
     });
 }
+
+/// Issue 45, item 7: fork children of a parent whose threads are inside set-up and release. Two
+/// threads build, use and release two-rank communicators back to back (the devices, kernels,
+/// identity, ledgers and release registry of the communicator crates locked all the time) while
+/// the main thread forks 40 children; each child sets up a communicator of its own and leaves.
+/// CUDA does not work in a fork child of a process that used it, so the child's set-up fails, but
+/// it must fail at once: before, a child forked while a parent's thread held one of those locks
+/// waited for it for ever.
+#[test]
+fn fork_children_of_a_parent_inside_set_up_and_release_never_hang() {
+    let cfg = CommConfig {
+        calibrate: false,
+        arena_bytes: 4 << 20,
+        ..CommConfig::default()
+    };
+    let group = ThreadGroup::new(2, Duration::from_secs(60));
+    let members = group.members();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let mut ended = Vec::new();
+    std::thread::scope(|s| {
+        for m in &members {
+            let (cfg, stop) = (cfg.clone(), &stop);
+            s.spawn(move || {
+                let v = Verifier::new(0).unwrap();
+                let _ctx = v.activate().unwrap();
+                let stream = v.stream().unwrap();
+                let buf = v.alloc(1 << 16).unwrap();
+                loop {
+                    let comm = Communicator::new(m, 0, cfg.clone()).unwrap();
+                    comm.execute(
+                        &Request::typed(Collective::AllReduce, 256, DataType::F32)
+                            .between(buf.as_ptr(), buf.as_ptr())
+                            .on(stream),
+                    )
+                    .unwrap();
+                    stream.synchronize().unwrap();
+                    let released = comm.defer_release();
+                    drop(comm);
+                    assert!(released.wait(Duration::from_secs(5)));
+                    let mine = [u8::from(stop.load(Ordering::SeqCst))];
+                    if m.all_gather(&mine).unwrap().iter().any(|b| b[0] == 1) {
+                        break;
+                    }
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        for _ in 0..40 {
+            // SAFETY: the child sets up a one-rank communicator and leaves with _exit.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork");
+            if pid == 0 {
+                let one = ThreadGroup::new(1, Duration::from_secs(5));
+                let _ = flashcomm_comm::identity::process_token();
+                let _ = Communicator::new(&one.members()[0], 0, cfg.clone());
+                // SAFETY: ends the child without the parent's exit handlers.
+                unsafe { libc::_exit(0) };
+            }
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let mut status = 0;
+            loop {
+                // SAFETY: our own child, without blocking.
+                let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+                if r == pid {
+                    ended.push(if libc::WIFEXITED(status) {
+                        "exited"
+                    } else {
+                        "killed by a signal"
+                    });
+                    break;
+                }
+                if Instant::now() > deadline {
+                    // SAFETY: our own child, not reaped yet.
+                    unsafe {
+                        libc::kill(pid, libc::SIGKILL);
+                        libc::waitpid(pid, &mut status, 0);
+                    }
+                    ended.push("hung");
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        stop.store(true, Ordering::SeqCst);
+    });
+    let bad: Vec<_> = ended.iter().filter(|e| **e != "exited").collect();
+    println!(
+        "{} fork children: {} did not exit: {bad:?}",
+        ended.len(),
+        bad.len()
+    );
+    assert!(bad.is_empty(), "{bad:?}");
+}

@@ -53,10 +53,13 @@ impl Device {
     /// Opens device `ordinal` (cached: one `Device` per ordinal per process).
     pub fn open(ordinal: i32) -> Result<Arc<Device>, Error> {
         use std::collections::HashMap;
-        use std::sync::{Mutex, OnceLock};
-        static DEVICES: OnceLock<Mutex<HashMap<i32, Arc<Device>>>> = OnceLock::new();
+        use std::sync::Mutex;
+        // Per process: a fork child neither takes its parent's devices nor waits for a lock a
+        // parent's thread held at the fork.
+        static DEVICES: crate::process::PerProcess<Mutex<HashMap<i32, Arc<Device>>>> =
+            crate::process::PerProcess::fresh_in_children();
         init()?;
-        let map = DEVICES.get_or_init(|| Mutex::new(HashMap::new()));
+        let map = DEVICES.get(|| Mutex::new(HashMap::new()));
         let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(d) = map.get(&ordinal) {
             return Ok(d.clone());

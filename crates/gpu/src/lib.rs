@@ -16,13 +16,12 @@
 //! driver's initialization, devices and their primary contexts), `stream`, `memory` (device,
 //! IPC and host-mapped memory, what the driver knows of an address), `event`, `graph` (a
 //! stream's capture and the instantiated graph), `module` (modules, functions, launches),
-//! `host_arena` (shared host memory) and `caller`. This file keeps the one CUDA error type,
+//! `host_arena` (shared host memory), `caller` and `process` (the state a fork child makes
+//! afresh, which every crate's process-wide locks and caches use). This file keeps the one CUDA error type,
 //! [`Error`], which the other crates wrap.
 //!
 //! It imports nothing of flashcomm (it is the bottom of the dependency graph with the NCCL
 //! bindings and the CPU codec).
-
-use std::sync::OnceLock;
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
@@ -34,6 +33,7 @@ mod graph;
 mod host_arena;
 mod memory;
 mod module;
+pub mod process;
 mod stream;
 
 pub use caller::{OwnStream, SavedContext, current_device, driver_loaded};
@@ -91,7 +91,7 @@ pub(crate) fn check(r: sys::CUresult, during: &'static str) -> Result<(), Error>
 
 /// Whether the CUDA driver library can be loaded (cudarc panics on first use otherwise).
 pub fn driver_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
+    static PRESENT: process::PerProcess<bool> = process::PerProcess::inherited();
     // SAFETY: is_culib_present only tries to dlopen the driver library by its usual names.
-    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+    *PRESENT.get(|| unsafe { sys::is_culib_present() })
 }

@@ -205,8 +205,12 @@ pub fn user_allocation(addr: u64, token: u64) -> Result<UserAllocation, Error> {
 /// own PID namespace, and in another namespace the same number may name another process, even
 /// the importer itself, whose descriptors would map the wrong memory without an error.
 fn identity_fd(token: u64) -> Result<i32, Error> {
-    static IDENT: std::sync::Mutex<Option<(u64, i32)>> = std::sync::Mutex::new(None);
-    let mut id = IDENT.lock().unwrap_or_else(|e| e.into_inner());
+    static IDENT: crate::process::PerProcess<std::sync::Mutex<Option<(u64, i32)>>> =
+        crate::process::PerProcess::fresh_in_children();
+    let mut id = IDENT
+        .get(|| std::sync::Mutex::new(None))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     if let Some((t, fd)) = *id {
         if t == token {
             return Ok(fd);

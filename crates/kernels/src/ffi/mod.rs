@@ -6,11 +6,12 @@
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
 
 use flashcomm_gpu::Module;
+use flashcomm_gpu::process::PerProcess;
 pub use flashcomm_gpu::{Function, LaunchConfig, driver_present};
 
 use crate::Error;
@@ -122,14 +123,16 @@ impl Kernels {
     /// Loads (once per context, then cached) every embedded module into `ctx`, which must be
     /// current on the calling thread, and resolves the catalogue.
     pub fn for_context(ctx: sys::CUcontext) -> Result<Arc<Kernels>, Error> {
-        static CACHE: OnceLock<Mutex<HashMap<usize, Arc<Kernels>>>> = OnceLock::new();
+        // Per process: a fork child never waits for a lock a parent's thread held at the fork.
+        static CACHE: PerProcess<Mutex<HashMap<usize, Arc<Kernels>>>> =
+            PerProcess::fresh_in_children();
         if !crate::built_with_kernels() {
             return Err(Error::NoKernels);
         }
         if !driver_present() {
             return Err(Error::Cuda(flashcomm_gpu::Error::NoDriver));
         }
-        let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+        let cache = CACHE.get(|| Mutex::new(HashMap::new()));
         let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = map.get(&(ctx as usize)) {
             return Ok(k.clone());
