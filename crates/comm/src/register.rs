@@ -8,15 +8,17 @@
 //!
 //! **The board.** Each rank of a communicator with peers in other processes owns a small shared
 //! host segment (its *board*), which every peer maps at set-up. Registering a buffer exports the
-//! allocation holding it (a legacy IPC handle) into a slot of the owner's board; every peer,
-//! at its next call (or while it waits in a collective registration), opens the handles it has
-//! not seen and acknowledges each in the slot's row: the address at which its process sees the
-//! allocation. Nothing in this is collective, so a registration on some ranks only, or at
-//! different times, is fine: a rank publishes a peer the address of its buffer in that peer's
-//! process only once the peer acknowledged the slot; until then it stages its data in its own
-//! pull area, which every peer has mapped since set-up (rank-local: [`crate::abi`]'s
-//! `FLAG_PULL_STAGE_SEND`/`FLAG_PULL_STAGE_RECV`). The protocol every rank runs is the same
-//! either way, and so are the results, bit for bit.
+//! allocation holding it (a legacy IPC handle, else, for the virtual memory API's allocations
+//! shareable as a POSIX file descriptor, that descriptor: [`crate::gpu::user_allocation`]) into
+//! a slot of the owner's board; every peer, at its next direct call (or while it waits in a
+//! collective exchange), opens the handles it has not seen and acknowledges each in the slot's
+//! row: the address at which its process sees the allocation (0: it could not map it). Nothing
+//! in this is collective, so a registration on some ranks only, or at different times, is fine:
+//! a rank publishes a peer the address of its buffer in that peer's process only once the peer
+//! acknowledged the slot; until then it stages its data in its own pull area, which every peer
+//! has mapped since set-up (rank-local: [`crate::abi`]'s `FLAG_PULL_STAGE_SEND`/
+//! `FLAG_PULL_STAGE_RECV`). The protocol every rank runs is the same either way, and so are the
+//! results, bit for bit.
 //!
 //! **Words.** Every board word is an 8-byte atomic: a writer stores the payload words first and
 //! the word that validates them last (release); a reader loads the validating word first

@@ -161,8 +161,10 @@ pub(crate) fn on_comm_resumed(comm: ncclComm_t) {
 /// `ncclCommWindowRegister`) under `handle`: for a communicator flashcomm serves it is registered
 /// with flashcomm's communicator too, so that with `FLASHCOMM_ZERO_COPY` (the default) peers of
 /// other processes read it in place. Nothing here changes the call's result: a buffer flashcomm cannot serve in
-/// place is staged. A collective registration waits (bounded) for the peers' mappings, except
-/// inside a group, where the real registration itself is deferred to the group's end.
+/// place is staged. A collective registration takes part in an exchange with the peers of other
+/// processes, at most [`REGISTER_WAIT`], except inside a group (the real library may fill the
+/// window in only at the group's end): there it is registered without waiting when the window is
+/// filled in, and not at all when it is not.
 pub(crate) fn on_registered(
     comm: ncclComm_t,
     buff: u64,
@@ -730,5 +732,27 @@ mod tests {
         assert!(state.is_set_up());
         assert!(state.served().is_none());
         on_comm_destroying(comm, CommEnd::Destroy);
+    }
+
+    /// How long `ncclCommWindowRegister` may wait is stated in docs/abi.md (the support matrix,
+    /// generated from `crates/xtask/src/abi.rs`) and in docs/protocols.md ("Windows"): the
+    /// same number as the code's.
+    #[test]
+    fn the_documented_window_wait_is_the_codes() {
+        let secs = REGISTER_WAIT.as_secs();
+        assert_eq!(REGISTER_WAIT, std::time::Duration::from_secs(secs));
+        let doc = |name: &str| {
+            let path = format!("{}/../../docs/{name}", env!("CARGO_MANIFEST_DIR"));
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+        };
+        let abi = doc("abi.md");
+        let said = format!("outside a group the call then waits, at most {secs} s,");
+        assert!(abi.contains(&said), "docs/abi.md should say: {said}");
+        let protocols = doc("protocols.md");
+        let said = format!("or after {secs} s (`REGISTER_WAIT` in `crates/shim/src/dispatch.rs`)");
+        assert!(
+            protocols.contains(&said),
+            "docs/protocols.md should say: {said}"
+        );
     }
 }

@@ -797,6 +797,67 @@ fn a_held_call_the_real_library_refuses_fails_the_group_end() {
     assert!(out.status.success(), "{}", stderr(&out));
 }
 
+/// A collective called inside `ncclGroupStart`/`ncclGroupEnd` is routed as one called alone, at
+/// the call (docs/abi.md, "The routing seam"): it goes through the router (counted under its
+/// route) and, here where the fake's communicator is not served (no GPU), reaches the real
+/// library before the group ends, inside the real group. Nothing is deferred to the group's end,
+/// with or without `FLASHCOMM_GROUPED_ALLTOALL` (which holds only Send/Recv); a collective
+/// flashcomm's kernels take is launched at the same point, and the route itself does not read
+/// the group depth (`policy::tests::the_route_is_the_same_under_every_fact_nccl_lets_differ`).
+#[test]
+fn a_grouped_collective_goes_through_the_router_at_the_call() {
+    let name = "a_grouped_collective_goes_through_the_router_at_the_call";
+    if is_child(name) {
+        let Both { ours, fake } = both();
+        let start: GroupFn = ours.lib.get("ncclGroupStart");
+        let end: GroupFn = ours.lib.get("ncclGroupEnd");
+        let comm = init_rank(&ours);
+        let g = |f: GroupFn| {
+            // SAFETY: ncclGroupStart/End take no arguments.
+            unsafe { f() }
+        };
+        // Route 0 is NCCL's, collective 0 AllReduce (`include/flashcomm.h`).
+        let counted = || ours.stats(comm).1.calls[0][0];
+        let log = || fake.text("fake_log");
+
+        // Alone: forwarded and counted.
+        let (calls, seen) = (fake.int("fake_allreduce_calls"), counted());
+        assert_eq!(ours.all_reduce(0x1000, 0x2000, 4, BF16, 0, comm), SUCCESS);
+        assert_eq!(fake.int("fake_allreduce_calls"), calls + 1);
+        assert_eq!(counted(), seen + 1);
+
+        // Grouped, at one and two levels: the same, before the group ends.
+        for depth in [1, 2] {
+            let (calls, seen) = (fake.int("fake_allreduce_calls"), counted());
+            for _ in 0..depth {
+                assert_eq!(g(start), SUCCESS);
+            }
+            assert_eq!(ours.all_reduce(0x1000, 0x2000, 4, BF16, 0, comm), SUCCESS);
+            assert_eq!(
+                fake.int("fake_allreduce_calls"),
+                calls + 1,
+                "at depth {depth} the call reached the real library at the call: {}",
+                log()
+            );
+            assert_eq!(counted(), seen + 1, "routed and counted at the call");
+            let (starts, ends) = ("start;".repeat(depth), "end;".repeat(depth));
+            assert!(log().ends_with(&format!("{starts}allreduce;")), "{}", log());
+            for _ in 0..depth {
+                assert_eq!(g(end), SUCCESS);
+            }
+            let whole = format!("{starts}allreduce;{ends}");
+            assert!(log().ends_with(&whole), "{}", log());
+            assert_eq!(fake.int("fake_allreduce_calls"), calls + 1, "and only then");
+            assert_eq!(counted(), seen + 1);
+        }
+        return;
+    }
+    for extra in [&[][..], &[("FLASHCOMM_GROUPED_ALLTOALL", "1")][..]] {
+        let out = child(name, extra);
+        assert!(out.status.success(), "{extra:?}: {}", stderr(&out));
+    }
+}
+
 type GroupFn = unsafe extern "C" fn() -> c_int;
 
 /// A call flashcomm fails itself inside a group (here: a function the real library lacks, or a

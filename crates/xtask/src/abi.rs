@@ -20,8 +20,8 @@ const INTERCEPTED: &[&str] = &[
 fn handling(name: &str) -> Option<&'static str> {
     Some(match name {
         "ncclAllReduce" => {
-            "inspected; **intercepted**: flashcomm's lossless or quantized kernels when eligible, \
-             else forwarded"
+            "inspected; **intercepted**: flashcomm's lossless or quantized kernels when eligible \
+             (inside a group too, launched at the call), else forwarded"
         }
         "ncclAllReduceConfig" => {
             "inspected; forwarded unless `config` is NULL, then as `ncclAllReduce`"
@@ -30,15 +30,17 @@ fn handling(name: &str) -> Option<&'static str> {
             "inspected; forwarded unless `config` is NULL, then as the plain function"
         }
         n if INTERCEPTED.contains(&n) => {
-            "inspected; **intercepted**: flashcomm's lossless kernels when eligible, else forwarded"
+            "inspected; **intercepted**: flashcomm's lossless kernels when eligible (inside a group \
+             too, launched at the call), else forwarded"
         }
         "ncclBroadcast"
         | "ncclBroadcastConfig"
         | "ncclBcast"
         | "ncclReduce"
-        | "ncclReduceConfig"
-        | "ncclSend"
-        | "ncclRecv" => {
+        | "ncclReduceConfig" => {
+            "inspected + forwarded; inside a group that holds its Send/Recv calls back (`FLASHCOMM_GROUPED_ALLTOALL=1`), the held calls go to NCCL first (\"Send/Recv groups\")"
+        }
+        "ncclSend" | "ncclRecv" => {
             "inspected + forwarded; inside a group with `FLASHCOMM_GROUPED_ALLTOALL=1`, held until the group shows whether it is an all-to-all (\"Send/Recv groups\")"
         }
         "ncclCommInitRank"
@@ -67,8 +69,11 @@ fn handling(name: &str) -> Option<&'static str> {
         "ncclCommDestroy" => {
             "the ending hook (**intercepted**: flashcomm's communicator is released); then forwarded"
         }
-        "ncclCommRegister" | "ncclCommWindowRegister" => {
-            "forwarded; then, for a communicator flashcomm serves, **intercepted**: the buffer is registered with flashcomm's communicator too (zero-copy for peers of other processes unless `FLASHCOMM_ZERO_COPY=0`; the window's registration waits, bounded, for every peer's mapping)"
+        "ncclCommRegister" => {
+            "forwarded; then, for a communicator flashcomm serves, **intercepted**: the buffer is registered with flashcomm's communicator too (zero-copy for peers of other processes on the peer transport unless `FLASHCOMM_ZERO_COPY=0`); no wait: peers map it at their next direct call"
+        }
+        "ncclCommWindowRegister" => {
+            "forwarded; then, for a communicator flashcomm serves, **intercepted**: the window is registered with flashcomm's communicator too, as with `ncclCommRegister`; outside a group the call then waits, at most 10 s, until every peer of another process that takes part has acknowledged it (`docs/protocols.md`, \"Windows\"); inside a group it does not wait"
         }
         "ncclCommDeregister" | "ncclCommWindowDeregister" => {
             "**intercepted**: flashcomm's communicator stops reading the buffer in place; then forwarded"

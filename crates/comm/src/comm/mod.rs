@@ -333,9 +333,9 @@ impl Communicator {
 impl Communicator {
     /// Registers `len` bytes of device memory at `ptr` (`ncclCommRegister`: local, no peer
     /// takes part). With zero-copy on and peers in other processes, the allocation holding the
-    /// buffer is exported to them, and once each has mapped it (at its next call) the direct
-    /// PULL protocol lets it read the buffer in place; until then, or if the driver cannot
-    /// export the memory, the buffer is staged as unregistered ones are. Never fails: what
+    /// buffer is exported to them, and once each has mapped it (at its next direct call) the
+    /// direct PULL protocol lets it read the buffer in place; until then, or if the driver
+    /// cannot export the memory, the buffer is staged as unregistered ones are. Never fails: what
     /// cannot be served in place is served by staging.
     pub fn register(&self, ptr: u64, len: u64) -> Result<RegistrationId, Error> {
         let _ctx = self.device.activate()?;
@@ -343,9 +343,11 @@ impl Communicator {
     }
 
     /// [`Communicator::register`] for a collective registration (`ncclCommWindowRegister`,
-    /// which every rank calls): also waits, at most `limit`, until every peer of another process
-    /// has mapped the buffer, so the first call after it already reads in place. Whether they
-    /// all did in time.
+    /// which every rank calls): also takes part in a collective exchange
+    /// ([`crate::register`]), waiting at most `limit` until every peer of another process that
+    /// takes part has acknowledged the buffer (mapped it, or said it could not), so the first
+    /// call after it already reads in place. Returns at once where no peer takes part. Whether
+    /// the exchange completed in time.
     pub fn register_collective(
         &self,
         ptr: u64,

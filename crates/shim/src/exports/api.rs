@@ -555,8 +555,9 @@ nccl_api! {
         forwarded!(call_real!(DEREGISTER, (comm, handle) -> ncclResult_t))
     }
 
-    /// Collective, like the real one: a communicator flashcomm serves registers the window too and
-    /// waits (bounded) until every peer of another process has mapped it.
+    /// Collective, like the real one: a communicator flashcomm serves registers the window too and,
+    /// outside a group, waits (at most `dispatch::REGISTER_WAIT`) until every peer of another
+    /// process that takes part has acknowledged it (`dispatch::on_registered`).
     fn ncclCommWindowRegister(comm: ncclComm_t, buff: *mut c_void, size: usize,
         win: *mut ncclWindow_t, win_flags: c_int) -> ncclResult_t {
         let r = forwarded!(call_real!(WINDOW_REGISTER,
