@@ -186,7 +186,8 @@ pub(crate) fn on_registered(
                     logging::info(
                         Subsys::Init,
                         &format!(
-                            "window {buff:#x} ({size} bytes): not every peer mapped it in time;                              it is staged until they do"
+                            "window {buff:#x} ({size} bytes): not every peer mapped it in time; \
+                             it is staged until they do"
                         ),
                     );
                 }
