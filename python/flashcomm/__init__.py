@@ -1,9 +1,9 @@
 """flashcomm: an NCCL-compatible drop-in ``libnccl.so.2``.
 
 The wheel ships flashcomm's library (CUDA kernels embedded) as ``flashcomm/lib/libnccl.so.2``.
-flashcomm runs eligible AllReduce, ReduceScatter and AllGather calls on its own kernels (lossless,
-or quantized to 2..8 bits when asked) and forwards every other call to the real NCCL, which it
-finds through the ``nvidia-nccl-cu13`` package.
+flashcomm runs eligible AllReduce, ReduceScatter, AllGather and AllToAll calls on its own kernels
+(lossless, or quantized to 2..8 bits when asked) and forwards every other call to the real NCCL,
+which it finds through the ``nvidia-nccl-cu13`` package.
 
 * :func:`library_path` -- the library's file;
 * :func:`real_nccl_path` -- the real NCCL of the ``nvidia-nccl-cu13`` package;

@@ -70,10 +70,11 @@ pub enum Protocol {
     /// Push: frames with one tag written after a fence: full density, one fence per frame.
     Block,
     /// Pull, staged: each rank copies its input into its own arena and publishes one flag line
-    /// per (peer, block, stage); peers load from there. AllReduce only.
+    /// per (peer, block, stage); peers load from there. Every lossless collective.
     Pull,
-    /// Pull, direct: peers load straight from the user's buffers (ranks of one process on one
-    /// device), and each block ends with a "done" flag exchange. AllReduce only.
+    /// Pull, direct: peers load straight from the user's buffers where they can (ranks of one
+    /// process; registered or captured buffers of other processes of the machine with zero-copy),
+    /// and each block ends with a "done" flag exchange. Every lossless collective.
     Direct,
 }
 
@@ -86,8 +87,8 @@ impl Protocol {
         Protocol::Direct,
     ];
 
-    /// The push protocols, the ones every collective has kernels of (ReduceScatter, AllGather
-    /// and AllToAll have no PULL kernels).
+    /// The push protocols, the ones every call has kernels of (the quantized kernels are push
+    /// kernels; the PULL ones are lossless).
     pub const PUSH: [Protocol; 2] = [Protocol::Ll, Protocol::Block];
 
     /// Kernel-name fragment (also the protocol's name in settings and tables).
