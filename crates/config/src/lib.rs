@@ -400,8 +400,9 @@ variables! {
     /// (LL, BLOCK and the PULL protocol the communicator offers), so that their protocol is
     /// chosen from their own times rather than from the AllReduce's (on an H100 with 8 virtual
     /// ranks: within 5% of the fastest protocol at every size measured, against up to 1.4x
-    /// slower). Set-up takes longer: about 0.2-0.3 s at 8 ranks on one GPU, twice as long on the
-    /// host transport; hence off by default.
+    /// slower). Set-up takes longer (H100): 34-286 ms more with 2-8 ranks as threads of one
+    /// process, 0.2-0.5 s more with 4 rank processes, and about twice as long on the host
+    /// transport (1.1-1.2 s to 2.4 s); hence off by default.
     calibrate_moves: bool = false => {
         name: "FLASHCOMM_CALIBRATE_MOVES",
         kind: "bool",
