@@ -3,10 +3,12 @@
 The wheel ships flashcomm's library (CUDA kernels embedded) as ``flashcomm/lib/libnccl.so.2``.
 flashcomm runs eligible AllReduce, ReduceScatter, AllGather and AllToAll calls on its own kernels
 (lossless, or quantized to 2..8 bits when asked) and forwards every other call to the real NCCL,
-which it finds through the ``nvidia-nccl-cu13`` package.
+which it finds through the NCCL package the wheel depends on (:data:`NCCL_PACKAGE`:
+``nvidia-nccl-cu13``, or ``nvidia-nccl-cu12`` for the CUDA 12 build's ``flashcomm-cu12``; both
+install ``nvidia.nccl``).
 
 * :func:`library_path` -- the library's file;
-* :func:`real_nccl_path` -- the real NCCL of the ``nvidia-nccl-cu13`` package;
+* :func:`real_nccl_path` -- the real NCCL of that package;
 * :func:`env` -- the environment variables that make a program use flashcomm (``LD_PRELOAD``,
   ``VLLM_NCCL_SO_PATH``, ``SGLANG_NCCL_SO_PATH``, ``FLASHCOMM_NCCL_LIB``) plus any settings;
 * :func:`stats` -- calls and bytes per route and collective (``flashcommGetStats``);
@@ -27,13 +29,16 @@ import sys
 
 try:
     from ._build import BUILD as _BUILD
+    from ._build import NCCL_PACKAGE
     from ._build import VERSION as __version__
 except ImportError:  # a source checkout, not an installed wheel
     __version__ = "0+unknown"
     _BUILD = {}
+    NCCL_PACKAGE = "nvidia-nccl-cu13"
 
 __all__ = [
     "COLLECTIVES",
+    "NCCL_PACKAGE",
     "ROUTES",
     "build_info",
     "check_settings",
@@ -81,7 +86,7 @@ def library_path():
 
 
 def real_nccl_path():
-    """The real ``libnccl.so.2`` of the ``nvidia-nccl-cu13`` package (``nvidia.nccl``), or None
+    """The real ``libnccl.so.2`` of the :data:`NCCL_PACKAGE` package (``nvidia.nccl``), or None
     when that package is not importable. Never flashcomm's own library."""
     try:
         spec = importlib.util.find_spec("nvidia.nccl")
@@ -120,7 +125,7 @@ def env(base=None, nccl_lib=None, **settings):
     * ``VLLM_NCCL_SO_PATH`` and ``SGLANG_NCCL_SO_PATH``: the library, for stacks that load NCCL
       by path;
     * ``FLASHCOMM_NCCL_LIB``: the real NCCL: ``nccl_lib`` if given, else ``base``'s value if it
-      has one, else the ``nvidia-nccl-cu13`` package's (omitted when none is found: the library
+      has one, else the :data:`NCCL_PACKAGE` package's (omitted when none is found: the library
       then looks for it itself);
     * each keyword setting: ``bits=4`` -> ``FLASHCOMM_QUANT_BITS=4`` (also ``rs_bits``,
       ``ag_bits``, ``group``, ``spikes``); any other ``name=value`` -> ``FLASHCOMM_NAME=value``

@@ -37,7 +37,7 @@ def _settings_parser(prog, description):
     g.add_argument("--disable", action="store_true",
                    help="FLASHCOMM_DISABLE=1: preload, but forward every call to NCCL")
     g.add_argument("--nccl-lib", help="FLASHCOMM_NCCL_LIB: the real libnccl.so.2 (default: the "
-                   "nvidia-nccl-cu13 package's)")
+                   f"{flashcomm.NCCL_PACKAGE} package's)")
     g.add_argument("--debug", metavar="LEVEL",
                    help="NCCL_DEBUG (VERSION shows flashcomm's one-line engagement message)")
     g.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
@@ -128,7 +128,7 @@ def _info(argv):
     argparse.ArgumentParser(prog="flashcomm info").parse_args(argv)
     print(f"flashcomm {flashcomm.__version__}")
     print(f"library: {flashcomm.library_path()}")
-    print(f"real NCCL (nvidia-nccl-cu13): {flashcomm.real_nccl_path() or 'not found'}")
+    print(f"real NCCL ({flashcomm.NCCL_PACKAGE}): {flashcomm.real_nccl_path() or 'not found'}")
     for key, value in sorted(flashcomm.build_info().items()):
         print(f"{key}: {value}")
     # With the variables `flashcomm run` gives a job.

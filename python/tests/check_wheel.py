@@ -1,11 +1,13 @@
 """CPU checks of an installed flashcomm wheel, run by ci/wheel-test.sh with the Python of a fresh
 virtual environment into which the wheel was just installed (FLASHCOMM_NCCL_LIB and LD_PRELOAD
-unset: the real NCCL must be found through the nvidia-nccl-cu13 package). Prints one PASS/FAIL line
-per check and ends with "N passed, N failed"; the exit status is 0 only if every check passed.
+unset: the real NCCL must be found through the NCCL package the wheel depends on, nvidia-nccl-cu13,
+or nvidia-nccl-cu12 for flashcomm-cu12). Prints one PASS/FAIL line per check and ends with
+"N passed, N failed"; the exit status is 0 only if every check passed.
 
     <venv>/bin/python check_wheel.py
 """
 import ctypes
+import importlib.metadata
 import json
 import os
 import re
@@ -53,8 +55,13 @@ def main():
     check(lib_path == os.path.join(pkg, "lib", "libnccl.so.2") and os.path.isfile(lib_path),
           "library_path() is <package>/lib/libnccl.so.2", lib_path)
     real = flashcomm.real_nccl_path()
+    cuda = flashcomm.build_info().get("cuda")
+    requires = importlib.metadata.requires(f"flashcomm-cu{cuda}") or []
+    check(flashcomm.NCCL_PACKAGE == f"nvidia-nccl-cu{cuda}"
+          and any(r.startswith(flashcomm.NCCL_PACKAGE) for r in requires),
+          f"flashcomm-cu{cuda} depends on {flashcomm.NCCL_PACKAGE}", requires)
     check(real is not None and real.endswith(os.path.join("nvidia", "nccl", "lib", "libnccl.so.2")),
-          "real_nccl_path() finds the nvidia-nccl-cu13 package", real)
+          f"real_nccl_path() finds the {flashcomm.NCCL_PACKAGE} package", real)
     check(real is None or os.path.realpath(real) != os.path.realpath(lib_path),
           "the real NCCL is not flashcomm's library")
 
