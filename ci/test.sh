@@ -4,13 +4,15 @@
 # everything including the CUDA kernels, and runs every CPU test, of the product's workspace and
 # of the research tools' own (tools/research, which shares target/), then the Python wheel's test
 # (ci/wheel-test.sh), the multi-GPU check's (ci/multi-gpu-check-test.sh) and ci/demo.sh's on a
-# machine without a GPU (ci/demo-test.sh).
+# machine without a GPU (ci/demo-test.sh), then the CUDA 12 build (docs/cuda12.md): the library
+# compiled by `ci/setup.sh --cuda 12`'s compiler, for sm_90 only (each architecture costs minutes),
+# packaged as flashcomm-cu12 and tested by ci/wheel-test.sh --cuda 12.
 # GPU tests are not run here (see ci/gpu-bundle.sh and docs/testing.md). A test that cannot run
 # for want of a tool is listed by name as skipped in the summary, never counted as passed.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-"$root/ci/setup.sh" > /dev/null
+"$root/ci/setup.sh" --cuda 12 > /dev/null
 # shellcheck disable=SC1091
 source "$root/.toolchain/env.sh"
 # A kernel that does not compile must fail the tests, not silently build a pass-through library.
@@ -49,6 +51,18 @@ multigpu_status=${PIPESTATUS[0]}
 echo "== ci/demo.sh on a machine without a GPU"
 "$root/ci/demo-test.sh" 2>&1 | tee -a "$log"
 demo_status=${PIPESTATUS[0]}
+echo "== the CUDA 12 build (sm_90) and its wheel flashcomm-cu12, in a fresh virtual environment"
+cu12_target="$root/target/cu12"
+(
+  # shellcheck disable=SC1091
+  source "$root/.toolchain/env-cu12.sh"
+  FLASHCOMM_CUDA_ARCHS=90 CARGO_TARGET_DIR="$cu12_target" cargo build --quiet -p flashcomm-shim
+) 2>&1 | tee -a "$log"
+cu12_status=${PIPESTATUS[0]}
+if [ "$cu12_status" -eq 0 ]; then
+  "$root/ci/wheel-test.sh" --cuda 12 --lib "$cu12_target/debug/libnccl.so" 2>&1 | tee -a "$log"
+  cu12_status=${PIPESTATUS[0]}
+fi
 set -e
 passed=$(grep -o '[0-9]* passed' "$log" | awk '{s+=$1} END {print s+0}')
 failed=$(grep -o '[0-9]* failed' "$log" | awk '{s+=$1} END {print s+0}')
@@ -61,4 +75,5 @@ if [ "$skipped" -gt 0 ]; then
 fi
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$status" -eq 0 ] && [ "$research_status" -eq 0 ] && [ "$wheel_status" -eq 0 ] \
-  && [ "$multigpu_status" -eq 0 ] && [ "$demo_status" -eq 0 ] && [ "$failed" -eq 0 ]
+  && [ "$multigpu_status" -eq 0 ] && [ "$demo_status" -eq 0 ] && [ "$cu12_status" -eq 0 ] \
+  && [ "$failed" -eq 0 ]
