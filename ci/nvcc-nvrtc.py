@@ -149,7 +149,12 @@ def main(argv):
         nvrtc.nvrtcGetSupportedArchs(archs)
         print("\n".join(f"sm_{a}" for a in archs))
         return None
-    options = [f"--include-path={NV}/cuda_runtime/include",
+    # NVRTC takes a function without an execution space for host code, which it cannot compile;
+    # nvcc makes a lambda in device code a device function, and lets device code call constexpr
+    # functions (--expt-relaxed-constexpr). -default-device makes them device functions (the
+    # product's PTX is byte for byte the same with and without it; the test-only codec kernels
+    # need it).
+    options = ["-default-device", f"--include-path={NV}/cuda_runtime/include",
                f"--include-path={NV}/cuda_cccl/include"]
     sass, ptx, out, src, fatbin_wanted = [], [], None, None, False
     args = iter(argv)
@@ -159,7 +164,7 @@ def main(argv):
         elif a == "-O3":
             pass  # nvcc's -O applies to host code; NVRTC optimizes device code fully by default
         elif a == "--expt-relaxed-constexpr":
-            pass  # NVRTC has no such flag: a source that needs it fails here (none does)
+            pass  # NVRTC has no such flag; -default-device below allows what it allows
         elif a in ("-std=c++17", "-lineinfo", "-fmad=false", "-fmad=true"):
             options.append(a)
         elif a.startswith("-Xptxas="):
