@@ -4,8 +4,14 @@
 # from it, the GPU test executables, the tools, the C and Python test programs, and run.sh, which
 # runs them all there.
 #
-#   ci/gpu-bundle.sh <bundle-dir>          # here (needs ci/setup.sh's toolchain)
-#   <bundle-dir>/run.sh <results-dir>      # on the GPU machine; ends with "N passed, N failed"
+#   ci/gpu-bundle.sh [--cuda 12] <bundle-dir>   # here (needs ci/setup.sh's toolchain)
+#   <bundle-dir>/run.sh <results-dir>           # on the GPU machine; ends with "N passed, N failed"
+#
+# --cuda 12 bundles the CUDA 12 build (docs/cuda12.md): the library, the GPU test executables and
+# every kernel compiled by `ci/setup.sh --cuda 12`'s compiler (in target/bundle-cu12 unless
+# CARGO_TARGET_DIR is set), and the flashcomm-cu12 wheel; run.sh records the compiler
+# (<bundle-dir>/COMPILER) in environment.txt. The host link probes of bin/ stay CUDA 13 builds
+# (ci/host-link.sh: they link the CUDA runtime; run.sh does not run them).
 #
 # FLASHCOMM_CUDA_ARCHS (default 90, the H200) selects the GPU architectures compiled in. The
 # binaries do not embed the kernels: the fatbins (machine code only) are shipped once in
@@ -23,15 +29,22 @@
 #                                 <bundle-dir>/model/wikitext2-test.ids (needs the model)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-out=${1:?usage: ci/gpu-bundle.sh <bundle-dir>}
+cuda=13
+if [ "${1:-}" = --cuda ]; then cuda=${2:?--cuda takes 12 or 13}; shift 2; fi
+out=${1:?usage: ci/gpu-bundle.sh [--cuda 12] <bundle-dir>}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-"$root/ci/setup.sh" >/dev/null
-# shellcheck disable=SC1091
-source "$root/.toolchain/env.sh"
+case "$cuda" in
+  13) envsh=env.sh target="$root/target/bundle";;
+  12) envsh=env-cu12.sh target="$root/target/bundle-cu12";;
+  *) echo "gpu-bundle: --cuda takes 12 or 13" >&2; exit 2;;
+esac
+"$root/ci/setup.sh" --cuda "$cuda" >/dev/null
+# shellcheck disable=SC1090
+source "$root/.toolchain/$envsh"
 export FLASHCOMM_REQUIRE_KERNELS=1 FLASHCOMM_EMBED_KERNELS=0 FLASHCOMM_CUDA_PTX=0
 export FLASHCOMM_CUDA_ARCHS=${FLASHCOMM_CUDA_ARCHS:-90}
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target/bundle}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$target}
 cd "$root"
 
 rm -rf "$out/bin" "$out/lib" "$out/tests" "$out/python" "$out/c" "$out/kernels" "$out/wheel" \
@@ -83,7 +96,7 @@ strip --strip-debug "$out/lib/libnccl.so.2"
 # The Python wheel, packaged from this library by the same script as the shipped wheel (this one
 # loads its kernels from FLASHCOMM_KERNEL_DIR, like every binary of the bundle); run.sh installs it
 # and runs the torch test through its launcher.
-"$root/ci/build-wheel.sh" --lib "$out/lib/libnccl.so.2" --out "$out/wheel" >/dev/null
+"$root/ci/build-wheel.sh" --cuda "$cuda" --lib "$out/lib/libnccl.so.2" --out "$out/wheel" >/dev/null
 
 # C and Python test programs.
 if [ -d tests/c ]; then
@@ -120,4 +133,5 @@ if [ -n "${FLASHCOMM_BUNDLE_MODEL:-}" ]; then
   fi
 fi
 git rev-parse HEAD > "$out/COMMIT" 2>/dev/null || true
+"$NVCC" --version | tail -n 1 > "$out/COMPILER"
 du -sh "$out"

@@ -27,6 +27,7 @@ real=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__p
 
 {
   echo "commit: $(cat "$here/COMMIT" 2>/dev/null)"
+  echo "kernels compiled by: $(cat "$here/COMPILER" 2>/dev/null)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
   ldd --version 2>&1 | head -n 1
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' 2>&1
@@ -34,11 +35,11 @@ real=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__p
 } > "$res/environment.txt"
 
 # The Python wheel of the bundle (ci/build-wheel.sh), installed into a fresh virtual environment
-# that sees this machine's packages (torch, nvidia-nccl-cu13), without network: the torch test runs
-# through its launcher, as users run it. Without venv's pip, the machine's pip installs into the
-# environment (--python) or, failing that, into a folder run through PYTHONPATH.
+# that sees this machine's packages (torch, nvidia-nccl-cu13 or -cu12), without network: the torch
+# test runs through its launcher, as users run it. Without venv's pip, the machine's pip installs
+# into the environment (--python) or, failing that, into a folder run through PYTHONPATH.
 launcher=""
-whl=$(ls "$here"/wheel/flashcomm_cu13-*.whl 2>/dev/null | head -n 1)
+whl=$(ls "$here"/wheel/flashcomm_cu*-*.whl 2>/dev/null | head -n 1)
 if [ -n "$whl" ]; then
   venv=$(mktemp -d "${TMPDIR:-/tmp}/flashcomm-venv.XXXXXX")
   {

@@ -248,7 +248,7 @@ t0=$(date +%s)
 # The Python wheel of the bundle, installed as run.sh installs it (without network): into a virtual
 # environment that sees this machine's packages; without venv's pip, the machine's pip installs
 # into it or, failing that, into a folder run through PYTHONPATH.
-whl=$(ls "$bundle"/wheel/flashcomm_cu13-*.whl 2>/dev/null | head -n 1)
+whl=$(ls "$bundle"/wheel/flashcomm_cu*-*.whl 2>/dev/null | head -n 1)
 if [ -n "$whl" ]; then
   {
     if python3 -m venv --system-site-packages "$work/venv"; then
