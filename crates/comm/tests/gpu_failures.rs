@@ -300,6 +300,26 @@ fn rss_bytes() -> u64 {
     pages * 4096
 }
 
+/// Sets up a communicator of `m`'s group on device 0 and runs one small AllReduce on it, checked
+/// (the cycle of the set-up, release and fork tests).
+fn set_up_and_run_once(
+    m: &ThreadBootstrap,
+    cfg: &CommConfig,
+    buf: &flashcomm_comm::DeviceMem,
+    stream: flashcomm_comm::Stream,
+) -> Communicator {
+    let comm = Communicator::new(m, 0, cfg.clone()).unwrap();
+    comm.execute(
+        &Request::typed(Collective::AllReduce, 256, DataType::F32)
+            .between(buf.as_ptr(), buf.as_ptr())
+            .on(stream),
+    )
+    .unwrap();
+    stream.synchronize().unwrap();
+    comm.check_status().unwrap();
+    comm
+}
+
 /// 1,000 communicators of 2 virtual ranks are built, used once and destroyed: device memory and
 /// resident host memory end where they were after the first 50 (a leak of one arena, stream or
 /// pinned page per set-up would show as megabytes over 950 set-ups).
@@ -325,15 +345,7 @@ fn a_thousand_set_ups_leak_nothing() {
                 let mut start = (0, 0);
                 let mut streams = 0;
                 for i in 0..cycles {
-                    let comm = Communicator::new(m, 0, cfg.clone()).unwrap();
-                    comm.execute(
-                        &Request::typed(Collective::AllReduce, 256, DataType::F32)
-                            .between(buf.as_ptr(), buf.as_ptr())
-                            .on(stream),
-                    )
-                    .unwrap();
-                    stream.synchronize().unwrap();
-                    comm.check_status().unwrap();
+                    let comm = set_up_and_run_once(m, &cfg, &buf, stream);
                     drop(comm);
                     // Both ranks are done with this communicator before either measures or
                     // builds the next (nothing allocates while a peer's kernel could spin).
@@ -986,15 +998,7 @@ fn a_thousand_abort_and_reinit_cycles_beside_a_busy_communicator_stay_bounded() 
                 let buf = v.alloc(1 << 16).unwrap();
                 let mut start = 0;
                 for i in 0..cycles {
-                    let comm = Communicator::new(cm, 0, cfg.clone()).unwrap();
-                    comm.execute(
-                        &Request::typed(Collective::AllReduce, 256, DataType::F32)
-                            .between(buf.as_ptr(), buf.as_ptr())
-                            .on(stream),
-                    )
-                    .unwrap();
-                    stream.synchronize().unwrap();
-                    comm.check_status().unwrap();
+                    let comm = set_up_and_run_once(cm, &cfg, &buf, stream);
                     let t = Instant::now();
                     comm.abort();
                     let released = comm.defer_release();
@@ -1127,14 +1131,7 @@ fn fork_children_of_a_parent_inside_set_up_and_release_never_hang() {
                 let stream = v.stream().unwrap();
                 let buf = v.alloc(1 << 16).unwrap();
                 loop {
-                    let comm = Communicator::new(m, 0, cfg.clone()).unwrap();
-                    comm.execute(
-                        &Request::typed(Collective::AllReduce, 256, DataType::F32)
-                            .between(buf.as_ptr(), buf.as_ptr())
-                            .on(stream),
-                    )
-                    .unwrap();
-                    stream.synchronize().unwrap();
+                    let comm = set_up_and_run_once(m, &cfg, &buf, stream);
                     let released = comm.defer_release();
                     drop(comm);
                     assert!(released.wait(Duration::from_secs(5)));

@@ -736,20 +736,23 @@ mod tests {
     /// collective in different wire formats. Their tags must differ so that the kernels report a
     /// mismatch rather than decode each other's bytes wrongly (before, the signature carried
     /// only "quantized", and every setting looked alike).
-    #[test]
-    fn quantized_signatures_differ_by_codec_settings() {
-        let arena = Arena::new(4, 64 << 20).unwrap();
-        let model = CostModel::default_for(4);
-        let base = plan::plan(
-            &arena,
-            &model,
+    /// The plan whose signature the signature tests vary: an AllReduce of 64 Ki 2-byte elements.
+    fn signature_plan(nranks: u32) -> Plan {
+        plan::plan(
+            &Arena::new(nranks, 64 << 20).unwrap(),
+            &CostModel::default_for(nranks),
             Collective::AllReduce,
             1 << 16,
             2,
             16,
             Choice::Auto,
             Choice::Auto,
-        );
+        )
+    }
+
+    #[test]
+    fn quantized_signatures_differ_by_codec_settings() {
+        let base = signature_plan(4);
         let sig = |coll: Collective, q: QuantSpec, t: DataType| {
             let mut p = base;
             p.coll = coll;
@@ -818,18 +821,7 @@ mod tests {
     /// pairs of valid settings that differ in more than one, 689 of 11,376 share a signature.
     #[test]
     fn settings_that_differ_in_several_share_a_signature_in_689_of_11376_pairs() {
-        let arena = Arena::new(2, 64 << 20).unwrap();
-        let model = CostModel::default_for(2);
-        let mut p = plan::plan(
-            &arena,
-            &model,
-            Collective::AllReduce,
-            1 << 16,
-            2,
-            16,
-            Choice::Auto,
-            Choice::Auto,
-        );
+        let mut p = signature_plan(2);
         let mut specs = Vec::new();
         for rs in 2..=8u8 {
             for ag in [rs, 8] {
