@@ -312,6 +312,18 @@ impl DevicePtr {
         self.len == 0
     }
 
+    /// `len` bytes of this range from `offset` (inside it, which the range's promise covers).
+    pub fn part(&self, offset: u64, len: u64) -> DevicePtr {
+        assert!(
+            offset.checked_add(len).is_some_and(|e| e <= self.len),
+            "part out of bounds"
+        );
+        DevicePtr {
+            addr: self.addr + offset,
+            len,
+        }
+    }
+
     /// Copies the first `bytes` bytes of `src` into this range on `stream`
     /// (`cuMemcpyDtoDAsync`: asynchronous, a single copy node under graph capture). The context
     /// of the memory's device must be current.

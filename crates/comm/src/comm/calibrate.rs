@@ -11,6 +11,7 @@ use crate::plan::{
 };
 
 use super::Communicator;
+use super::launch::{Run, Work};
 use super::setup::verdict;
 
 /// How long a set-up kernel (the calibration's timed collectives) waits for its peers when no
@@ -337,7 +338,7 @@ impl Communicator {
                 Some(DataType::Bf16),
                 None,
             )?;
-            self.launch_in_order(&l, stream)
+            self.enqueue(Work::only(Run::Kernel(l)), stream)
         };
         // Warm-up, then every rank is idle.
         let warm = (|| {

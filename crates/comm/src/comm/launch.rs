@@ -11,6 +11,7 @@ use crate::gpu::{DeviceMem, DevicePtr, Stream};
 use crate::plan::{
     self, Algorithm, Collective, DataType, Plan, Protocol, QuantChoice, QuantModel, QuantSpec,
 };
+use crate::release;
 use crate::request::{Buffers, Request};
 
 use super::{Communicator, HOST_ABORT, HOST_STATUS};
@@ -142,10 +143,19 @@ fn call_signature(p: &Plan, dtype: Option<DataType>) -> u32 {
     (coll << 4) | ty
 }
 
-/// What a planned call enqueues on its stream ([`Communicator::prepare`]), ready to go. Lives on
-/// the stack for the one call (boxing the kernel's parameters would allocate per call).
+/// What a planned call enqueues on its stream ([`Communicator::prepare`]), ready to go: device
+/// copies before, the call's one operation, device copies after, all ordered as one operation of
+/// the communicator. Lives on the stack for the one call (boxing the kernel's parameters would
+/// allocate per call).
+pub(super) struct Work<'r> {
+    pub(super) before: Copies<'r>,
+    pub(super) run: Run,
+    pub(super) after: Copies<'r>,
+}
+
+/// The call's one operation.
 #[allow(clippy::large_enum_variant)]
-pub(super) enum Work<'r> {
+pub(super) enum Run {
     /// Nothing: no elements, or one rank in place.
     Nothing,
     /// One device copy: one rank out of place (every collective's result is its input).
@@ -156,18 +166,31 @@ pub(super) enum Work<'r> {
     },
     /// One kernel.
     Kernel(Launch),
-    /// One kernel between copies through scratch ([`Communicator::staged`]): (destination,
-    /// source, bytes) before and after it.
-    Staged {
-        input: Option<(DevicePtr, DevicePtr, u64)>,
-        launch: Launch,
-        output: Option<(DevicePtr, DevicePtr, u64)>,
+}
+
+/// Device copies around the operation, through the communicator's scratch.
+pub(super) enum Copies<'r> {
+    None,
+    /// One copy (destination, source, bytes): a buffer staged ([`Communicator::staged`]).
+    One(DevicePtr, DevicePtr, u64),
+    /// A scattered AllToAll's blocks of `block` bytes, one per rank, gathered into `at` (before
+    /// the kernel) or scattered out of it (after).
+    Blocks {
+        blocks: &'r [DevicePtr],
+        at: DevicePtr,
+        block: u64,
     },
-    /// A scattered AllToAll ([`Communicator::run_scattered`]).
-    Scattered {
-        send: &'r [DevicePtr],
-        recv: &'r [DevicePtr],
-    },
+}
+
+impl Work<'_> {
+    /// Just `run`, with no copies around it.
+    pub(super) fn only(run: Run) -> Work<'static> {
+        Work {
+            before: Copies::None,
+            run,
+            after: Copies::None,
+        }
+    }
 }
 
 /// One catalogue kernel with its launch configuration and parameters.
@@ -258,10 +281,16 @@ impl Communicator {
                         "scattered blocks are a lossless AllToAll's only".into(),
                     ));
                 }
-                Work::Scattered { send, recv }
+                self.scattered(&p, send, recv, req.count, req.elem, req.stream)?
             }
         };
         Ok((p, work))
+    }
+
+    /// Whether this communicator's last eager launch has finished (or cannot be told: a failed
+    /// device, whose work reads nothing any more).
+    pub(super) fn idle_now(&self) -> bool {
+        !matches!(release::Activity::idle(&*self.last), Ok(false))
     }
 
     /// The calibrated times of the quantized AllReduce with codec settings `q`, if measured.
@@ -269,18 +298,17 @@ impl Communicator {
         self.quant_models.iter().find(|m| m.spec == q)
     }
 
-    /// The scattered AllToAll of [`Communicator::execute`] with plan `p` (the device's status
-    /// was checked): the blocks gathered into the scratch, the AllToAll kernel, the blocks
-    /// scattered out, all ordered as one operation of the communicator.
-    pub(super) fn run_scattered(
+    /// A scattered AllToAll with plan `p`: the blocks gathered into the scratch, the AllToAll
+    /// kernel between its two halves, the blocks scattered out.
+    fn scattered<'r>(
         &self,
         p: &Plan,
-        send: &[DevicePtr],
-        recv: &[DevicePtr],
+        send: &'r [DevicePtr],
+        recv: &'r [DevicePtr],
         count: u64,
         elem: u64,
         stream: Stream,
-    ) -> Result<(), Error> {
+    ) -> Result<Work<'r>, Error> {
         let n = self.nranks as usize;
         let block = count
             .checked_mul(elem)
@@ -298,44 +326,59 @@ impl Communicator {
             )));
         }
         if block == 0 {
-            return Ok(());
+            return Ok(Work::only(Run::Nothing));
         }
-        let total = block
+        let half = block
             .checked_mul(n as u64)
-            .and_then(|t| usize::try_from(t.checked_mul(2)?).ok())
+            .and_then(|t| usize::try_from(t).ok())
+            .filter(|t| t.checked_mul(2).is_some())
             .ok_or_else(|| Error::InvalidArgument("AllToAll size overflows".into()))?;
+        let mem = self.scratch(2 * half, stream, || {
+            Error::Unsupported(format!(
+                "a scattered AllToAll of {} bytes of scratch under graph capture, before any \
+                 eager one of that size",
+                2 * half
+            ))
+        })?;
+        let (at_in, at_out) = (mem.part(0, half as u64), mem.part(half as u64, half as u64));
+        let run = self
+            .contiguous(p, at_in, at_out, count, elem, None, stream)?
+            .run;
+        Ok(Work {
+            before: Copies::Blocks {
+                blocks: send,
+                at: at_in,
+                block,
+            },
+            run,
+            after: Copies::Blocks {
+                blocks: recv,
+                at: at_out,
+                block,
+            },
+        })
+    }
+
+    /// The start of this communicator's scratch, at least `bytes` long: allocated (grown by
+    /// powers of two, the earlier ones kept until the communicator is released, so that work
+    /// already enqueued keeps its memory) unless an earlier call left enough; under graph
+    /// capture, where allocating is not allowed, `refused()` instead.
+    fn scratch(
+        &self,
+        bytes: usize,
+        stream: Stream,
+        refused: impl FnOnce() -> Error,
+    ) -> Result<DevicePtr, Error> {
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let _ctx = self.device.activate()?;
-        if scratch.last().is_none_or(|m| m.len() < total) {
+        if scratch.last().is_none_or(|m| m.len() < bytes) {
             if stream.is_capturing()? {
-                return Err(Error::Unsupported(format!(
-                    "a scattered AllToAll of {total} bytes of scratch under graph capture, \
-                     before any eager one of that size"
-                )));
+                return Err(refused());
             }
-            // Powers of two: the kept scratches add up to less than twice the largest.
-            let bytes = total.checked_next_power_of_two().unwrap_or(total);
-            scratch.push(DeviceMem::alloc_zeroed(&self.device, bytes)?);
+            let size = bytes.checked_next_power_of_two().unwrap_or(bytes);
+            scratch.push(DeviceMem::alloc_zeroed(&self.device, size)?);
         }
-        let mem = scratch.last().expect("allocated above");
-        let half = total / 2;
-        let (s_in, s_out) = (mem.slice(0, half), mem.slice(half, half));
-        let capturing = self.order_before(stream)?;
-        for (q, b) in send.iter().enumerate() {
-            mem.slice(q * block as usize, block as usize)
-                .copy_from(*b, block, stream)?;
-        }
-        let work = self.contiguous(p, s_in, s_out, count, elem, None, stream)?;
-        self.enqueue(work, stream)?;
-        for (r, b) in recv.iter().enumerate() {
-            b.copy_from(
-                mem.slice(half + r * block as usize, block as usize),
-                block,
-                stream,
-            )?;
-        }
-        self.order_after(stream, capturing, false)?;
-        Ok(())
+        Ok(scratch.last().expect("allocated above").slice(0, bytes))
     }
 
     /// What plan `p` of a call with contiguous buffers enqueues (every rank runs the same plan),
@@ -351,7 +394,7 @@ impl Communicator {
         stream: Stream,
     ) -> Result<Work<'static>, Error> {
         if count == 0 {
-            return Ok(Work::Nothing);
+            return Ok(Work::only(Run::Nothing));
         }
         let n = self.nranks as u64;
         let (send_bytes, recv_bytes) = match p.coll {
@@ -420,13 +463,13 @@ impl Communicator {
                 return Err(Error::InvalidArgument(why));
             }
             if send.addr() == recv.addr() {
-                return Ok(Work::Nothing);
+                return Ok(Work::only(Run::Nothing));
             }
-            return Ok(Work::Copy {
+            return Ok(Work::only(Run::Copy {
                 send,
                 recv,
                 bytes: recv_bytes,
-            });
+            }));
         }
         if staging.input || staging.output {
             return self.staged(
@@ -440,7 +483,7 @@ impl Communicator {
                 stream,
             );
         }
-        Ok(Work::Kernel(self.launch_of(
+        Ok(Work::only(Run::Kernel(self.launch_of(
             p,
             send,
             recv,
@@ -448,7 +491,7 @@ impl Communicator {
             elem,
             dtype,
             Some(stream),
-        )?))
+        )?)))
     }
 
     /// The call through this communicator's scratch ([`buffer_staging`]): the input copied into
@@ -470,40 +513,40 @@ impl Communicator {
         stream: Stream,
     ) -> Result<Work<'static>, Error> {
         let why = staging.why.clone().unwrap_or_default();
-        let at = |b: u64| b.next_multiple_of(256) as usize;
+        let at = |b: u64| b.next_multiple_of(256);
         let need = if staging.input { at(send.1) } else { 0 }
             + if staging.output { at(recv.1) } else { 0 };
-        // Never inside a scattered AllToAll, which holds the scratch (its buffers need no staging).
-        let Ok(mut scratch) = self.scratch.try_lock() else {
-            return Err(Error::InvalidArgument(why));
-        };
-        let _ctx = self.device.activate()?;
-        if scratch.last().is_none_or(|m| m.len() < need) {
-            if stream.is_capturing()? {
-                return Err(Error::InvalidArgument(format!(
-                    "{why}; staging it needs {need} bytes of scratch, which cannot be allocated \
-                     under graph capture (run the call once eagerly first)"
-                )));
-            }
-            let bytes = need.checked_next_power_of_two().unwrap_or(need);
-            scratch.push(DeviceMem::alloc_zeroed(&self.device, bytes)?);
-        }
-        let mem = scratch.last().expect("allocated above");
+        let mem = self.scratch(need as usize, stream, || {
+            Error::InvalidArgument(format!(
+                "{why}; staging it needs {need} bytes of scratch, which cannot be allocated \
+                 under graph capture (run the call once eagerly first)"
+            ))
+        })?;
         tracing::debug!("staged through scratch: {why}");
-        let input = staging
-            .input
-            .then(|| (mem.slice(0, send.1 as usize), send.0, send.1));
+        let kin = if staging.input {
+            mem.part(0, send.1)
+        } else {
+            send.0
+        };
         let off = if staging.input { at(send.1) } else { 0 };
-        let output = staging
-            .output
-            .then(|| (recv.0, mem.slice(off, recv.1 as usize), recv.1));
-        let kin = input.map_or(send.0, |i| i.0);
-        let kout = output.map_or(recv.0, |o| o.1);
+        let kout = if staging.output {
+            mem.part(off, recv.1)
+        } else {
+            recv.0
+        };
         let launch = self.launch_of(p, kin, kout, count, elem, dtype, Some(stream))?;
-        Ok(Work::Staged {
-            input,
-            launch,
-            output,
+        Ok(Work {
+            before: if staging.input {
+                Copies::One(kin, send.0, send.1)
+            } else {
+                Copies::None
+            },
+            run: Run::Kernel(launch),
+            after: if staging.output {
+                Copies::One(recv.0, kout, recv.1)
+            } else {
+                Copies::None
+            },
         })
     }
 

@@ -373,12 +373,6 @@ impl Communicator {
         }
     }
 
-    /// Whether this communicator's last eager launch has finished (or cannot be told: a failed
-    /// device, whose work reads nothing any more).
-    pub(super) fn idle_now(&self) -> bool {
-        !matches!(release::Activity::idle(&*self.last), Ok(false))
-    }
-
     /// Peers' allocations this rank has mapped now (registered buffers read in place).
     pub fn peer_mappings(&self) -> usize {
         self.registry.mapped()

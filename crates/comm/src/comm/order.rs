@@ -13,7 +13,7 @@ use crate::gpu::{self, Stream};
 use crate::plan::Plan;
 use crate::request::Request;
 
-use super::launch::{Launch, Work};
+use super::launch::{Copies, Run, Work};
 use super::{CaptureMark, Communicator, Foreign, HOST_ABORT, HOST_STATUS};
 
 impl Communicator {
@@ -37,69 +37,51 @@ impl Communicator {
     pub fn execute(&self, req: &Request<'_>) -> Result<Plan, Error> {
         self.check_status()?;
         let (p, work) = self.prepare(req)?;
-        match work {
-            Work::Scattered { send, recv } => {
-                self.run_scattered(&p, send, recv, req.count, req.elem, req.stream)?
-            }
-            work => self.enqueue(work, req.stream)?,
-        }
+        self.enqueue(work, req.stream)?;
         Ok(p)
     }
 
-    /// Enqueues prepared work on `stream`: a kernel in this communicator's order
-    /// ([`Communicator::launch_in_order`]), a copy (one rank: nothing to order with), or nothing.
+    /// Enqueues prepared work on `stream` as one operation of this communicator, ordered after
+    /// its previous one: the copies before, the kernel (or copy), the copies after.
     pub(super) fn enqueue(&self, work: Work<'_>, stream: Stream) -> Result<(), Error> {
-        match work {
-            Work::Nothing => Ok(()),
-            Work::Copy { send, recv, bytes } => {
-                let _ctx = self.device.activate()?;
-                Ok(recv.copy_from(send, bytes, stream)?)
-            }
-            Work::Kernel(l) => self.launch_in_order(&l, stream),
-            Work::Staged {
-                input,
-                launch,
-                output,
-            } => {
-                let _ctx = self.device.activate()?;
-                let capturing = self.order_before(stream)?;
-                if let Some((dst, src, n)) = input {
-                    dst.copy_from(src, n, stream)?;
-                }
-                gpu::launch(
-                    &self.kernels,
-                    launch.kernel,
-                    launch.cfg,
-                    stream,
-                    &launch.params,
-                    launch.overlapped,
-                )?;
-                if let Some((dst, src, n)) = output {
-                    dst.copy_from(src, n, stream)?;
-                }
-                self.order_after(stream, capturing, false)
-            }
-            Work::Scattered { .. } => Err(Error::Internal(
-                "scattered blocks enqueued as contiguous work".into(),
-            )),
+        if matches!(work.run, Run::Nothing) {
+            return Ok(());
         }
-    }
-
-    /// Launches one kernel on `stream` after this communicator's previous operation, and records
-    /// it as the last one (eager), or joins the capture's record node (captured with graph
-    /// mixing): [`Communicator::order_before`], the launch, [`Communicator::order_after`].
-    pub(super) fn launch_in_order(&self, l: &Launch, stream: Stream) -> Result<(), Error> {
         let _ctx = self.device.activate()?;
         let capturing = self.order_before(stream)?;
-        gpu::launch(
-            &self.kernels,
-            l.kernel,
-            l.cfg,
-            stream,
-            &l.params,
-            l.overlapped,
-        )?;
-        self.order_after(stream, capturing, true)
+        let copies = |c: &Copies<'_>, gather: bool| -> Result<(), Error> {
+            match *c {
+                Copies::None => Ok(()),
+                Copies::One(dst, src, n) => Ok(dst.copy_from(src, n, stream)?),
+                Copies::Blocks { blocks, at, block } => {
+                    for (q, b) in blocks.iter().enumerate() {
+                        let mine = at.part(q as u64 * block, block);
+                        let (dst, src) = if gather { (mine, *b) } else { (*b, mine) };
+                        dst.copy_from(src, block, stream)?;
+                    }
+                    Ok(())
+                }
+            }
+        };
+        copies(&work.before, true)?;
+        match &work.run {
+            Run::Nothing => {}
+            Run::Copy { send, recv, bytes } => recv.copy_from(*send, *bytes, stream)?,
+            Run::Kernel(l) => gpu::launch(
+                &self.kernels,
+                l.kernel,
+                l.cfg,
+                stream,
+                &l.params,
+                l.overlapped,
+            )?,
+        }
+        copies(&work.after, false)?;
+        let one_kernel = matches!(
+            (&work.before, &work.run, &work.after),
+            (Copies::None, Run::Kernel(_), Copies::None)
+        );
+        self.order_after(stream, capturing, one_kernel)
     }
 
     /// Orders an operation of this communicator about to be enqueued on `stream` (either
