@@ -376,7 +376,7 @@ def table_glance(src):
         # 2-bit is not a headline: docs/accuracy.md finds two-step 2-bit unusable on a real model.
         f"| Quantized AllReduce across PCIe, {q['settings']['ranks']} ranks, {size_label(big)} ({qgpu}) | "
         f"4-bit {q4:.2f}x faster than lossless (accuracy per width: docs/accuracy.md) |",
-        f"| Host cost of an eager `ncclAllReduce` on a communicator of one rank, where neither library launches a kernel | "
+        f"| Host cost of an eager `ncclAllReduce` on a communicator of one rank (flashcomm launches no kernel there: one device copy, or nothing in place) | "
         f"{min(ar):.2f}-{max(ar):.2f}x the real NCCL's |",
     ]
     if "alltoall" in src:
