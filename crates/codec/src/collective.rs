@@ -99,6 +99,20 @@ impl Collective {
         matches!(self, Collective::Send | Collective::Recv)
     }
 
+    /// Bytes of a rank's send and receive buffers for a call of `bytes` per rank (NCCL's count
+    /// times the element size) among `nranks`: a ReduceScatter reads `nranks x bytes` and writes
+    /// `bytes`, an AllGather the reverse, an AllToAll (`bytes` per peer) reads and writes
+    /// `nranks x bytes`, every other kind `bytes` of each. `None` when a size overflows.
+    pub fn buffer_bytes(self, bytes: u64, nranks: u64) -> Option<(u64, u64)> {
+        let all = bytes.checked_mul(nranks)?;
+        Some(match self {
+            Collective::ReduceScatter => (all, bytes),
+            Collective::AllGather => (bytes, all),
+            Collective::AlltoAll => (all, all),
+            _ => (bytes, bytes),
+        })
+    }
+
     /// Bus-bandwidth factor (nccl-tests' convention): `2(n-1)/n` for AllReduce, `(n-1)/n` for
     /// ReduceScatter, AllGather and AlltoAll, 1 for the rooted and point-to-point kinds.
     pub fn busbw_factor(self, nranks: u32) -> f64 {
@@ -141,6 +155,16 @@ mod tests {
         );
         assert_eq!(Collective::from_name("allreduc"), None);
         assert_eq!(Collective::from_name(""), None);
+    }
+
+    #[test]
+    fn buffer_sizes_follow_nccls_contract() {
+        assert_eq!(Collective::AllReduce.buffer_bytes(8, 4), Some((8, 8)));
+        assert_eq!(Collective::ReduceScatter.buffer_bytes(8, 4), Some((32, 8)));
+        assert_eq!(Collective::AllGather.buffer_bytes(8, 4), Some((8, 32)));
+        assert_eq!(Collective::AlltoAll.buffer_bytes(8, 4), Some((32, 32)));
+        assert_eq!(Collective::Broadcast.buffer_bytes(8, 4), Some((8, 8)));
+        assert_eq!(Collective::AllGather.buffer_bytes(u64::MAX, 2), None);
     }
 
     #[test]

@@ -397,17 +397,16 @@ impl Communicator {
             return Ok(Work::only(Run::Nothing));
         }
         let n = self.nranks as u64;
-        let (send_bytes, recv_bytes) = match p.coll {
-            Collective::AllReduce => (count * elem, count * elem),
-            Collective::ReduceScatter => (count * elem * n, count * elem),
-            Collective::AllGather => (count * elem, count * elem * n),
-            Collective::AlltoAll => (count * elem * n, count * elem * n),
-            other => {
-                return Err(Error::Unsupported(format!(
-                    "{other}: not a collective of flashcomm's kernels"
-                )));
-            }
-        };
+        if !Collective::KERNELS.contains(&p.coll) {
+            return Err(Error::Unsupported(format!(
+                "{}: not a collective of flashcomm's kernels",
+                p.coll
+            )));
+        }
+        let (send_bytes, recv_bytes) = count
+            .checked_mul(elem)
+            .and_then(|b| p.coll.buffer_bytes(b, n))
+            .ok_or_else(|| Error::InvalidArgument("the call's size overflows".into()))?;
         if send.len() < send_bytes || recv.len() < recv_bytes {
             return Err(Error::InvalidArgument(format!(
                 "buffers of {} and {} bytes are too small for {send_bytes} and {recv_bytes}",
@@ -428,14 +427,7 @@ impl Communicator {
             ));
         }
         if let Some(q) = p.quant {
-            let has_kernels = match p.coll {
-                Collective::AllReduce => q.has_kernels(),
-                Collective::AllGather | Collective::AlltoAll | Collective::ReduceScatter => {
-                    (2..=8).contains(&q.rs_bits)
-                }
-                _ => false,
-            };
-            if !has_kernels || dtype.is_none_or(|d| d == DataType::F32) {
+            if !q.has_kernels_for(p.coll) || dtype.is_none_or(|d| d == DataType::F32) {
                 return Err(Error::Unsupported(
                     "quantized plan for an unsupported call".into(),
                 ));
@@ -580,13 +572,11 @@ impl Communicator {
     /// AllGather's output; the ReduceScatter's output is piece `rank` of its input), where a rank
     /// writes only what no peer reads.
     fn direct_staging(p: &Plan, rank: u32, nranks: u32, send: u64, recv: u64, piece: u64) -> u32 {
-        let n = u64::from(nranks);
-        let (send_len, recv_len) = match p.coll {
-            Collective::AllGather => (piece, piece * n),
-            Collective::ReduceScatter => (piece * n, piece),
-            Collective::AlltoAll => (piece * n, piece * n),
-            _ => (piece, piece),
-        };
+        // The sizes were checked when the call was prepared: no overflow here.
+        let (send_len, recv_len) = p
+            .coll
+            .buffer_bytes(piece, u64::from(nranks))
+            .unwrap_or((u64::MAX, u64::MAX));
         let (s, r) = (send, recv);
         let overlaps = s < r + recv_len && r < s + send_len;
         let at_rank = piece * u64::from(rank);
@@ -621,11 +611,10 @@ impl Communicator {
         stream: Option<Stream>,
     ) -> Result<(), Error> {
         params.flags |= Self::direct_staging(p, self.rank, self.nranks, send, recv, piece);
-        let n = u64::from(self.nranks);
-        let send_len = match p.coll {
-            Collective::ReduceScatter | Collective::AlltoAll => piece * n,
-            _ => piece,
-        };
+        let send_len = p
+            .coll
+            .buffer_bytes(piece, u64::from(self.nranks))
+            .map_or(u64::MAX, |(send, _)| send);
         let two_shot = p.coll == Collective::AllReduce && p.algo == Algorithm::TwoShot;
         let remote = self.registry.has_boards();
         // Buffer ids and peers' new registrations need the context; ranks of one process only

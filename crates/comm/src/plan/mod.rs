@@ -90,6 +90,16 @@ impl QuantSpec {
         flashcomm_kernels::catalog::twostep_pair(self.rs_bits, self.ag_bits).is_some()
     }
 
+    /// Whether kernels quantize `coll` with these settings: AllReduce's two steps as
+    /// [`QuantSpec::has_kernels`] says; ReduceScatter, AllGather and AllToAll, one step at
+    /// `rs_bits`, at every width; no other kind.
+    pub fn has_kernels_for(&self, coll: Collective) -> bool {
+        match coll {
+            Collective::AllReduce => self.has_kernels(),
+            c => Collective::KERNELS.contains(&c),
+        }
+    }
+
     /// The codec format of one step.
     pub fn format(&self, dtype: DataType, bits: u8) -> Result<flashcomm_codec::Format, Error> {
         flashcomm_codec::Format::new(dtype, bits, self.group, self.spikes)

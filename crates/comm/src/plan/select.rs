@@ -252,10 +252,10 @@ pub fn plan(
         };
     }
     let max_grid = max_grid.min(arena.max_grid()).max(1);
-    let bytes = match coll {
-        Collective::ReduceScatter | Collective::AlltoAll => count * elem * n as u64,
-        _ => count * elem,
-    };
+    // What a rank sends: the message of one-shot's model rows.
+    let bytes = coll
+        .buffer_bytes(count * elem, n as u64)
+        .map_or(u64::MAX, |(send, _)| send);
     let shard = if coll == Collective::AllReduce {
         shard_elems(count, n, elem)
     } else {

@@ -16,22 +16,13 @@ use flashcomm_gpu::{PointerKind, pointer_kind};
 
 use flashcomm_comm::DevicePtr;
 
-use crate::types::{CollCall, Collective};
+use crate::types::CollCall;
 
 /// The caller's send and receive buffers of a routed collective, with the sizes NCCL's contract
-/// gives them: `bytes` is the per-rank message of `call` (count x element size), so an
-/// AllReduce uses `bytes` of each, a ReduceScatter reads `nranks x bytes` and writes `bytes`,
-/// an AllGather reads `bytes` and writes `nranks x bytes`, an AllToAll (`bytes` per peer) reads
-/// and writes `nranks x bytes`. `None` when a size overflows.
+/// gives them (`Collective::buffer_bytes` of the call's per-rank bytes). `None` when a size
+/// overflows.
 pub(crate) fn user_buffers(call: &CollCall, nranks: u64) -> Option<(DevicePtr, DevicePtr)> {
-    let b = call.bytes;
-    let all = b.checked_mul(nranks)?;
-    let (send, recv) = match call.req.coll {
-        Collective::ReduceScatter => (all, b),
-        Collective::AllGather => (b, all),
-        Collective::AlltoAll => (all, all),
-        _ => (b, b),
-    };
+    let (send, recv) = call.req.coll.buffer_bytes(call.bytes, nranks)?;
     // SAFETY: these are the buffers of an NCCL collective call, for which the caller promises
     // NCCL's contract: device memory of at least these sizes, accessible from the communicator's
     // device, valid until the operation has completed on the caller's stream. flashcomm's kernel
