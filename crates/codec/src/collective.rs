@@ -74,6 +74,26 @@ impl Collective {
         }
     }
 
+    /// The NCCL exports that perform this kind (`ncclX` form; each has a `pncclX` twin).
+    pub const fn exports(self) -> &'static [&'static str] {
+        match self {
+            Collective::AllReduce => &["ncclAllReduce", "ncclAllReduceConfig"],
+            Collective::ReduceScatter => &["ncclReduceScatter", "ncclReduceScatterConfig"],
+            Collective::AllGather => &["ncclAllGather", "ncclAllGatherConfig"],
+            Collective::AlltoAll => &["ncclAlltoAll", "ncclAlltoAllConfig"],
+            Collective::Broadcast => &["ncclBroadcast", "ncclBroadcastConfig", "ncclBcast"],
+            Collective::Reduce => &["ncclReduce", "ncclReduceConfig"],
+            Collective::Send => &["ncclSend"],
+            Collective::Recv => &["ncclRecv"],
+        }
+    }
+
+    /// The kind export `name` (`ncclX` or `pncclX`) performs.
+    pub fn of_export(name: &str) -> Option<Collective> {
+        let base = name.strip_prefix('p').unwrap_or(name);
+        Self::ALL.into_iter().find(|k| k.exports().contains(&base))
+    }
+
     /// The kind named `name`: [`Collective::name`] or the same with underscores
     /// (`all_reduce`), any case.
     pub fn from_name(name: &str) -> Option<Collective> {
@@ -155,6 +175,17 @@ mod tests {
         );
         assert_eq!(Collective::from_name("allreduc"), None);
         assert_eq!(Collective::from_name(""), None);
+    }
+
+    #[test]
+    fn every_export_names_its_kind_once() {
+        for k in Collective::ALL {
+            for e in k.exports() {
+                assert_eq!(Collective::of_export(e), Some(k));
+                assert_eq!(Collective::of_export(&format!("p{e}")), Some(k));
+            }
+        }
+        assert_eq!(Collective::of_export("ncclGather"), None);
     }
 
     #[test]

@@ -81,7 +81,7 @@ fn same_answer(name: &str, a: &CollArgs) {
 #[test]
 fn count_zero_on_a_handle_that_is_not_a_communicator_is_the_real_librarys_error() {
     let _serial = serial();
-    for name in COLLECTIVE_EXPORTS {
+    for name in collective_exports() {
         for (send, recv) in [(0, 0), (0x1000, 0x2000)] {
             let a = CollArgs {
                 send,
@@ -104,7 +104,7 @@ fn count_zero_on_a_handle_that_is_not_a_communicator_is_the_real_librarys_error(
 #[test]
 fn calls_flashcomm_does_not_route_get_the_real_librarys_answer() {
     let _serial = serial();
-    for name in COLLECTIVE_EXPORTS {
+    for name in collective_exports() {
         // No communicator, with and without a count.
         for count in [0, 8] {
             same_answer(

@@ -407,7 +407,7 @@ fn cases(paths: &Paths) -> Vec<Case> {
             vec![Step::Coll("ncclAllReduce", Handle::Foreign, a)],
         ));
     }
-    for name in COLLECTIVE_EXPORTS {
+    for name in collective_exports() {
         for dt in DATATYPES {
             let a = CollArgs {
                 dt,
@@ -421,7 +421,7 @@ fn cases(paths: &Paths) -> Vec<Case> {
         }
     }
     // Counts 0, 1 and near overflow, with null and foreign handles.
-    for name in COLLECTIVE_EXPORTS {
+    for name in collective_exports() {
         for h in [Handle::Null, Handle::Foreign] {
             for count in [0usize, 1, 1 << 62, usize::MAX] {
                 let a = CollArgs {
@@ -438,7 +438,7 @@ fn cases(paths: &Paths) -> Vec<Case> {
         }
     }
     // Null and overlapping buffers.
-    for name in COLLECTIVE_EXPORTS {
+    for name in collective_exports() {
         let s = scratch_addr_placeholder();
         for (what, send, recv) in [
             ("null buffers", 0, 0),

@@ -3,18 +3,13 @@
 
 use crate::exports::{declarations, hand_written, read_bindings};
 use crate::{Error, Generated, repo_root};
+use flashcomm_codec::Collective;
 
-/// Collectives that flashcomm's kernels take when eligible (`FLASHCOMM_OPS`).
-const INTERCEPTED: &[&str] = &[
-    "ncclAllReduce",
-    "ncclAllReduceConfig",
-    "ncclReduceScatter",
-    "ncclReduceScatterConfig",
-    "ncclAllGather",
-    "ncclAllGatherConfig",
-    "ncclAlltoAll",
-    "ncclAlltoAllConfig",
-];
+/// Whether `name` is an export of a collective that flashcomm's kernels take when eligible
+/// (`FLASHCOMM_OPS`).
+fn intercepted(name: &str) -> bool {
+    Collective::of_export(name).is_some_and(|k| Collective::KERNELS.contains(&k))
+}
 
 /// What each hand-written export does.
 fn handling(name: &str) -> Option<&'static str> {
@@ -29,7 +24,7 @@ fn handling(name: &str) -> Option<&'static str> {
         "ncclReduceScatterConfig" | "ncclAllGatherConfig" | "ncclAlltoAllConfig" => {
             "inspected; forwarded unless `config` is NULL, then as the plain function"
         }
-        n if INTERCEPTED.contains(&n) => {
+        n if intercepted(n) => {
             "inspected; **intercepted**: flashcomm's lossless kernels when eligible (inside a group \
              too, launched at the call), else forwarded"
         }
@@ -102,10 +97,7 @@ fn when_missing(name: &str, ret: &str) -> String {
         return "n/a (ours)".into();
     }
     if name.ends_with("Config")
-        && INTERCEPTED
-            .iter()
-            .chain(["ncclBroadcastConfig", "ncclReduceConfig"].iter())
-            .any(|n| *n == name)
+        && (intercepted(name) || ["ncclBroadcastConfig", "ncclReduceConfig"].contains(&name))
     {
         return "the plain function if `config` is NULL, else `ncclInvalidUsage`".into();
     }

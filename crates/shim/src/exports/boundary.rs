@@ -23,6 +23,7 @@ use flashcomm_nccl_sys::{ncclResult_t, ncclTeam_t};
 use crate::calls::real::Slot;
 use crate::error::Error;
 use crate::logging::Subsys;
+use crate::types::Collective;
 
 /// What an export returns when it cannot run: after a panic, or when the real library (or its
 /// function) is unavailable. `ncclResult_t` functions return an error code; the few others return
@@ -175,28 +176,14 @@ pub(crate) fn guard<R: CReturn>(
     r
 }
 
-/// The exports whose calls take part in NCCL's groups: a failure of one inside a group is the
-/// group's error (`ncclGroupErrCheck`).
-const GROUP_CALLS: &[&str] = &[
-    "ncclAllReduce",
-    "ncclAllReduceConfig",
-    "ncclReduceScatter",
-    "ncclReduceScatterConfig",
-    "ncclAllGather",
-    "ncclAllGatherConfig",
-    "ncclAlltoAll",
-    "ncclAlltoAllConfig",
-    "ncclBroadcast",
-    "ncclBroadcastConfig",
-    "ncclBcast",
-    "ncclReduce",
-    "ncclReduceConfig",
+/// The exports whose calls take part in NCCL's groups besides those of a [`Collective`] kind
+/// ([`Collective::exports`]): a failure of one inside a group is the group's error
+/// (`ncclGroupErrCheck`).
+const OTHER_GROUP_CALLS: &[&str] = &[
     "ncclGather",
     "ncclGatherConfig",
     "ncclScatter",
     "ncclScatterConfig",
-    "ncclSend",
-    "ncclRecv",
     "ncclPutSignal",
     "ncclSignal",
     "ncclWaitSignal",
@@ -215,7 +202,8 @@ const GROUP_CALLS: &[&str] = &[
 /// `ncclGroupEnd` returns this failure (`group::take_failure`).
 #[cold]
 fn failed_in_group(api: &'static str, code: ncclResult_t) {
-    if crate::group::depth() == 0 || !GROUP_CALLS.contains(&api) {
+    let in_group = Collective::of_export(api).is_some() || OTHER_GROUP_CALLS.contains(&api);
+    if crate::group::depth() == 0 || !in_group {
         return;
     }
     if let Some(crate::last_error::Last::Ours(msg)) = crate::last_error::thread_last() {

@@ -412,26 +412,15 @@ impl CollArgs {
     }
 }
 
-/// Every collective export of the NCCL API (`ncclX` form).
-pub const COLLECTIVE_EXPORTS: [&str; 17] = [
-    "ncclAllReduce",
-    "ncclAllReduceConfig",
-    "ncclReduceScatter",
-    "ncclReduceScatterConfig",
-    "ncclAllGather",
-    "ncclAllGatherConfig",
-    "ncclAlltoAll",
-    "ncclAlltoAllConfig",
-    "ncclBroadcast",
-    "ncclBroadcastConfig",
-    "ncclBcast",
-    "ncclReduce",
-    "ncclReduceConfig",
-    "ncclSend",
-    "ncclRecv",
-    "ncclGather",
-    "ncclScatter",
-];
+/// Every collective export of the NCCL API (`ncclX` form): those of flashcomm's collective kinds,
+/// and the rooted Gather and Scatter, which flashcomm only forwards.
+pub fn collective_exports() -> Vec<&'static str> {
+    flashcomm_codec::Collective::ALL
+        .iter()
+        .flat_map(|k| k.exports().iter().copied())
+        .chain(["ncclGather", "ncclScatter"])
+        .collect()
+}
 
 /// Calls the collective export `name` (or its `pncclX` twin) of `lib` with `a`.
 pub fn call_collective(lib: &Lib, name: &str, a: &CollArgs) -> c_int {
