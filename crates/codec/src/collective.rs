@@ -147,6 +147,60 @@ impl Collective {
     }
 }
 
+/// The collectives besides AllReduce that flashcomm quantizes, each in one step (every value
+/// crosses the wire once, at one width): the kernels' catalogue and the CPU references
+/// ([`crate::reference`]'s `allgather_quant`, `alltoall_quant`, `reducescatter_quant`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantOp {
+    /// Every rank's input encoded once, decoded by every rank: output segment `r` is rank r's
+    /// input, the same on every rank.
+    AllGather,
+    /// Block `p` of rank r's input encoded as a buffer of its own, decoded by rank p into its
+    /// output segment `r`.
+    AlltoAll,
+    /// Shard `j` of every rank's input encoded once each; rank j decodes the N encodings and
+    /// sums them in f32 in rank order.
+    ReduceScatter,
+}
+
+impl QuantOp {
+    /// The three, in the kernel table's order.
+    pub const ALL: [QuantOp; 3] = [
+        QuantOp::AllGather,
+        QuantOp::AlltoAll,
+        QuantOp::ReduceScatter,
+    ];
+
+    /// The one-step quantized collective of `coll` (`None` for AllReduce and the others).
+    pub const fn of(coll: Collective) -> Option<QuantOp> {
+        match coll {
+            Collective::AllGather => Some(QuantOp::AllGather),
+            Collective::AlltoAll => Some(QuantOp::AlltoAll),
+            Collective::ReduceScatter => Some(QuantOp::ReduceScatter),
+            _ => None,
+        }
+    }
+
+    /// The collective it quantizes.
+    pub const fn collective(self) -> Collective {
+        match self {
+            QuantOp::AllGather => Collective::AllGather,
+            QuantOp::AlltoAll => Collective::AlltoAll,
+            QuantOp::ReduceScatter => Collective::ReduceScatter,
+        }
+    }
+
+    /// Its collective's name (the kernels' name fragment).
+    pub const fn name(self) -> &'static str {
+        self.collective().name()
+    }
+
+    /// Position in [`QuantOp::ALL`].
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+}
+
 impl fmt::Display for Collective {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -186,6 +240,15 @@ mod tests {
             }
         }
         assert_eq!(Collective::of_export("ncclGather"), None);
+    }
+
+    #[test]
+    fn quantized_ops_map_to_their_collectives_and_back() {
+        for (i, op) in QuantOp::ALL.into_iter().enumerate() {
+            assert_eq!(op.index(), i);
+            assert_eq!(QuantOp::of(op.collective()), Some(op));
+        }
+        assert_eq!(QuantOp::of(Collective::AllReduce), None);
     }
 
     #[test]

@@ -31,7 +31,7 @@ pub use codec::{
     decode, decode_accumulate, decode_f32, encode, encode_to_vec, error_bound, error_bound_f32,
     reduce_requantize,
 };
-pub use collective::Collective;
+pub use collective::{Collective, QuantOp};
 pub use element::Element;
 pub use error::CodecError;
 pub use format::{

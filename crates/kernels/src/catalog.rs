@@ -3,11 +3,11 @@
 //! lookup. [`crate::Kernels`] resolves the whole table once when it loads the modules.
 //!
 //! This file is plain data and `const fn`s that import nothing of flashcomm but the codec's words
-//! (`DType`, `Protocol`, `Algorithm`, declared there once): `xtask` includes it
+//! (`DType`, `Protocol`, `Algorithm`, `QuantOp`, declared there once): `xtask` includes it
 //! to generate the CUDA instantiation list (`cuda/include/flashcomm/instances.h`), so the kernels
 //! that exist and the kernels the host believes exist come from this one table.
 
-pub use flashcomm_codec::{Algorithm, DType, Protocol};
+pub use flashcomm_codec::{Algorithm, DType, Protocol, QuantOp};
 
 /// The CUDA element type of `t`.
 pub const fn cuda_type(t: DType) -> &'static str {
@@ -67,44 +67,6 @@ pub const COUNT: usize = CRED + DTYPES.len();
 
 /// Widths of the quantized AllGather, AllToAll and ReduceScatter (one kernel each per type).
 pub const QUANT_OP_BITS: [u8; 7] = [2, 3, 4, 5, 6, 7, 8];
-
-/// The collectives besides AllReduce that have quantized kernels (one quantization step each).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum QuantOp {
-    /// Every rank's input encoded once, decoded by every rank.
-    AllGather,
-    /// Each per-peer block encoded once, decoded by its receiver.
-    AlltoAll,
-    /// Each shard encoded once; its owner decodes and sums the N encodings in f32.
-    ReduceScatter,
-}
-
-impl QuantOp {
-    /// The three, in table order.
-    pub const ALL: [QuantOp; 3] = [
-        QuantOp::AllGather,
-        QuantOp::AlltoAll,
-        QuantOp::ReduceScatter,
-    ];
-
-    /// Kernel-name fragment.
-    pub const fn name(self) -> &'static str {
-        match self {
-            QuantOp::AllGather => "allgather",
-            QuantOp::AlltoAll => "alltoall",
-            QuantOp::ReduceScatter => "reducescatter",
-        }
-    }
-
-    /// Position in [`QuantOp::ALL`].
-    pub const fn index(self) -> usize {
-        match self {
-            QuantOp::AllGather => 0,
-            QuantOp::AlltoAll => 1,
-            QuantOp::ReduceScatter => 2,
-        }
-    }
-}
 
 /// Table index of the lossless AllReduce kernel.
 pub const fn allreduce(algo: Algorithm, proto: Protocol, t: DType) -> usize {

@@ -26,12 +26,12 @@
 
 use std::ops::Range;
 
+pub use flashcomm_codec::QuantOp;
 use flashcomm_codec::reference::{
     Outcome, allgather_quant, allreduce_oneshot_with_bound, allreduce_twostep_with_bound,
 };
 use flashcomm_codec::{BLOCK_VALUES, Element, Format};
 
-use crate::args::Collective;
 use crate::inputs;
 
 /// Which reference algorithm the plan ran.
@@ -43,42 +43,24 @@ pub enum QuantAlgo {
     TwoStep,
 }
 
-/// A quantized collective of one step (every value crosses the wire once, at one width).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum QuantOp {
-    /// Every rank's `len` inputs, encoded once, decoded by every rank: output segment `r` is
-    /// rank r's input (`allgather_quant`); the same on every rank.
-    AllGather,
-    /// Block `p` of rank r's `nranks * len` inputs, encoded as a buffer of its own, decoded by
-    /// rank p into its output segment `r` (`alltoall_quant`).
-    AlltoAll,
-    /// Shard `j` of every rank's `nranks * len` inputs, encoded once each; rank j decodes the N
-    /// encodings and sums them in f32 in rank order (`reducescatter_quant`).
-    ReduceScatter,
+/// What the checks need to know of a one-step quantized collective.
+pub trait OpShape {
+    /// Segments of `len` values in a rank's output: one per source rank, or the one shard.
+    fn segments(self, nranks: u32) -> usize;
+    /// Whether every rank's output is the same (so one rank checks it against the reference and
+    /// the others are compared with it byte for byte).
+    fn same_everywhere(self) -> bool;
 }
 
-impl QuantOp {
-    /// The one-step quantized collective of `coll` (`None` for AllReduce and the others).
-    pub fn of(coll: Collective) -> Option<QuantOp> {
-        match coll {
-            Collective::AllGather => Some(QuantOp::AllGather),
-            Collective::AlltoAll => Some(QuantOp::AlltoAll),
-            Collective::ReduceScatter => Some(QuantOp::ReduceScatter),
-            _ => None,
-        }
-    }
-
-    /// Segments of `len` values in a rank's output: one per source rank, or the one shard.
-    pub fn segments(self, nranks: u32) -> usize {
+impl OpShape for QuantOp {
+    fn segments(self, nranks: u32) -> usize {
         match self {
             QuantOp::AllGather | QuantOp::AlltoAll => nranks.max(1) as usize,
             QuantOp::ReduceScatter => 1,
         }
     }
 
-    /// Whether every rank's output is the same (so one rank checks it against the reference and
-    /// the others are compared with it byte for byte).
-    pub fn same_everywhere(self) -> bool {
+    fn same_everywhere(self) -> bool {
         self == QuantOp::AllGather
     }
 }
@@ -583,14 +565,7 @@ mod tests {
     }
 
     #[test]
-    fn quant_ops_of_collectives() {
-        assert_eq!(QuantOp::of(Collective::AllGather), Some(QuantOp::AllGather));
-        assert_eq!(QuantOp::of(Collective::AlltoAll), Some(QuantOp::AlltoAll));
-        assert_eq!(
-            QuantOp::of(Collective::ReduceScatter),
-            Some(QuantOp::ReduceScatter)
-        );
-        assert_eq!(QuantOp::of(Collective::AllReduce), None);
+    fn quant_op_shapes() {
         assert_eq!(QuantOp::AllGather.segments(4), 4);
         assert_eq!(QuantOp::AlltoAll.segments(8), 8);
         assert_eq!(QuantOp::ReduceScatter.segments(8), 1);

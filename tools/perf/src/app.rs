@@ -485,11 +485,7 @@ fn quant_op_note(o: &Options) -> String {
         crate::inputs::SPIKE_PERIOD,
         o.seed,
         o.check_values,
-        match o.coll {
-            args::Collective::AllGather => "allgather",
-            args::Collective::ReduceScatter => "reducescatter",
-            _ => "alltoall",
-        }
+        o.coll.name()
     )
 }
 

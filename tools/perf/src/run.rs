@@ -39,7 +39,7 @@ use flashcomm_testkit::reference::Reference;
 use flashcomm_testkit::verify::{TestType, Verifier};
 use serde::{Deserialize, Serialize};
 
-use crate::accuracy::{self, AccuracyStats, QuantAlgo, QuantOp};
+use crate::accuracy::{self, AccuracyStats, OpShape, QuantAlgo, QuantOp};
 use crate::args::{Dtype, Impl, Launch, Mode, Options, RefLaunch, Width};
 use crate::ffi::{self, Nccl, NcclComm};
 use crate::inputs;

@@ -659,12 +659,7 @@ impl Communicator {
     /// The catalogue kernel of a plan: a few integer operations, no name and no lookup.
     fn kernel_for(p: &Plan, dtype: Option<DataType>) -> Result<Kernel<FcCollParams>, Error> {
         let (proto, algo) = (p.proto, p.algo);
-        let quant_op = match p.coll {
-            Collective::AllGather => Some(QuantOp::AllGather),
-            Collective::AlltoAll => Some(QuantOp::AlltoAll),
-            Collective::ReduceScatter => Some(QuantOp::ReduceScatter),
-            _ => None,
-        };
+        let quant_op = QuantOp::of(p.coll);
         let k = match (p.coll, dtype) {
             (_, Some(t)) if p.quant.is_some() && quant_op.is_some() => match (quant_op, p.quant) {
                 (Some(op), Some(q)) => Kernel::quant_op(op, t, q.rs_bits),
