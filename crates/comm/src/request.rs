@@ -3,7 +3,7 @@
 //! right after checking its arguments; nothing after re-derives the element type or the size.
 
 use crate::gpu::{DevicePtr, Stream};
-use crate::plan::{Algorithm, Choice, Collective, DataType, Plan, Protocol, QuantSpec};
+use crate::plan::{Collective, DataType, Plan, QuantSpec};
 
 /// Where a call's data lies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,8 +26,7 @@ pub enum Buffers<'a> {
 }
 
 /// One collective call: the collective, its element type (or only its size, for AllGather and
-/// AllToAll of any datatype), the count, the buffers, the stream, the quantization asked for,
-/// and (for tests and flashcomm-perf) a forced algorithm or protocol.
+/// AllToAll of any datatype), the count, the buffers, the stream and the quantization asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Request<'a> {
     /// The collective.
@@ -50,13 +49,6 @@ pub struct Request<'a> {
     /// where quantizing does not pay (the communicator's [`QuantChoice`](crate::QuantChoice)
     /// decides). `false` keeps the quantized plan, as asked.
     pub lossless_allowed: bool,
-    /// The algorithm, when forced for this call (`None`: the communicator's setting).
-    pub algo: Option<Choice<Algorithm>>,
-    /// The protocol, when forced for this call (`None`: the communicator's setting).
-    pub proto: Option<Choice<Protocol>>,
-    /// A plan the caller pins (tests): planned before by
-    /// [`Communicator::plan`](crate::Communicator::plan), run as it is, without selecting again.
-    pub pinned: Option<Plan>,
 }
 
 impl<'a> Request<'a> {
@@ -85,18 +77,14 @@ impl<'a> Request<'a> {
             stream: Stream::null(),
             quant: None,
             lossless_allowed: false,
-            algo: None,
-            proto: None,
-            pinned: None,
         }
     }
 
-    /// A call that runs plan `p` as it is (its collective and codec settings): what tests use to
-    /// run one plan they made, forced or changed, on every rank.
-    pub fn pinned(p: Plan, count: u64, dtype: Option<DataType>, elem: u64) -> Request<'a> {
+    /// A call of plan `p`'s collective and codec settings, for
+    /// [`Communicator::execute_plan`](crate::Communicator::execute_plan).
+    pub fn for_plan(p: &Plan, count: u64, dtype: Option<DataType>, elem: u64) -> Request<'a> {
         Request {
             quant: p.quant,
-            pinned: Some(p),
             ..Request::shaped(p.coll, count, dtype, elem)
         }
     }
@@ -128,28 +116,6 @@ impl<'a> Request<'a> {
         Request {
             quant: Some(q),
             lossless_allowed,
-            ..self
-        }
-    }
-
-    /// The algorithm and the protocol forced for this call (each falls back where it is invalid
-    /// for the call, as the communicator's settings do).
-    pub fn forced(self, algo: Choice<Algorithm>, proto: Choice<Protocol>) -> Request<'a> {
-        self.with_algo(algo).with_proto(proto)
-    }
-
-    /// The algorithm forced for this call (the protocol stays the communicator's).
-    pub fn with_algo(self, algo: Choice<Algorithm>) -> Request<'a> {
-        Request {
-            algo: Some(algo),
-            ..self
-        }
-    }
-
-    /// The protocol forced for this call (the algorithm stays the communicator's).
-    pub fn with_proto(self, proto: Choice<Protocol>) -> Request<'a> {
-        Request {
-            proto: Some(proto),
             ..self
         }
     }

@@ -66,14 +66,16 @@ fn sweep_on(n: u32, cfg: CommConfig, max: u64) {
                 recv.fill(0xA5, r.stream).unwrap();
                 let p = r
                     .comm
-                    .plan(
-                        &Request::bytes(coll, count, elem)
-                            .forced(Choice::Force(algo), Choice::Force(proto)),
+                    .plan_forced(
+                        &Request::bytes(coll, count, elem),
+                        Choice::Force(algo),
+                        Choice::Force(proto),
                     )
                     .unwrap();
                 r.comm
-                    .execute(
-                        &Request::pinned(p, count, ty.dtype(), elem)
+                    .execute_plan(
+                        p,
+                        &Request::for_plan(&p, count, ty.dtype(), elem)
                             .between(
                                 send.slice(0, (send_elems * elem) as usize),
                                 recv.slice(0, (recv_elems * elem) as usize),
@@ -312,14 +314,16 @@ fn random_values_match_cpu_reference() {
                         let elem = ty.bytes();
                         let p = r
                             .comm
-                            .plan(
-                                &Request::bytes(Collective::AllReduce, count, elem)
-                                    .forced(Choice::Force(algo), Choice::Force(proto)),
+                            .plan_forced(
+                                &Request::bytes(Collective::AllReduce, count, elem),
+                                Choice::Force(algo),
+                                Choice::Force(proto),
                             )
                             .unwrap();
                         r.comm
-                            .execute(
-                                &Request::pinned(p, count, ty.dtype(), elem)
+                            .execute_plan(
+                                p,
+                                &Request::for_plan(&p, count, ty.dtype(), elem)
                                     .between(
                                         send.slice(0, (count * elem) as usize),
                                         recv.slice(0, (count * elem) as usize),
@@ -369,15 +373,17 @@ fn in_place_and_misaligned() {
                         .unwrap();
                         let p = r
                             .comm
-                            .plan(
-                                &Request::bytes(Collective::AllReduce, count, 2)
-                                    .forced(Choice::Force(algo), Choice::Force(proto)),
+                            .plan_forced(
+                                &Request::bytes(Collective::AllReduce, count, 2),
+                                Choice::Force(algo),
+                                Choice::Force(proto),
                             )
                             .unwrap();
                         let io = buf.slice(offset, bytes);
                         r.comm
-                            .execute(
-                                &Request::pinned(p, count, ty.dtype(), 2)
+                            .execute_plan(
+                                p,
+                                &Request::for_plan(&p, count, ty.dtype(), 2)
                                     .between(io, io)
                                     .on(r.stream),
                             )
@@ -408,14 +414,16 @@ fn in_place_and_misaligned() {
                 r.v.fill(mine, count, ty, r.rank(), salt, r.stream).unwrap();
                 let p = r
                     .comm
-                    .plan(
-                        &Request::bytes(Collective::AllGather, count, 1)
-                            .forced(Choice::Auto, Choice::Force(proto)),
+                    .plan_forced(
+                        &Request::bytes(Collective::AllGather, count, 1),
+                        Choice::Auto,
+                        Choice::Force(proto),
                     )
                     .unwrap();
                 r.comm
-                    .execute(
-                        &Request::pinned(p, count, None, 1)
+                    .execute_plan(
+                        p,
+                        &Request::for_plan(&p, count, None, 1)
                             .between(mine, out)
                             .on(r.stream),
                     )
@@ -475,14 +483,16 @@ fn pull_with_rank_local_buffers() {
                             .unwrap();
                         let p = r
                             .comm
-                            .plan(
-                                &Request::bytes(Collective::AllReduce, count, 2)
-                                    .forced(Choice::Force(algo), Choice::Force(proto)),
+                            .plan_forced(
+                                &Request::bytes(Collective::AllReduce, count, 2),
+                                Choice::Force(algo),
+                                Choice::Force(proto),
                             )
                             .unwrap();
                         r.comm
-                            .execute(
-                                &Request::pinned(p, count, ty.dtype(), 2)
+                            .execute_plan(
+                                p,
+                                &Request::for_plan(&p, count, ty.dtype(), 2)
                                     .between(input, output)
                                     .on(r.stream),
                             )
@@ -592,15 +602,17 @@ fn pull_moves_with_rank_local_buffers() {
                             .unwrap();
                         let p = r
                             .comm
-                            .plan(
-                                &Request::bytes(coll, count, elem)
-                                    .forced(Choice::Auto, Choice::Force(proto)),
+                            .plan_forced(
+                                &Request::bytes(coll, count, elem),
+                                Choice::Auto,
+                                Choice::Force(proto),
                             )
                             .unwrap();
                         assert!(p.proto.pulls(), "{coll} count={count}: {p:?}");
                         r.comm
-                            .execute(
-                                &Request::pinned(p, count, ty.dtype(), elem)
+                            .execute_plan(
+                                p,
+                                &Request::for_plan(&p, count, ty.dtype(), elem)
                                     .between(input, output)
                                     .on(r.stream),
                             )
@@ -720,11 +732,12 @@ fn graph_capture_and_replay() {
             let out = if i % 2 == 0 { &recv } else { &recv2 };
             let p = r
                 .comm
-                .plan(&Request::bytes(*coll, *count, elem).forced(*algo, *proto))
+                .plan_forced(&Request::bytes(*coll, *count, elem), *algo, *proto)
                 .unwrap();
             r.comm
-                .execute(
-                    &Request::pinned(p, *count, ty.dtype(), elem)
+                .execute_plan(
+                    p,
+                    &Request::for_plan(&p, *count, ty.dtype(), elem)
                         .between(
                             send.slice(i * (4 << 20), (se * elem) as usize),
                             out.slice(0, (re * elem) as usize),
@@ -781,8 +794,9 @@ fn fill_run_check(
     r.v.fill(send.as_ptr(), se, ty, r.rank(), salt, r.stream)
         .unwrap();
     r.comm
-        .execute(
-            &Request::pinned(*p, count, ty.dtype(), elem)
+        .execute_plan(
+            *p,
+            &Request::for_plan(&*p, count, ty.dtype(), elem)
                 .between(
                     send.slice(0, (se * elem) as usize),
                     recv.slice(0, (re * elem) as usize),
@@ -1030,11 +1044,10 @@ fn epochs_wrap_around_without_a_wrong_result() {
                     let (ty, count) = (TestType::Bf16, 1u64 << 20);
                     let p = r
                         .comm
-                        .plan(
-                            &Request::bytes(Collective::AllReduce, count, ty.bytes()).forced(
-                                Choice::Force(Algorithm::OneShot),
-                                Choice::Force(Protocol::Ll),
-                            ),
+                        .plan_forced(
+                            &Request::bytes(Collective::AllReduce, count, ty.bytes()),
+                            Choice::Force(Algorithm::OneShot),
+                            Choice::Force(Protocol::Ll),
                         )
                         .unwrap();
                     (Collective::AllReduce, ty, count, p)
@@ -1078,15 +1091,17 @@ fn ranks_with_different_datatypes_report_a_mismatch() {
         };
         let count = 4096;
         let p = comm
-            .plan(&Request::bytes(Collective::AllReduce, count, 2).forced(
+            .plan_forced(
+                &Request::bytes(Collective::AllReduce, count, 2),
                 Choice::Force(Algorithm::OneShot),
                 Choice::Force(Protocol::Ll),
-            ))
+            )
             .unwrap();
         m.barrier().unwrap();
         let t = Instant::now();
-        comm.execute(
-            &Request::pinned(p, count, Some(dt), 2)
+        comm.execute_plan(
+            p,
+            &Request::for_plan(&p, count, Some(dt), 2)
                 .between(buf.slice(0, 8192), buf.slice(0, 8192))
                 .on(stream),
         )
@@ -1178,8 +1193,9 @@ fn graph_replays_and_eager_calls_on_two_streams() {
                 .unwrap();
             let bytes = (count * ty.bytes()) as usize;
             r.comm
-                .execute(
-                    &Request::pinned(*p, count, ty.dtype(), ty.bytes())
+                .execute_plan(
+                    *p,
+                    &Request::for_plan(&*p, count, ty.dtype(), ty.bytes())
                         .between(send.slice(0, bytes), recv.slice(0, bytes))
                         .on(s),
                 )
@@ -1344,9 +1360,10 @@ fn alltoall_in_place() {
                         let in_place = salt.is_multiple_of(2) || r.rank() == 0;
                         let p = r
                             .comm
-                            .plan(
-                                &Request::bytes(Collective::AlltoAll, count, ty.bytes())
-                                    .forced(Choice::Auto, Choice::Force(proto)),
+                            .plan_forced(
+                                &Request::bytes(Collective::AlltoAll, count, ty.bytes()),
+                                Choice::Auto,
+                                Choice::Force(proto),
                             )
                             .unwrap();
                         let recv = if in_place { &a } else { &b };

@@ -431,8 +431,9 @@ fn child_process_entry() {
                 let elem = ty.bytes();
                 v.fill(send.as_ptr(), se, ty, rank, salt, s).unwrap();
                 let p = comm.plan(&Request::bytes(coll, count, elem)).unwrap();
-                comm.execute(
-                    &Request::pinned(p, count, ty.dtype(), elem)
+                comm.execute_plan(
+                    p,
+                    &Request::for_plan(&p, count, ty.dtype(), elem)
                         .between(
                             send.slice(0, (se * elem) as usize),
                             recv.slice(0, (re * elem) as usize),
@@ -672,14 +673,15 @@ fn quantized_checks(
         send.upload(0, &mine, s).unwrap();
         recv.fill(0xA5, s).unwrap();
         let p = comm
-            .plan(
-                &Request::typed(Collective::AllReduce, count as u64, dtype)
-                    .quantized(q, false)
-                    .with_algo(Choice::Force(algo)),
+            .plan_forced(
+                &Request::typed(Collective::AllReduce, count as u64, dtype).quantized(q, false),
+                Choice::Force(algo),
+                common::test_proto(),
             )
             .expect("quantized plan");
-        comm.execute(
-            &Request::pinned(p, count as u64, Some(dtype), 2)
+        comm.execute_plan(
+            p,
+            &Request::for_plan(&p, count as u64, Some(dtype), 2)
                 .between(send.slice(0, bytes), recv.slice(0, bytes))
                 .on(s),
         )
@@ -739,17 +741,18 @@ fn graph_replay(
         .unwrap();
     let q = QuantSpec::new(rs, ag, group, spikes).unwrap();
     let qp = comm
-        .plan(
-            &Request::typed(Collective::AllReduce, qcount as u64, dtype)
-                .quantized(q, false)
-                .with_algo(Choice::Force(algo)),
+        .plan_forced(
+            &Request::typed(Collective::AllReduce, qcount as u64, dtype).quantized(q, false),
+            Choice::Force(algo),
+            common::test_proto(),
         )
         .expect("quantized plan");
     s.synchronize().unwrap();
     boot.barrier().unwrap();
     s.begin_capture().unwrap();
-    comm.execute(
-        &Request::pinned(lp, count, ty.dtype(), ty.bytes())
+    comm.execute_plan(
+        lp,
+        &Request::for_plan(&lp, count, ty.dtype(), ty.bytes())
             .between(send.slice(lin, lbytes), recv.slice(0, lbytes))
             .on(s),
     )
@@ -766,8 +769,9 @@ fn graph_replay(
         s,
     )
     .unwrap();
-    comm.execute(
-        &Request::pinned(qp, qcount as u64, Some(dtype), 2)
+    comm.execute_plan(
+        qp,
+        &Request::for_plan(&qp, qcount as u64, Some(dtype), 2)
             .between(send.slice(0, qbytes), recv.slice(qout, qbytes))
             .on(s),
     )
@@ -852,12 +856,14 @@ fn zero_copy_phase(
         let n64 = u64::from(n);
         let (se, re) = common::send_recv_elems(coll, count, n64);
         v.fill(send, se, ty, rank, salt, s).unwrap();
-        comm.execute(
+        comm.execute_plan(
+            comm.plan_forced(
+                &Request::shaped(coll, count, ty.dtype(), ty.bytes()),
+                Choice::Force(algo),
+                Choice::Force(flashcomm_comm::Protocol::Direct),
+            )
+            .unwrap(),
             &Request::shaped(coll, count, ty.dtype(), ty.bytes())
-                .forced(
-                    Choice::Force(algo),
-                    Choice::Force(flashcomm_comm::Protocol::Direct),
-                )
                 .between(send, recv)
                 .on(s),
         )
@@ -1065,12 +1071,14 @@ fn zero_copy_graph(
     let before = comm.zero_copy_calls();
     s.begin_capture().unwrap();
     for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
-        comm.execute(
+        comm.execute_plan(
+            comm.plan_forced(
+                &Request::typed(Collective::AllReduce, count, DataType::Bf16),
+                Choice::Force(algo),
+                Choice::Force(flashcomm_comm::Protocol::Direct),
+            )
+            .unwrap(),
             &Request::typed(Collective::AllReduce, count, DataType::Bf16)
-                .forced(
-                    Choice::Force(algo),
-                    Choice::Force(flashcomm_comm::Protocol::Direct),
-                )
                 .between(send, recv)
                 .on(s),
         )
@@ -1144,8 +1152,9 @@ fn stress_calls(
         let elem = ty.bytes();
         let salt = i % 1024;
         v.fill(send.as_ptr(), se, ty, rank, salt, s).unwrap();
-        comm.execute(
-            &Request::pinned(p, count, ty.dtype(), elem)
+        comm.execute_plan(
+            p,
+            &Request::for_plan(&p, count, ty.dtype(), elem)
                 .between(
                     send.slice(0, (se * elem) as usize),
                     recv.slice(0, (re * elem) as usize),
@@ -1203,12 +1212,14 @@ fn zero_copy_churn(
         let before = comm.zero_copy_calls();
         let salt = i % 1024;
         v.fill(x.as_ptr(), count, ty, rank, salt, s).unwrap();
-        comm.execute(
+        comm.execute_plan(
+            comm.plan_forced(
+                &Request::typed(Collective::AllReduce, count, DataType::Bf16),
+                Choice::Force(Algorithm::OneShot),
+                Choice::Force(flashcomm_comm::Protocol::Direct),
+            )
+            .unwrap(),
             &Request::typed(Collective::AllReduce, count, DataType::Bf16)
-                .forced(
-                    Choice::Force(Algorithm::OneShot),
-                    Choice::Force(flashcomm_comm::Protocol::Direct),
-                )
                 .between(x.as_ptr(), recv.as_ptr())
                 .on(s),
         )

@@ -199,15 +199,17 @@ fn quantized(n: u32) {
             recv.fill(0xA5, r.stream).unwrap();
             let p = r
                 .comm
-                .plan(
+                .plan_forced(
                     &Request::typed(Collective::AllReduce, case.count as u64, case.dtype)
-                        .quantized(case.q, false)
-                        .with_algo(case.algo),
+                        .quantized(case.q, false),
+                    case.algo,
+                    common::test_proto(),
                 )
                 .expect("plan");
             r.comm
-                .execute(
-                    &Request::pinned(p, case.count as u64, Some(case.dtype), 2)
+                .execute_plan(
+                    p,
+                    &Request::for_plan(&p, case.count as u64, Some(case.dtype), 2)
                         .between(send.slice(0, bytes), recv.slice(0, bytes))
                         .on(r.stream),
                 )
@@ -290,15 +292,16 @@ fn quantized_large(n: u32, q: QuantSpec, dtype: DataType) {
         let rank0 = r.shared.addrs.lock().unwrap()[0];
         let p = r
             .comm
-            .plan(
-                &Request::typed(Collective::AllReduce, count as u64, dtype)
-                    .quantized(q, false)
-                    .with_algo(Choice::Auto),
+            .plan_forced(
+                &Request::typed(Collective::AllReduce, count as u64, dtype).quantized(q, false),
+                Choice::Auto,
+                common::test_proto(),
             )
             .expect("plan");
         r.comm
-            .execute(
-                &Request::pinned(p, count as u64, Some(dtype), 2)
+            .execute_plan(
+                p,
+                &Request::for_plan(&p, count as u64, Some(dtype), 2)
                     .between(send.slice(0, bytes), recv.slice(0, bytes))
                     .on(r.stream),
             )
@@ -373,15 +376,17 @@ fn quantized_graph_replay() {
         for (q, algo) in specs {
             let p = r
                 .comm
-                .plan(
+                .plan_forced(
                     &Request::typed(Collective::AllReduce, count as u64, DataType::Bf16)
-                        .quantized(q, false)
-                        .with_algo(Choice::Force(algo)),
+                        .quantized(q, false),
+                    Choice::Force(algo),
+                    common::test_proto(),
                 )
                 .unwrap();
             r.comm
-                .execute(
-                    &Request::pinned(p, count as u64, Some(DataType::Bf16), 2)
+                .execute_plan(
+                    p,
+                    &Request::for_plan(&p, count as u64, Some(DataType::Bf16), 2)
                         .between(send.as_ptr(), eager.as_ptr())
                         .on(r.stream),
                 )
@@ -389,8 +394,9 @@ fn quantized_graph_replay() {
             r.sync();
             r.stream.begin_capture().unwrap();
             r.comm
-                .execute(
-                    &Request::pinned(p, count as u64, Some(DataType::Bf16), 2)
+                .execute_plan(
+                    p,
+                    &Request::for_plan(&p, count as u64, Some(DataType::Bf16), 2)
                         .between(send.as_ptr(), replay.as_ptr())
                         .on(r.stream),
                 )
@@ -485,19 +491,21 @@ fn quantized_where_it_pays() {
                     .collect();
                 let bytes = count * 2;
                 let p = c
-                    .plan(
+                    .plan_forced(
                         &Request::typed(Collective::AllReduce, count as u64, DataType::Bf16)
-                            .quantized(q, true)
-                            .with_algo(Choice::Auto),
+                            .quantized(q, true),
+                        Choice::Auto,
+                        common::test_proto(),
                     )
                     .unwrap();
                 // Outside the lossless window (the shim's FLASHCOMM_MIN_BYTES/MAX_BYTES) the
                 // call stays quantized.
                 let kept = c
-                    .plan(
+                    .plan_forced(
                         &Request::typed(Collective::AllReduce, count as u64, DataType::Bf16)
-                            .quantized(q, false)
-                            .with_algo(Choice::Auto),
+                            .quantized(q, false),
+                        Choice::Auto,
+                        common::test_proto(),
                     )
                     .unwrap();
                 assert!(
@@ -506,10 +514,11 @@ fn quantized_where_it_pays() {
                 );
                 // The rule, from the agreed models.
                 let quant = c
-                    .plan(
+                    .plan_forced(
                         &Request::typed(Collective::AllReduce, count as u64, DataType::Bf16)
-                            .quantized(q, false)
-                            .with_algo(Choice::Auto),
+                            .quantized(q, false),
+                        Choice::Auto,
+                        common::test_proto(),
                     )
                     .unwrap();
                 let lossless = c
@@ -628,10 +637,11 @@ fn quantized_where_it_pays() {
         for &count in &counts {
             let p = r
                 .comm
-                .plan(
+                .plan_forced(
                     &Request::typed(Collective::AllReduce, count as u64, DataType::Bf16)
-                        .quantized(specs[0], true)
-                        .with_algo(Choice::Auto),
+                        .quantized(specs[0], true),
+                    Choice::Auto,
+                    common::test_proto(),
                 )
                 .unwrap();
             assert!(p.quant.is_some(), "always quantized: count {count}");
@@ -751,8 +761,9 @@ fn quantized_oneshot_rounds(n: u32, max_blocks: u32, specs: &[(QuantSpec, usize)
                     recv.fill(0xA5, r.stream).unwrap();
                     r.sync();
                     r.comm
-                        .execute(
-                            &Request::pinned(p, count as u64, Some(dtype), 2)
+                        .execute_plan(
+                            p,
+                            &Request::for_plan(&p, count as u64, Some(dtype), 2)
                                 .between(send.slice(0, bytes), recv.slice(0, bytes))
                                 .on(r.stream),
                         )

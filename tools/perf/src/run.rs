@@ -1047,7 +1047,7 @@ impl Rank<'_> {
     fn lossless_call(
         &self,
         job: &Job,
-        req: Option<&Request<'static>>,
+        req: Option<&(Plan, Request<'static>)>,
         send: DevicePtr,
         recv: DevicePtr,
         s: Stream,
@@ -1055,8 +1055,8 @@ impl Rank<'_> {
         let sh = &job.shape;
         let elem = job.dtype.bytes();
         match (job.variant, req, &self.comm, &self.nccl) {
-            (Variant::Lossless | Variant::Quant(_), Some(r), Some(c), _) => c
-                .execute(&r.between(send, recv).on(s))
+            (Variant::Lossless | Variant::Quant(_), Some((p, r)), Some(c), _) => c
+                .execute_plan(*p, &r.between(send, recv).on(s))
                 .map(|_| ())
                 .map_err(|e| e.to_string()),
             (Variant::Reference(l), _, _, _) => match (&self.reference, self.o.coll, l) {
@@ -1112,9 +1112,11 @@ impl Rank<'_> {
     fn lossless_job(&self, job: &Job, salt: u32) -> Result<RankOut, String> {
         let (req, plan) = match (job.variant, &self.comm) {
             (Variant::Lossless, Some(c)) => {
-                let req = Request::typed(self.o.coll, job.shape.call_count, job.dtype)
-                    .forced(self.o.algo, self.o.proto);
-                (Some(req), Some(c.plan(&req).map_err(|e| e.to_string())?))
+                let req = Request::typed(self.o.coll, job.shape.call_count, job.dtype);
+                let p = c
+                    .plan_forced(&req, self.o.algo, self.o.proto)
+                    .map_err(|e| e.to_string())?;
+                (Some((p, req)), Some(p))
             }
             _ => (None, None),
         };
@@ -1168,7 +1170,7 @@ impl Rank<'_> {
     fn lossless_measure(
         &self,
         job: &Job,
-        req: Option<&Request<'static>>,
+        req: Option<&(Plan, Request<'static>)>,
         salt: u32,
         inplace: bool,
     ) -> Result<RankMeasure, String> {
@@ -1287,12 +1289,10 @@ impl Rank<'_> {
         // The same verdict on every rank: planning is pure.
         // AllReduce may run the lossless kernels where quantizing does not pay (`--quant-choice
         // auto`); the one-step collectives are quantized whatever the choice.
-        let req = Request::typed(self.o.coll, count, dt)
-            .quantized(spec, op.is_none())
-            .forced(self.o.algo, self.o.proto);
+        let req = Request::typed(self.o.coll, count, dt).quantized(spec, op.is_none());
         let plan = match self.comm.as_ref() {
             None => return skipped("flashcomm is not set up".into()),
-            Some(c) => c.plan(&req),
+            Some(c) => c.plan_forced(&req, self.o.algo, self.o.proto),
         };
         let plan = match plan {
             Err(e) => return skipped(e.to_string()),
@@ -1301,7 +1301,7 @@ impl Rank<'_> {
         if plan.quant.is_none() {
             // `--quant-choice auto` where quantizing does not pay: the call runs the lossless
             // kernels, timed and checked as a lossless row (the plan column says so).
-            let out = self.lossless_measure(job, Some(&req), salt, false)?;
+            let out = self.lossless_measure(job, Some(&(plan, req)), salt, false)?;
             return Ok(RankOut {
                 skipped: None,
                 plan: Some(format!("lossless:{}", plan_label(&plan))),
@@ -1335,7 +1335,7 @@ impl Rank<'_> {
         let send = fp.slice(0, send_bytes);
         let recv = self.recv.slice(0, recv_bytes);
         let call = |s: Stream| {
-            comm.execute(&req.between(send, recv).on(s))
+            comm.execute_plan(plan, &req.between(send, recv).on(s))
                 .map(|_| ())
                 .map_err(|e| e.to_string())
         };

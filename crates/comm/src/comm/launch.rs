@@ -9,7 +9,8 @@ use crate::abi::{self, FcCollParams};
 use crate::error::Error;
 use crate::gpu::{DeviceMem, DevicePtr, Stream};
 use crate::plan::{
-    self, Algorithm, Collective, DataType, Plan, Protocol, QuantChoice, QuantModel, QuantSpec,
+    self, Algorithm, Choice, Collective, DataType, Plan, Protocol, QuantChoice, QuantModel,
+    QuantSpec,
 };
 use crate::release;
 use crate::request::{Buffers, Request};
@@ -207,19 +208,25 @@ const CAPTURE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Communicator {
     /// The plan of a request: exactly what [`Communicator::execute`] runs for it (pure; the
-    /// same on every rank for the same request). A lossless call is planned by the cost model
-    /// (or as forced); a quantized AllReduce runs the quantized kernels, or, under
+    /// same on every rank for the same request): [`Communicator::plan_forced`] with the
+    /// communicator's algorithm and protocol settings.
+    pub fn plan(&self, req: &Request<'_>) -> Result<Plan, Error> {
+        self.plan_forced(req, self.cfg.algo, self.cfg.proto)
+    }
+
+    /// The plan of a request with `algo` and `proto` forced (each falls back where it is invalid
+    /// for the call, as the communicator's settings do). A lossless call is planned by the cost
+    /// model (or as forced); a quantized AllReduce runs the quantized kernels, or, under
     /// [`QuantChoice::Auto`] where quantizing does not pay ([`plan::quant_pays`]) and the request
     /// allows it, the lossless plan (whose `quant` is `None`); a quantized AllGather, AllToAll or
     /// ReduceScatter is one quantization step at `q.rs_bits`. Refuses what the kernels refuse
-    /// (a quantized f32 call, widths without kernels). A pinned plan ([`Request::pinned`]) is
-    /// the plan.
-    pub fn plan(&self, req: &Request<'_>) -> Result<Plan, Error> {
-        if let Some(p) = req.pinned {
-            return Ok(p);
-        }
-        let algo = req.algo.unwrap_or(self.cfg.algo);
-        let proto = req.proto.unwrap_or(self.cfg.proto);
+    /// (a quantized f32 call, widths without kernels).
+    pub fn plan_forced(
+        &self,
+        req: &Request<'_>,
+        algo: Choice<Algorithm>,
+        proto: Choice<Protocol>,
+    ) -> Result<Plan, Error> {
         let lossless = |coll, elem| {
             plan::plan(
                 &self.arena,
@@ -267,24 +274,29 @@ impl Communicator {
 
     /// The first half of [`Communicator::execute`] (which checks the device's status before
     /// and orders and enqueues after: `order.rs`): the request's plan ([`Communicator::plan`])
-    /// and what it enqueues, its buffers checked and, for a kernel, the kernel chosen and its
-    /// parameters filled. Nothing is enqueued here.
+    /// and what it enqueues ([`Communicator::work`]). Nothing is enqueued here.
     pub(super) fn prepare<'r>(&self, req: &Request<'r>) -> Result<(Plan, Work<'r>), Error> {
         let p = self.plan(req)?;
-        let work = match req.buffers {
+        let work = self.work(&p, req)?;
+        Ok((p, work))
+    }
+
+    /// What plan `p` of `req` enqueues: its buffers checked and, for a kernel, the kernel chosen
+    /// and its parameters filled.
+    pub(super) fn work<'r>(&self, p: &Plan, req: &Request<'r>) -> Result<Work<'r>, Error> {
+        Ok(match req.buffers {
             Buffers::Contiguous { send, recv } => {
-                self.contiguous(&p, send, recv, req.count, req.elem, req.dtype, req.stream)?
+                self.contiguous(p, send, recv, req.count, req.elem, req.dtype, req.stream)?
             }
             Buffers::Scattered { send, recv } => {
-                if req.coll != Collective::AlltoAll || p.quant.is_some() {
+                if p.coll != Collective::AlltoAll || p.quant.is_some() {
                     return Err(Error::Unsupported(
                         "scattered blocks are a lossless AllToAll's only".into(),
                     ));
                 }
-                self.scattered(&p, send, recv, req.count, req.elem, req.stream)?
+                self.scattered(p, send, recv, req.count, req.elem, req.stream)?
             }
-        };
-        Ok((p, work))
+        })
     }
 
     /// Whether this communicator's last eager launch has finished (or cannot be told: a failed

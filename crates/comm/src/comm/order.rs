@@ -41,6 +41,22 @@ impl Communicator {
         Ok(p)
     }
 
+    /// Runs plan `p` for `req`'s buffers and stream as it is, without selecting again: a plan
+    /// of [`Communicator::plan_forced`] (flashcomm-perf's forced algorithm and protocol), or one
+    /// a test changed. Every rank must run the same plan; `req` must be a call of `p`'s
+    /// collective. Otherwise as [`Communicator::execute`].
+    pub fn execute_plan(&self, p: Plan, req: &Request<'_>) -> Result<Plan, Error> {
+        self.check_status()?;
+        if req.coll != p.coll {
+            return Err(Error::InvalidArgument(format!(
+                "a plan of {} run for a call of {}",
+                p.coll, req.coll
+            )));
+        }
+        self.enqueue(self.work(&p, req)?, req.stream)?;
+        Ok(p)
+    }
+
     /// Enqueues prepared work on `stream` as one operation of this communicator, ordered after
     /// its previous one: the copies before, the kernel (or copy), the copies after.
     pub(super) fn enqueue(&self, work: Work<'_>, stream: Stream) -> Result<(), Error> {

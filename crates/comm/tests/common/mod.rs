@@ -265,8 +265,10 @@ pub fn stress_plan(
     }
     let proto = Protocol::ALL[((x >> 40) % 4) as usize];
     let algo = Algorithm::ALL[((x >> 44) % 2) as usize];
-    comm.plan(
-        &Request::bytes(coll, count, ty.bytes()).forced(Choice::Force(algo), Choice::Force(proto)),
+    comm.plan_forced(
+        &Request::bytes(coll, count, ty.bytes()),
+        Choice::Force(algo),
+        Choice::Force(proto),
     )
     .unwrap()
 }
