@@ -26,7 +26,6 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use flashcomm_comm::Communicator;
 use flashcomm_config::Config;
 use flashcomm_nccl_sys::{ncclComm_t, ncclResult_t};
 
@@ -488,26 +487,19 @@ pub(crate) fn run<F: FnOnce() -> ncclResult_t>(
     forward_real: F,
 ) -> ncclResult_t {
     let depth = group::depth();
-    run_at(
-        call,
-        config,
-        depth,
-        depth > 0,
-        |c, d| serve::execute(c, call, d, config),
-        forward_real,
-    )
+    run_at(call, config, depth, depth > 0, None, forward_real)
 }
 
 /// [`run`] at group depth `depth` (what the decision sees), with `in_real_group` when a
 /// forwarded call lands inside a group the real library still holds open (NCCL enqueues it at
-/// the group's end, so it is not ordered here); `serve_it` runs it on flashcomm's kernels
-/// (`serve::execute`, or `grouped::execute` for the AllToAll a Send/Recv group forms).
+/// the group's end, so it is not ordered here); `blocks`: the AllToAll a Send/Recv group forms
+/// has its blocks apart, one per peer (the send and receive addresses, `call.bytes` each).
 pub(crate) fn run_at<F: FnOnce() -> ncclResult_t>(
     call: &CollCall,
     config: &Config,
     depth: u32,
     in_real_group: bool,
-    serve_it: impl FnOnce(Option<&Communicator>, &policy::Decision) -> Executed,
+    blocks: Option<(&[u64], &[u64])>,
     forward_real: F,
 ) -> ncclResult_t {
     let mut held = None;
@@ -520,15 +512,17 @@ pub(crate) fn run_at<F: FnOnce() -> ncclResult_t>(
     let forward = |f: F| serve::forward_in_order(served, call, in_real_group, f);
     let mut unquantized = false;
     let (route, result, refused) = match (d.route, state) {
-        (Route::Lossless | Route::Quantized, Some(_)) => match serve_it(served, &d) {
-            Executed::Done(r) => (d.route, r, None),
-            Executed::Invalid(r) => return r,
-            Executed::Unquantized(r) => {
-                unquantized = true;
-                (Route::Lossless, r, None)
+        (Route::Lossless | Route::Quantized, Some(_)) => {
+            match serve::execute(served, call, blocks, &d, config) {
+                Executed::Done(r) => (d.route, r, None),
+                Executed::Invalid(r) => return r,
+                Executed::Unquantized(r) => {
+                    unquantized = true;
+                    (Route::Lossless, r, None)
+                }
+                Executed::Refused(why) => (Route::Nccl, forward(forward_real), Some(why)),
             }
-            Executed::Refused(why) => (Route::Nccl, forward(forward_real), Some(why)),
-        },
+        }
         _ => (Route::Nccl, forward(forward_real), None),
     };
     stats::add_total(route, call.req.coll, call.bytes);

@@ -12,18 +12,16 @@
 //! held back.
 //! May import: `dispatch`, `serve`, `registry`, `policy`, `calls::cuda`, `types`.
 
-use std::borrow::Cow;
 use std::cell::RefCell;
 
-use flashcomm_comm::{Communicator, Error as CommError, Request};
+use flashcomm_comm::Request;
 use flashcomm_config::Config;
 use flashcomm_nccl_sys::ncclResult_t;
 
-use crate::calls::cuda::user_blocks;
 use crate::dispatch;
-use crate::policy::{Decision, GROUPED_ALLTOALL};
+use crate::policy::GROUPED_ALLTOALL;
 use crate::registry;
-use crate::serve::{self, Executed};
+use crate::serve;
 use crate::types::{CollCall, Collective, Held, P2pCall};
 
 thread_local! {
@@ -132,14 +130,7 @@ pub(crate) fn released(config: &Config) -> ncclResult_t {
 /// kind (inside the real group, which is still open). Returns the first failure, if any.
 fn release_held(held: Vec<Held>, config: &Config) -> ncclResult_t {
     forward_held(&held, |p| {
-        dispatch::run_at(
-            &p.call,
-            config,
-            1,
-            true,
-            |c, d| serve::execute(c, &p.call, d, config),
-            || serve::forward_p2p(p),
-        )
+        dispatch::run_at(&p.call, config, 1, true, None, || serve::forward_p2p(p))
     })
 }
 
@@ -180,7 +171,7 @@ pub(crate) fn group_ending(config: &Config) -> Option<ncclResult_t> {
             config,
             0,
             true,
-            |c, d| execute(c, &g, d, config),
+            (!g.contiguous).then_some((&g.send[..], &g.recv[..])),
             || forward_held(&held, serve::forward_p2p),
         ),
         None => release_held(held, config),
@@ -274,38 +265,6 @@ pub(crate) fn alltoall_of(held: &[Held], nranks: i32) -> Option<GroupedAlltoAll>
         recv,
         contiguous,
     })
-}
-
-/// Runs the AllToAll a Send/Recv group forms on flashcomm's kernels: directly when its blocks
-/// form one send and one receive buffer, otherwise through the communicator's scratch
-/// (a scattered [`Request`]).
-pub(crate) fn execute(
-    served: Option<&Communicator>,
-    g: &GroupedAlltoAll,
-    d: &Decision,
-    config: &Config,
-) -> Executed {
-    if g.contiguous {
-        return serve::execute(served, &g.call, d, config);
-    }
-    let Some(c) = served else {
-        return Executed::Refused(Cow::Borrowed("flashcomm does not serve the communicator"));
-    };
-    let call = &g.call;
-    // A device error of an earlier call comes first: `Communicator::execute` checks it before
-    // anything else.
-    let (send, recv) = (
-        user_blocks(&g.send, call.bytes),
-        user_blocks(&g.recv, call.bytes),
-    );
-    // The AllToAll's own request (its element type, when flashcomm has one, changes neither the
-    // lossless plan nor the kernel of a scattered AllToAll).
-    let req = call.req.scattered(&send, &recv);
-    match c.execute(&req) {
-        Ok(_) => Executed::Done(ncclResult_t::ncclSuccess),
-        Err(CommError::Unsupported(why)) => Executed::Refused(Cow::Owned(why)),
-        Err(e) => Executed::Done(serve::report(call, e)),
-    }
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@
 //! | `exports::ext` | flashcomm's own C API (`include/flashcomm.h`) | `exports::boundary`, `serve`, `registry`, `group`, `stats`, `init`, `error`, `logging`, `types` |
 //! | `exports::collective` | the common path of the collective exports: checks, then dispatch | `exports::boundary`, `grouped`, `dispatch`, `args`, `error`, `types` |
 //! | `exports::boundary` | the panic boundary, the export macros, signature checks, a group call flashcomm fails inside a group | `calls::real`, `calls::nccl`, `group`, `init`, `error`, `logging`, `last_error`, `types` |
-//! | `grouped` | the AllToAll a group of `ncclSend`/`ncclRecv` forms: its calls held back, recognized, run as flashcomm's AllToAll or given to NCCL in order | `dispatch`, `serve`, `registry`, `policy`, `calls::cuda`, `types` |
+//! | `grouped` | the AllToAll a group of `ncclSend`/`ncclRecv` forms: its calls held back, recognized, run as flashcomm's AllToAll or given to NCCL in order | `dispatch`, `serve`, `registry`, `policy`, `types` |
 //! | `dispatch` | the hooks of the exports: run one call (lookup, decision, serve or forward, count), communicator and group events | `serve`, `engage`, `registry`, `group`, `policy`, `stats`, `logging`, `init`, `calls::cuda`, `types` |
 //! | `serve` | flashcomm's communicator behind a served NCCL communicator: set-up, routed calls, teardown | `engage`, `bootstrap`, `registry`, `policy`, `calls::nccl`, `init`, `error`, `logging`, `calls::cuda`, `types` |
 //! | `engage` | the "flashcomm is on" line, the forwarded calls flashcomm could have served, the exit summary | `registry`, `policy`, `stats`, `calls::real`, `init`, `logging`, `calls::os`, `types` |

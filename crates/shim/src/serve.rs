@@ -39,7 +39,7 @@ use flashcomm_config::{Config, FaultPoint, QuantSettings};
 use flashcomm_nccl_sys::ncclResult_t;
 
 use crate::bootstrap::{ExchangeFaults, NcclBootstrap};
-use crate::calls::cuda::{OwnStream, SavedContext, check_pointers, user_buffers};
+use crate::calls::cuda::{OwnStream, SavedContext, check_pointers, user_blocks, user_buffers};
 use crate::calls::nccl::{self, Identity};
 use crate::error::Error;
 use crate::logging::{self, Subsys};
@@ -933,20 +933,30 @@ pub(crate) fn report(call: &CollCall, e: CommError) -> ncclResult_t {
 pub(crate) fn execute(
     served: Option<&Communicator>,
     call: &CollCall,
+    blocks: Option<(&[u64], &[u64])>,
     d: &Decision,
     config: &Config,
 ) -> Executed {
     let Some(c) = served else {
         return Executed::Refused(Cow::Borrowed("flashcomm does not serve the communicator"));
     };
-    let req = match request(c, call, d, config) {
-        Ok(req) => req,
-        Err(refusal) => {
-            return match c.check_status() {
-                Err(e) => Executed::Done(report(call, e)),
-                Ok(()) => refusal.executed(call),
-            };
+    let (send, recv);
+    let req = match blocks {
+        // The AllToAll of a Send/Recv group with its blocks apart: lossless (its element type,
+        // when flashcomm has one, changes neither the plan nor the kernel).
+        Some((s, r)) => {
+            (send, recv) = (user_blocks(s, call.bytes), user_blocks(r, call.bytes));
+            call.req.scattered(&send, &recv)
         }
+        None => match request(c, call, d, config) {
+            Ok(req) => req,
+            Err(refusal) => {
+                return match c.check_status() {
+                    Err(e) => Executed::Done(report(call, e)),
+                    Ok(()) => refusal.executed(call),
+                };
+            }
+        },
     };
     match c.execute(&req) {
         Ok(p) if d.quant.is_some() && p.quant.is_none() => {
