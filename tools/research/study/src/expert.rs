@@ -26,7 +26,7 @@
 //! block; at `G` = 128 and 256 (576 = 4.5 × 128 = 2.25 × 256) groups straddle two tokens, as the
 //! kernel's would, and a token's round trip also depends on its neighbour in the block.
 
-use crate::collective::{Backend, ErrorStats, Spec};
+use crate::spec::{Backend, ErrorStats, Spec};
 use half::bf16;
 use std::fmt;
 

@@ -594,7 +594,12 @@ mod tests {
             (t.dims.clone(), t.ty, t.n_elements()),
             (vec![3], GgmlType::F32, 3)
         );
-        let data = crate::quant::dequantize(t.ty, g.tensor_bytes(t).unwrap(), 3).unwrap();
+        let data: Vec<f32> = g
+            .tensor_bytes(t)
+            .unwrap()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
         assert_eq!(data, vec![1.5, -2.0, 0.25]);
     }
 

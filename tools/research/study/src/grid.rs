@@ -13,7 +13,7 @@
 //! Only the one-shot is simulated: each rank's partial is approximated group by group, the
 //! approximations are summed in `f32` in rank order and rounded to `bf16`.
 
-use crate::collective::Spec;
+use crate::spec::Spec;
 use crate::spike_rotation::select_spikes;
 use half::bf16;
 

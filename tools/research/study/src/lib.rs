@@ -22,6 +22,7 @@ pub mod model;
 pub mod oracle;
 pub mod quant;
 pub mod rotation;
+pub mod spec;
 pub mod spike_rotation;
 pub mod study;
 pub mod tokenizer;

@@ -19,7 +19,7 @@
 //! Only the one-shot is simulated: a two-step quantizes twice and cannot do better than its first
 //! step.
 
-use crate::collective::Spec;
+use crate::spec::Spec;
 use half::bf16;
 
 /// Replaces `xs` by its optimal approximation with at most `levels` distinct values (minimum

@@ -27,8 +27,8 @@
 //! The codec's selection is private to its encoder, so [`select_spikes`] reimplements it; a test
 //! checks it against the spike positions the codec writes.
 
-use crate::collective::Spec;
 use crate::rotation::Rotation;
+use crate::spec::Spec;
 use half::bf16;
 
 /// What one rank sends: the rotated rest encoded without spikes, and the spikes.
