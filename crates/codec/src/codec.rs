@@ -167,6 +167,31 @@ fn group_meta(fmt: &Format, j: usize) -> GroupMeta {
     }
 }
 
+/// The spikes of one group of values without NaN, as the encoder selects them: the positions
+/// of `min(k, 4, xs.len())` values in slot order (returned with their number), picks 0 and 2 the
+/// smallest value not yet picked, picks 1 and 3 the largest; strict comparisons keep the lowest
+/// index on ties (-0 and +0 compare equal). Marks each in `picked` (false on entry, at least
+/// `xs.len()` long).
+pub fn select_spikes(xs: &[f32], k: usize, picked: &mut [bool]) -> ([usize; 4], usize) {
+    let ke = k.min(4).min(xs.len());
+    let mut slots = [0usize; 4];
+    for (p, slot) in slots.iter_mut().enumerate().take(ke) {
+        let want_max = p % 2 == 1;
+        let mut best = usize::MAX;
+        for (i, &x) in xs.iter().enumerate() {
+            if picked[i] {
+                continue;
+            }
+            if best == usize::MAX || (want_max && x > xs[best]) || (!want_max && x < xs[best]) {
+                best = i;
+            }
+        }
+        picked[best] = true;
+        *slot = best;
+    }
+    (slots, ke)
+}
+
 /// Encodes one group of `values.len()` (1..=g) valid values: writes its range, spikes and
 /// positions into `block` and its codes into `codes`.
 fn encode_group<T: Element>(
@@ -197,25 +222,8 @@ fn encode_group<T: Element>(
         return;
     }
 
-    // Spike selection: picks 0 and 2 take the smallest remaining value, 1 and 3 the largest;
-    // strict comparisons keep the lowest index on ties (-0 and +0 compare equal).
     let mut picked = [false; MAX_GROUP];
-    let ke = usize::from(fmt.spikes()).min(len);
-    let mut slots = [0usize; 4];
-    for (p, slot) in slots.iter_mut().enumerate().take(ke) {
-        let want_max = p % 2 == 1;
-        let mut best = usize::MAX;
-        for (i, &x) in xs.iter().enumerate() {
-            if picked[i] {
-                continue;
-            }
-            if best == usize::MAX || (want_max && x > xs[best]) || (!want_max && x < xs[best]) {
-                best = i;
-            }
-        }
-        picked[best] = true;
-        *slot = best;
-    }
+    let (slots, ke) = select_spikes(xs, usize::from(fmt.spikes()), &mut picked);
 
     // Range of the rest.
     let mut lo_i = usize::MAX;

@@ -29,7 +29,7 @@ mod words;
 
 pub use codec::{
     decode, decode_accumulate, decode_f32, encode, encode_to_vec, error_bound, error_bound_f32,
-    reduce_requantize,
+    reduce_requantize, select_spikes,
 };
 pub use collective::{Collective, QuantOp};
 pub use element::Element;

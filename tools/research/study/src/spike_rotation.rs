@@ -24,8 +24,6 @@
 //!   rotates back, puts the spikes back and rounds to `bf16`. Blocks and shards do not change the
 //!   arithmetic, so the simulation runs over the whole buffer at once.
 //!
-//! The codec's selection is private to its encoder, so [`select_spikes`] reimplements it; a test
-//! checks it against the spike positions the codec writes.
 
 use crate::rotation::Rotation;
 use crate::spec::Spec;
@@ -46,30 +44,12 @@ fn k0_format(f: Spec) -> Result<flashcomm_codec::Format, String> {
         .map_err(|e| e.to_string())
 }
 
-/// The positions of the `min(k, len)` spikes of one group, in the codec's slot order: picks 0 and
-/// 2 take the smallest value not yet picked, picks 1 and 3 the largest; strict comparisons keep
-/// the lowest index on ties (the selection of `flashcomm_codec`'s encoder, reimplemented here
-/// because it is private there). Groups with NaN are not handled specially (the codec poisons
-/// them; they do not occur in the study).
+/// The positions of the `min(k, len)` spikes of one group, in the codec's slot order
+/// ([`flashcomm_codec::select_spikes`], the encoder's own selection).
 pub fn select_spikes(xs: &[f32], k: usize) -> Vec<usize> {
-    let ke = k.min(xs.len());
     let mut picked = vec![false; xs.len()];
-    let mut slots = Vec::with_capacity(ke);
-    for p in 0..ke {
-        let want_max = p % 2 == 1;
-        let mut best = usize::MAX;
-        for (i, &x) in xs.iter().enumerate() {
-            if picked[i] {
-                continue;
-            }
-            if best == usize::MAX || (want_max && x > xs[best]) || (!want_max && x < xs[best]) {
-                best = i;
-            }
-        }
-        picked[best] = true;
-        slots.push(best);
-    }
-    slots
+    let (slots, n) = flashcomm_codec::select_spikes(xs, k, &mut picked);
+    slots[..n].to_vec()
 }
 
 /// Splits a buffer group by group (groups of `group` values; a last, shorter group as the codec
