@@ -1,53 +1,12 @@
-//! Registered buffers: user memory that peers of other processes read in place (zero-copy).
+//! Registered buffers: user memory that peers of other processes read in place (zero-copy,
+//! docs/protocols.md, "Zero-copy between processes: registered buffers", which this module
+//! implements: the board, its words, who takes part, identity and lifetimes).
 //!
-//! The direct PULL protocol lets peers load a rank's send buffer (and store into its receive
-//! buffer) where it lies. Ranks of one process share an address space, so any buffer will do. A
-//! peer of another process must first map the allocation that holds the buffer: that is what
-//! registration (`ncclCommRegister`, `ncclCommWindowRegister`) arranges, with
-//! `FLASHCOMM_ZERO_COPY` on, on the peer transport.
-//!
-//! **The board.** Each rank of a communicator with peers in other processes owns a small shared
-//! host segment (its *board*), which every peer maps at set-up. Registering a buffer exports the
-//! allocation holding it (a legacy IPC handle, else, for the virtual memory API's allocations
-//! shareable as a POSIX file descriptor, that descriptor: [`crate::gpu::user_allocation`]) into
-//! a slot of the owner's board; every peer, at its next direct call (or while it waits in a
-//! collective exchange), opens the handles it has not seen and acknowledges each in the slot's
-//! row: the address at which its process sees the allocation (0: it could not map it). Nothing
-//! in this is collective, so a registration on some ranks only, or at different times, is fine:
-//! a rank publishes a peer the address of its buffer in that peer's process only once the peer
-//! acknowledged the slot; until then it stages its data in its own pull area, which every peer
-//! has mapped since set-up (rank-local: [`crate::abi`]'s `FLAG_PULL_STAGE_SEND`/
-//! `FLAG_PULL_STAGE_RECV`). The protocol every rank runs is the same either way, and so are the
-//! results, bit for bit.
-//!
-//! **Words.** Every board word is an 8-byte atomic: a writer stores the payload words first and
-//! the word that validates them last (release); a reader loads the validating word first
-//! (acquire). A slot's state is `gen << 1 | live`; `gen` grows each time the slot is reused, and
-//! an acknowledgement names the generation it is for, so one for an earlier buffer of the slot
-//! never counts for a later one. The board's first word counts changes, so a peer with nothing
-//! new to read loads one word per board per call.
-//!
-//! **Who takes part.** A peer's board says whose boards it opened at set-up; a rank's exchanges
-//! wait only for peers that opened its board and whose board it opened, and a rank whose exchange
-//! timed out says so on its board ([`WITHDRAWN`]) and waits no more, nor do its peers for it:
-//! what they have not mapped is staged, never waited for again.
-//!
-//! **Identity.** A file-descriptor export names its owner by process id, which means something
-//! only in the owner's PID namespace (two containers of one pod often both have pid 1). Before
-//! taking the descriptor, a peer takes the owner's identity descriptor through the same pidfd and
-//! checks that it holds the owner's token from the set-up records
-//! ([`crate::gpu::IpcMapping::open_fd`]); any other process is refused, and the buffer staged.
-//!
-//! **Lifetimes.** A deregistered export (or one whose allocation was freed, found when the board
-//! is full) is retracted once the owner's launches have finished: a direct call's kernel ends only
-//! after every peer stopped reading its buffers, so no call reads it any more, and peers close
-//! their mapping when they see the retraction (their next call or exchange). Mapped memory stays
-//! bounded by the live slots. An export that a call captured into a CUDA graph published is pinned:
-//! replays keep publishing it, so it stays live, and mapped, until the communicator is released,
-//! even after deregistration. (Freeing a buffer that a graph still uses is the application's
-//! error, as with NCCL.) An owner checks at every call that the buffer is still the allocation it
-//! registered (the driver's buffer id), so a buffer freed and allocated again at the same address
-//! is staged, never read through a stale mapping, until it is registered again.
+//! Why a board and not a collective exchange per registration: registration is not collective
+//! in effect (a buffer registered on some ranks only, or at different times, is read in place
+//! where every peer mapped it and staged elsewhere, with the same bits), so a rank publishes a
+//! peer the address of its buffer in that peer's process only once the peer acknowledged it, and
+//! no rank ever waits on the normal path.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

@@ -9,26 +9,10 @@
 //! frames back and unpacks them ([`decode_frames`]). Every rank runs the same rounds at the same
 //! point (right after the real init returned), so the exchange is collective.
 //!
-//! **No rank leaves early.** Whatever fails locally, a rank that can still call the real
-//! all-gather takes part in every round until all ranks stop, so that no peer waits for it and
-//! every rank sees the same frames:
-//! * the exchange's resources: the buffers come from a pool of this process (allocated once per
-//!   device, reused, never freed: freeing waits for the device's outstanding work, and a full
-//!   device cannot allocate them again), else from new device memory, else from pinned host
-//!   memory mapped into the device; a stream of our own, else the thread's per-thread default
-//!   stream. A rank whose preparation failed sends frames that say why, from its first round;
-//! * a frame that cannot be copied into the buffer is replaced by a failure frame; if that cannot
-//!   be copied either, whatever the buffer holds goes out (every rank decodes the same bytes, so
-//!   the round ends alike), and this rank says it failed in the next round, where every rank
-//!   stops (nothing is written to a peer before a round that every rank agreed on);
-//! * the real all-gather refusing a call is retried a few times (a transient error).
-//!
-//! What remains is what NCCL itself would suffer on that rank: a rank that cannot call the real
-//! all-gather at all (no usable device context, no memory of any kind, an all-gather that keeps
-//! failing), or whose copy of the gathered frames back to the host fails, cannot take part or
-//! cannot learn a round's outcome, and its peers wait, as they would for that rank's next NCCL
-//! collective. An `ncclCommAbort` from another thread stops the exchange ([`ExchangeGate`]): no
-//! call is made on the communicator once the abort began.
+//! No rank leaves early: whatever fails locally, a rank that can still call the real all-gather
+//! takes part in every round until all ranks stop, so no peer waits for it and every rank sees
+//! the same frames (how, and what remains NCCL's own weakness: docs/protocols.md, "Set-up: all
+//! or nothing, on every rank alike").
 //!
 //! A process that has not loaded the CUDA driver cannot be running the real NCCL (which loads it
 //! before it creates a communicator): the library it calls is a stand-in that takes host buffers
