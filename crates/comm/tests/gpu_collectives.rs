@@ -722,13 +722,7 @@ fn graph_capture_and_replay() {
         r.stream.begin_capture().unwrap();
         for (i, (coll, ty, count, algo, proto)) in cases.iter().enumerate() {
             let elem = ty.bytes();
-            let (se, re) = match coll {
-                Collective::AllReduce => (*count, *count),
-                Collective::ReduceScatter => (count * n, *count),
-                Collective::AllGather => (*count, count * n),
-                Collective::AlltoAll => (count * n, count * n),
-                other => unreachable!("{other} is not replayed"),
-            };
+            let (se, re) = common::send_recv_elems(*coll, *count, n);
             let out = if i % 2 == 0 { &recv } else { &recv2 };
             let p = r
                 .comm

@@ -24,6 +24,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use flashcomm_codec::Collective;
 use flashcomm_nccl_sys::*;
 
 use common::*;
@@ -463,17 +464,17 @@ fn cases(paths: &Paths) -> Vec<Case> {
         }
     }
     // Roots and peers out of range.
-    for name in [
-        "ncclBroadcast",
-        "ncclBroadcastConfig",
-        "ncclBcast",
-        "ncclReduce",
-        "ncclReduceConfig",
-        "ncclSend",
-        "ncclRecv",
-        "ncclGather",
-        "ncclScatter",
-    ] {
+    let rooted = [
+        Collective::Broadcast,
+        Collective::Reduce,
+        Collective::Send,
+        Collective::Recv,
+    ];
+    for name in rooted
+        .iter()
+        .flat_map(|k| k.exports().iter().copied())
+        .chain(["ncclGather", "ncclScatter"])
+    {
         for root in [-1, 1, 8, i32::MAX, i32::MIN] {
             let a = CollArgs {
                 root,

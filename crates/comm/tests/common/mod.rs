@@ -300,11 +300,6 @@ pub fn stress_call(x: u64, n: u64) -> (Collective, TestType, u64) {
 /// Elements of a rank's send and receive buffers for a call of `count` elements on `n` ranks
 /// (NCCL's layouts; AllToAll: `count` per peer).
 pub fn send_recv_elems(coll: Collective, count: u64, n: u64) -> (u64, u64) {
-    match coll {
-        Collective::AllReduce => (count, count),
-        Collective::ReduceScatter => (count * n, count),
-        Collective::AllGather => (count, count * n),
-        Collective::AlltoAll => (count * n, count * n),
-        other => unreachable!("{other} is not tested"),
-    }
+    coll.buffer_bytes(count, n)
+        .expect("test sizes do not overflow")
 }
