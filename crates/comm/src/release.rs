@@ -15,10 +15,13 @@
 //! stuck kernel stops every thread of the process at its next launch, including the thread that
 //! would end the stuck kernel with `ncclCommAbort`. So the thread frees only while no watched
 //! communicator of the process ([`Registry::watch`]) looks stuck: work outstanding and no new
-//! launch seen (for [`STUCK_AFTER`] since the last). A busy communicator (a server's other communicator, launching all
-//! the time) holds nothing back, since what a free waits for then ends; one that stopped behind
-//! unfinished work holds every free until it ends or is aborted, and memory that never becomes
-//! free that way is leaked. Work the application or the real NCCL leaves stuck is not seen; a
+//! launch seen (for [`STUCK_AFTER`] since the last). A busy communicator whose ranks are in
+//! processes of their own (a server's other communicator, launching all the time) holds nothing
+//! back, since what a free waits for then ends; one with several ranks as threads of this
+//! process on one device holds every free while it has work outstanding (its kernels wait for
+//! launches of this process that the free holds back: [`Activity::threads_here`]); one that
+//! stopped behind unfinished work holds every free until it ends or is aborted, and memory that
+//! never becomes free that way is leaked. Work the application or the real NCCL leaves stuck is not seen; a
 //! free can wait behind that, as the real NCCL's own frees do. A communicator that only replays
 //! graphs, back to back, launches nothing the host sees: it holds frees until it pauses.
 
@@ -82,6 +85,16 @@ pub(crate) trait Activity: Send + Sync + 'static {
     fn idle(&self) -> Result<bool, String>;
     /// How many operations it has enqueued so far (a count that moves while it makes progress).
     fn launches(&self) -> u64;
+    /// Whether several of its ranks are threads of this process on one device. A free of device
+    /// memory is a synchronization point of the device: it waits for the kernels launched before
+    /// it, and launches of this process after it wait for it. A kernel of such a communicator
+    /// that waits for a rank whose launch came after the free would wait for its timeout (seen
+    /// on the GPU: 1 MiB AllReduces of two threads beside a release, stuck at their 42nd call).
+    /// So such a communicator holds every free while it has work outstanding, busy or not.
+    /// Ranks in processes of their own never wait for a launch of this process.
+    fn threads_here(&self) -> bool {
+        false
+    }
 }
 
 /// How long a communicator with work outstanding may go without a new launch before it holds
@@ -130,6 +143,9 @@ impl Registry {
         live.iter().any(|a| {
             if !matches!(a.idle(), Ok(false)) {
                 return false;
+            }
+            if a.threads_here() {
+                return true;
             }
             let (id, n) = (Arc::as_ptr(a) as *const () as usize, a.launches());
             match seen.iter_mut().find(|e| e.0 == id) {
@@ -253,6 +269,7 @@ mod tests {
     struct Kernel {
         stuck: std::sync::atomic::AtomicBool,
         launches: std::sync::atomic::AtomicU64,
+        threads_here: bool,
     }
 
     impl Kernel {
@@ -260,6 +277,7 @@ mod tests {
             Arc::new(Kernel {
                 stuck: std::sync::atomic::AtomicBool::new(stuck),
                 launches: std::sync::atomic::AtomicU64::new(0),
+                threads_here: false,
             })
         }
     }
@@ -271,6 +289,44 @@ mod tests {
         fn launches(&self) -> u64 {
             self.launches.load(Ordering::SeqCst)
         }
+        fn threads_here(&self) -> bool {
+            self.threads_here
+        }
+    }
+
+    /// A busy communicator with several ranks as threads of this process on one device holds
+    /// every free while it has work outstanding, however often it launches, and lets it go once
+    /// it is idle.
+    #[test]
+    fn a_busy_communicator_of_threads_here_holds_frees_until_idle() {
+        static LIVE: Registry = Registry::new();
+        let busy = Arc::new(Kernel {
+            stuck: std::sync::atomic::AtomicBool::new(true),
+            launches: std::sync::atomic::AtomicU64::new(0),
+            threads_here: true,
+        });
+        let weak: Weak<dyn Activity> = Arc::downgrade(&(busy.clone() as Arc<dyn Activity>));
+        LIVE.watch(weak);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let launcher = {
+            let (busy, stop) = (busy.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    busy.launches.fetch_add(1, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+        };
+        let (r, freed) = release_in(Some(0), None, &LIVE);
+        assert!(
+            !r.wait(Duration::from_millis(500)),
+            "freed beside a busy communicator of threads here"
+        );
+        assert_eq!(freed.load(Ordering::SeqCst), 0);
+        busy.stuck.store(false, Ordering::SeqCst);
+        assert!(r.wait(Duration::from_secs(10)), "freed once it was idle");
+        stop.store(true, Ordering::SeqCst);
+        launcher.join().unwrap();
     }
 
     /// Issue 45, item 5: a communicator that is busy (work always outstanding, new launches all

@@ -60,8 +60,13 @@ impl Share {
     }
 
     /// Blocks this rank may launch from its `share` of the GPU (its part of what the GPU keeps
-    /// resident): half of it at level 0, a quarter at level 1, ...; 0 means none.
+    /// resident): half of it at level 0 (rounded up: a share of one block stays usable), a
+    /// quarter at level 1 (rounded down), ...; 0 means none. The levels together never take
+    /// more than the share.
     pub(crate) fn grid(&self, share: u32) -> u32 {
+        if self.level == 0 {
+            return share.div_ceil(2);
+        }
         share.checked_shr(self.level.saturating_add(1)).unwrap_or(0)
     }
 
@@ -112,6 +117,20 @@ mod tests {
             0,
             "the level of a dropped share is free"
         );
+    }
+
+    #[test]
+    fn a_small_share_keeps_its_first_communicator_and_never_overflows() {
+        let dev = -104;
+        for share in 1..=40u32 {
+            let live: Vec<Share> = (1..=8u64).map(|k| Share::take(dev, k)).collect();
+            let grids: Vec<u32> = live.iter().map(|s| s.grid(share)).collect();
+            assert!(grids[0] >= 1, "share {share}: {grids:?}");
+            assert!(
+                grids.iter().sum::<u32>() <= share,
+                "share {share}: {grids:?}"
+            );
+        }
     }
 
     #[test]

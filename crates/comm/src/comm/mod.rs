@@ -151,6 +151,8 @@ struct LastLaunch {
     event: Event,
     /// Operations enqueued so far, eager ones (the release gate's sign of progress).
     launches: std::sync::atomic::AtomicU64,
+    /// Several of its ranks are threads of this process on one device.
+    threads_here: bool,
     /// Graph mixing: the event-record node of the capture in progress (the last one this
     /// communicator was captured into), beside its chain, which every captured operation of
     /// that capture joins. Touched only while capturing, never on an eager call.
@@ -168,6 +170,10 @@ impl release::Activity for LastLaunch {
 
     fn launches(&self) -> u64 {
         self.launches.load(Ordering::Relaxed)
+    }
+
+    fn threads_here(&self) -> bool {
+        self.threads_here
     }
 }
 

@@ -261,6 +261,17 @@ impl Communicator {
         // With zero-copy on (`FLASHCOMM_ZERO_COPY`), also between processes of one machine: a
         // rank whose buffer a peer of another process has not mapped (a registered buffer,
         // `crate::register`) stages it, rank-locally.
+        // Another rank of this communicator is a thread of this process on this device: a free
+        // of device memory in this process while its kernels run can deadlock it (the release
+        // gate, `crate::release`).
+        let threads_here = all
+            .iter()
+            .filter(|b| {
+                PeerInfo::decode(b)
+                    .is_ok_and(|p| p.pid == info.pid && p.host == info.host && p.uuid == info.uuid)
+            })
+            .count()
+            > 1;
         let mut arena = arena;
         arena.direct = transport == Transport::P2p
             && all.iter().all(|b| {
@@ -368,6 +379,7 @@ impl Communicator {
                 captured: AtomicBool::new(false),
                 event,
                 launches: std::sync::atomic::AtomicU64::new(0),
+                threads_here,
                 capture: std::sync::Mutex::new(CaptureMark::default()),
             }),
         };
