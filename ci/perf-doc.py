@@ -43,7 +43,7 @@ size: `designs` lists (impl, label, bytes as an expression of the rank count n, 
 # `doc` says otherwise) by its markers; a plot is written to docs/plots/<name>.svg. `files` is a
 # glob under docs/results (one file per rank count, sorted by the numbers in their names).
 SOURCES = {
-    "procs": dict(kind="versus", files="2026-12-07-h100-a2406fa/procs-n[248].json", launch="graph", dtype="bfloat16"),
+    "procs": dict(kind="versus", files="2026-12-07-h100-57956c4/procs-n[248].json", launch="graph", dtype="bfloat16"),
     "decode": dict(kind="versus", files="2026-12-06-h100-323c796/comp-n*.json", launch="graph", dtype="bfloat16"),
     "bytes": dict(kind="bytes", files="2026-12-06-h100-323c796/comp-n8.json", launch="graph", dtype="bfloat16", size=16 << 20,
                   designs=[("flashcomm", "flashcomm's plan", "2*n"), ("pull-2stage", "pull design, 2-stage", "3*n+1"), ("pull-1stage", "pull design, 1-stage", "n*(n+1)")]),
