@@ -17,23 +17,11 @@ use super::launch::{Copies, Run, Work};
 use super::{CaptureMark, Communicator, Foreign, HOST_ABORT, HOST_STATUS};
 
 impl Communicator {
-    /// Runs a request: a device error of an earlier call first ([`Communicator::check_status`],
-    /// before anything else), then its plan ([`Communicator::plan`]) and its checks, then, ordered
-    /// after this communicator's previous operation, its kernel on its stream; returns the plan
-    /// that ran. Every rank must run the same requests in the same order.
-    ///
-    /// A quantized call's result is bitwise identical on every rank (each rank decodes the same
-    /// bytes in the same order), within the error bound docs/codec.md states for its steps.
-    /// Contiguous buffers may be in place as NCCL lays them out; other overlaps, and buffers a
-    /// quantized kernel cannot take at their alignment, go through scratch on this rank alone
-    /// (see [`buffer_staging`](super::launch::buffer_staging)). Scattered blocks (an AllToAll of
-    /// `ncclSend`/`ncclRecv` with one buffer per peer) are gathered into a scratch buffer of the
-    /// communicator's device, exchanged by the AllToAll kernel and scattered out: 2 x nranks
-    /// device copies more, all on the stream. The scratch (2 x nranks x count x elem bytes) is
-    /// allocated at the first call that needs more than the last one and kept; under graph
-    /// capture, where allocating is not allowed, a call that needs more is refused as
-    /// [`Error::Unsupported`] (the caller sends it to NCCL, which every rank does alike: the
-    /// scratch's size follows the calls, which are the same on every rank).
+    /// Runs a request: a device error of an earlier call first, then its plan
+    /// ([`Communicator::plan`]) and the work it enqueues (`launch.rs`: the kernel, and the copies
+    /// through scratch that buffers it cannot take as they are need), ordered after this
+    /// communicator's previous operation; returns the plan that ran. Every rank must run the same
+    /// requests in the same order; results are bitwise identical on every rank (docs/protocols.md).
     pub fn execute(&self, req: &Request<'_>) -> Result<Plan, Error> {
         self.check_status()?;
         let (p, work) = self.prepare(req)?;
