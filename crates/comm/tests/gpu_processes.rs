@@ -121,6 +121,19 @@ fn zero_copy_mappings_stay_bounded_under_churn() {
     every_rank_passes("churn", Duration::from_secs(280));
 }
 
+/// Issue 45, item 5, in the shape users run (one process per rank): 1,000 abort-and-reinit
+/// cycles (the way elastic jobs recover) beside another communicator of the same processes that
+/// is busy the whole time (`FLASHCOMM_TEST_CYCLES` sets another count). Each rank tells its
+/// peers when it is done with their arenas, an arena is freed once all its peers have, and a busy
+/// communicator whose ranks are processes of their own holds no free back: device memory stays
+/// where it was after the first 50 cycles, no more than a few arenas wait for peers, and every
+/// release completes in under a second. (With the ranks as threads of one process a free beside
+/// the busy communicator would deadlock it: there it holds frees back, `crate::release`.)
+#[test]
+fn a_thousand_abort_and_reinit_cycles_beside_a_busy_communicator_stay_bounded() {
+    every_rank_passes("reinit", Duration::from_secs(280));
+}
+
 /// Two rank processes, each in a PID namespace of its own (both pid 1 there, as in two
 /// containers of one pod): a file-descriptor export names its owner by a pid that means the
 /// importer itself in the importer's namespace. The importer must refuse it (the owner's identity
@@ -565,6 +578,7 @@ fn child_process_entry() {
         }
         "zerocopy" => zero_copy_checks(&comm, &boot, &v, s, rank, n),
         "churn" => zero_copy_churn(&comm, &boot, &v, s, rank, n),
+        "reinit" => reinit_beside_a_busy_communicator(&dir, rank, n, dev, &cfg),
         "pidns" => zero_copy_other_namespace(&comm, &boot, &v, s, &recv, rank, n),
         "stress" => stress_calls(&comm, &v, s, &send, &recv, rank, n),
         "victim" => {
@@ -1327,4 +1341,118 @@ fn zero_copy_other_namespace(
     boot.barrier().unwrap();
     drop(vm);
     println!("ok rank {rank} of {n}: zero-copy refused across PID namespaces, exact");
+}
+
+/// The "reinit" mode: a busy communicator on a thread of its own, and abort-and-reinit cycles
+/// of another on this thread (see the test).
+fn reinit_beside_a_busy_communicator(
+    dir: &std::path::Path,
+    rank: u32,
+    n: u32,
+    dev: i32,
+    cfg: &CommConfig,
+) {
+    let cycles: u32 = std::env::var("FLASHCOMM_TEST_CYCLES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(1000);
+    let warm = 50.min(cycles);
+    let meet = |name: &str| {
+        let d = dir.join(name);
+        let _ = std::fs::create_dir_all(&d);
+        FileBootstrap::new(&d, rank, n, Duration::from_secs(60)).expect("bootstrap")
+    };
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let t0 = Instant::now();
+    std::thread::scope(|sc| {
+        // The busy communicator: AllReduces of 1 MiB back to back, the ranks deciding together
+        // when to stop.
+        let busy = meet("busy");
+        let stop = &stop;
+        sc.spawn(move || {
+            let comm = Communicator::new(&busy, dev, cfg.clone()).expect("busy communicator");
+            let v = Verifier::new(dev).unwrap();
+            let _ctx = v.activate().unwrap();
+            let s = v.stream().unwrap();
+            let buf = v.alloc(1 << 20).unwrap();
+            let mut calls = 0u64;
+            loop {
+                for _ in 0..16 {
+                    comm.execute(
+                        &Request::typed(Collective::AllReduce, 1 << 18, DataType::F32)
+                            .between(buf.as_ptr(), buf.as_ptr())
+                            .on(s),
+                    )
+                    .unwrap();
+                }
+                calls += 16;
+                s.synchronize().unwrap();
+                comm.check_status().expect("busy communicator");
+                let mine = [u8::from(stop.load(std::sync::atomic::Ordering::SeqCst))];
+                if busy.all_gather(&mine).unwrap().iter().any(|b| b[0] == 1) {
+                    break;
+                }
+            }
+            println!("rank {rank}: busy communicator: {calls} AllReduces of 1 MiB meanwhile");
+        });
+        // The cycles: set up, one AllReduce, abort, release. The busy thread stops however
+        // this one ends (a failed assertion too).
+        struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let _stop = StopOnDrop(stop);
+        let v = Verifier::new(dev).unwrap();
+        let _ctx = v.activate().unwrap();
+        let s = v.stream().unwrap();
+        let buf = v.alloc(1 << 16).unwrap();
+        let (mut start, mut slowest) = (0u64, Duration::ZERO);
+        for i in 0..cycles {
+            let b = meet(&format!("cycle{i}"));
+            let comm = Communicator::new(&b, dev, cfg.clone()).expect("cycle communicator");
+            comm.execute(
+                &Request::typed(Collective::AllReduce, 256, DataType::F32)
+                    .between(buf.as_ptr(), buf.as_ptr())
+                    .on(s),
+            )
+            .unwrap();
+            s.synchronize().unwrap();
+            comm.check_status().unwrap();
+            let t = Instant::now();
+            comm.abort();
+            let released = comm.defer_release();
+            drop(comm);
+            assert!(
+                released.wait(Duration::from_secs(5)),
+                "rank {rank}, cycle {i}: not released within 5 s beside a busy communicator"
+            );
+            slowest = slowest.max(t.elapsed());
+            b.barrier().unwrap();
+            if i + 1 == warm {
+                start = flashcomm_comm::gpu::mem_info().expect("cuMemGetInfo").0;
+            }
+        }
+        let end = flashcomm_comm::gpu::mem_info().expect("cuMemGetInfo").0;
+        let kept = flashcomm_comm::kept_arenas();
+        println!(
+            "rank {rank}: {cycles} abort-and-reinit cycles in {:.1} s; device free from cycle \
+             {warm} to the end: {} -> {} MiB; arenas waiting for peers: {kept}; slowest release \
+             {slowest:?}",
+            t0.elapsed().as_secs_f64(),
+            start >> 20,
+            end >> 20
+        );
+        // Every rank process shares the one GPU: the others' arenas come and go too.
+        assert!(
+            end + (16 << 20) * u64::from(n) >= start,
+            "device memory grew: {start} -> {end} bytes free"
+        );
+        assert!(kept <= 4, "{kept} arenas still wait for peers that closed");
+        assert!(
+            slowest < Duration::from_secs(1),
+            "a release took {slowest:?} beside a busy communicator"
+        );
+    });
 }
