@@ -28,7 +28,9 @@ cargo run --quiet -p xtask -- check
 echo "== docs/perf.md's tables and plots match their JSON (ci/perf-doc.py)"
 python3 "$root/ci/perf-doc.py" --check
 echo "== cargo clippy"
-cargo clippy --workspace --all-targets -- -D warnings
+# --all-features: the GPU tests (feature `gpu`) are compiled and linted here too, though they run
+# only on a GPU machine.
+cargo clippy --workspace --all-targets --all-features -- -D warnings
 research clippy --workspace --all-targets -- -D warnings
 echo "== cargo test"
 log=$(mktemp)

@@ -790,7 +790,7 @@ fn fill_run_check(
     r.comm
         .execute_plan(
             *p,
-            &Request::for_plan(&*p, count, ty.dtype(), elem)
+            &Request::for_plan(p, count, ty.dtype(), elem)
                 .between(
                     send.slice(0, (se * elem) as usize),
                     recv.slice(0, (re * elem) as usize),
@@ -1189,7 +1189,7 @@ fn graph_replays_and_eager_calls_on_two_streams() {
             r.comm
                 .execute_plan(
                     *p,
-                    &Request::for_plan(&*p, count, ty.dtype(), ty.bytes())
+                    &Request::for_plan(p, count, ty.dtype(), ty.bytes())
                         .between(send.slice(0, bytes), recv.slice(0, bytes))
                         .on(s),
                 )

@@ -419,7 +419,7 @@ fn child_process_entry() {
         let d = dir.join("second");
         let _ = std::fs::create_dir_all(&d);
         let b = FileBootstrap::new(&d, rank, n, Duration::from_secs(60)).expect("bootstrap");
-        Communicator::new(&b, dev, cfg).expect("second communicator")
+        Communicator::new(&b, dev, cfg.clone()).expect("second communicator")
     });
     let v = Verifier::new(dev).expect("verifier");
     let _ctx = v.activate().unwrap();
