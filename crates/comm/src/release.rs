@@ -18,7 +18,7 @@
 //! launch seen (for [`STUCK_AFTER`] since the last). A busy communicator whose ranks are in
 //! processes of their own (a server's other communicator, launching all the time) holds nothing
 //! back, since what a free waits for then ends; one with several ranks as threads of this
-//! process on one device holds every free while it has work outstanding (its kernels wait for
+//! process holds every free while it has work outstanding (its kernels wait for
 //! launches of this process that the free holds back: [`Activity::threads_here`]); one that
 //! stopped behind unfinished work holds every free until it ends or is aborted, and memory that
 //! never becomes free that way is leaked. Work the application or the real NCCL leaves stuck is not seen; a
@@ -85,13 +85,15 @@ pub(crate) trait Activity: Send + Sync + 'static {
     fn idle(&self) -> Result<bool, String>;
     /// How many operations it has enqueued so far (a count that moves while it makes progress).
     fn launches(&self) -> u64;
-    /// Whether several of its ranks are threads of this process on one device. A free of device
+    /// Whether several of its ranks are threads of this process. A free of device
     /// memory is a synchronization point of the device: it waits for the kernels launched before
     /// it, and launches of this process after it wait for it. A kernel of such a communicator
     /// that waits for a rank whose launch came after the free would wait for its timeout (seen
     /// on the GPU: 1 MiB AllReduces of two threads beside a release, stuck at their 42nd call).
-    /// So such a communicator holds every free while it has work outstanding, busy or not.
-    /// Ranks in processes of their own never wait for a launch of this process.
+    /// So such a communicator holds every free while it has work outstanding, busy or not
+    /// (ranks on several devices of one process included: whether a free on one device holds
+    /// launches to another back is not known). Ranks in processes of their own never wait for a
+    /// launch of this process.
     fn threads_here(&self) -> bool {
         false
     }

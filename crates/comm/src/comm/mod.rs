@@ -151,7 +151,7 @@ struct LastLaunch {
     event: Event,
     /// Operations enqueued so far, eager ones (the release gate's sign of progress).
     launches: std::sync::atomic::AtomicU64,
-    /// Several of its ranks are threads of this process on one device.
+    /// Several of its ranks are threads of this process.
     threads_here: bool,
     /// Graph mixing: the event-record node of the capture in progress (the last one this
     /// communicator was captured into), beside its chain, which every captured operation of

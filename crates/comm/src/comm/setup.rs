@@ -261,15 +261,12 @@ impl Communicator {
         // With zero-copy on (`FLASHCOMM_ZERO_COPY`), also between processes of one machine: a
         // rank whose buffer a peer of another process has not mapped (a registered buffer,
         // `crate::register`) stages it, rank-locally.
-        // Another rank of this communicator is a thread of this process on this device: a free
-        // of device memory in this process while its kernels run can deadlock it (the release
-        // gate, `crate::release`).
+        // Another rank of this communicator is a thread of this process (on this device or
+        // another): a free of device memory in this process while its kernels run can deadlock
+        // it (the release gate, `crate::release`).
         let threads_here = all
             .iter()
-            .filter(|b| {
-                PeerInfo::decode(b)
-                    .is_ok_and(|p| p.pid == info.pid && p.host == info.host && p.uuid == info.uuid)
-            })
+            .filter(|b| PeerInfo::decode(b).is_ok_and(|p| p.pid == info.pid && p.host == info.host))
             .count()
             > 1;
         let mut arena = arena;
