@@ -296,7 +296,7 @@ mod tests {
         }
     }
 
-    /// A busy communicator with several ranks as threads of this process on one device holds
+    /// A busy communicator with several ranks as threads of this process holds
     /// every free while it has work outstanding, however often it launches, and lets it go once
     /// it is idle.
     #[test]
