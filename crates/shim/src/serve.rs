@@ -3,18 +3,9 @@
 //! releasing it.
 //!
 //! Set-up happens right after the real init returned (or when the outermost group that created
-//! the communicator ended), on every rank at the same point:
-//!
-//! 1. Checks every rank answers alike: configuration (`FLASHCOMM_DISABLE`, a bad configuration),
-//!    blocking mode (non-blocking communicators stay with NCCL), and the size reported by the real
-//!    `ncclCommCount` against `FLASHCOMM_MAX_RANKS`.
-//! 2. `Communicator::new` with the configuration of `FLASHCOMM_TIMEOUT_MS`, `FLASHCOMM_ARENA_BYTES`,
-//!    `FLASHCOMM_PROTO` and `FLASHCOMM_ALGO` (calibration on), exchanging its set-up records over
-//!    the real NCCL ([`NcclBootstrap`]), or, for `ncclCommInitAll`, over an in-process
-//!    [`ThreadGroup`] with one thread per device. `Communicator::new` agrees on failures across
-//!    ranks (several machines, no peer access, no kernels in this build, ...), so every rank ends
-//!    up served or not served alike; the reason is logged at INFO and kept for
-//!    `flashcommCommGetInfo`.
+//! the communicator ended), on every rank at the same point, and ends served or not served alike
+//! on every rank (docs/architecture.md, "Communicators flashcomm serves"); the reason is logged at
+//! INFO and kept for `flashcommCommGetInfo`.
 //!
 //! The caller's current CUDA context is saved before and restored after set-up and teardown.
 //!
