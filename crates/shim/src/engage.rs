@@ -31,7 +31,7 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
-use flashcomm_config::{Bytes, Config, Value};
+use flashcomm_config::{Bytes, Choice, Config, Transport, Value};
 use flashcomm_nccl_sys::{HEADER_VERSION, version_string};
 
 use crate::calls::os::PerProcess;
@@ -172,14 +172,24 @@ fn real_nccl() -> String {
     }
 }
 
-/// The first communicator in words.
-fn first_comm(h: CommHandle, state: &CommState) -> String {
+/// The first communicator in words, with the transport its kernels move data over (and why,
+/// for the host transport: every byte then crosses PCIe twice).
+fn first_comm(h: CommHandle, state: &CommState, config: &Config) -> String {
     match state.served() {
         Some(c) => format!(
-            "communicator {h:?} (rank {} of {}, device {}) served by flashcomm's kernels",
+            "communicator {h:?} (rank {} of {}, device {}) served by flashcomm's kernels {}",
             c.rank(),
             c.nranks(),
-            c.device()
+            c.device(),
+            match (c.transport(), config.settings.transport) {
+                (Transport::P2p, _) => "over GPU peer access",
+                (Transport::Host, Choice::Force(_)) => {
+                    "through pinned host memory (FLASHCOMM_TRANSPORT=host)"
+                }
+                (Transport::Host, Choice::Auto) => {
+                    "through pinned host memory (its GPUs have no peer access to each other)"
+                }
+            }
         ),
         None => format!(
             "communicator {h:?} not served by flashcomm's kernels: {}",
@@ -203,7 +213,7 @@ pub(crate) fn on_set_up(h: CommHandle, state: &CommState) {
         engage_info(&engagement_line(
             config,
             &real_nccl(),
-            &first_comm(h, state),
+            &first_comm(h, state, config),
         ));
         SUMMARY_PID.store(std::process::id(), Ordering::Relaxed);
         if !crate::calls::os::at_exit(at_exit) {
