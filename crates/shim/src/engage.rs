@@ -182,6 +182,7 @@ fn first_comm(h: CommHandle, state: &CommState, config: &Config) -> String {
             c.nranks(),
             c.device(),
             match (c.transport(), config.settings.transport) {
+                _ if c.nranks() == 1 => "(one rank: nothing to exchange)",
                 (Transport::P2p, _) => "over GPU peer access",
                 (Transport::Host, Choice::Force(_)) => {
                     "through pinned host memory (FLASHCOMM_TRANSPORT=host)"
