@@ -300,26 +300,6 @@ fn rss_bytes() -> u64 {
     pages * 4096
 }
 
-/// Sets up a communicator of `m`'s group on device 0 and runs one small AllReduce on it, checked
-/// (the cycle of the set-up, release and fork tests).
-fn set_up_and_run_once(
-    m: &ThreadBootstrap,
-    cfg: &CommConfig,
-    buf: &flashcomm_comm::DeviceMem,
-    stream: flashcomm_comm::Stream,
-) -> Communicator {
-    let comm = Communicator::new(m, 0, cfg.clone()).unwrap();
-    comm.execute(
-        &Request::typed(Collective::AllReduce, 256, DataType::F32)
-            .between(buf.as_ptr(), buf.as_ptr())
-            .on(stream),
-    )
-    .unwrap();
-    stream.synchronize().unwrap();
-    comm.check_status().unwrap();
-    comm
-}
-
 /// 1,000 communicators of 2 virtual ranks are built, used once and destroyed: device memory and
 /// resident host memory end where they were after the first 50 (a leak of one arena, stream or
 /// pinned page per set-up would show as megabytes over 950 set-ups).
@@ -345,7 +325,7 @@ fn a_thousand_set_ups_leak_nothing() {
                 let mut start = (0, 0);
                 let mut streams = 0;
                 for i in 0..cycles {
-                    let comm = set_up_and_run_once(m, &cfg, &buf, stream);
+                    let comm = common::set_up_and_run_once(m, 0, &cfg, &buf, stream);
                     drop(comm);
                     // Both ranks are done with this communicator before either measures or
                     // builds the next (nothing allocates while a peer's kernel could spin).
@@ -1004,7 +984,7 @@ fn fork_children_of_a_parent_inside_set_up_and_release_never_hang() {
                 let stream = v.stream().unwrap();
                 let buf = v.alloc(1 << 16).unwrap();
                 loop {
-                    let comm = set_up_and_run_once(m, &cfg, &buf, stream);
+                    let comm = common::set_up_and_run_once(m, 0, &cfg, &buf, stream);
                     let released = comm.defer_release();
                     drop(comm);
                     assert!(released.wait(Duration::from_secs(5)));

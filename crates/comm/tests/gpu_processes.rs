@@ -1411,15 +1411,7 @@ fn reinit_beside_a_busy_communicator(
         let (mut start, mut slowest) = (0u64, Duration::ZERO);
         for i in 0..cycles {
             let b = meet(&format!("cycle{i}"));
-            let comm = Communicator::new(&b, dev, cfg.clone()).expect("cycle communicator");
-            comm.execute(
-                &Request::typed(Collective::AllReduce, 256, DataType::F32)
-                    .between(buf.as_ptr(), buf.as_ptr())
-                    .on(s),
-            )
-            .unwrap();
-            s.synchronize().unwrap();
-            comm.check_status().unwrap();
+            let comm = common::set_up_and_run_once(&b, dev, cfg, &buf, s);
             let t = Instant::now();
             comm.abort();
             let released = comm.defer_release();

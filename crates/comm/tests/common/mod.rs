@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flashcomm_comm::{
-    Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DeviceMem, Plan, Protocol,
-    Request, Stream, ThreadBootstrap, ThreadGroup, Transport,
+    Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem, Plan,
+    Protocol, Request, Stream, ThreadBootstrap, ThreadGroup, Transport,
 };
 use flashcomm_testkit::verify::{TestType, Verifier};
 
@@ -302,4 +302,25 @@ pub fn stress_call(x: u64, n: u64) -> (Collective, TestType, u64) {
 pub fn send_recv_elems(coll: Collective, count: u64, n: u64) -> (u64, u64) {
     coll.buffer_bytes(count, n)
         .expect("test sizes do not overflow")
+}
+
+/// Sets up a communicator of `boot`'s group on `device` and runs one small AllReduce on it,
+/// checked (the cycle of the set-up, release, fork and abort-and-reinit tests).
+pub fn set_up_and_run_once(
+    boot: &dyn Bootstrap,
+    device: i32,
+    cfg: &CommConfig,
+    buf: &DeviceMem,
+    stream: Stream,
+) -> Communicator {
+    let comm = Communicator::new(boot, device, cfg.clone()).expect("communicator set-up");
+    comm.execute(
+        &Request::typed(Collective::AllReduce, 256, DataType::F32)
+            .between(buf.as_ptr(), buf.as_ptr())
+            .on(stream),
+    )
+    .unwrap();
+    stream.synchronize().unwrap();
+    comm.check_status().unwrap();
+    comm
 }
