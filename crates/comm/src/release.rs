@@ -296,6 +296,37 @@ mod tests {
         }
     }
 
+    /// A host thread launching on `Kernel` every millisecond until dropped.
+    struct Launching(
+        Arc<std::sync::atomic::AtomicBool>,
+        Option<std::thread::JoinHandle<()>>,
+    );
+
+    impl Launching {
+        fn start(busy: &Arc<Kernel>) -> Launching {
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let (busy, theirs) = (busy.clone(), stop.clone());
+            Launching(
+                stop,
+                Some(std::thread::spawn(move || {
+                    while !theirs.load(Ordering::SeqCst) {
+                        busy.launches.fetch_add(1, Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                })),
+            )
+        }
+    }
+
+    impl Drop for Launching {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+            if let Some(t) = self.1.take() {
+                let _ = t.join();
+            }
+        }
+    }
+
     /// A busy communicator with several ranks as threads of this process holds
     /// every free while it has work outstanding, however often it launches, and lets it go once
     /// it is idle.
@@ -309,16 +340,7 @@ mod tests {
         });
         let weak: Weak<dyn Activity> = Arc::downgrade(&(busy.clone() as Arc<dyn Activity>));
         LIVE.watch(weak);
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let launcher = {
-            let (busy, stop) = (busy.clone(), stop.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::SeqCst) {
-                    busy.launches.fetch_add(1, Ordering::SeqCst);
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            })
-        };
+        let launcher = Launching::start(&busy);
         let (r, freed) = release_in(Some(0), None, &LIVE);
         assert!(
             !r.wait(Duration::from_millis(500)),
@@ -327,8 +349,7 @@ mod tests {
         assert_eq!(freed.load(Ordering::SeqCst), 0);
         busy.stuck.store(false, Ordering::SeqCst);
         assert!(r.wait(Duration::from_secs(10)), "freed once it was idle");
-        stop.store(true, Ordering::SeqCst);
-        launcher.join().unwrap();
+        drop(launcher);
     }
 
     /// Issue 45, item 5: a communicator that is busy (work always outstanding, new launches all
@@ -340,16 +361,7 @@ mod tests {
         let busy = Kernel::new(true);
         let weak: Weak<dyn Activity> = Arc::downgrade(&(busy.clone() as Arc<dyn Activity>));
         LIVE.watch(weak);
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let launcher = {
-            let (busy, stop) = (busy.clone(), stop.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::SeqCst) {
-                    busy.launches.fetch_add(1, Ordering::SeqCst);
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            })
-        };
+        let launcher = Launching::start(&busy);
         let t0 = Instant::now();
         let (r, freed) = release_in(Some(0), None, &LIVE);
         assert!(
@@ -358,8 +370,7 @@ mod tests {
         );
         assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
         assert_eq!(freed.load(Ordering::SeqCst), 1);
-        stop.store(true, Ordering::SeqCst);
-        launcher.join().unwrap();
+        drop(launcher);
     }
 
     /// Fault class 3, the other communicators: a communicator whose own work is done is not
