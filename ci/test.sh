@@ -75,6 +75,17 @@ if [ "$skipped" -gt 0 ]; then
   echo "skipped (something they need is missing):"
   sed 's/^/  /' "$skips"
 fi
+# A step that stopped before its tests could count anything (a build that failed, a full disk)
+# is a failure too: the summary never says 0 failed while the run fails.
+broken=0
+for step in "cargo test:$status" "research tools:$research_status" "wheel:$wheel_status" \
+  "multi-gpu check:$multigpu_status" "demo:$demo_status" "CUDA 12 build:$cu12_status"; do
+  if [ "${step##*:}" -ne 0 ]; then
+    echo "step failed: ${step%:*} (status ${step##*:})"
+    broken=$((broken + 1))
+  fi
+done
+if [ "$failed" -lt "$broken" ]; then failed=$broken; fi
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$status" -eq 0 ] && [ "$research_status" -eq 0 ] && [ "$wheel_status" -eq 0 ] \
   && [ "$multigpu_status" -eq 0 ] && [ "$demo_status" -eq 0 ] && [ "$cu12_status" -eq 0 ] \
