@@ -830,7 +830,11 @@ fn two_and_three_communicators_in_flight_on_two_streams_never_hang() {
                 s.spawn(move || {
                     let v = Verifier::new(0).unwrap();
                     let _ctx = v.activate().unwrap();
-                    let streams = [v.stream().unwrap(), v.stream().unwrap()];
+                    // Two streams (the verifier has one: `v.stream()` is the same each time).
+                    let streams = [
+                        v.stream().unwrap(),
+                        flashcomm_comm::Stream::create().unwrap(),
+                    ];
                     let comms: Vec<Communicator> = (0..k)
                         .map(|c| Communicator::new(&members[c][rank], 0, cfg.clone()).unwrap())
                         .collect();
