@@ -366,7 +366,10 @@ impl Verifier {
     }
 
     /// The verifier's own stream (non-blocking; use it for the rank's work so that reading the
-    /// error counters is ordered after everything the rank queued).
+    /// error counters is ordered after everything the rank queued). It is the same stream at
+    /// every call: work that must not queue behind other work of this verifier (a second
+    /// communicator of the rank, a second rank) needs a stream of its own (`Stream::create`);
+    /// two collectives issued in opposite orders by two ranks on one stream each deadlock.
     pub fn stream(&self) -> Result<Stream, Error> {
         Ok(self.stream)
     }
