@@ -251,7 +251,10 @@ def table_host(src):
         for d in docs:
             found |= {r["impl"] for r in pick(d, launch, dtype) if r["impl"].startswith("flashcomm-q")}
         widths = sorted((int(i[len("flashcomm-q"):]) for i in found), reverse=True)
-    head = (["ranks"] if many else []) + ["size", "link-both (us)", "lossless (us)", "of floor"]
+    # The link's round trip (the latency floor), where the run has it (flashcomm-perf's link-rtt row).
+    rtt = any(r["impl"] == "link-rtt" for d in docs for r in pick(d, launch, dtype))
+    head = (["ranks"] if many else []) + ["size"] + (["link-rtt (us)"] if rtt else [])
+    head += ["link-both (us)", "lossless (us)", "of floor"]
     head += [f"{w}-bit (us, x)" for w in widths]
     out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---:"] * len(head)) + "|"]
     for d in docs:
@@ -264,7 +267,9 @@ def table_host(src):
             share = "-"
             if tl and tb:
                 share = f"{100.0 * tb * floor_factor(s['collective'], s['ranks'], loss['plan']) / tl:.0f}%"
-            cells = ([str(s["ranks"])] if many else []) + [size_label(b), fmt(tb, 1), fmt(tl, 1), share]
+            cells = ([str(s["ranks"])] if many else []) + [size_label(b)]
+            cells += [fmt(time_of(by.get(("link-rtt", b))), 1)] if rtt else []
+            cells += [fmt(tb, 1), fmt(tl, 1), share]
             for w in widths:
                 r = by.get((quant_name(w), b))
                 t = time_of(r)

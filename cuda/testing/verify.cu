@@ -142,6 +142,46 @@ extern "C" __global__ void fc_test_hold(const __grid_constant__ FcTestHold p) {
   }
 }
 
+// One round trip of a flag through pinned host memory, the latency floor of the host transport
+// (flashcomm-perf's link-rtt row): block 0 stores the call's value into word 0 of `host` and waits
+// until word 1 holds it; block 1 waits for word 0 and answers in word 1. Every store and load
+// crosses the host link (posted writes, reads of uncached host memory), as the host transport's
+// flags do. The value is the call's number, kept in device memory (`epoch`, advanced by block 0
+// once block 1 has answered, so both blocks read the same number), so that a CUDA graph of calls
+// replays alike. A wait gives up after `timeout_ns` and sets `*fail` (the host reports it). Launch:
+// 2 blocks of 32 threads.
+struct FcTestPingPong {
+  uint64_t host;        // two u32 words of pinned host memory (their device address)
+  uint64_t epoch;       // u32 in device memory: calls so far
+  uint64_t fail;        // u32 in device memory: set when a wait gave up
+  uint64_t timeout_ns;  // bound on each wait
+};
+static_assert(sizeof(FcTestPingPong) == 32, "FcTestPingPong layout");
+
+extern "C" __global__ void fc_test_ping_pong(const __grid_constant__ FcTestPingPong p) {
+  if (threadIdx.x != 0 || blockIdx.x > 1) return;
+  volatile uint32_t* w = reinterpret_cast<volatile uint32_t*>(p.host);
+  const uint32_t v = *reinterpret_cast<volatile uint32_t*>(p.epoch) + 1u;
+  const uint32_t mine = blockIdx.x, theirs = 1u - blockIdx.x;
+  if (mine == 0) {
+    w[0] = v;
+    __threadfence_system();
+  }
+  const uint64_t start = fc_test_now();
+  while (w[theirs] != v) {
+    if (fc_test_now() - start > p.timeout_ns) {
+      atomicExch(reinterpret_cast<unsigned int*>(p.fail), 1u);
+      return;
+    }
+  }
+  if (mine == 1) {
+    w[1] = v;
+    __threadfence_system();
+  } else {
+    *reinterpret_cast<volatile uint32_t*>(p.epoch) = v;
+  }
+}
+
 // The wait counter and the epoch of flashcomm/wait_count.h as the device compiles them, in the
 // scenario of crates/kernels/tests/host/wait_count.cc: out[0] slow checks in 1024 polls from
 // 2^31 - 8, out[1] spurious mismatches among them, out[2] the flag after them, out[3] whether

@@ -112,7 +112,18 @@ struct FcTestSum {
     dtype: u32,
 }
 
+/// `fc_test_ping_pong`: one round trip of a flag through pinned host memory.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct FcTestPingPong {
+    host: u64,
+    epoch: u64,
+    fail: u64,
+    timeout_ns: u64,
+}
+
 const _: () = {
+    assert!(std::mem::size_of::<FcTestPingPong>() == 32);
     assert!(std::mem::size_of::<FcTestSum>() == 88);
     assert!(std::mem::size_of::<FcTestHold>() == 16);
     assert!(std::mem::size_of::<FcTestWaitCount>() == 8);
@@ -122,6 +133,7 @@ const _: () = {
 };
 
 impl crate::codec_launch::TestParams for FcTestSum {}
+impl crate::codec_launch::TestParams for FcTestPingPong {}
 impl crate::codec_launch::TestParams for FcTestFill {}
 impl crate::codec_launch::TestParams for FcTestCheck {}
 impl crate::codec_launch::TestParams for FcTestCompare {}
@@ -153,6 +165,7 @@ impl Verifier {
             "fc_test_hold",
             "fc_test_wait_count",
             "fc_test_sum",
+            "fc_test_ping_pong",
         ] {
             kernels.function(name)?;
         }
@@ -326,6 +339,42 @@ impl Verifier {
             f,
             LaunchConfig {
                 grid: grid.max(1),
+                block: 32,
+                smem: 0,
+            },
+            stream,
+            &p,
+        )
+    }
+
+    /// Enqueues one round trip of a flag through pinned host memory (`fc_test_ping_pong`):
+    /// `host`, two u32 words of pinned host memory (as the device addresses them); `state`, two
+    /// u32 words of device memory (the calls so far, then a failure flag that a wait past
+    /// `timeout` sets). Both zeroed before the first call and used by no one else.
+    pub fn ping_pong(
+        &self,
+        host: DevicePtr,
+        state: DevicePtr,
+        timeout: std::time::Duration,
+        stream: Stream,
+    ) -> Result<(), Error> {
+        if host.len() < 8 || state.len() < 8 {
+            return Err(Error::InvalidArgument(
+                "ping_pong needs two words of host memory and two of device memory".into(),
+            ));
+        }
+        let _ctx = self.device.activate()?;
+        let f = self.kernels.function("fc_test_ping_pong")?;
+        let p = FcTestPingPong {
+            host: host.addr(),
+            epoch: state.addr(),
+            fail: state.addr() + 4,
+            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+        };
+        crate::codec_launch::launch_test(
+            f,
+            LaunchConfig {
+                grid: 2,
                 block: 32,
                 smem: 0,
             },

@@ -44,6 +44,10 @@ pub enum Variant {
     /// memory on one stream while as many are copied out of it on another (`--transport host`):
     /// what the link carries when it is busy both ways, as the host transport keeps it.
     LinkBoth,
+    /// The host link's latency (`--transport host`): one round trip of a flag through pinned
+    /// host memory between two blocks of rank 0's GPU, launched and timed as every row is: the
+    /// least a call that waits for a peer across the link can take, at any size.
+    LinkRtt,
 }
 
 /// Which row of the pull reference.
@@ -84,7 +88,17 @@ impl Variant {
             Variant::Pull(r, l) => format!("pull-{}{}", r.name(), grid(l)),
             Variant::Link => "link".into(),
             Variant::LinkBoth => "link-both".into(),
+            Variant::LinkRtt => "link-rtt".into(),
         }
+    }
+
+    /// Whether the row is a baseline that rank 0 times alone and that is no collective (the
+    /// copy and the link rows).
+    pub fn is_baseline(&self) -> bool {
+        matches!(
+            self,
+            Variant::Copy | Variant::Link | Variant::LinkBoth | Variant::LinkRtt
+        )
     }
 
     /// Whether the row is flashcomm's (lossless or quantized).
@@ -217,8 +231,8 @@ pub struct Row {
 impl Row {
     fn redop(&self) -> &'static str {
         match (self.variant, self.coll) {
-            (Variant::Copy | Variant::Link | Variant::LinkBoth, _)
-            | (_, Collective::AllGather | Collective::AlltoAll) => "none",
+            (v, _) if v.is_baseline() => "none",
+            (_, Collective::AllGather | Collective::AlltoAll) => "none",
             _ => "sum",
         }
     }
@@ -231,11 +245,8 @@ impl Row {
     /// busbw of a measurement of this row (N/A for the copy and link baselines: they are not
     /// collectives).
     pub fn busbw(&self, m: &Measure) -> Option<f64> {
-        (!matches!(
-            self.variant,
-            Variant::Copy | Variant::Link | Variant::LinkBoth
-        ))
-        .then(|| busbw(self.coll, self.nranks, self.bytes, m.time.median_us))
+        (!self.variant.is_baseline())
+            .then(|| busbw(self.coll, self.nranks, self.bytes, m.time.median_us))
     }
 }
 
@@ -503,7 +514,10 @@ impl Table {
         if !matches!(row.variant, Variant::Copy) && row.variant != yardstick {
             row.vs_ref = t.zip(base(yardstick)).map(|(a, b)| a / b);
         }
-        if !matches!(row.variant, Variant::Copy | Variant::Link) {
+        if !matches!(
+            row.variant,
+            Variant::Copy | Variant::Link | Variant::LinkRtt
+        ) {
             row.vs_link = t.zip(base(Variant::Link)).map(|(a, b)| a / b);
         }
         if row.variant.is_flashcomm() {

@@ -76,6 +76,7 @@ pub fn jobs(o: &Options) -> Vec<Job> {
                 if o.transport == Choice::Force(Transport::Host) {
                     variants.push(Variant::Link);
                     variants.push(Variant::LinkBoth);
+                    variants.push(Variant::LinkRtt);
                 }
                 for &l in &o.ref_launches {
                     if o.impls.contains(&Impl::Reference) {
@@ -376,6 +377,9 @@ struct Rank<'a> {
     link: Option<HostArena>,
     /// Rank 0's second stream and fork/join events of the link-both baseline.
     side: Option<SideStream>,
+    /// Rank 0's flag words of the link-rtt baseline: two in pinned host memory, two in device
+    /// memory (calls so far, failure).
+    ping: Option<(HostArena, DeviceMem)>,
     v: Verifier,
     stream: Stream,
     send: DeviceMem,
@@ -408,7 +412,7 @@ fn buffer_bytes(o: &Options, jobs: &[Job]) -> (u64, u64, u64) {
     for j in jobs {
         s = s.max(j.shape.send_bytes);
         r = r.max(j.shape.recv_bytes);
-        if matches!(j.variant, Variant::Copy | Variant::Link | Variant::LinkBoth) {
+        if j.variant.is_baseline() {
             s = s.max(j.shape.bytes);
             r = r.max(j.shape.bytes);
         }
@@ -746,6 +750,14 @@ fn rank_main(
         }),
         None => None,
     };
+    let ping = match &link {
+        Some(_) => Some((
+            HostArena::alloc(64).map_err(e2s("allocating the link round trip's host words"))?,
+            v.alloc(8)
+                .map_err(e2s("allocating the link round trip's state"))?,
+        )),
+        None => None,
+    };
     let mut r = Rank {
         o,
         team,
@@ -757,6 +769,7 @@ fn rank_main(
         pull,
         link,
         side,
+        ping,
         v,
         stream,
         send,
@@ -878,6 +891,7 @@ impl Rank<'_> {
             Variant::Copy => self.copy_job(job),
             Variant::Link => self.link_job(job),
             Variant::LinkBoth => self.link_both_job(job),
+            Variant::LinkRtt => self.link_rtt_job(job),
             Variant::Nccl | Variant::Lossless | Variant::Reference(_) | Variant::Pull(..) => {
                 self.lossless_job(job, salt)
             }
@@ -1009,6 +1023,33 @@ impl Rank<'_> {
             side.join.record(side.stream)?;
             side.join.wait_on(s)
         })
+    }
+
+    /// The host link's round trip: rank 0 bounces a flag through pinned host memory between two
+    /// blocks of its GPU (one kernel per call, whatever the size); a wait that gave up fails the
+    /// job.
+    fn link_rtt_job(&self, job: &Job) -> Result<RankOut, String> {
+        let Some((host, state)) = &self.ping else {
+            return Ok(RankOut::default());
+        };
+        let timeout = Duration::from_secs(self.o.timeout_s);
+        let out = self.baseline_job(job, &|_, _, _, s| {
+            self.v
+                .ping_pong(ffi::host_range(host), state.as_ptr(), timeout, s)
+                .map_err(|e| flashcomm_comm::gpu::Error::Cuda {
+                    during: "running the link round trip",
+                    detail: e.to_string(),
+                })
+        })?;
+        let mut words = [0u8; 8];
+        state
+            .download(0, &mut words, self.stream)
+            .and_then(|()| self.stream.synchronize())
+            .map_err(e2s("reading the link round trip's state"))?;
+        if words[4..8] != [0; 4] {
+            return Err("link-rtt: a flag wait through host memory gave up (--timeout)".into());
+        }
+        Ok(out)
     }
 
     /// The copy baseline: rank 0 copies the job's bytes on its GPU.
@@ -1614,10 +1655,7 @@ impl WireAccuracy {
 fn merge(o: &Options, job: &Job, outs: &[RankOut]) -> Row {
     let first = outs.first().cloned().unwrap_or_default();
     let combine = |pick: &dyn Fn(&RankOut) -> Option<RankMeasure>| -> Option<Measure> {
-        let ms: Vec<RankMeasure> = if matches!(
-            job.variant,
-            Variant::Copy | Variant::Link | Variant::LinkBoth
-        ) {
+        let ms: Vec<RankMeasure> = if job.variant.is_baseline() {
             pick(&first).into_iter().collect()
         } else {
             outs.iter().filter_map(pick).collect()
@@ -1934,15 +1972,16 @@ mod tests {
                 "-b 64K -e 512K -f 2 --coll {coll} --quant 8,4 --ranks 8 --transport host"
             ));
             let j = jobs(&o);
-            // Per size: the link baselines (one way after the other, both at once), lossless,
-            // q8, q4.
-            assert_eq!(j.len(), 4 * 5);
-            let v: Vec<String> = j[..5].iter().map(|j| j.variant.label()).collect();
+            // Per size: the link baselines (one way after the other, both at once, the round
+            // trip), lossless, q8, q4.
+            assert_eq!(j.len(), 4 * 6);
+            let v: Vec<String> = j[..6].iter().map(|j| j.variant.label()).collect();
             assert_eq!(
                 v,
                 [
                     "link",
                     "link-both",
+                    "link-rtt",
                     "flashcomm",
                     "flashcomm-q8",
                     "flashcomm-q4"
