@@ -132,7 +132,10 @@ if [ -x "$here/bin/flashcomm-perf" ]; then
   [ -n "$real" ] && add "perf::procs_1_rank_vs_nccl" 300 "'$here/bin/flashcomm-perf' --mode procs --ranks 1 --impl flashcomm,nccl --nccl-lib '$real' -b 4K -e 16M -f 4 -d bfloat16 --json '$res/perf-procs-nccl.json'"
   # A plot of the quantized sweep of 8 virtual ranks (latency and algbw against size per width).
   # The host transport: every byte crosses the GPU's PCIe link twice, where quantization can pay.
-  add "perf::host_transport_2_ranks" 300 "'$here/bin/flashcomm-perf' --mode virtual --ranks 2 --transport host -b 64K -e 64M -f 4 -d bfloat16 --quant 8,4 -G 5 --json '$res/perf-host.json'"
+  # From 8 KiB, where the link's latency (the link-rtt row beside each size) is the floor.
+  add "perf::host_transport_2_ranks" 300 "'$here/bin/flashcomm-perf' --mode virtual --ranks 2 --transport host -b 8K -e 64M -f 4 -d bfloat16 --quant 8,4 -G 5 --json '$res/perf-host.json'"
+  # The host transport in rank processes, as users run it (2 processes on one GPU under MPS).
+  add "perf::host_transport_procs_one_gpu_2_ranks" 300 "unset CUDA_DEVICE_MAX_CONNECTIONS; nvidia-cuda-mps-control -d; '$here/bin/flashcomm-perf' --mode procs-one-gpu --ranks 2 --transport host -b 8K -e 64M -f 4 -d bfloat16 --quant 8,4 -G 5 --json '$res/perf-host-procs.json'; rc=\$?; echo quit | nvidia-cuda-mps-control; exit \$rc"
   # The same with the library's choice (FLASHCOMM_QUANT_CHOICE=auto): quantized only where the
   # cost model calibrated at set-up predicts it faster; the plan column names the kernels that ran.
   add "perf::host_transport_2_ranks_quant_auto" 300 "'$here/bin/flashcomm-perf' --mode virtual --ranks 2 --transport host -b 64K -e 64M -f 4 -d bfloat16 --quant 8,4 --quant-choice auto -G 5 --json '$res/perf-host-auto.json'"
