@@ -71,9 +71,11 @@ pub(crate) fn write_epoch_words(
     Ok(())
 }
 
-/// The reduction of the copy-engine schedule: sums `elems` elements of the sources (one device
-/// address per rank, in rank order) into the destination, enqueued on the stream given.
-pub type CopyReduce = dyn FnMut(Stream, &[u64], u64, usize) -> Result<(), crate::Error> + Send;
+/// The reduction of the copy-engine schedule: sums `elems` elements of the type given of the
+/// sources (one device address per rank, in rank order) into the destination, enqueued on the
+/// stream given.
+pub type CopyReduce =
+    dyn FnMut(Stream, crate::DataType, &[u64], u64, usize) -> Result<(), crate::Error> + Send;
 
 /// The copy-engine schedule's engine on the CUDA driver ([`crate::plan::copy::execute`]): a push
 /// and a pull stream, the schedule's events, and the reduction to launch. The streams are
@@ -87,6 +89,7 @@ pub struct CopyStreams {
     pub pull: Stream,
     events: Vec<Event>,
     reduce: Box<CopyReduce>,
+    dtype: crate::DataType,
 }
 
 impl CopyStreams {
@@ -106,7 +109,13 @@ impl CopyStreams {
             pull: Stream::create()?,
             events,
             reduce,
+            dtype: crate::DataType::F32,
         })
+    }
+
+    /// The element type the reductions of the operations executed next sum.
+    pub fn set_dtype(&mut self, dtype: crate::DataType) {
+        self.dtype = dtype;
     }
 
     fn stream(&self, lane: crate::plan::copy::Lane) -> Stream {
@@ -173,25 +182,25 @@ impl crate::plan::copy::Engine for CopyStreams {
         elems: usize,
     ) -> Result<(), crate::Error> {
         let s = self.stream(lane);
-        (self.reduce)(s, srcs, dst, elems)
+        (self.reduce)(s, self.dtype, srcs, dst, elems)
     }
 }
 
 /// The product's reduction for [`CopyStreams`]: a closure that launches `fc_copy_reduce_<dtype>`
-/// (f32 in rank order, rounded once: the bits of every reducing kernel) on the stream it is given.
+/// of the type it is given (f32 in rank order, rounded once: the bits of every reducing kernel)
+/// on the stream it is given.
 /// `max_grid` caps the blocks of a launch (256 threads each, about four elements per thread).
 ///
 /// # Safety
-/// The closure must be called only with addresses that hold `elems` elements of `dtype` in the
+/// The closure must be called only with addresses that hold `elems` elements of its type in the
 /// context of `kernels`, stay valid until the kernel has finished, and number at most
 /// `abi::MAX_RANKS` sources: as [`CopyStreams`] calls it under the contract of
 /// [`CopyStreams::new`].
 pub unsafe fn copy_reduce_launcher(
     kernels: std::sync::Arc<Kernels>,
-    dtype: crate::DataType,
     max_grid: u32,
 ) -> Box<CopyReduce> {
-    Box::new(move |stream, srcs, dst, elems| {
+    Box::new(move |stream, dtype, srcs, dst, elems| {
         if srcs.is_empty() || srcs.len() > abi::MAX_RANKS {
             return Err(crate::Error::Internal(format!(
                 "a reduction of {} sources",
@@ -213,6 +222,26 @@ pub unsafe fn copy_reduce_launcher(
         };
         launch(&kernels, Kernel::copy_reduce(dtype), cfg, stream, &p, false)
     })
+}
+
+/// The communicator's engine of the copy-engine schedule for `nranks` ranks: two streams, the
+/// schedule's events and the product's reduction.
+pub(crate) fn copy_streams(
+    kernels: std::sync::Arc<Kernels>,
+    nranks: usize,
+) -> Result<CopyStreams, crate::Error> {
+    // SAFETY: the communicator (comm/copy.rs) hands the engine only the addresses of one call:
+    // the user's buffers it checked (each holds the call's bytes), its gather buffer and every
+    // rank's copy area (sized by `plan::copy::area_bytes`, mapped for the communicator's life),
+    // whose flag words are 4-byte aligned (the areas are page-aligned); its memory is freed only
+    // after the call's streams drained (the release waits for the last operation, which waits
+    // for both streams) and the watchdog let go of the call. At most `abi::MAX_RANKS` sources.
+    unsafe {
+        CopyStreams::new(
+            crate::plan::copy::event_count(nranks),
+            copy_reduce_launcher(kernels, 1024),
+        )
+    }
 }
 
 /// Writes `value` into the 32-bit word at `addr` of each of `words` (peers' arena headers, as

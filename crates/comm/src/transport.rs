@@ -47,9 +47,10 @@ pub(crate) const NAME_BYTES: usize = 40;
 pub(crate) enum LocalArena {
     /// Device memory (the peer transport).
     Device(DeviceMem),
-    /// Pinned host memory (the host transport), with the name peers of other processes open.
+    /// Pinned host memory (the host transport), with the name peers of other processes open
+    /// (shared with the copy-engine schedule's watchdog, which reads its abort word).
     Host {
-        mem: HostArena,
+        mem: std::sync::Arc<HostArena>,
         name: [u8; NAME_BYTES],
     },
     /// Nothing (what a communicator leaves in place of the arena it hands on to be freed).
@@ -123,7 +124,8 @@ impl LocalArena {
                 // (set-up round 2) could not remove the name: remove such names now.
                 crate::gpu::remove_stale_segments(&segment_prefix());
                 let s = segment_name();
-                let mem = HostArena::create_shared(&s, bytes, dev.numa_node())?;
+                let mem =
+                    std::sync::Arc::new(HostArena::create_shared(&s, bytes, dev.numa_node())?);
                 let mut name = [0u8; NAME_BYTES];
                 name[..s.len()].copy_from_slice(s.as_bytes());
                 Ok(LocalArena::Host { mem, name })
@@ -177,8 +179,18 @@ impl LocalArena {
     /// Called once every peer has mapped the arena: the shared segment's name is removed, so that
     /// no name outlives a crashed job (the memory stays until the last process unmaps it).
     pub(crate) fn peers_mapped(&mut self) {
-        if let LocalArena::Host { mem, .. } = self {
-            mem.unlink();
+        if let LocalArena::Host { mem, .. } = self
+            && let Some(m) = std::sync::Arc::get_mut(mem)
+        {
+            m.unlink();
+        }
+    }
+
+    /// The host transport's arena, shared.
+    pub(crate) fn host_arena(&self) -> Option<std::sync::Arc<HostArena>> {
+        match self {
+            LocalArena::Host { mem, .. } => Some(std::sync::Arc::clone(mem)),
+            _ => None,
         }
     }
 }

@@ -5,10 +5,12 @@
 //! driver's [`CopyStreams`], a missing rank released by the watchdog, and whether the stream
 //! memory operations can be captured into a graph (printed; the schedule runs outside captures).
 //!
-//! The schedule is not in the call path yet (`FLASHCOMM_HOST_COPY` does nothing): these tests
-//! drive it directly, with the product's reduction (`fc_copy_reduce_<type>`) or the verification
-//! kernels' (`fc_test_sum`, the same arithmetic). Inputs are the verification kernels' integer
-//! values, so sums are exact in every type.
+//! The first tests drive the schedule directly, with the product's reduction
+//! (`fc_copy_reduce_<type>`) or the verification kernels' (`fc_test_sum`, the same arithmetic);
+//! the last ones through the communicator (`FLASHCOMM_HOST_COPY=on`): exact results, a captured
+//! call taking the kernels between eager ones, and a missing peer released by the time limit or
+//! by abort. Inputs are the verification kernels' integer values, so sums are exact in every
+//! type.
 //!
 //! Run with `cargo test -p flashcomm-comm --features gpu --test gpu_copy` on a machine with a
 //! CUDA device.
@@ -19,16 +21,20 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::test_device;
-use flashcomm_comm::Collective;
+use common::{run_ranks, test_device};
 use flashcomm_comm::gpu::{
     CopyReduce, CopyStreams, Device, DeviceMem, DevicePtr, Event, HostMapped, Kernels, Stream,
     copy_reduce_launcher,
 };
+use flashcomm_comm::plan::HostCopy;
 use flashcomm_comm::plan::copy::{
     CopyAddrs, CopyGeom, copy_area_bytes, event_count, execute, schedule, waited_flags,
 };
 use flashcomm_comm::watch::{Reason, Watchdog, Watched};
+use flashcomm_comm::{
+    Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, Error, Request, ThreadGroup,
+    Transport,
+};
 use flashcomm_testkit::verify::{TestType, Verifier};
 
 /// Waits until every stream is idle; after `limit`, calls `release` once and keeps waiting
@@ -121,6 +127,7 @@ fn ranks(
             let vv = Arc::clone(v);
             let test_reduce = Box::new(
                 move |s: Stream,
+                      _: DataType,
                       srcs: &[u64],
                       dst: u64,
                       elems: usize|
@@ -144,7 +151,6 @@ fn ranks(
                 Sum::Product => unsafe {
                     copy_reduce_launcher(
                         Kernels::for_context(dev.context()).expect("the product's kernels"),
-                        ty.dtype().expect("a reducing type"),
                         1024,
                     )
                 },
@@ -152,7 +158,8 @@ fn ranks(
             // SAFETY: the addresses handed to the engine are this test's allocations (inputs,
             // outputs, gather buffers, the host-mapped copy areas), alive until its streams
             // drain; flag words are 4-byte aligned (the areas start 4 KiB aligned).
-            let streams = unsafe { CopyStreams::new(event_count(n), reduce) }.unwrap();
+            let mut streams = unsafe { CopyStreams::new(event_count(n), reduce) }.unwrap();
+            streams.set_dtype(ty.dtype().expect("a reducing type"));
             let addrs = CopyAddrs {
                 input: input.addr(),
                 output: output.as_ref().map_or(input.addr(), |o| o.addr()),
@@ -370,5 +377,271 @@ fn capture_of_stream_memory_operations() {
             1,
             "the replayed write reached host memory"
         );
+    }
+}
+
+/// The schedule's speed, printed beside what it moves: 2 and 4 ranks, bf16, out of place, with
+/// the product's reduction, 4-64 MiB in pieces of 1, 2 and 4 MiB; each size's calls (3 warm-up,
+/// then 10 timed back to back, eager) run on every rank's two streams. The last call's result is
+/// checked. Compare with `flashcomm-perf --mode virtual --transport host` (the kernels, the
+/// link's floors) run on the same machine: issue 44 keeps the schedule only if it beats them.
+#[test]
+fn schedule_speed() {
+    let dev = Device::open(test_device(0)).unwrap();
+    let _ctx = dev.activate().unwrap();
+    let v = Arc::new(Verifier::new(test_device(0)).unwrap());
+    let ty = TestType::Bf16;
+    let eb = ty.bytes() as usize;
+    for n in [2usize, 4] {
+        for piece in [1usize << 20, 2 << 20, 4 << 20] {
+            let max = (64usize << 20) / eb;
+            let area_bytes = copy_area_bytes(&CopyGeom::new(n, 0, eb, max, piece, 0));
+            let areas: Vec<HostMapped> = (0..n)
+                .map(|_| HostMapped::alloc(area_bytes).unwrap())
+                .collect();
+            let mut rs = ranks(&dev, &v, &areas, max, piece, ty, false, Sum::Product);
+            let main = Stream::create().unwrap();
+            let (start, end) = (Event::new(true).unwrap(), Event::new(true).unwrap());
+            let mut first = 0u32;
+            for bytes in [4usize << 20, 16 << 20, 64 << 20] {
+                let count = bytes / eb;
+                for (r, rank) in rs.iter().enumerate() {
+                    v.fill(rank.input.as_ptr(), count as u64, ty, r as u32, 3, main)
+                        .unwrap();
+                }
+                let mut run = |calls: usize, first: &mut u32| {
+                    start.record(main).unwrap();
+                    for rank in rs.iter() {
+                        start.wait_on(rank.streams.push).unwrap();
+                        start.wait_on(rank.streams.pull).unwrap();
+                    }
+                    for _ in 0..calls {
+                        let mut next = *first;
+                        for (r, rank) in rs.iter_mut().enumerate() {
+                            let geom = CopyGeom::new(n, r, eb, count, piece, *first);
+                            execute(&schedule(&geom), &rank.addrs, &mut rank.streams).unwrap();
+                            next = geom.next_piece();
+                        }
+                        *first = next;
+                    }
+                    for rank in rs.iter() {
+                        for s in [rank.streams.push, rank.streams.pull] {
+                            let e = Event::new(false).unwrap();
+                            e.record(s).unwrap();
+                            e.wait_on(main).unwrap();
+                        }
+                    }
+                    end.record(main).unwrap();
+                    main.synchronize().unwrap();
+                    end.elapsed_ms_since(&start).unwrap() as f64
+                };
+                run(3, &mut first);
+                let ms = run(10, &mut first) / 10.0;
+                for (r, rank) in rs.iter().enumerate() {
+                    let out = rank.output.as_ref().unwrap();
+                    v.check(
+                        out.as_ptr(),
+                        count as u64,
+                        0,
+                        Collective::AllReduce,
+                        ty,
+                        n as u32,
+                        r as u32,
+                        3,
+                        main,
+                    )
+                    .unwrap();
+                }
+                main.synchronize().unwrap();
+                let (bad, at) = v.errors().unwrap();
+                assert_eq!(
+                    bad, 0,
+                    "{n} ranks, {bytes} bytes: {bad} wrong, first at {at}"
+                );
+                v.reset().unwrap();
+                eprintln!(
+                    "copy-schedule ranks {n} piece {} MiB bytes {bytes}: {:.1} us, algbw {:.2} GB/s",
+                    piece >> 20,
+                    ms * 1e3,
+                    bytes as f64 / (ms * 1e-3) / 1e9
+                );
+            }
+        }
+    }
+}
+
+/// A communicator of the host transport whose eager lossless AllReduce takes the schedule.
+fn copy_config(timeout: Duration) -> CommConfig {
+    CommConfig {
+        timeout,
+        calibrate: false,
+        transport: Choice::Force(Transport::Host),
+        host_copy: HostCopy::On,
+        ..CommConfig::default()
+    }
+}
+
+/// Through the communicator (`FLASHCOMM_HOST_COPY=on`): 2 and 4 ranks, every type, in place and
+/// out, sizes from one element to several pieces; every eager call takes the schedule and is
+/// exact and bitwise identical on every rank; a call captured into a graph takes the kernels, and
+/// eager calls before and after it stay in order.
+#[test]
+fn the_communicator_runs_the_schedule_exactly() {
+    for n in [2u32, 4] {
+        run_ranks(n, copy_config(Duration::from_secs(10)), |r| {
+            let counts = [1u64, 1000, 777_777, (5 << 20) + 3];
+            let max = (*counts.iter().max().unwrap() * 4) as usize;
+            let send = r.alloc(max);
+            let recv = r.alloc(max);
+            r.shared.addrs.lock().unwrap()[r.rank() as usize] = recv.addr();
+            r.sync();
+            let rank0 = r.shared.addrs.lock().unwrap()[0];
+            let mut salt = 0;
+            for ty in common::TYPES {
+                let dt = ty.dtype().unwrap();
+                for count in counts {
+                    for in_place in [false, true] {
+                        salt += 1;
+                        let bytes = (count * ty.bytes()) as usize;
+                        let input = if in_place { &recv } else { &send };
+                        r.v.fill(input.as_ptr(), count, ty, r.rank(), salt, r.stream)
+                            .unwrap();
+                        let p = r
+                            .comm
+                            .execute(
+                                &Request::typed(Collective::AllReduce, count, dt)
+                                    .between(input.slice(0, bytes), recv.slice(0, bytes))
+                                    .on(r.stream),
+                            )
+                            .unwrap();
+                        assert!(p.copy_engines, "{ty:?} {count}: {p:?}");
+                        r.v.check(
+                            recv.as_ptr(),
+                            count,
+                            0,
+                            Collective::AllReduce,
+                            ty,
+                            r.n(),
+                            r.rank(),
+                            salt,
+                            r.stream,
+                        )
+                        .unwrap();
+                        r.sync();
+                        r.assert_clean(&format!("{ty:?} count {count} in place {in_place}"));
+                        if r.rank() != 0 {
+                            // SAFETY: rank 0's buffer lives until the group ends; the barrier
+                            // below keeps rank 0 from reusing it before every rank compared.
+                            let theirs = unsafe { DevicePtr::from_raw(rank0, bytes as u64) };
+                            r.v.compare(recv.as_ptr(), theirs, bytes as u64, r.stream)
+                                .unwrap();
+                            r.stream.synchronize().unwrap();
+                            r.assert_clean(&format!("identity with rank 0: {ty:?} {count}"));
+                        }
+                        r.boot.barrier().unwrap();
+                    }
+                }
+            }
+            // A captured call takes the kernels; replayed between two eager (schedule) calls.
+            let (ty, count) = (TestType::Bf16, 777_777u64);
+            let bytes = (count * 2) as usize;
+            let call = |s: Stream| {
+                r.comm
+                    .execute(
+                        &Request::typed(Collective::AllReduce, count, DataType::Bf16)
+                            .between(send.slice(0, bytes), recv.slice(0, bytes))
+                            .on(s),
+                    )
+                    .unwrap()
+            };
+            r.stream.begin_capture().unwrap();
+            let captured = call(r.stream);
+            let g = r.stream.end_capture().unwrap();
+            assert!(!captured.copy_engines, "{captured:?}");
+            salt += 1;
+            r.v.fill(send.as_ptr(), count, ty, r.rank(), salt, r.stream)
+                .unwrap();
+            assert!(call(r.stream).copy_engines);
+            g.launch(r.stream).unwrap();
+            assert!(call(r.stream).copy_engines);
+            r.v.check(
+                recv.as_ptr(),
+                count,
+                0,
+                Collective::AllReduce,
+                ty,
+                r.n(),
+                r.rank(),
+                salt,
+                r.stream,
+            )
+            .unwrap();
+            r.sync();
+            r.assert_clean("eager, replayed, eager");
+            println!(
+                "rank {}: {n} ranks exact, captured plan {captured:?}",
+                r.rank()
+            );
+        });
+    }
+}
+
+/// A copy-engine call whose peer never comes: with a time limit the watchdog releases it (the
+/// stream drains, the call reports a timeout, the next call fails at once); without one,
+/// `abort` from another thread does (the call reports the abort).
+#[test]
+fn a_missing_peer_is_released_by_the_time_limit_or_by_abort() {
+    for limit in [Duration::from_millis(300), Duration::ZERO] {
+        let group = ThreadGroup::new(2, Duration::from_secs(60));
+        let members = group.members();
+        std::thread::scope(|s| {
+            for m in &members {
+                s.spawn(move || {
+                    let comm = Communicator::new(m, 0, copy_config(limit)).unwrap();
+                    let v = Verifier::new(0).unwrap();
+                    let _ctx = v.activate().unwrap();
+                    let stream = v.stream().unwrap();
+                    let buf = v.alloc(8 << 20).unwrap();
+                    m.barrier().unwrap();
+                    if m.rank() == 0 {
+                        let t = Instant::now();
+                        let p = comm
+                            .execute(
+                                &Request::typed(Collective::AllReduce, 4 << 20, DataType::Bf16)
+                                    .between(buf.as_ptr(), buf.as_ptr())
+                                    .on(stream),
+                            )
+                            .unwrap();
+                        assert!(p.copy_engines);
+                        if limit.is_zero() {
+                            common::abort_from_another_thread(&comm, Duration::from_millis(300));
+                        }
+                        assert_eq!(comm.wait_idle_for(Duration::from_secs(10)), Ok(true));
+                        let took = t.elapsed();
+                        assert!(took < Duration::from_secs(5), "{took:?}");
+                        let e = comm.check_status().expect_err("the release is reported");
+                        if limit.is_zero() {
+                            assert!(
+                                matches!(&e, Error::Remote(m) if m.contains("aborted")),
+                                "{e:?}"
+                            );
+                        } else {
+                            assert!(matches!(e, Error::Timeout(_)), "{e:?}");
+                        }
+                        assert!(
+                            comm.execute(
+                                &Request::typed(Collective::AllReduce, 4 << 20, DataType::Bf16)
+                                    .between(buf.as_ptr(), buf.as_ptr())
+                                    .on(stream),
+                            )
+                            .is_err(),
+                            "a later call fails at once"
+                        );
+                        println!("released after {took:?}: {e}");
+                    }
+                    m.barrier().unwrap();
+                });
+            }
+        });
     }
 }

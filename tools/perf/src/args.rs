@@ -115,7 +115,7 @@ pub const DTYPES: [Dtype; 3] = [Dtype::Bf16, Dtype::F16, Dtype::F32];
 
 /// The words of the route a row forces (`--algo`, `--proto`, `--transport`, `--quant-choice`):
 /// the library's own types, declared once in the codec crate.
-pub use flashcomm_codec::{Algorithm, Choice, Keyword, Protocol, QuantChoice, Transport};
+pub use flashcomm_codec::{Algorithm, Choice, HostCopy, Keyword, Protocol, QuantChoice, Transport};
 
 /// One quantized width: bits of the reduce-scatter step (the only step of one-shot) and of the
 /// all-gather step.
@@ -235,6 +235,8 @@ pub struct Options {
     pub calibrate_moves: bool,
     /// `--zero-copy`: zero-copy between processes (the library's default: on).
     pub zero_copy: bool,
+    /// `--host-copy`: the host transport's lossless AllReduce by the copy engines.
+    pub host_copy: HostCopy,
     /// `--register`: every rank's send and receive buffers registered with the communicator,
     /// collectively, as `ncclCommWindowRegister` registers them.
     pub register: bool,
@@ -285,6 +287,7 @@ impl Default for Options {
             calibrate: true,
             calibrate_moves: false,
             zero_copy: true,
+            host_copy: HostCopy::Off,
             register: false,
             early_launch: true,
             graph_mixing: true,
@@ -488,6 +491,10 @@ fn quant_choice_value(v: &str) -> Result<QuantChoice, String> {
     QuantChoice::from_keyword(v).ok_or_else(|| format!("'{v}' is none of always, auto"))
 }
 
+fn host_copy_value(v: &str) -> Result<HostCopy, String> {
+    HostCopy::from_keyword(v).ok_or_else(|| format!("'{v}' is none of off, on, auto"))
+}
+
 fn size_value(v: &str) -> Result<u64, String> {
     parse_size(v).map_err(|e| e.0)
 }
@@ -664,6 +671,10 @@ struct Cli {
     /// place (exchanged at capture), eager calls stage unregistered buffers [1]
     #[arg(long = "zero-copy", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     zero_copy: Option<bool>,
+    /// The host transport's lossless AllReduce by the copy engines (FLASHCOMM_HOST_COPY): off |
+    /// on (every eager call) | auto (eager calls from 4 MiB) [off]
+    #[arg(long = "host-copy", value_name = "h", value_parser = host_copy_value, help_heading = FLASHCOMM)]
+    host_copy: Option<HostCopy>,
     /// Register the send and receive buffers with the communicator, collectively
     /// (ncclCommWindowRegister's way), so eager calls read them in place too [0]
     #[arg(long = "register", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
@@ -801,6 +812,7 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
     set(&mut o.calibrate, cli.calibrate);
     set(&mut o.calibrate_moves, cli.calibrate_moves);
     set(&mut o.zero_copy, cli.zero_copy);
+    set(&mut o.host_copy, cli.host_copy);
     set(&mut o.register, cli.register);
     set(&mut o.early_launch, cli.early_launch);
     set(&mut o.graph_mixing, cli.graph_mixing);

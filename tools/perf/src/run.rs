@@ -142,6 +142,9 @@ pub fn plan_label(p: &Plan) -> String {
     } else {
         format!("x{}", p.threads)
     };
+    if p.copy_engines {
+        return "copy-engines".into();
+    }
     match p.coll {
         Collective::AllReduce => {
             format!("{}/{}/g{}{threads}", p.algo.name(), p.proto.name(), p.grid)
@@ -580,6 +583,7 @@ fn rank_main(
         calibrate: o.calibrate,
         calibrate_moves: o.calibrate_moves,
         zero_copy: o.zero_copy,
+        host_copy: o.host_copy,
         quant_calibrate: allreduce_quant_specs(o),
         quant_choice: o.quant_choice,
         early_launch: o.early_launch,

@@ -167,6 +167,13 @@ pub(super) enum Run {
     },
     /// One kernel.
     Kernel(Launch),
+    /// The lossless AllReduce as the copy-engine schedule (`comm/copy.rs`).
+    CopySchedule {
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        dtype: DataType,
+    },
 }
 
 /// Device copies around the operation, through the communicator's scratch.
@@ -276,8 +283,9 @@ impl Communicator {
     /// and orders and enqueues after: `order.rs`): the request's plan ([`Communicator::plan`])
     /// and what it enqueues ([`Communicator::work`]). Nothing is enqueued here.
     pub(super) fn prepare<'r>(&self, req: &Request<'r>) -> Result<(Plan, Work<'r>), Error> {
-        let p = self.plan(req)?;
+        let mut p = self.plan(req)?;
         let work = self.work(&p, req)?;
+        p.copy_engines = matches!(work.run, Run::CopySchedule { .. });
         Ok((p, work))
     }
 
@@ -473,6 +481,23 @@ impl Communicator {
                 send,
                 recv,
                 bytes: recv_bytes,
+            }));
+        }
+        if let Some(dtype) = dtype
+            && self.copy.is_some()
+            && p.coll == Collective::AllReduce
+            && p.quant.is_none()
+            && !staging.input
+            && !staging.output
+            && send.addr().is_multiple_of(elem)
+            && recv.addr().is_multiple_of(elem)
+            && plan::copy::takes(self.cfg.host_copy, send_bytes, stream.is_capturing()?)
+        {
+            return Ok(Work::only(Run::CopySchedule {
+                send,
+                recv,
+                count,
+                dtype,
             }));
         }
         if staging.input || staging.output {

@@ -40,6 +40,7 @@ use crate::release::{self, Releasable, Release};
 use crate::transport::{self, LocalArena, PeerMapping, Transport};
 
 mod calibrate;
+mod copy;
 mod launch;
 mod order;
 mod setup;
@@ -208,8 +209,11 @@ pub struct Communicator {
     mappings: Vec<PeerMapping>,
     /// Registered buffers and the boards of peers of other processes (zero-copy).
     registry: Registry,
-    host: HostMapped,
+    /// The abort flag and the status record (shared with the copy-engine path's watchdog).
+    host: Arc<HostMapped>,
     kernels: Arc<Kernels>,
+    /// The copy-engine path's resources (`FLASHCOMM_HOST_COPY` not `off`, host transport).
+    copy: Option<copy::CopyPath>,
     max_grid: u32,
     /// This communicator's level of its device's ledger (crate::residency), given back once its
     /// last kernel has finished.
@@ -250,14 +254,16 @@ struct Remains {
     registry: Registry,
     local: LocalArena,
     own_slots: Option<DeviceMem>,
-    host: HostMapped,
+    host: Arc<HostMapped>,
     scratch: Vec<DeviceMem>,
     share: Option<crate::residency::Share>,
+    copy: Option<copy::CopyPath>,
 }
 
 impl Releasable for Remains {
     fn ready(&mut self) -> Result<bool, String> {
-        release::Activity::idle(&*self.last)
+        Ok(release::Activity::idle(&*self.last)?
+            && self.copy.as_ref().is_none_or(|c| c.unwatched()))
     }
 
     /// Tells the peers this rank is done with their arenas, closes its mappings of them, and
@@ -278,7 +284,13 @@ impl Releasable for Remains {
             host,
             scratch,
             share,
+            copy,
         } = self;
+        if let Some(c) = &copy {
+            c.wait_unwatched();
+        }
+        // Its share of the arena goes first, so that the arena is freed where `keep` says.
+        drop(copy);
         if let Ok(_ctx) = device.activate() {
             if nranks > 1
                 && let Err(e) = transport::tell_closed(&peers, rank)
@@ -436,9 +448,10 @@ impl Drop for Communicator {
             ),
             local: std::mem::replace(&mut self.local, LocalArena::Empty),
             own_slots: self.own_slots.take(),
-            host: std::mem::replace(&mut self.host, HostMapped::empty()),
+            host: std::mem::replace(&mut self.host, Arc::new(HostMapped::empty())),
             scratch: std::mem::take(self.scratch.get_mut().unwrap_or_else(|e| e.into_inner())),
             share: self.share.take(),
+            copy: self.copy.take(),
         };
         match deferred {
             Some(d) => release::in_background(remains, d.done, &release::LIVE),

@@ -41,7 +41,12 @@ impl Communicator {
                 p.coll, req.coll
             )));
         }
-        self.enqueue(self.work(&p, req)?, req.stream)?;
+        let work = self.work(&p, req)?;
+        let p = Plan {
+            copy_engines: matches!(work.run, Run::CopySchedule { .. }),
+            ..p
+        };
+        self.enqueue(work, req.stream)?;
         Ok(p)
     }
 
@@ -85,6 +90,12 @@ impl Communicator {
                 &l.params,
                 l.overlapped,
             )?,
+            Run::CopySchedule {
+                send,
+                recv,
+                count,
+                dtype,
+            } => self.run_copy(*send, *recv, *count, *dtype, stream)?,
         }
         copies(&work.after, false)?;
         let one_kernel = matches!(

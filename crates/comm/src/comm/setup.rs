@@ -12,12 +12,13 @@ use crate::bootstrap::{Agreement, Bootstrap};
 use crate::error::Error;
 use crate::gpu::{self, Device, DeviceMem, Event, HostArena, HostMapped, OwnStream};
 use crate::identity;
-use crate::plan::{Algorithm, Arena, Choice, CostModel, DataType, Protocol};
+use crate::plan::{Algorithm, Arena, Choice, CostModel, DataType, HostCopy, Protocol};
 use crate::register::{self, Registry};
 use crate::release;
 use crate::residency::Share;
 use crate::transport::{self, LocalArena, PeerMapping, Transport};
 
+use super::copy::CopyPath;
 use super::{CaptureMark, CommConfig, Communicator, HOST_BYTES, LastLaunch};
 
 const INFO_MAGIC: u32 = 0x4643_4f4d; // "FCOM"
@@ -126,7 +127,7 @@ struct LocalSetup {
     arena: Arena,
     local: LocalArena,
     own_slots: Option<DeviceMem>,
-    host: HostMapped,
+    host: Arc<HostMapped>,
     kernels: Arc<Kernels>,
     grid: u32,
     /// This rank's registration board (zero-copy on the peer transport), with its name.
@@ -332,11 +333,24 @@ impl Communicator {
         ag.check(verdict(arrived))?;
 
         // Step 4 (round 5): the communicator, and one grid limit for all.
-        let event = injected(4).and_then(|()| Ok(Event::new(false)?));
+        let event = injected(4).and_then(|()| {
+            let copy = match local.host_arena() {
+                Some(own) if arena.copy_offset != 0 => Some(CopyPath::new(
+                    &dev,
+                    &kernels,
+                    nranks,
+                    &peers,
+                    arena.copy_offset,
+                    own,
+                )?),
+                _ => None,
+            };
+            Ok((Event::new(false)?, copy))
+        });
         let grids = ag.round(verdict(
             event.as_ref().map(|_| my_grid.to_le_bytes().to_vec()),
         ))?;
-        let event =
+        let (event, copy) =
             event.map_err(|e| Error::Internal(format!("failed set-up step passed: {e}")))?;
         let max_grid = grids
             .iter()
@@ -361,6 +375,7 @@ impl Communicator {
             registry,
             host,
             kernels,
+            copy,
             max_grid,
             share: Some(share),
             model: CostModel::default_for(nranks),
@@ -474,7 +489,11 @@ impl Communicator {
         cfg: &CommConfig,
         transport: Transport,
     ) -> Result<LocalSetup, Error> {
-        let arena = Arena::with_pull(nranks, cfg.arena_bytes, cfg.pull_bytes)?;
+        let mut arena = Arena::with_pull(nranks, cfg.arena_bytes, cfg.pull_bytes)?;
+        // The copy-engine schedule's area after it, which peers map with the rest.
+        if transport == Transport::Host && cfg.host_copy != HostCopy::Off && nranks > 1 {
+            arena = arena.with_copy_area(crate::plan::copy::area_bytes(nranks as usize) as u64);
+        }
         let dev = Device::open(device)?;
         let _ctx = dev.activate()?;
         let kernels = Kernels::for_context(dev.context())?;
@@ -486,7 +505,7 @@ impl Communicator {
             )?),
             Transport::P2p => None,
         };
-        let host = HostMapped::alloc(HOST_BYTES)?;
+        let host = Arc::new(HostMapped::alloc(HOST_BYTES)?);
         // A board where peers of other processes find this rank's registered buffers: only for
         // zero-copy on the peer transport (the host transport's peers cannot read device memory).
         // A rank that cannot make one stages its buffers for such peers: no failure.

@@ -35,6 +35,9 @@ pub struct Arena {
     /// of one process on one device): the direct PULL protocol is possible. Set by the
     /// communicator after set-up, the same on every rank.
     pub direct: bool,
+    /// Where the copy-engine schedule's area starts ([`super::copy`]; host transport with
+    /// `FLASHCOMM_HOST_COPY` not `off`), 0 when the arena has none.
+    pub copy_offset: u64,
     /// Total bytes including the header.
     pub total_bytes: u64,
 }
@@ -65,6 +68,7 @@ impl Arena {
             pull_offset: ARENA_HEADER_BYTES + 4 * region,
             pull_half_bytes: 0,
             direct: false,
+            copy_offset: 0,
             total_bytes: ARENA_HEADER_BYTES + 4 * region,
         })
     }
@@ -79,6 +83,14 @@ impl Arena {
             a.total_bytes = a.pull_offset + PULL_FLAG_BYTES + 2 * half;
         }
         Ok(a)
+    }
+
+    /// This arena followed by the copy-engine schedule's area of `bytes` (page-aligned), which
+    /// peers then map with the rest.
+    pub fn with_copy_area(mut self, bytes: u64) -> Arena {
+        self.copy_offset = self.total_bytes.next_multiple_of(4096);
+        self.total_bytes = self.copy_offset + bytes;
+        self
     }
 
     /// Bytes of the BLOCK area of every slot.

@@ -416,6 +416,52 @@ pub fn copy_area_bytes(geom: &CopyGeom) -> usize {
     FLAG_BLOCK_BYTES + geom.stage_bytes()
 }
 
+/// Bytes of the pieces the communicator cuts a call into: of 1, 2 and 4 MiB the largest was the
+/// fastest at 2 and 4 ranks (docs/experiments.md, "The copy-engine schedule on the GPU"); each
+/// piece is a round of stream operations, and the staging holds two of them.
+pub const PIECE_BYTES: usize = 4 << 20;
+
+/// Under `auto`, the smallest call that takes the schedule: from 4 MiB it was faster than the
+/// kernels at 2 and 4 ranks in every run (docs/experiments.md); below, the kernels' latency wins.
+pub const AUTO_MIN_BYTES: u64 = 4 << 20;
+
+/// The element sizes the schedule reduces (f16, bf16: 2 bytes; f32: 4).
+const ELEM_BYTES: [usize; 2] = [2, 4];
+
+/// Bytes of a rank's copy area for `nranks` ranks, enough for every element size.
+pub fn area_bytes(nranks: usize) -> usize {
+    ELEM_BYTES
+        .iter()
+        .map(|&eb| copy_area_bytes(&CopyGeom::new(nranks, 0, eb, 1, PIECE_BYTES, 0)))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Bytes of a rank's gather buffer (device memory) for `nranks` ranks, every element size.
+pub fn gather_bytes(nranks: usize) -> usize {
+    ELEM_BYTES
+        .iter()
+        .map(|&eb| CopyGeom::new(nranks, 0, eb, 1, PIECE_BYTES, 0).gather_bytes())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Whether a lossless AllReduce of `bytes` bytes (a sum of f16, bf16 or f32, on a communicator
+/// that has the copy area) takes the schedule under `setting`: `on`, every call made outside a
+/// graph capture; `auto`, those of at least [`AUTO_MIN_BYTES`]; `off`, none. Captured calls take
+/// the kernels (the schedule's flag values are per call: docs/protocols.md, "Graphs"). Every rank
+/// decides alike, as long as every rank captures the same calls.
+pub fn takes(setting: super::HostCopy, bytes: u64, capturing: bool) -> bool {
+    use super::HostCopy;
+    !capturing
+        && bytes > 0
+        && match setting {
+            HostCopy::Off => false,
+            HostCopy::On => true,
+            HostCopy::Auto => bytes >= AUTO_MIN_BYTES,
+        }
+}
+
 /// Device addresses one rank's call runs on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CopyAddrs {
@@ -502,3 +548,43 @@ pub fn execute<E: Engine>(
 
 #[cfg(test)]
 mod sim;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::HostCopy;
+
+    #[test]
+    fn the_area_and_gather_buffer_hold_every_element_size() {
+        for n in 2..=8 {
+            for eb in ELEM_BYTES {
+                let g = CopyGeom::new(n, n - 1, eb, 1 << 30, PIECE_BYTES, 0);
+                assert!(
+                    copy_area_bytes(&g) <= area_bytes(n),
+                    "{n} ranks, {eb}-byte elements"
+                );
+                assert!(g.gather_bytes() <= gather_bytes(n));
+            }
+            // About twice the piece in host memory, one piece on the device.
+            assert!(area_bytes(n) <= 2 * PIECE_BYTES + 2 * n * SLOT_ALIGN + FLAG_BLOCK_BYTES + 64);
+            assert!(gather_bytes(n) <= PIECE_BYTES + n * SLOT_ALIGN + 64);
+        }
+    }
+
+    #[test]
+    fn which_calls_take_the_schedule() {
+        for capturing in [false, true] {
+            for bytes in [0, 1, AUTO_MIN_BYTES - 1, AUTO_MIN_BYTES, 1 << 30] {
+                assert!(!takes(HostCopy::Off, bytes, capturing));
+                assert_eq!(
+                    takes(HostCopy::On, bytes, capturing),
+                    !capturing && bytes > 0
+                );
+                assert_eq!(
+                    takes(HostCopy::Auto, bytes, capturing),
+                    !capturing && bytes >= AUTO_MIN_BYTES
+                );
+            }
+        }
+    }
+}

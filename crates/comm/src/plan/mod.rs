@@ -136,6 +136,10 @@ pub struct Plan {
     pub sub_bytes: u64,
     /// Payload bytes per chunk.
     pub chunk_bytes: u64,
+    /// The lossless AllReduce moved by the copy engines on the host transport
+    /// ([`copy`], `FLASHCOMM_HOST_COPY`) instead of the kernel of the other fields, which the
+    /// call would have taken otherwise.
+    pub copy_engines: bool,
     /// Two-shot shard elements (0 otherwise).
     pub shard_elems: u64,
     /// Codec settings when the call is quantized.

@@ -164,6 +164,7 @@ pub fn quant_shape(
         threads: QUANT_THREADS,
         sub_bytes,
         chunk_bytes,
+        copy_engines: false,
         shard_elems: 0,
         quant: Some(q),
     };
@@ -213,6 +214,7 @@ pub fn plan_quant_op(
         threads: QUANT_THREADS,
         sub_bytes,
         chunk_bytes,
+        copy_engines: false,
         shard_elems: 0,
         quant: Some(QuantSpec {
             ag_bits: q.rs_bits,
@@ -247,6 +249,7 @@ pub fn plan(
             threads,
             sub_bytes,
             chunk_bytes,
+            copy_engines: false,
             shard_elems: 0,
             quant: None,
         };
@@ -369,6 +372,7 @@ pub fn plan(
             threads: THREADS,
             sub_bytes: arena.pull_half_bytes,
             chunk_bytes,
+            copy_engines: false,
             shard_elems: if algo == Algorithm::TwoShot {
                 shard.unwrap_or(0)
             } else {
@@ -406,6 +410,7 @@ pub fn plan(
         threads,
         sub_bytes,
         chunk_bytes,
+        copy_engines: false,
         shard_elems: if coll_algo == Algorithm::TwoShot {
             shard.unwrap_or(0)
         } else {

@@ -8,6 +8,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use flashcomm_comm::plan::HostCopy;
 use flashcomm_comm::{
     Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem, Plan,
     Protocol, Request, Stream, ThreadBootstrap, ThreadGroup, Transport,
@@ -62,13 +63,23 @@ pub struct Shared {
 /// transport `FLASHCOMM_TRANSPORT` names (`p2p`, `host`; anything else: automatic), so the whole
 /// GPU suite runs once per transport, and with the protocol `FLASHCOMM_PROTO` forces (`ll`,
 /// `block`, `pull`, `direct`; anything else: the planner's choice) wherever a test does not
-/// force one itself, so the suite also runs once with a PULL protocol forced.
+/// force one itself, so the suite also runs once with a PULL protocol forced, and with the
+/// copy-engine schedule `FLASHCOMM_HOST_COPY` asks for (`on`, `auto`; else `off`), so the suite
+/// also runs with it on the host transport.
 pub fn test_config() -> CommConfig {
     CommConfig {
         timeout: Duration::from_secs(10),
         calibrate: false,
         transport: test_transport(),
         proto: test_proto(),
+        host_copy: match std::env::var("FLASHCOMM_HOST_COPY")
+            .as_deref()
+            .map(str::trim)
+        {
+            Ok("on") => HostCopy::On,
+            Ok("auto") => HostCopy::Auto,
+            _ => HostCopy::Off,
+        },
         ..CommConfig::default()
     }
 }
