@@ -161,12 +161,12 @@ variables! {
         allowed: "`auto`, `p2p`, `host`",
         strict: true,
     }
-    /// Whether the lossless AllReduce on the host transport moves its bytes with the copy engines
-    /// (device-to-host and host-to-device copies synchronized by flags in host memory, docs/protocols.md
-    /// "The copy-engine schedule") instead of kernels that store to and load from host memory.
-    /// `on`: every such call made outside a graph capture; `auto`: where set-up measures it
-    /// faster; `off` (the default until the GPU has shown it): never. The schedule is planned
-    /// and checked on the CPU but not yet driven on the GPU, so for now every value runs the
+    /// Whether the lossless AllReduce (f16, bf16, f32) on the host transport moves its bytes with
+    /// the copy engines (device-to-host and host-to-device copies synchronized by flags in host
+    /// memory, docs/protocols.md "The copy-engine schedule") instead of kernels that store to and
+    /// load from host memory. `on`: every such call made outside a graph capture; `auto`: those
+    /// of at least 4 MiB (measured faster there; not yet calibrated at set-up); `off` (the
+    /// default until the GPU has shown it through calls): never. Captured calls always take the
     /// kernels. Agreed by every rank like every `FLASHCOMM_*` setting.
     host_copy: HostCopy = HostCopy::Off => {
         name: "FLASHCOMM_HOST_COPY",
