@@ -237,6 +237,10 @@ pub struct Options {
     pub zero_copy: bool,
     /// `--host-copy`: the host transport's lossless AllReduce by the copy engines.
     pub host_copy: HostCopy,
+    /// `--arena-bytes`: each rank's arena (FLASHCOMM_ARENA_BYTES).
+    pub arena_bytes: u64,
+    /// `--pull-bytes`: each rank's pull area (FLASHCOMM_PULL_BYTES).
+    pub pull_bytes: u64,
     /// `--register`: every rank's send and receive buffers registered with the communicator,
     /// collectively, as `ncclCommWindowRegister` registers them.
     pub register: bool,
@@ -288,6 +292,8 @@ impl Default for Options {
             calibrate_moves: false,
             zero_copy: true,
             host_copy: HostCopy::Off,
+            arena_bytes: flashcomm_comm::CommConfig::default().arena_bytes,
+            pull_bytes: flashcomm_comm::CommConfig::default().pull_bytes,
             register: false,
             early_launch: true,
             graph_mixing: true,
@@ -675,6 +681,13 @@ struct Cli {
     /// on (every eager call) | auto (eager calls from 4 MiB) [off]
     #[arg(long = "host-copy", value_name = "h", value_parser = host_copy_value, help_heading = FLASHCOMM)]
     host_copy: Option<HostCopy>,
+    /// Each rank's arena, the push protocols' memory (FLASHCOMM_ARENA_BYTES) [64M]
+    #[arg(long = "arena-bytes", value_name = "size", value_parser = size_value, help_heading = FLASHCOMM)]
+    arena_bytes: Option<u64>,
+    /// Each rank's pull area, two staging halves (FLASHCOMM_PULL_BYTES; 0: no PULL protocols)
+    /// [32M]
+    #[arg(long = "pull-bytes", value_name = "size", value_parser = size_value, help_heading = FLASHCOMM)]
+    pull_bytes: Option<u64>,
     /// Register the send and receive buffers with the communicator, collectively
     /// (ncclCommWindowRegister's way), so eager calls read them in place too [0]
     #[arg(long = "register", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
@@ -813,6 +826,8 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
     set(&mut o.calibrate_moves, cli.calibrate_moves);
     set(&mut o.zero_copy, cli.zero_copy);
     set(&mut o.host_copy, cli.host_copy);
+    set(&mut o.arena_bytes, cli.arena_bytes);
+    set(&mut o.pull_bytes, cli.pull_bytes);
     set(&mut o.register, cli.register);
     set(&mut o.early_launch, cli.early_launch);
     set(&mut o.graph_mixing, cli.graph_mixing);

@@ -584,6 +584,8 @@ fn rank_main(
         calibrate_moves: o.calibrate_moves,
         zero_copy: o.zero_copy,
         host_copy: o.host_copy,
+        arena_bytes: o.arena_bytes,
+        pull_bytes: o.pull_bytes,
         quant_calibrate: allreduce_quant_specs(o),
         quant_choice: o.quant_choice,
         early_launch: o.early_launch,
