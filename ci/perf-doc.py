@@ -48,7 +48,7 @@ SOURCES = {
     "bytes": dict(kind="bytes", files="2026-12-06-h100-323c796/comp-n8.json", launch="graph", dtype="bfloat16", size=16 << 20,
                   designs=[("flashcomm", "flashcomm's plan", "2*n"), ("pull-2stage", "pull design, 2-stage", "3*n+1"), ("pull-1stage", "pull design, 1-stage", "n*(n+1)")]),
     "bandwidth": dict(kind="versus", files="2026-12-04-h200-18177d6/p2p-quant8.json", launch="graph", baselines=["copy"], widths=[8, 4, 2], busbw=True),
-    "pcie": dict(kind="host", files="2026-12-05-h200-d6f9f1c/choice-auto-[248].json", launch="graph"),
+    "pcie": dict(kind="host", files="2026-12-07-h100-821ab11/host-[24]r.json", launch="graph"),
     "quantized": dict(kind="host", files="2026-12-04-h200-18177d6/ar2.json", launch="graph"),
     "alltoall": dict(kind="versus", files="2026-12-06-h100-3ef811d/auto/alltoall-auto-n8.json", launch="graph", baselines=["copy"]),
     "host-cost": dict(kind="overhead", files="2026-12-04-h200-990b028/logs/c__overhead.log"),
