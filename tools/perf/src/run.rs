@@ -1160,9 +1160,13 @@ impl Rank<'_> {
         let (req, plan) = match (job.variant, &self.comm) {
             (Variant::Lossless, Some(c)) => {
                 let req = Request::typed(self.o.coll, job.shape.call_count, job.dtype);
-                let p = c
+                let mut p = c
                     .plan_forced(&req, self.o.algo, self.o.proto)
                     .map_err(|e| e.to_string())?;
+                // Eager calls take the copy-engine schedule where --host-copy says so.
+                if job.launch == Launch::Eager {
+                    p = c.with_copy_engines(p, &req).map_err(|e| e.to_string())?;
+                }
                 (Some((p, req)), Some(p))
             }
             _ => (None, None),

@@ -284,9 +284,36 @@ impl Communicator {
     /// and what it enqueues ([`Communicator::work`]). Nothing is enqueued here.
     pub(super) fn prepare<'r>(&self, req: &Request<'r>) -> Result<(Plan, Work<'r>), Error> {
         let mut p = self.plan(req)?;
+        p.copy_engines = self.takes_copy_engines(&p, req)?;
         let work = self.work(&p, req)?;
-        p.copy_engines = matches!(work.run, Run::CopySchedule { .. });
         Ok((p, work))
+    }
+
+    /// Plan `p` of `req` (from [`Communicator::plan_forced`]) with the copy-engine schedule where
+    /// `FLASHCOMM_HOST_COPY` takes it, as [`Communicator::execute`] would run the call: for callers
+    /// that plan first and run with [`Communicator::execute_plan`], which runs a plan as given.
+    pub fn with_copy_engines(&self, p: Plan, req: &Request<'_>) -> Result<Plan, Error> {
+        Ok(Plan {
+            copy_engines: self.takes_copy_engines(&p, req)?,
+            ..p
+        })
+    }
+
+    /// Whether plan `p` of `req` runs as the copy-engine schedule instead (`FLASHCOMM_HOST_COPY`,
+    /// [`plan::copy::takes`]): a lossless AllReduce of a type, on a communicator that has the copy
+    /// area, eager. Nothing rank-local decides (buffers the schedule cannot take as they are are
+    /// staged, as for the kernels), so every rank decides alike.
+    fn takes_copy_engines(&self, p: &Plan, req: &Request<'_>) -> Result<bool, Error> {
+        Ok(self.copy.is_some()
+            && p.coll == Collective::AllReduce
+            && p.quant.is_none()
+            && req.dtype.is_some()
+            && matches!(req.buffers, Buffers::Contiguous { .. })
+            && plan::copy::takes(
+                self.cfg.host_copy,
+                req.count.saturating_mul(req.elem),
+                req.stream.is_capturing()?,
+            ))
     }
 
     /// What plan `p` of `req` enqueues: its buffers checked and, for a kernel, the kernel chosen
@@ -439,7 +466,12 @@ impl Communicator {
             (send.addr(), send_bytes),
             (recv.addr(), recv_bytes),
             u64::from(self.rank) * count * elem,
-            if p.quant.is_some() { elem } else { 1 },
+            // The quantized kernels and the copy-engine schedule's reduction load whole elements.
+            if p.quant.is_some() || p.copy_engines {
+                elem
+            } else {
+                1
+            },
         );
         if p.coll.reduces() && dtype.is_none() {
             return Err(Error::InvalidArgument(
@@ -483,23 +515,6 @@ impl Communicator {
                 bytes: recv_bytes,
             }));
         }
-        if let Some(dtype) = dtype
-            && self.copy.is_some()
-            && p.coll == Collective::AllReduce
-            && p.quant.is_none()
-            && !staging.input
-            && !staging.output
-            && send.addr().is_multiple_of(elem)
-            && recv.addr().is_multiple_of(elem)
-            && plan::copy::takes(self.cfg.host_copy, send_bytes, stream.is_capturing()?)
-        {
-            return Ok(Work::only(Run::CopySchedule {
-                send,
-                recv,
-                count,
-                dtype,
-            }));
-        }
         if staging.input || staging.output {
             return self.staged(
                 p,
@@ -512,20 +527,48 @@ impl Communicator {
                 stream,
             );
         }
-        Ok(Work::only(Run::Kernel(self.launch_of(
-            p,
-            send,
-            recv,
-            count,
-            elem,
-            dtype,
-            Some(stream),
-        )?)))
+        Ok(Work::only(
+            self.run_of(p, send, recv, count, elem, dtype, stream)?,
+        ))
+    }
+
+    /// The operation of plan `p` on buffers that need no staging: the copy-engine schedule
+    /// (`p.copy_engines`) or the plan's kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn run_of(
+        &self,
+        p: &Plan,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: u64,
+        elem: u64,
+        dtype: Option<DataType>,
+        stream: Stream,
+    ) -> Result<Run, Error> {
+        match dtype {
+            // Never under capture (a plan handed to `execute_plan` may say otherwise).
+            Some(dtype) if p.copy_engines && !stream.is_capturing()? => Ok(Run::CopySchedule {
+                send,
+                recv,
+                count,
+                dtype,
+            }),
+            _ => Ok(Run::Kernel(self.launch_of(
+                p,
+                send,
+                recv,
+                count,
+                elem,
+                dtype,
+                Some(stream),
+            )?)),
+        }
     }
 
     /// The call through this communicator's scratch ([`buffer_staging`]): the input copied into
-    /// it first, and/or the output written there and copied out after, around the kernel every
-    /// rank runs. Rank-local: the peers run the same kernel on their own buffers. The scratch
+    /// it first, and/or the output written there and copied out after, around the kernel (or the
+    /// copy-engine schedule) every rank runs. Rank-local: the peers run the same operation on
+    /// their own buffers. The scratch
     /// (the scattered AllToAll's, aligned, grown by powers of two, kept until the communicator is
     /// released) cannot be allocated under graph capture: a capture whose call needs more than an
     /// earlier eager call left is refused, as before.
@@ -563,14 +606,14 @@ impl Communicator {
         } else {
             recv.0
         };
-        let launch = self.launch_of(p, kin, kout, count, elem, dtype, Some(stream))?;
+        let run = self.run_of(p, kin, kout, count, elem, dtype, stream)?;
         Ok(Work {
             before: if staging.input {
                 Copies::One(kin, send.0, send.1)
             } else {
                 Copies::None
             },
-            run: Run::Kernel(launch),
+            run,
             after: if staging.output {
                 Copies::One(recv.0, kout, recv.1)
             } else {

@@ -41,12 +41,7 @@ impl Communicator {
                 p.coll, req.coll
             )));
         }
-        let work = self.work(&p, req)?;
-        let p = Plan {
-            copy_engines: matches!(work.run, Run::CopySchedule { .. }),
-            ..p
-        };
-        self.enqueue(work, req.stream)?;
+        self.enqueue(self.work(&p, req)?, req.stream)?;
         Ok(p)
     }
 

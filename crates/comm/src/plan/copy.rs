@@ -421,9 +421,11 @@ pub fn copy_area_bytes(geom: &CopyGeom) -> usize {
 /// piece is a round of stream operations, and the staging holds two of them.
 pub const PIECE_BYTES: usize = 4 << 20;
 
-/// Under `auto`, the smallest call that takes the schedule: from 4 MiB it was faster than the
-/// kernels at 2 and 4 ranks in every run (docs/experiments.md); below, the kernels' latency wins.
-pub const AUTO_MIN_BYTES: u64 = 4 << 20;
+/// Under `auto`, the smallest call that takes the schedule: from 1 MiB (the smallest size timed)
+/// it was faster than the kernels at 2 and 4 ranks, eager, as threads and as processes
+/// (docs/experiments.md, "The copy-engine schedule through calls"); smaller calls are
+/// latency-bound, and the schedule's every piece costs a chain of stream operations.
+pub const AUTO_MIN_BYTES: u64 = 1 << 20;
 
 /// The element sizes the schedule reduces (f16, bf16: 2 bytes; f32: 4).
 const ELEM_BYTES: [usize; 2] = [2, 4];
