@@ -64,8 +64,8 @@ pub struct Shared {
 /// GPU suite runs once per transport, and with the protocol `FLASHCOMM_PROTO` forces (`ll`,
 /// `block`, `pull`, `direct`; anything else: the planner's choice) wherever a test does not
 /// force one itself, so the suite also runs once with a PULL protocol forced, and with the
-/// copy-engine schedule `FLASHCOMM_HOST_COPY` asks for (`on`, `auto`; else `off`), so the suite
-/// also runs with it on the host transport.
+/// copy-engine schedule as `FLASHCOMM_HOST_COPY` asks (`on`, `off`; else the default, `auto`),
+/// so the suite also runs with it forced on and off on the host transport.
 pub fn test_config() -> CommConfig {
     CommConfig {
         timeout: Duration::from_secs(10),
@@ -78,7 +78,8 @@ pub fn test_config() -> CommConfig {
         {
             Ok("on") => HostCopy::On,
             Ok("auto") => HostCopy::Auto,
-            _ => HostCopy::Off,
+            Ok("off") => HostCopy::Off,
+            _ => CommConfig::default().host_copy,
         },
         ..CommConfig::default()
     }
