@@ -401,6 +401,7 @@ fn child_process_entry() {
             Ok("p2p") => Choice::Force(Transport::P2p),
             _ => Choice::Auto,
         },
+        host_copy: common::test_host_copy(),
         ..CommConfig::default()
     };
     let dev = common::test_device(rank);

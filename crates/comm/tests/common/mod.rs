@@ -64,7 +64,7 @@ pub struct Shared {
 /// GPU suite runs once per transport, and with the protocol `FLASHCOMM_PROTO` forces (`ll`,
 /// `block`, `pull`, `direct`; anything else: the planner's choice) wherever a test does not
 /// force one itself, so the suite also runs once with a PULL protocol forced, and with the
-/// copy-engine schedule as `FLASHCOMM_HOST_COPY` asks (`on`, `off`; else the default, `auto`),
+/// copy-engine schedule as `FLASHCOMM_HOST_COPY` asks ([`test_host_copy`]),
 /// so the suite also runs with it forced on and off on the host transport.
 pub fn test_config() -> CommConfig {
     CommConfig {
@@ -72,16 +72,22 @@ pub fn test_config() -> CommConfig {
         calibrate: false,
         transport: test_transport(),
         proto: test_proto(),
-        host_copy: match std::env::var("FLASHCOMM_HOST_COPY")
-            .as_deref()
-            .map(str::trim)
-        {
-            Ok("on") => HostCopy::On,
-            Ok("auto") => HostCopy::Auto,
-            Ok("off") => HostCopy::Off,
-            _ => CommConfig::default().host_copy,
-        },
+        host_copy: test_host_copy(),
         ..CommConfig::default()
+    }
+}
+
+/// The copy-engine schedule the tests run with (`FLASHCOMM_HOST_COPY`: `on`, `auto`, `off`;
+/// else the default).
+pub fn test_host_copy() -> HostCopy {
+    match std::env::var("FLASHCOMM_HOST_COPY")
+        .as_deref()
+        .map(str::trim)
+    {
+        Ok("on") => HostCopy::On,
+        Ok("auto") => HostCopy::Auto,
+        Ok("off") => HostCopy::Off,
+        _ => CommConfig::default().host_copy,
     }
 }
 
