@@ -13,7 +13,7 @@
 //! status record) is behind [`Watched`], so the logic is tested on the CPU.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -74,7 +74,14 @@ struct Entry {
 struct Shared {
     calls: Mutex<Vec<Entry>>,
     stop: AtomicBool,
+    /// Signalled when a call is watched or the watchdog stops: an idle watchdog sleeps on it
+    /// instead of waking every `poll` in a job that has no call in flight.
+    wake: Condvar,
 }
+
+/// The longest an idle watchdog sleeps without being woken (it is woken by every `watch` and
+/// by its drop; the bound only limits what a missed wake-up could cost).
+const IDLE: Duration = Duration::from_secs(1);
 
 /// A thread that watches calls in flight ([`Watchdog::process`]: the one of the process).
 pub struct Watchdog {
@@ -88,6 +95,7 @@ impl Watchdog {
         let shared = Arc::new(Shared {
             calls: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
+            wake: Condvar::new(),
         });
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -95,7 +103,13 @@ impl Watchdog {
             .spawn(move || {
                 while !s.stop.load(Ordering::Acquire) {
                     Self::sweep(&s);
-                    std::thread::sleep(poll);
+                    let calls = s.calls.lock().unwrap_or_else(|e| e.into_inner());
+                    if calls.is_empty() && !s.stop.load(Ordering::Acquire) {
+                        drop(s.wake.wait_timeout(calls, IDLE));
+                    } else {
+                        drop(calls);
+                        std::thread::sleep(poll);
+                    }
                 }
             })
             .ok();
@@ -117,6 +131,7 @@ impl Watchdog {
             started: Instant::now(),
             timeout,
         });
+        self.shared.wake.notify_one();
     }
 
     /// Calls still watched.
@@ -155,6 +170,11 @@ impl Watchdog {
 impl Drop for Watchdog {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
+        {
+            // Under the lock: the thread is either before its check of `stop` or waiting.
+            let _calls = self.shared.calls.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.wake.notify_one();
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -254,6 +274,24 @@ mod tests {
             assert_eq!(steps, [want, "abort words".into(), "flags".into()]);
             wait_until(|| w.watched() == 0);
         }
+    }
+
+    /// An idle watchdog sleeps (up to [`IDLE`]) but wakes for a call watched, and for its drop.
+    #[test]
+    fn an_idle_watchdog_wakes_for_a_call_and_for_its_drop() {
+        let w = Watchdog::new(Duration::from_millis(1));
+        std::thread::sleep(Duration::from_millis(50));
+        let m = Arc::new(Mock::default());
+        m.abort.store(true, Ordering::Release);
+        let t = Instant::now();
+        w.watch(m.clone(), None);
+        wait_until(|| m.released.load(Ordering::Acquire));
+        assert!(t.elapsed() < IDLE / 2, "released after {:?}", t.elapsed());
+        wait_until(|| w.watched() == 0);
+        std::thread::sleep(Duration::from_millis(50));
+        let t = Instant::now();
+        drop(w);
+        assert!(t.elapsed() < IDLE / 2, "dropped after {:?}", t.elapsed());
     }
 
     #[test]
