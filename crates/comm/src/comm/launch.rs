@@ -309,11 +309,8 @@ impl Communicator {
             && p.quant.is_none()
             && req.dtype.is_some()
             && matches!(req.buffers, Buffers::Contiguous { .. })
-            && plan::copy::takes(
-                self.cfg.host_copy,
-                req.count.saturating_mul(req.elem),
-                req.stream.is_capturing()?,
-            ))
+            && plan::copy::takes(self.cfg.host_copy, req.count.saturating_mul(req.elem))
+            && !req.stream.is_capturing()?)
     }
 
     /// What plan `p` of `req` enqueues: its buffers checked and, for a kernel, the kernel chosen

@@ -430,33 +430,34 @@ pub const AUTO_MIN_BYTES: u64 = 1 << 20;
 /// The element sizes the schedule reduces (f16, bf16: 2 bytes; f32: 4).
 const ELEM_BYTES: [usize; 2] = [2, 4];
 
-/// Bytes of a rank's copy area for `nranks` ranks, enough for every element size.
-pub fn area_bytes(nranks: usize) -> usize {
+/// The largest `bytes` of the geometry of `nranks` ranks over the element sizes.
+fn most(nranks: usize, bytes: impl Fn(&CopyGeom) -> usize) -> usize {
     ELEM_BYTES
         .iter()
-        .map(|&eb| copy_area_bytes(&CopyGeom::new(nranks, 0, eb, 1, PIECE_BYTES, 0)))
+        .map(|&eb| bytes(&CopyGeom::new(nranks, 0, eb, 1, PIECE_BYTES, 0)))
         .max()
         .unwrap_or(0)
+}
+
+/// Bytes of a rank's copy area for `nranks` ranks, enough for every element size.
+pub fn area_bytes(nranks: usize) -> usize {
+    most(nranks, copy_area_bytes)
 }
 
 /// Bytes of a rank's gather buffer (device memory) for `nranks` ranks, every element size.
 pub fn gather_bytes(nranks: usize) -> usize {
-    ELEM_BYTES
-        .iter()
-        .map(|&eb| CopyGeom::new(nranks, 0, eb, 1, PIECE_BYTES, 0).gather_bytes())
-        .max()
-        .unwrap_or(0)
+    most(nranks, CopyGeom::gather_bytes)
 }
 
-/// Whether a lossless AllReduce of `bytes` bytes (a sum of f16, bf16 or f32, on a communicator
-/// that has the copy area) takes the schedule under `setting`: `on`, every call made outside a
-/// graph capture; `auto`, those of at least [`AUTO_MIN_BYTES`]; `off`, none. Captured calls take
-/// the kernels (the schedule's flag values are per call: docs/protocols.md, "Graphs"). Every rank
-/// decides alike, as long as every rank captures the same calls.
-pub fn takes(setting: super::HostCopy, bytes: u64, capturing: bool) -> bool {
+/// Whether an eager lossless AllReduce of `bytes` bytes (a sum of f16, bf16 or f32, on a
+/// communicator that has the copy area) takes the schedule under `setting`: `on`, every call;
+/// `auto`, those of at least [`AUTO_MIN_BYTES`]; `off`, none. The caller asks whether the call is
+/// being captured only after this (captured calls take the kernels: the schedule's flag values
+/// are per call, docs/protocols.md, "Graphs"); every rank decides alike, as long as every rank
+/// captures the same calls.
+pub fn takes(setting: super::HostCopy, bytes: u64) -> bool {
     use super::HostCopy;
-    !capturing
-        && bytes > 0
+    bytes > 0
         && match setting {
             HostCopy::Off => false,
             HostCopy::On => true,
@@ -575,18 +576,10 @@ mod tests {
 
     #[test]
     fn which_calls_take_the_schedule() {
-        for capturing in [false, true] {
-            for bytes in [0, 1, AUTO_MIN_BYTES - 1, AUTO_MIN_BYTES, 1 << 30] {
-                assert!(!takes(HostCopy::Off, bytes, capturing));
-                assert_eq!(
-                    takes(HostCopy::On, bytes, capturing),
-                    !capturing && bytes > 0
-                );
-                assert_eq!(
-                    takes(HostCopy::Auto, bytes, capturing),
-                    !capturing && bytes >= AUTO_MIN_BYTES
-                );
-            }
+        for bytes in [0, 1, AUTO_MIN_BYTES - 1, AUTO_MIN_BYTES, 1 << 30] {
+            assert!(!takes(HostCopy::Off, bytes));
+            assert_eq!(takes(HostCopy::On, bytes), bytes > 0);
+            assert_eq!(takes(HostCopy::Auto, bytes), bytes >= AUTO_MIN_BYTES);
         }
     }
 }
