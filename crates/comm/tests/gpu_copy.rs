@@ -496,6 +496,21 @@ fn the_communicator_runs_the_schedule_exactly() {
             r.shared.addrs.lock().unwrap()[r.rank() as usize] = recv.addr();
             r.sync();
             let rank0 = r.shared.addrs.lock().unwrap()[0];
+            // Every rank's output holds the exact sum of the inputs filled with `salt`.
+            let check = |count: u64, ty: TestType, salt: u32| {
+                r.v.check(
+                    recv.as_ptr(),
+                    count,
+                    0,
+                    Collective::AllReduce,
+                    ty,
+                    r.n(),
+                    r.rank(),
+                    salt,
+                    r.stream,
+                )
+                .unwrap()
+            };
             let mut salt = 0;
             for ty in common::TYPES {
                 let dt = ty.dtype().unwrap();
@@ -515,18 +530,7 @@ fn the_communicator_runs_the_schedule_exactly() {
                             )
                             .unwrap();
                         assert!(p.copy_engines, "{ty:?} {count}: {p:?}");
-                        r.v.check(
-                            recv.as_ptr(),
-                            count,
-                            0,
-                            Collective::AllReduce,
-                            ty,
-                            r.n(),
-                            r.rank(),
-                            salt,
-                            r.stream,
-                        )
-                        .unwrap();
+                        check(count, ty, salt);
                         r.sync();
                         r.assert_clean(&format!("{ty:?} count {count} in place {in_place}"));
                         if r.rank() != 0 {
@@ -564,18 +568,7 @@ fn the_communicator_runs_the_schedule_exactly() {
             assert!(call(r.stream).copy_engines);
             g.launch(r.stream).unwrap();
             assert!(call(r.stream).copy_engines);
-            r.v.check(
-                recv.as_ptr(),
-                count,
-                0,
-                Collective::AllReduce,
-                ty,
-                r.n(),
-                r.rank(),
-                salt,
-                r.stream,
-            )
-            .unwrap();
+            check(count, ty, salt);
             r.sync();
             r.assert_clean("eager, replayed, eager");
             println!(
