@@ -40,6 +40,35 @@ __device__ __forceinline__ bool is_peer(const FcCollParams& p, uint32_t q, uint3
 
 // ===================================================================================== LL ====
 
+// Host transport (FC_FLAG_HOST_ARENAS) only: waits until the first line of this block's sub-slot
+// is ready from every source in `need` (source s's lines start at `lines + s * p.slot_bytes`), one
+// polling thread per source, before the block's threads read their own lines. Every line is
+// polled across PCIe there, and a thread per line polling at once (a thousand at 8 KiB) queues
+// the polls behind each other and the writers' stores on the link: 44 us at 8 KiB against a
+// 4.8 us round trip (docs/experiments.md, 2026-12-07 (fifth)). The gate only delays reading: each
+// thread still checks its own lines' tags and waits for them. Every thread of the block calls it.
+__device__ __forceinline__ void ll_gate(const FcCollParams& p, Ctx& c, const char* lines, uint32_t need) {
+  if ((p.flags & FC_FLAG_HOST_ARENAS) == 0) return;
+  const uint32_t s = threadIdx.x;
+  if (s < FC_MAX_RANKS && ((need >> s) & 1u) && !c.dead) {
+    const char* line = lines + (uint64_t)s * p.slot_bytes;
+    Waiter w;
+    while (true) {
+      const uint4 l = ld_volatile_v4(line);
+      if (ll_ready(l, c)) break;
+      if (w.slow_next()) {
+        const uint32_t foreign = ll_foreign(l, c);
+        if (w.confirm_foreign(foreign != 0)) {
+          give_up(p, c, FC_STATUS_MISMATCH, s, foreign);
+          break;
+        }
+      }
+      if (w.stop(p, c, s)) break;
+    }
+  }
+  if (__syncthreads_or(c.dead)) c.dead = true;
+}
+
 // Pushes `len` bytes at `src` (user memory) to region `region` of every rank in `mask`.
 __device__ __forceinline__ void ll_send(const FcCollParams& p, Ctx& c, const char* src, uint32_t len, uint64_t round,
                                         uint32_t region, uint32_t mask) {
@@ -89,6 +118,7 @@ __device__ __forceinline__ void ll_reduce(const FcCollParams& p, Ctx& c, const c
                                           uint64_t round, uint32_t region, uint32_t fwd_region, uint32_t fwd_mask) {
   const uint32_t units = (len + FC_LL_PAYLOAD - 1) / FC_LL_PAYLOAD;
   const uint32_t others = ((1u << p.nranks) - 1u) & ~(1u << p.rank);
+  ll_gate(p, c, sub_slot(p, c, p.rank, region, 0, round), others);
   for (uint32_t u = threadIdx.x; u < units; u += blockDim.x) {
     const uint32_t n = min((uint32_t)FC_LL_PAYLOAD, len - u * FC_LL_PAYLOAD);
     uint2 v[FC_MAX_RANKS];
@@ -157,13 +187,20 @@ __device__ __forceinline__ void ll_oneshot_fused(const FcCollParams& p, Ctx& c, 
   const char* inbox = sub_slot(p, c, p.rank, 0, 0, round);
   // Where this rank's lines go in rank 0's arena; rank q's is at the same offset of its arena.
   const uint64_t outbox = (uint64_t)(sub_slot(p, c, 0, 0, p.rank, round) - reinterpret_cast<char*>(p.peer_base[0]));
+  // Host transport: the block pushes all its lines first, then waits at the gate (ll_gate), then
+  // each thread reads its lines; the loop below then only reads.
+  const bool host = (p.flags & FC_FLAG_HOST_ARENAS) != 0;
+  if (host) {
+    ll_send(p, c, in, len, round, 0, others);
+    ll_gate(p, c, inbox, others);
+  }
   for (uint32_t u = threadIdx.x; u < units; u += blockDim.x) {
     const uint32_t n = min((uint32_t)FC_LL_PAYLOAD, len - u * FC_LL_PAYLOAD);
     const uint2 mine = (have_pre && u == threadIdx.x) ? pre : load_bytes8(in + (uint64_t)u * FC_LL_PAYLOAD, n);
     const uint64_t at = (uint64_t)u * FC_LL_LINE;
 #pragma unroll
     for (uint32_t d = 1; d < FC_MAX_RANKS; ++d) {
-      if (d < p.nranks) {
+      if (d < p.nranks && !host) {
         const uint32_t q = p.rank + d < p.nranks ? p.rank + d : p.rank + d - p.nranks;
         ll_store(reinterpret_cast<char*>(p.peer_base[q]) + outbox + at, mine, c);
       }
@@ -393,6 +430,12 @@ __device__ __forceinline__ void copy_from(const FcCollParams& p, Ctx& c, uint32_
     blk_copy(p, c, s, out, len, round, region);
 }
 
+// Host transport, LL: one gate (ll_gate) for every source in `need` that the block copies from next.
+template <int PROTO>
+__device__ __forceinline__ void gate_copies(const FcCollParams& p, Ctx& c, uint32_t need, uint64_t round, uint32_t region) {
+  if (PROTO == FC_PROTO_LL) ll_gate(p, c, sub_slot(p, c, p.rank, region, 0, round), need);
+}
+
 // At the start of round `round` (chunk k) of a block whose chunks end at `limit` bytes: after the
 // first round, the frame tags and LL lines this thread cleared must be cleared, and its reads of
 // the last round performed, before any peer can see this round (which lets that peer reuse the
@@ -474,6 +517,10 @@ __device__ void allreduce_twoshot_push(const FcCollParams& p) {
       reduce<PROTO, T>(p, c, in + mine, out + mine, li, round, 0, 1, all);
     }
     // Step 3: collect the other owners' reduced chunks.
+    uint32_t owners = 0;
+    for (uint32_t j = 0; j < p.nranks; ++j)
+      if (j != p.rank && len_of(j) > 0) owners |= 1u << j;
+    gate_copies<PROTO>(p, c, owners, round, 1);
     for (uint32_t j = 0; j < p.nranks; ++j) {
       const uint32_t lj = len_of(j);
       if (j != p.rank && lj > 0) copy_from<PROTO>(p, c, j, out + (uint64_t)j * shard_bytes + off, lj, round, 1);
@@ -515,6 +562,7 @@ __device__ void allgather_push(const FcCollParams& p) {
     const uint32_t len = (uint32_t)min((uint64_t)p.chunk_bytes, bytes - off);
     send<PROTO>(p, c, in + off, len, round, 0, all);
     copy_local(in + off, out + (uint64_t)p.rank * bytes + off, len);
+    gate_copies<PROTO>(p, c, all & ~(1u << p.rank), round, 0);
     for (uint32_t s = 0; s < p.nranks; ++s) {
       if (s != p.rank) copy_from<PROTO>(p, c, s, out + (uint64_t)s * bytes + off, len, round, 0);
     }
@@ -545,6 +593,7 @@ __device__ void alltoall_push(const FcCollParams& p) {
       if (q != p.rank) send<PROTO>(p, c, in + (uint64_t)q * bytes + off, len, round, 0, 1u << q);
     }
     copy_local(in + (uint64_t)p.rank * bytes + off, out + (uint64_t)p.rank * bytes + off, len);
+    gate_copies<PROTO>(p, c, ((1u << p.nranks) - 1u) & ~(1u << p.rank), round, 0);
     for (uint32_t s = 0; s < p.nranks; ++s) {
       if (s != p.rank) copy_from<PROTO>(p, c, s, out + (uint64_t)s * bytes + off, len, round, 0);
     }

@@ -43,15 +43,21 @@ pub(crate) fn from_code(c: u8) -> Option<Transport> {
 /// Bytes of a shared segment's name in the set-up record (NUL-padded).
 pub(crate) const NAME_BYTES: usize = 40;
 
+/// Bytes of a rank's epoch words (one `u32` per block index).
+const EPOCH_BYTES: usize = crate::abi::MAX_BLOCKS as usize * 4;
+
 /// A rank's own arena.
 pub(crate) enum LocalArena {
     /// Device memory (the peer transport).
     Device(DeviceMem),
     /// Pinned host memory (the host transport), with the name peers of other processes open
-    /// (shared with the copy-engine schedule's watchdog, which reads its abort word).
+    /// (shared with the copy-engine schedule's watchdog, which reads its abort word), and the
+    /// rank's epoch words in device memory: only this rank's kernels read and advance them, and
+    /// in host memory every kernel's first load would cross PCIe (docs/protocols.md, "Epochs").
     Host {
         mem: std::sync::Arc<HostArena>,
         name: [u8; NAME_BYTES],
+        epochs: DeviceMem,
     },
     /// Nothing (what a communicator leaves in place of the arena it hands on to be freed).
     Empty,
@@ -128,7 +134,8 @@ impl LocalArena {
                     std::sync::Arc::new(HostArena::create_shared(&s, bytes, dev.numa_node())?);
                 let mut name = [0u8; NAME_BYTES];
                 name[..s.len()].copy_from_slice(s.as_bytes());
-                Ok(LocalArena::Host { mem, name })
+                let epochs = DeviceMem::alloc_zeroed(dev, EPOCH_BYTES)?;
+                Ok(LocalArena::Host { mem, name, epochs })
             }
         }
     }
@@ -147,6 +154,16 @@ impl LocalArena {
             LocalArena::Device(m) => m.addr(),
             LocalArena::Host { mem, .. } => mem.dev_ptr(),
             LocalArena::Empty => 0,
+        }
+    }
+
+    /// The device address of this rank's epoch words (one `u32` per block index): in the
+    /// arena's header on the peer transport, in device memory of their own on the host
+    /// transport.
+    pub(crate) fn epochs_addr(&self) -> u64 {
+        match self {
+            LocalArena::Host { epochs, .. } => epochs.addr(),
+            _ => self.addr() + crate::abi::HDR_EPOCHS,
         }
     }
 

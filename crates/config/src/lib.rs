@@ -389,7 +389,8 @@ variables! {
     /// capability 9.0 and later): a following flashcomm kernel, or any kernel launched with
     /// programmatic stream serialization, then waits on the GPU and starts the moment this one
     /// completes, without launch latency in between. Taken only where twice the grid fits the
-    /// resident share of the GPU; `0` switches it off.
+    /// resident share of the GPU; `0` switches it off, and flashcomm's kernels are then launched
+    /// plainly (without programmatic stream serialization).
     early_launch: bool = true => {
         name: "FLASHCOMM_EARLY_LAUNCH",
         kind: "bool",

@@ -64,6 +64,11 @@
 // the grid still fits the ranks' resident share, so the waiting blocks can never keep a peer's
 // kernel from being scheduled.
 #define FC_FLAG_EARLY_LAUNCH 4u
+// FcCollParams.flags: the arenas are pinned host memory (the host transport), where every poll of a
+// line crosses PCIe: LL readers then poll one line per block and source until it is ready before
+// reading their own lines (`ll_gate`, docs/protocols.md, "LL over host memory"). The same on every
+// rank of a communicator (ranks agree on the transport at set-up).
+#define FC_FLAG_HOST_ARENAS 8u
 // FcCollParams.flags, direct PULL only: this rank's peers read its input from its staging area
 // rather than from its send buffer (the send buffer is not 16-byte aligned, or the one-shot call is
 // in place, where the kernel overwrites what its peers read). Rank-local: it changes the address

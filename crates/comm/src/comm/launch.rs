@@ -13,6 +13,7 @@ use crate::plan::{
     QuantSpec,
 };
 use crate::release;
+use crate::transport::Transport;
 use crate::request::{Buffers, Request};
 
 use super::{Communicator, HOST_ABORT, HOST_STATUS};
@@ -624,6 +625,14 @@ impl Communicator {
     /// resident): the next kernel's blocks, launched early and waiting, then never keep a peer's
     /// blocks from being scheduled. (The quantized kernels' occupancy differs from the lossless
     /// ones' that `max_grid` was measured on, so they do not take it.)
+    fn host_arenas_flag(&self) -> u32 {
+        if self.transport() == Transport::Host {
+            abi::FLAG_HOST_ARENAS
+        } else {
+            0
+        }
+    }
+
     fn early_launch_flag(&self, p: &Plan) -> u32 {
         let fits = p.grid.saturating_mul(2) <= self.max_grid;
         if self.cfg.early_launch
@@ -780,7 +789,7 @@ impl Communicator {
             recv: recv.addr(),
             count,
             peer_base: self.peers,
-            epochs: self.local.addr() + abi::HDR_EPOCHS,
+            epochs: self.local.epochs_addr(),
             abort_flag: self.host.dev_ptr() + HOST_ABORT as u64,
             status: self.host.dev_ptr() + HOST_STATUS as u64,
             timeout_ns: self.cfg.timeout.as_nanos().min(u64::MAX as u128) as u64,
@@ -795,7 +804,9 @@ impl Communicator {
             elem_bytes: elem as u32,
             area_offset: self.arena.area_offset(p.proto),
             own_slots: self.own_slots.as_ref().map_or(0, |m| m.as_ptr().addr()),
-            flags: call_signature(p, dtype) << abi::FLAG_SIG_SHIFT | self.early_launch_flag(p),
+            flags: call_signature(p, dtype) << abi::FLAG_SIG_SHIFT
+                | self.early_launch_flag(p)
+                | self.host_arenas_flag(),
             ..Default::default()
         };
         let mut params = params;
@@ -826,7 +837,9 @@ impl Communicator {
             kernel: k,
             cfg,
             params,
-            overlapped: self.device.supports_overlapped_launch(),
+            // Without early launch no kernel of the communicator lets the next one start early,
+            // so programmatic serialization would buy nothing: plain launches then.
+            overlapped: self.cfg.early_launch && self.device.supports_overlapped_launch(),
         })
     }
 }

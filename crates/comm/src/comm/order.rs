@@ -252,7 +252,7 @@ impl Communicator {
             ));
         }
         self.wait_idle()?;
-        gpu::write_epoch_words(&self.device, self.local.addr() + abi::HDR_EPOCHS, seq)
+        gpu::write_epoch_words(&self.device, self.local.epochs_addr(), seq)
     }
 
     /// Asks every running kernel of this communicator to stop (ncclCommAbort). Kernels leave
