@@ -232,7 +232,9 @@ impl Communicator {
                 .min()
                 .unwrap_or(info.arena);
             let share = Share::take(dev.ordinal(), key);
-            let grid = share.grid((my_grid / colocated).max(1));
+            let grid = share
+                .grid((my_grid / colocated).max(1))
+                .min(arena.max_grid().max(1));
             if grid == 0 {
                 return Err(Error::Unsupported(format!(
                     "{} other communicators of this process are live on device {}: the GPU \
@@ -539,9 +541,9 @@ impl Communicator {
         ] {
             per_sm = per_sm.min(kernels.get(k).max_active_blocks_per_sm(THREADS, 0)?);
         }
-        let grid = (per_sm.max(1) * dev.sm_count())
-            .min(arena.max_grid())
-            .min(abi::MAX_BLOCKS);
+        // (The arena's own limit, a rank's geometry, is applied to the rank's share after the
+        // exchange: applied here it would be divided among the co-located ranks too.)
+        let grid = (per_sm.max(1) * dev.sm_count()).min(abi::MAX_BLOCKS);
         let grid = cfg.max_blocks.map_or(grid, |m| grid.min(m.max(1)));
         Ok(LocalSetup {
             dev,
