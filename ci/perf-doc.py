@@ -49,6 +49,7 @@ SOURCES = {
                   designs=[("flashcomm", "flashcomm's plan", "2*n"), ("pull-2stage", "pull design, 2-stage", "3*n+1"), ("pull-1stage", "pull design, 1-stage", "n*(n+1)")]),
     "bandwidth": dict(kind="versus", files="2026-12-04-h200-18177d6/p2p-quant8.json", launch="graph", baselines=["copy"], widths=[8, 4, 2], busbw=True),
     "pcie": dict(kind="host", files="2026-12-07-h100-821ab11/host-[24]r.json", launch="graph"),
+    "pcie-small": dict(kind="host", files="2026-12-07-h100-b541c40/host/B-auto[24].json", launch="graph"),
     "quantized": dict(kind="host", files="2026-12-04-h200-18177d6/ar2.json", launch="graph"),
     "alltoall": dict(kind="versus", files="2026-12-06-h100-3ef811d/auto/alltoall-auto-n8.json", launch="graph", baselines=["copy"]),
     "host-cost": dict(kind="overhead", files="2026-12-04-h200-990b028/logs/c__overhead.log"),
