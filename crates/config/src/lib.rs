@@ -165,10 +165,11 @@ variables! {
     /// the copy engines (device-to-host and host-to-device copies synchronized by flags in host
     /// memory, docs/protocols.md "The copy-engine schedule") instead of kernels that store to and
     /// load from host memory. `on`: every such call made outside a graph capture; `auto`: those
-    /// of at least 1 MiB (the default: measured faster there at 2 and 4 ranks; not yet
-    /// calibrated at set-up); `off`: never. Captured calls always take the kernels. Agreed by
-    /// every rank like every `FLASHCOMM_*` setting.
-    host_copy: HostCopy = HostCopy::Auto => {
+    /// of at least 1 MiB (measured faster there at 2 and 4 ranks; not yet calibrated at set-up);
+    /// `off` (the default while ranks whose calls disagree can leave a call of this path
+    /// unreleased by the time limit, docs/protocols.md): never. Captured calls always take the
+    /// kernels. Agreed by every rank like every `FLASHCOMM_*` setting.
+    host_copy: HostCopy = HostCopy::Off => {
         name: "FLASHCOMM_HOST_COPY",
         kind: "keyword",
         allowed: "`off`, `on`, `auto`",

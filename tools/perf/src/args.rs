@@ -678,7 +678,7 @@ struct Cli {
     #[arg(long = "zero-copy", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     zero_copy: Option<bool>,
     /// The host transport's lossless AllReduce by the copy engines (FLASHCOMM_HOST_COPY): off |
-    /// on (every eager call) | auto (eager calls from 1 MiB) [auto]
+    /// on (every eager call) | auto (eager calls from 1 MiB) [off]
     #[arg(long = "host-copy", value_name = "h", value_parser = host_copy_value, help_heading = FLASHCOMM)]
     host_copy: Option<HostCopy>,
     /// Each rank's arena, the push protocols' memory (FLASHCOMM_ARENA_BYTES) [64M]

@@ -77,8 +77,7 @@ pub struct CommConfig {
     /// access, the host transport otherwise), or forced.
     pub transport: Choice<Transport>,
     /// Whether the lossless AllReduce on the host transport takes the copy-engine schedule
-    /// (`FLASHCOMM_HOST_COPY`, [`crate::plan::copy`]); `auto` by default (eager calls from
-    /// 1 MiB).
+    /// (`FLASHCOMM_HOST_COPY`, [`crate::plan::copy`]); off by default.
     pub host_copy: HostCopy,
     /// Graph mixing (`FLASHCOMM_GRAPH_MIXING`): the first captured collective of each capture
     /// waits at each replay for the last eager operation, and each replay records an event (one
@@ -118,7 +117,7 @@ impl Default for CommConfig {
             quant_calibrate: Vec::new(),
             quant_choice: QuantChoice::Auto,
             transport: Choice::Auto,
-            host_copy: HostCopy::Auto,
+            host_copy: HostCopy::Off,
             graph_mixing: true,
             early_launch: true,
             zero_copy: true,
