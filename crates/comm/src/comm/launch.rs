@@ -13,8 +13,8 @@ use crate::plan::{
     QuantSpec,
 };
 use crate::release;
-use crate::transport::Transport;
 use crate::request::{Buffers, Request};
+use crate::transport::Transport;
 
 use super::{Communicator, HOST_ABORT, HOST_STATUS};
 
