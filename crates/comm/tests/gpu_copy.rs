@@ -579,6 +579,59 @@ fn the_communicator_runs_the_schedule_exactly() {
     }
 }
 
+/// Two ranks whose calls disagree across the size rule (`auto`): rank 0's 1,000 elements on the
+/// kernels, rank 1's 4 Mi elements on the schedule, with a 2 s time limit. Both calls must end
+/// (the kernel's by its time limit, the schedule's by the watchdog, released by the time limit or
+/// by rank 0's abort word) and report an error. In the host transport's suite on the H100 the
+/// same disagreement, then in `gpu_collectives::disagreeing_ranks_get_an_error`, left the
+/// schedule's rank waiting forever (docs/results/2026-12-07-h100-b541c40); the bounded wait and
+/// the lines printed here say where it stops.
+#[test]
+fn ranks_that_disagree_across_the_schedule_and_the_kernels_both_end() {
+    let cfg = CommConfig {
+        host_copy: HostCopy::Auto,
+        ..copy_config(Duration::from_secs(2))
+    };
+    let group = ThreadGroup::new(2, Duration::from_secs(60));
+    let members = group.members();
+    std::thread::scope(|s| {
+        for m in &members {
+            let cfg = cfg.clone();
+            s.spawn(move || {
+                let comm = Communicator::new(m, 0, cfg).unwrap();
+                let v = Verifier::new(0).unwrap();
+                let _ctx = v.activate().unwrap();
+                let stream = v.stream().unwrap();
+                let buf = v.alloc(8 << 20).unwrap();
+                m.barrier().unwrap();
+                let (rank, count) = (m.rank(), if m.rank() == 0 { 1000 } else { 4 << 20 });
+                let t = Instant::now();
+                let p = comm
+                    .execute(
+                        &Request::typed(Collective::AllReduce, count, DataType::Bf16)
+                            .between(buf.as_ptr(), buf.as_ptr())
+                            .on(stream),
+                    )
+                    .unwrap();
+                assert_eq!(p.copy_engines, rank == 1);
+                println!("rank {rank}: enqueued after {:?}", t.elapsed());
+                let idle = comm.wait_idle_for(Duration::from_secs(10));
+                println!(
+                    "rank {rank}: idle {idle:?} after {:?}, {} calls watched",
+                    t.elapsed(),
+                    Watchdog::process().watched()
+                );
+                assert_eq!(idle, Ok(true));
+                let e = comm
+                    .check_status()
+                    .expect_err("the disagreement ends in an error");
+                println!("rank {rank}: {e}");
+                m.barrier().unwrap();
+            });
+        }
+    });
+}
+
 /// A copy-engine call whose peer never comes: with a time limit the watchdog releases it (the
 /// stream drains, the call reports a timeout, the next call fails at once); without one,
 /// `abort` from another thread does (the call reports the abort).
