@@ -626,7 +626,7 @@ impl Communicator {
     /// blocks from being scheduled. (The quantized kernels' occupancy differs from the lossless
     /// ones' that `max_grid` was measured on, so they do not take it.)
     fn host_arenas_flag(&self) -> u32 {
-        if self.transport() == Transport::Host {
+        if self.local.transport() == Transport::Host {
             abi::FLAG_HOST_ARENAS
         } else {
             0
