@@ -9,6 +9,10 @@
 //! 2. sets every rank's abort word (so the peers' watchdogs and kernels stop too),
 //! 3. writes every flag the rank waits for, so every wait of the call is met and its streams drain.
 //!
+//! A released call stays watched until its streams drained; one that has not drained
+//! [`RELEASE_AGAIN`] after its release has its flags written again (step 3 only, idempotent), and
+//! so on, so a write that was lost or failed is not the end of the call.
+//!
 //! Without a timeout there is no limit, as with NCCL. What a call is (its flags, abort words,
 //! status record) is behind [`Watched`], so the logic is tested on the CPU.
 
@@ -69,7 +73,12 @@ struct Entry {
     call: Arc<dyn Watched>,
     started: Instant,
     timeout: Option<Duration>,
+    /// When the call was released (or its flags last written again).
+    released: Option<Instant>,
 }
+
+/// How long a released call may take to drain before its flags are written again.
+pub const RELEASE_AGAIN: Duration = Duration::from_millis(100);
 
 struct Shared {
     calls: Mutex<Vec<Entry>>,
@@ -130,6 +139,7 @@ impl Watchdog {
             call,
             started: Instant::now(),
             timeout,
+            released: None,
         });
         self.shared.wake.notify_one();
     }
@@ -145,24 +155,38 @@ impl Watchdog {
 
     fn sweep(s: &Shared) {
         let mut fired = Vec::new();
+        let mut again = Vec::new();
         {
             let mut calls = s.calls.lock().unwrap_or_else(|e| e.into_inner());
-            calls.retain(|e| {
+            calls.retain_mut(|e| {
                 if e.call.done() {
                     return false;
                 }
-                match check(e.call.as_ref(), e.started, e.timeout) {
-                    Some(r) => {
-                        fired.push((Arc::clone(&e.call), r));
-                        false
+                match e.released {
+                    Some(t) if t.elapsed() >= RELEASE_AGAIN => {
+                        again.push(Arc::clone(&e.call));
+                        e.released = Some(Instant::now());
                     }
-                    None => true,
+                    Some(_) => {}
+                    None => {
+                        if let Some(r) = check(e.call.as_ref(), e.started, e.timeout) {
+                            fired.push((Arc::clone(&e.call), r));
+                            e.released = Some(Instant::now());
+                        }
+                    }
                 }
+                true
             });
         }
         // Released outside the lock: a release may take a while (it writes peers' memory).
         for (call, r) in fired {
             release(call.as_ref(), &r);
+        }
+        for call in again {
+            tracing::warn!(
+                "a released copy-engine call has not drained after {RELEASE_AGAIN:?}: its flags are written again"
+            );
+            call.release_flags();
         }
     }
 }
@@ -194,11 +218,16 @@ mod tests {
         released: AtomicBool,
         finished: AtomicBool,
         steps: Mutex<Vec<String>>,
+        /// Times its flags were written, and how many writes its streams need to drain (0: 1).
+        writes: AtomicUsize,
+        drain_after: AtomicUsize,
     }
 
     impl Watched for Mock {
         fn done(&self) -> bool {
-            self.finished.load(Ordering::Acquire) || self.released.load(Ordering::Acquire)
+            self.finished.load(Ordering::Acquire)
+                || self.writes.load(Ordering::Acquire)
+                    >= self.drain_after.load(Ordering::Acquire).max(1)
         }
         fn abort_requested(&self) -> bool {
             self.abort.load(Ordering::Acquire)
@@ -220,6 +249,7 @@ mod tests {
         }
         fn release_flags(&self) {
             self.steps.lock().unwrap().push("flags".into());
+            self.writes.fetch_add(1, Ordering::AcqRel);
             self.released.store(true, Ordering::Release);
         }
     }
@@ -292,6 +322,25 @@ mod tests {
         let t = Instant::now();
         drop(w);
         assert!(t.elapsed() < IDLE / 2, "dropped after {:?}", t.elapsed());
+    }
+
+    /// A released call whose streams did not drain stays watched, and its flags are written
+    /// again every RELEASE_AGAIN (and nothing else again) until it drains.
+    #[test]
+    fn a_released_call_that_does_not_drain_has_its_flags_written_again() {
+        let w = Watchdog::new(Duration::from_millis(1));
+        let m = Arc::new(Mock::default());
+        m.drain_after.store(3, Ordering::Release);
+        m.abort.store(true, Ordering::Release);
+        let t = Instant::now();
+        w.watch(m.clone(), None);
+        wait_until(|| w.watched() == 0);
+        assert!(t.elapsed() >= 2 * RELEASE_AGAIN, "{:?}", t.elapsed());
+        let steps = m.steps.lock().unwrap().clone();
+        assert_eq!(
+            steps,
+            ["record Abort", "abort words", "flags", "flags", "flags"]
+        );
     }
 
     #[test]
