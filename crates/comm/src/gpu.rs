@@ -244,20 +244,37 @@ pub(crate) fn copy_streams(
     }
 }
 
-/// Writes `value` into the 32-bit word at `addr` of each of `words` (peers' arena headers, as
-/// mapped in this process: device memory or mapped pinned host memory) through a stream of its
-/// own, and waits for the writes alone (never for other work of the device).
+/// Writes `value` into the 32-bit word at `addr` of each of `words` (peers' arena headers and
+/// copy areas, as mapped in this process): a word of host memory (the host transport's arenas) by
+/// a CPU store, which no work queued on the GPU can hold back; a word of device memory through a
+/// stream of its own, waiting for those writes alone (never for other work of the device).
+///
+/// The CPU store is what lets the watchdog release a copy-engine call: a stream created for the
+/// write may share one of the device's hardware queues with a stream blocked in the very wait it
+/// is to release, and then the write never runs (with a few communicators of a process, each
+/// with its copy streams, it did: docs/protocols.md, "The copy-engine schedule").
 ///
 /// Sound because every caller passes words of arenas that stay mapped until this returns: the
 /// communicator's release passes its peers' arenas before it closes their mappings, and a peer
 /// frees its arena only after it has seen this write ([`crate::transport::sweep`]).
 pub(crate) fn write_words(words: &[u64], value: u32) -> Result<(), crate::Error> {
-    let own = OwnStream::create()?;
+    let mut own: Option<OwnStream> = None;
     for &addr in words {
-        // SAFETY: see above: `addr` is a 4-byte aligned word of a peer's arena header, mapped
-        // into the current context until after the synchronization below.
-        unsafe { own.stream().write_value32(addr, value) }?;
+        // SAFETY: see above: `addr` is a 4-byte aligned word of an arena mapped into this process
+        // until this returns, which kernels, stream operations and peers access only with
+        // volatile or atomic accesses.
+        if unsafe { flashcomm_gpu::store_host_word(addr, value) } {
+            continue;
+        }
+        let s = match own.as_ref() {
+            Some(s) => s,
+            None => own.insert(OwnStream::create()?),
+        };
+        // SAFETY: as above; `addr` is device memory of the current context.
+        unsafe { s.stream().write_value32(addr, value) }?;
     }
-    own.stream().synchronize()?;
+    if let Some(s) = own {
+        s.stream().synchronize()?;
+    }
     Ok(())
 }

@@ -43,7 +43,7 @@ pub use graph::{CaptureRecord, Graph};
 pub use host_arena::{HostArena, remove_stale_segments};
 pub use memory::{
     DeviceMem, DevicePtr, ExportKind, HostMapped, IpcMapping, PointerKind, UserAllocation, VmmMem,
-    buffer_id, close_export, pointer_kind, user_allocation,
+    buffer_id, close_export, pointer_kind, store_host_word, user_allocation,
 };
 pub use module::{Function, LaunchConfig, Module, launch, launch_overlapped};
 pub use stream::Stream;

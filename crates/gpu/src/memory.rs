@@ -62,6 +62,40 @@ fn pointer_attribute(addr: u64, attr: sys::CUpointer_attribute) -> Option<u32> {
     (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
 }
 
+/// Stores `value` into the 4-byte word at device address `addr` with a CPU store, when the
+/// word is host memory mapped into this process (pinned or registered: the driver knows its host
+/// address, `CU_POINTER_ATTRIBUTE_HOST_POINTER`); returns whether it was. Such a store reaches
+/// the GPU without any stream: no operation queued on the device, a stream wait among them, can
+/// hold it back. Device memory (`false`, nothing written) needs a stream.
+///
+/// # Safety
+/// `addr` is 4-byte aligned and, if it is host memory, stays mapped until this returns; every
+/// other access to the word is a volatile or atomic one (the GPU's, or other processes').
+pub unsafe fn store_host_word(addr: u64, value: u32) -> bool {
+    if !driver_loaded() || !addr.is_multiple_of(4) {
+        return false;
+    }
+    let mut host: u64 = 0;
+    // SAFETY: a valid out pointer of 8 bytes, the attribute's size (a void pointer); any address
+    // may be asked about.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut host as *mut u64).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_HOST_POINTER,
+            addr,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS || host == 0 {
+        return false;
+    }
+    // SAFETY: the driver maps the word at `host` in this process (4-byte aligned: the device
+    // address is, and the mapping is page-aligned on both sides), mapped until this returns (the
+    // caller's promise); every access to it is atomic or volatile.
+    unsafe { std::sync::atomic::AtomicU32::from_ptr(host as *mut u32) }
+        .store(value, std::sync::atomic::Ordering::SeqCst);
+    true
+}
+
 /// How a user allocation travels to peers of other processes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExportKind {
