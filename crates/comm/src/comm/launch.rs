@@ -620,11 +620,8 @@ impl Communicator {
         })
     }
 
-    /// [`abi::FLAG_EARLY_LAUNCH`] for a lossless plan whose grid, doubled, still fits this rank's
-    /// resident share (`max_grid`, the share of the GPU that keeps every co-located rank's blocks
-    /// resident): the next kernel's blocks, launched early and waiting, then never keep a peer's
-    /// blocks from being scheduled. (The quantized kernels' occupancy differs from the lossless
-    /// ones' that `max_grid` was measured on, so they do not take it.)
+    /// [`abi::FLAG_HOST_ARENAS`] on the host transport: the LL kernels then gate their reads
+    /// behind one poll per source (the same on every rank: the transport is agreed at set-up).
     fn host_arenas_flag(&self) -> u32 {
         if self.local.transport() == Transport::Host {
             abi::FLAG_HOST_ARENAS
@@ -633,6 +630,11 @@ impl Communicator {
         }
     }
 
+    /// [`abi::FLAG_EARLY_LAUNCH`] for a lossless plan whose grid, doubled, still fits this rank's
+    /// resident share (`max_grid`, the share of the GPU that keeps every co-located rank's blocks
+    /// resident): the next kernel's blocks, launched early and waiting, then never keep a peer's
+    /// blocks from being scheduled. (The quantized kernels' occupancy differs from the lossless
+    /// ones' that `max_grid` was measured on, so they do not take it.)
     fn early_launch_flag(&self, p: &Plan) -> u32 {
         let fits = p.grid.saturating_mul(2) <= self.max_grid;
         if self.cfg.early_launch
