@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use common::{run_ranks, test_device};
 use flashcomm_comm::gpu::{
-    CopyReduce, CopyStreams, Device, DeviceMem, DevicePtr, Event, HostMapped, Kernels, Stream,
-    copy_reduce_launcher,
+    CopyReduce, CopyStreams, Device, DeviceMem, DevicePtr, Event, HostArena, HostMapped, Kernels,
+    Stream, copy_reduce_launcher,
 };
 use flashcomm_comm::plan::HostCopy;
 use flashcomm_comm::plan::copy::{
@@ -83,6 +83,51 @@ fn flag_wait_released_by_another_streams_write() {
     dst.download(0, &mut y, a).unwrap();
     a.synchronize().unwrap();
     assert!(x == y, "the bytes copied through host memory differ");
+}
+
+/// How the watchdog releases a copy-engine call (`write_words`): a word of host memory is
+/// stored with the CPU. 48 streams, more than the device has hardware queues, blocked in waits
+/// on a word of pinned memory and 48 more on a word of a shared, registered host segment (a
+/// host-transport arena), drain after one CPU store to each, and only then; a word of device memory is
+/// not taken for host memory. (A stream write made for the release can share a hardware queue
+/// with a blocked stream and never run: docs/protocols.md, "The copy-engine schedule".)
+#[test]
+fn a_cpu_store_releases_waits_on_host_memory_behind_any_number_of_streams() {
+    let dev = Device::open(test_device(0)).unwrap();
+    let _ctx = dev.activate().unwrap();
+    let pinned = HostMapped::alloc(256).unwrap();
+    let name = format!("/flashcomm-test-store-{}", std::process::id());
+    let arena = HostArena::create_shared(&name, 4096, None).unwrap();
+    let device_word = DeviceMem::alloc_zeroed(&dev, 256).unwrap();
+    let words = [pinned.dev_ptr() + 64, arena.dev_ptr() + 128];
+    let streams: Vec<Stream> = (0..96).map(|_| Stream::create().unwrap()).collect();
+    for (i, s) in streams.iter().enumerate() {
+        // SAFETY: both words live until the streams drained below; 4-byte aligned.
+        unsafe { s.wait_value32(words[i % 2], 1) }.unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        streams.iter().all(|s| !s.is_idle().unwrap()),
+        "every stream waits"
+    );
+    // SAFETY: every word lives until the end of the test; 4-byte aligned.
+    assert!(!unsafe { flashcomm_gpu::store_host_word(device_word.addr(), 1) });
+    for &w in &words {
+        // SAFETY: as above.
+        assert!(unsafe { flashcomm_gpu::store_host_word(w, 1) }, "{w:#x}");
+    }
+    let fallback = || {
+        pinned.write_u32(64, 1);
+        arena.store_u64(128, 1);
+    };
+    assert!(
+        drain(&streams, Duration::from_secs(5), &fallback),
+        "the CPU stores released every wait"
+    );
+    assert_eq!(pinned.read_u32(64), 1);
+    let mut w = [0u8; 4];
+    arena.read(128, &mut w);
+    assert_eq!(u32::from_le_bytes(w), 1);
 }
 
 /// One virtual rank of the schedule.
