@@ -79,14 +79,17 @@ pub type CopyReduce =
 
 /// The copy-engine schedule's engine on the CUDA driver ([`crate::plan::copy::execute`]): a push
 /// and a pull stream, the schedule's events, and the reduction to launch. The streams are
-/// non-blocking streams of the context current when it was made (never destroyed, like every
-/// stream of [`Stream::create`]: one pair per communicator that uses the schedule); the events are
-/// reused call after call (every wait is enqueued before the next record of its event).
+/// non-blocking streams of the context current when it was made, destroyed with the engine (a
+/// communicator that uses the schedule makes one pair, and a thousand set-ups leave none
+/// behind); the events are reused call after call (every wait is enqueued before the next record
+/// of its event).
 pub struct CopyStreams {
     /// The push stream (device-to-host copies and their signals).
     pub push: Stream,
     /// The pull stream (waits, host-to-device copies, the reduction).
     pub pull: Stream,
+    /// The two streams' owners: `push`, then `pull`.
+    _own: [OwnStream; 2],
     events: Vec<Event>,
     reduce: Box<CopyReduce>,
     dtype: crate::DataType,
@@ -104,9 +107,11 @@ impl CopyStreams {
         let events = (0..events)
             .map(|_| Event::new(false))
             .collect::<Result<Vec<_>, _>>()?;
+        let own = [OwnStream::create()?, OwnStream::create()?];
         Ok(CopyStreams {
-            push: Stream::create()?,
-            pull: Stream::create()?,
+            push: own[0].stream(),
+            pull: own[1].stream(),
+            _own: own,
             events,
             reduce,
             dtype: crate::DataType::F32,
