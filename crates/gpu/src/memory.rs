@@ -62,6 +62,16 @@ fn pointer_attribute(addr: u64, attr: sys::CUpointer_attribute) -> Option<u32> {
     (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
 }
 
+/// One 8-byte attribute of `addr` (the buffer id, an unsigned long long; the host pointer, a
+/// void pointer); `None` when the driver does not know the address or has no such attribute of it.
+fn pointer_attribute_u64(addr: u64, attr: sys::CUpointer_attribute) -> Option<u64> {
+    let mut v: u64 = 0;
+    // SAFETY: a valid out pointer of 8 bytes, the size of each attribute asked for; any address
+    // may be asked about.
+    let r = unsafe { sys::cuPointerGetAttribute((&mut v as *mut u64).cast(), attr, addr) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
+}
+
 /// Stores `value` into the 4-byte word at device address `addr` with a CPU store, when the
 /// word is host memory mapped into this process (pinned or registered: the driver knows its host
 /// address, `CU_POINTER_ATTRIBUTE_HOST_POINTER`); returns whether it was. Such a store reaches
@@ -75,19 +85,13 @@ pub unsafe fn store_host_word(addr: u64, value: u32) -> bool {
     if !driver_loaded() || !addr.is_multiple_of(4) {
         return false;
     }
-    let mut host: u64 = 0;
-    // SAFETY: a valid out pointer of 8 bytes, the attribute's size (a void pointer); any address
-    // may be asked about.
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut host as *mut u64).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_HOST_POINTER,
-            addr,
-        )
+    let host = match pointer_attribute_u64(
+        addr,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_HOST_POINTER,
+    ) {
+        Some(h) if h != 0 => h,
+        _ => return false,
     };
-    if r != sys::CUresult::CUDA_SUCCESS || host == 0 {
-        return false;
-    }
     // SAFETY: the driver maps the word at `host` in this process (4-byte aligned: the device
     // address is, and the mapping is page-aligned on both sides), mapped until this returns (the
     // caller's promise); every access to it is atomic or volatile.
@@ -295,16 +299,10 @@ fn proves_identity(pidfd: i32, ident: i32, token: u64) -> bool {
 /// The driver's id of the allocation holding `addr` (`CU_POINTER_ATTRIBUTE_BUFFER_ID`), `None`
 /// for an address it does not know.
 pub fn buffer_id(addr: u64) -> Option<u64> {
-    let mut v: u64 = 0;
-    // SAFETY: a valid out pointer of 8 bytes, the attribute's size (an unsigned long long).
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut v as *mut u64).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
-            addr,
-        )
-    };
-    (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
+    pointer_attribute_u64(
+        addr,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+    )
 }
 
 /// A device address range that the holder promises is valid device memory for as long as the
