@@ -1120,36 +1120,6 @@ fn ranks_with_different_datatypes_report_a_mismatch() {
     );
 }
 
-/// Runs `f` on `n` virtual ranks whose communicators are expected to end in an error (no final
-/// status check).
-fn run_ranks_expecting_errors<F>(n: u32, cfg: CommConfig, f: F)
-where
-    F: Fn(
-            &Communicator,
-            &flashcomm_testkit::verify::Verifier,
-            flashcomm_comm::Stream,
-            &flashcomm_comm::ThreadBootstrap,
-        ) + Sync,
-{
-    let group = ThreadGroup::new(n, Duration::from_secs(60));
-    let members = group.members();
-    std::thread::scope(|s| {
-        for m in &members {
-            let cfg = cfg.clone();
-            let f = &f;
-            s.spawn(move || {
-                let dev = test_device(m.rank());
-                let comm = Communicator::new(m, dev, cfg).unwrap();
-                let v = flashcomm_testkit::verify::Verifier::new(dev).unwrap();
-                let _ctx = v.activate().unwrap();
-                let stream = v.stream().unwrap();
-                f(&comm, &v, stream, m);
-                m.barrier().unwrap();
-            });
-        }
-    });
-}
-
 /// Graph mixing (`FLASHCOMM_GRAPH_MIXING`, on by default): on each of 2 ranks, a graph of three
 /// verified AllReduces (bf16, two sizes) replayed on one stream and a verified eager AllReduce (f32, another size)
 /// on a second stream, one after the other 10,000 times each, with no ordering by the caller

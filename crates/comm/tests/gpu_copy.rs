@@ -21,7 +21,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{run_ranks, test_device};
+use common::{run_ranks, run_ranks_expecting_errors, test_device};
 use flashcomm_comm::gpu::{
     CopyReduce, CopyStreams, Device, DeviceMem, DevicePtr, Event, HostArena, HostMapped, Kernels,
     Stream, copy_reduce_launcher,
@@ -32,8 +32,7 @@ use flashcomm_comm::plan::copy::{
 };
 use flashcomm_comm::watch::{Reason, Watchdog, Watched};
 use flashcomm_comm::{
-    Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, Error, Request, ThreadGroup,
-    Transport,
+    Bootstrap, Choice, Collective, CommConfig, DataType, Error, Request, Transport,
 };
 use flashcomm_testkit::verify::{TestType, Verifier};
 
@@ -637,43 +636,31 @@ fn ranks_that_disagree_across_the_schedule_and_the_kernels_both_end() {
         host_copy: HostCopy::Auto,
         ..copy_config(Duration::from_secs(2))
     };
-    let group = ThreadGroup::new(2, Duration::from_secs(60));
-    let members = group.members();
-    std::thread::scope(|s| {
-        for m in &members {
-            let cfg = cfg.clone();
-            s.spawn(move || {
-                let comm = Communicator::new(m, 0, cfg).unwrap();
-                let v = Verifier::new(0).unwrap();
-                let _ctx = v.activate().unwrap();
-                let stream = v.stream().unwrap();
-                let buf = v.alloc(8 << 20).unwrap();
-                m.barrier().unwrap();
-                let (rank, count) = (m.rank(), if m.rank() == 0 { 1000 } else { 4 << 20 });
-                let t = Instant::now();
-                let p = comm
-                    .execute(
-                        &Request::typed(Collective::AllReduce, count, DataType::Bf16)
-                            .between(buf.as_ptr(), buf.as_ptr())
-                            .on(stream),
-                    )
-                    .unwrap();
-                assert_eq!(p.copy_engines, rank == 1);
-                println!("rank {rank}: enqueued after {:?}", t.elapsed());
-                let idle = comm.wait_idle_for(Duration::from_secs(10));
-                println!(
-                    "rank {rank}: idle {idle:?} after {:?}, {} calls watched",
-                    t.elapsed(),
-                    Watchdog::process().watched()
-                );
-                assert_eq!(idle, Ok(true));
-                let e = comm
-                    .check_status()
-                    .expect_err("the disagreement ends in an error");
-                println!("rank {rank}: {e}");
-                m.barrier().unwrap();
-            });
-        }
+    run_ranks_expecting_errors(2, cfg, |comm, v, stream, m| {
+        let buf = v.alloc(8 << 20).unwrap();
+        m.barrier().unwrap();
+        let (rank, count) = (m.rank(), if m.rank() == 0 { 1000 } else { 4 << 20 });
+        let t = Instant::now();
+        let p = comm
+            .execute(
+                &Request::typed(Collective::AllReduce, count, DataType::Bf16)
+                    .between(buf.as_ptr(), buf.as_ptr())
+                    .on(stream),
+            )
+            .unwrap();
+        assert_eq!(p.copy_engines, rank == 1);
+        println!("rank {rank}: enqueued after {:?}", t.elapsed());
+        let idle = comm.wait_idle_for(Duration::from_secs(10));
+        println!(
+            "rank {rank}: idle {idle:?} after {:?}, {} calls watched",
+            t.elapsed(),
+            Watchdog::process().watched()
+        );
+        assert_eq!(idle, Ok(true));
+        let e = comm
+            .check_status()
+            .expect_err("the disagreement ends in an error");
+        println!("rank {rank}: {e}");
     });
 }
 
@@ -683,55 +670,44 @@ fn ranks_that_disagree_across_the_schedule_and_the_kernels_both_end() {
 #[test]
 fn a_missing_peer_is_released_by_the_time_limit_or_by_abort() {
     for limit in [Duration::from_millis(300), Duration::ZERO] {
-        let group = ThreadGroup::new(2, Duration::from_secs(60));
-        let members = group.members();
-        std::thread::scope(|s| {
-            for m in &members {
-                s.spawn(move || {
-                    let comm = Communicator::new(m, 0, copy_config(limit)).unwrap();
-                    let v = Verifier::new(0).unwrap();
-                    let _ctx = v.activate().unwrap();
-                    let stream = v.stream().unwrap();
-                    let buf = v.alloc(8 << 20).unwrap();
-                    m.barrier().unwrap();
-                    if m.rank() == 0 {
-                        let t = Instant::now();
-                        let p = comm
-                            .execute(
-                                &Request::typed(Collective::AllReduce, 4 << 20, DataType::Bf16)
-                                    .between(buf.as_ptr(), buf.as_ptr())
-                                    .on(stream),
-                            )
-                            .unwrap();
-                        assert!(p.copy_engines);
-                        if limit.is_zero() {
-                            common::abort_from_another_thread(&comm, Duration::from_millis(300));
-                        }
-                        assert_eq!(comm.wait_idle_for(Duration::from_secs(10)), Ok(true));
-                        let took = t.elapsed();
-                        assert!(took < Duration::from_secs(5), "{took:?}");
-                        let e = comm.check_status().expect_err("the release is reported");
-                        if limit.is_zero() {
-                            assert!(
-                                matches!(&e, Error::Remote(m) if m.contains("aborted")),
-                                "{e:?}"
-                            );
-                        } else {
-                            assert!(matches!(e, Error::Timeout(_)), "{e:?}");
-                        }
-                        assert!(
-                            comm.execute(
-                                &Request::typed(Collective::AllReduce, 4 << 20, DataType::Bf16)
-                                    .between(buf.as_ptr(), buf.as_ptr())
-                                    .on(stream),
-                            )
-                            .is_err(),
-                            "a later call fails at once"
-                        );
-                        println!("released after {took:?}: {e}");
-                    }
-                    m.barrier().unwrap();
-                });
+        run_ranks_expecting_errors(2, copy_config(limit), |comm, v, stream, m| {
+            let buf = v.alloc(8 << 20).unwrap();
+            m.barrier().unwrap();
+            if m.rank() == 0 {
+                let t = Instant::now();
+                let p = comm
+                    .execute(
+                        &Request::typed(Collective::AllReduce, 4 << 20, DataType::Bf16)
+                            .between(buf.as_ptr(), buf.as_ptr())
+                            .on(stream),
+                    )
+                    .unwrap();
+                assert!(p.copy_engines);
+                if limit.is_zero() {
+                    common::abort_from_another_thread(comm, Duration::from_millis(300));
+                }
+                assert_eq!(comm.wait_idle_for(Duration::from_secs(10)), Ok(true));
+                let took = t.elapsed();
+                assert!(took < Duration::from_secs(5), "{took:?}");
+                let e = comm.check_status().expect_err("the release is reported");
+                if limit.is_zero() {
+                    assert!(
+                        matches!(&e, Error::Remote(m) if m.contains("aborted")),
+                        "{e:?}"
+                    );
+                } else {
+                    assert!(matches!(e, Error::Timeout(_)), "{e:?}");
+                }
+                assert!(
+                    comm.execute(
+                        &Request::typed(Collective::AllReduce, 4 << 20, DataType::Bf16)
+                            .between(buf.as_ptr(), buf.as_ptr())
+                            .on(stream),
+                    )
+                    .is_err(),
+                    "a later call fails at once"
+                );
+                println!("released after {took:?}: {e}");
             }
         });
     }

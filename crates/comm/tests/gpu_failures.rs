@@ -12,7 +12,7 @@ mod common;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{TYPES, run_ranks};
+use common::{TYPES, run_ranks, run_ranks_expecting_errors};
 use flashcomm_comm::gpu::OwnStream;
 use flashcomm_comm::{
     Bootstrap, CommConfig, Communicator, DataType, Error, ThreadBootstrap, ThreadGroup,
@@ -161,39 +161,26 @@ fn abort_from_a_watchdog_thread_ends_a_wait_for_a_peer_that_never_comes() {
         calibrate: false,
         ..CommConfig::default()
     };
-    let group = ThreadGroup::new(2, Duration::from_secs(60));
-    let members = group.members();
-    std::thread::scope(|s| {
-        for m in &members {
-            let cfg = cfg.clone();
-            s.spawn(move || {
-                let comm = Communicator::new(m, 0, cfg).unwrap();
-                let v = Verifier::new(0).unwrap();
-                let _ctx = v.activate().unwrap();
-                let stream = v.stream().unwrap();
-                let buf = v.alloc(1 << 20).unwrap();
-                m.barrier().unwrap();
-                if m.rank() == 0 {
-                    comm.execute(
-                        &Request::typed(Collective::AllReduce, 1000, DataType::Bf16)
-                            .between(buf.as_ptr(), buf.as_ptr())
-                            .on(stream),
-                    )
-                    .unwrap();
-                    let aborted_at =
-                        common::abort_from_another_thread(&comm, Duration::from_secs(1));
-                    assert_eq!(comm.wait_idle_for(Duration::from_secs(5)), Ok(true));
-                    let took = aborted_at.elapsed();
-                    assert!(took < Duration::from_secs(5), "{took:?}");
-                    let e = comm.check_status().expect_err("the abort is reported");
-                    assert!(
-                        matches!(&e, Error::Remote(m) if m.contains("aborted")),
-                        "{e:?}"
-                    );
-                    println!("rank 0 left {took:?} after the abort: {e}");
-                }
-                m.barrier().unwrap();
-            });
+    run_ranks_expecting_errors(2, cfg, |comm, v, stream, m| {
+        let buf = v.alloc(1 << 20).unwrap();
+        m.barrier().unwrap();
+        if m.rank() == 0 {
+            comm.execute(
+                &Request::typed(Collective::AllReduce, 1000, DataType::Bf16)
+                    .between(buf.as_ptr(), buf.as_ptr())
+                    .on(stream),
+            )
+            .unwrap();
+            let aborted_at = common::abort_from_another_thread(comm, Duration::from_secs(1));
+            assert_eq!(comm.wait_idle_for(Duration::from_secs(5)), Ok(true));
+            let took = aborted_at.elapsed();
+            assert!(took < Duration::from_secs(5), "{took:?}");
+            let e = comm.check_status().expect_err("the abort is reported");
+            assert!(
+                matches!(&e, Error::Remote(m) if m.contains("aborted")),
+                "{e:?}"
+            );
+            println!("rank 0 left {took:?} after the abort: {e}");
         }
     });
 }
@@ -702,30 +689,6 @@ fn outputs_are_readable_after_a_timeout_and_later_calls_fail_at_once() {
             again.err()
         );
         m.barrier().unwrap();
-    });
-}
-
-/// Runs `f` on `n` virtual ranks whose communicators are expected to end in an error (no final
-/// status check).
-fn run_ranks_expecting_errors<F>(n: u32, cfg: CommConfig, f: F)
-where
-    F: Fn(&Communicator, &Verifier, flashcomm_comm::Stream, &ThreadBootstrap) + Sync,
-{
-    let group = ThreadGroup::new(n, Duration::from_secs(60));
-    let members = group.members();
-    std::thread::scope(|s| {
-        for m in &members {
-            let cfg = cfg.clone();
-            let f = &f;
-            s.spawn(move || {
-                let comm = Communicator::new(m, 0, cfg).unwrap();
-                let v = Verifier::new(0).unwrap();
-                let _ctx = v.activate().unwrap();
-                let stream = v.stream().unwrap();
-                f(&comm, &v, stream, m);
-                m.barrier().unwrap();
-            });
-        }
     });
 }
 

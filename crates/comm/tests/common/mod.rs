@@ -184,6 +184,31 @@ where
     });
 }
 
+/// Runs `f` on `n` virtual ranks (of [`test_device`]) whose communicators are expected to end in
+/// an error: no final status check, only a barrier once `f` returned on every rank.
+pub fn run_ranks_expecting_errors<F>(n: u32, cfg: CommConfig, f: F)
+where
+    F: Fn(&Communicator, &Verifier, Stream, &ThreadBootstrap) + Sync,
+{
+    let group = ThreadGroup::new(n, Duration::from_secs(60));
+    let members = group.members();
+    std::thread::scope(|s| {
+        for m in &members {
+            let cfg = cfg.clone();
+            let f = &f;
+            s.spawn(move || {
+                let dev = test_device(m.rank());
+                let comm = Communicator::new(m, dev, cfg).unwrap();
+                let v = Verifier::new(dev).unwrap();
+                let _ctx = v.activate().unwrap();
+                let stream = v.stream().unwrap();
+                f(&comm, &v, stream, m);
+                m.barrier().unwrap();
+            });
+        }
+    });
+}
+
 pub const TYPES: [TestType; 3] = [TestType::F32, TestType::F16, TestType::Bf16];
 
 /// Counts for a sweep from 4 bytes to `max_bytes`, odd where the type allows.
