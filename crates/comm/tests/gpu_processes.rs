@@ -1424,6 +1424,9 @@ fn reinit_beside_a_busy_communicator(
             );
             slowest = slowest.max(t.elapsed());
             b.barrier().unwrap();
+            if rank == 0 && (i + 1) % 100 == 0 {
+                println!("{} cycles in {:.1} s", i + 1, t0.elapsed().as_secs_f64());
+            }
             if i + 1 == warm {
                 start = flashcomm_comm::gpu::mem_info().expect("cuMemGetInfo").0;
             }
