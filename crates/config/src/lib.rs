@@ -398,16 +398,6 @@ variables! {
         allowed: "`1`, `0`, `true`, `false`, `yes`, `no`, `on`, `off`",
         strict: true,
     }
-    /// An experiment, off by default: the PULL protocols (staged and direct) launch blocks of
-    /// 256 threads, twice as many as of 512, within the same resident share of the GPU (each
-    /// block of 512 threads split in two, so a capped grid spans twice the multiprocessors).
-    /// Taken only when every rank of the communicator asks for it.
-    pull_split: bool = false => {
-        name: "FLASHCOMM_PULL_SPLIT",
-        kind: "bool",
-        allowed: "`1`, `0`, `true`, `false`, `yes`, `no`, `on`, `off`",
-        strict: true,
-    }
     /// Communicator set-up also times ReduceScatter, AllGather and AllToAll with each protocol
     /// (LL, BLOCK and the PULL protocol the communicator offers), so that their protocol is
     /// chosen from their own times rather than from the AllReduce's (on an H100 with 8 virtual

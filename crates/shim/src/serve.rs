@@ -60,7 +60,6 @@ pub(crate) fn comm_config(config: &Config) -> CommConfig {
         quant_choice: s.quant_choice,
         graph_mixing: s.graph_mixing,
         early_launch: s.early_launch,
-        pull_split: s.pull_split,
         zero_copy: s.zero_copy,
         ..CommConfig::default()
     }

@@ -246,8 +246,6 @@ pub struct Options {
     pub register: bool,
     /// `--early-launch`: each kernel lets the next one launch as soon as it starts.
     pub early_launch: bool,
-    /// `--pull-split`: the PULL protocols launch blocks of half the threads, twice as many.
-    pub pull_split: bool,
     /// `--graph-mixing`: captured calls ordered with eager ones through graph nodes.
     pub graph_mixing: bool,
     /// `--check-values`: most output values per quantized call compared with the CPU reference.
@@ -298,7 +296,6 @@ impl Default for Options {
             pull_bytes: flashcomm_comm::CommConfig::default().pull_bytes,
             register: false,
             early_launch: true,
-            pull_split: false,
             graph_mixing: true,
             check_values: 1 << 20,
             seed: 1,
@@ -701,9 +698,6 @@ struct Cli {
     /// Let the next kernel launch as soon as a flashcomm kernel starts (FLASHCOMM_EARLY_LAUNCH) [1]
     #[arg(long = "early-launch", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     early_launch: Option<bool>,
-    /// PULL blocks of 256 threads, twice as many in the same share (FLASHCOMM_PULL_SPLIT) [0]
-    #[arg(long = "pull-split", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
-    pull_split: Option<bool>,
     /// Write every row and the settings as JSON
     #[arg(long, value_name = "file", help_heading = FLASHCOMM)]
     json: Option<PathBuf>,
@@ -836,7 +830,6 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
     set(&mut o.pull_bytes, cli.pull_bytes);
     set(&mut o.register, cli.register);
     set(&mut o.early_launch, cli.early_launch);
-    set(&mut o.pull_split, cli.pull_split);
     set(&mut o.graph_mixing, cli.graph_mixing);
     o.json = cli.json.or(o.json);
     o.svg = cli.svg.or(o.svg);

@@ -589,7 +589,6 @@ fn rank_main(
         quant_calibrate: allreduce_quant_specs(o),
         quant_choice: o.quant_choice,
         early_launch: o.early_launch,
-        pull_split: o.pull_split,
         graph_mixing: o.graph_mixing,
         ..CommConfig::default()
     };

@@ -636,13 +636,7 @@ impl Communicator {
     /// blocks from being scheduled. (The quantized kernels' occupancy differs from the lossless
     /// ones' that `max_grid` was measured on, so they do not take it.)
     fn early_launch_flag(&self, p: &Plan) -> u32 {
-        // In blocks of THREADS threads (`max_grid`'s unit): split PULL blocks count by halves.
-        let blocks = if p.proto.pulls() {
-            (p.grid.saturating_mul(p.threads)).div_ceil(abi::THREADS)
-        } else {
-            p.grid
-        };
-        let fits = blocks.saturating_mul(2) <= self.max_grid;
+        let fits = p.grid.saturating_mul(2) <= self.max_grid;
         if self.cfg.early_launch
             && fits
             && p.quant.is_none()

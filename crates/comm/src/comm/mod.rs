@@ -88,10 +88,6 @@ pub struct CommConfig {
     /// launch as soon as it starts, where twice the grid fits the resident share
     /// ([`abi::FLAG_EARLY_LAUNCH`](crate::abi::FLAG_EARLY_LAUNCH)).
     pub early_launch: bool,
-    /// The PULL protocols launch blocks of half the threads, twice as many, within the same
-    /// resident share (`FLASHCOMM_PULL_SPLIT`, an experiment; taken when every rank asks for it:
-    /// [`crate::plan::Arena::pull_threads`]). Off by default.
-    pub pull_split: bool,
     /// Zero-copy between processes (`FLASHCOMM_ZERO_COPY`): on the peer transport, the direct
     /// PULL protocol also serves ranks of different processes of one machine, reading registered
     /// buffers in place ([`Communicator::register`]); a rank whose buffer a peer has not mapped
@@ -124,7 +120,6 @@ impl Default for CommConfig {
             host_copy: HostCopy::Off,
             graph_mixing: true,
             early_launch: true,
-            pull_split: false,
             zero_copy: true,
             fail_at: None,
             panic_at: None,

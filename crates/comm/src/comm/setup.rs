@@ -46,8 +46,6 @@ struct PeerInfo {
     ipc: Option<[u8; 64]>,
     max_grid: u32,
     transport: Transport,
-    /// Whether the rank asks for split PULL blocks (`FLASHCOMM_PULL_SPLIT`).
-    pull_split: bool,
     /// The name of the rank's registration board ([`crate::register`]), when it made one.
     board: Option<[u8; transport::NAME_BYTES]>,
 }
@@ -65,7 +63,6 @@ impl PeerInfo {
         v.extend_from_slice(&self.ipc.unwrap_or([0; 64]));
         v.extend_from_slice(&self.max_grid.to_le_bytes());
         v.push(transport::code(self.transport));
-        v.push(u8::from(self.pull_split));
         v.resize(120, 0);
         v.extend_from_slice(&self.token.to_le_bytes());
         v.extend_from_slice(&self.build.to_le_bytes());
@@ -107,7 +104,6 @@ impl PeerInfo {
             transport: transport::from_code(b[117]).ok_or_else(|| {
                 Error::Bootstrap("a peer's set-up record names no transport".into())
             })?,
-            pull_split: b[118] != 0,
             board: (b[136] != 0).then_some(board),
         })
     }
@@ -197,7 +193,6 @@ impl Communicator {
                         ipc: ls.local.export(),
                         max_grid: ls.grid,
                         transport,
-                        pull_split: cfg.pull_split,
                         board: ls.board.as_ref().map(|b| b.1),
                     }
                 };
@@ -285,14 +280,6 @@ impl Communicator {
                         || (cfg.zero_copy && p.host == info.host)
                 })
             });
-        // Split PULL blocks where every rank asked for them (the records are the same on every
-        // rank, so every rank plans alike).
-        if all
-            .iter()
-            .all(|b| PeerInfo::decode(b).is_ok_and(|p| p.pull_split))
-        {
-            arena.pull_threads = THREADS / 2;
-        }
 
         // Step 2 (round 3): probe: every rank writes into every arena. The stream is this
         // set-up's own and is destroyed when set-up ends.
@@ -701,20 +688,15 @@ mod tests {
             ipc: Some([3; 64]),
             max_grid: 132,
             transport: Transport::Host,
-            pull_split: false,
             board: None,
         }
     }
 
-    /// The registration board's name travels in the record (and its absence too), as does the
-    /// request for split PULL blocks.
+    /// The registration board's name travels in the record (and its absence too).
     #[test]
     fn the_board_name_travels_in_the_record() {
         let mut a = info(5, 9);
         assert_eq!(PeerInfo::decode(&a.encode()).unwrap().board, None);
-        assert!(!PeerInfo::decode(&a.encode()).unwrap().pull_split);
-        a.pull_split = true;
-        assert!(PeerInfo::decode(&a.encode()).unwrap().pull_split);
         let mut name = [0u8; transport::NAME_BYTES];
         name[..12].copy_from_slice(b"/flashcomm-x");
         a.board = Some(name);

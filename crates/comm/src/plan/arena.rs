@@ -35,10 +35,6 @@ pub struct Arena {
     /// of one process on one device): the direct PULL protocol is possible. Set by the
     /// communicator after set-up, the same on every rank.
     pub direct: bool,
-    /// Threads of a PULL block: [`THREADS`], or half of it where every rank asked for split
-    /// blocks (`FLASHCOMM_PULL_SPLIT`), which then come twice as many within the same resident
-    /// share. Set by the communicator after set-up, the same on every rank.
-    pub pull_threads: u32,
     /// Where the copy-engine schedule's area starts ([`super::copy`]; host transport with
     /// `FLASHCOMM_HOST_COPY` not `off`), 0 when the arena has none.
     pub copy_offset: u64,
@@ -72,7 +68,6 @@ impl Arena {
             pull_offset: ARENA_HEADER_BYTES + 4 * region,
             pull_half_bytes: 0,
             direct: false,
-            pull_threads: THREADS,
             copy_offset: 0,
             total_bytes: ARENA_HEADER_BYTES + 4 * region,
         })

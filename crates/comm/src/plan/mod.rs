@@ -853,55 +853,6 @@ mod tests {
         );
     }
 
-    /// Split PULL blocks (`FLASHCOMM_PULL_SPLIT`): each block of THREADS threads becomes two of
-    /// half as many, twice the grid where the share caps it, half the chunk, the same bytes.
-    #[test]
-    fn split_pull_blocks_take_the_same_share_in_twice_the_blocks() {
-        let mut a = Arena::with_pull(8, 64 << 20, 32 << 20).unwrap();
-        a.direct = true;
-        let m = CostModel::default_for(8);
-        let at = |a: &Arena, bytes: u64, algo| {
-            plan(
-                a,
-                &m,
-                Collective::AllReduce,
-                bytes / 2,
-                2,
-                8,
-                Choice::Force(algo),
-                Choice::Force(Protocol::Direct),
-            )
-        };
-        for bytes in [16u64, 64 << 10, 1 << 20, 16 << 20] {
-            for algo in Algorithm::ALL {
-                let whole = at(&a, bytes, algo);
-                let mut s = a;
-                s.pull_threads = THREADS / 2;
-                let split = at(&s, bytes, algo);
-                assert_eq!((whole.threads, split.threads), (THREADS, THREADS / 2));
-                assert!(whole.grid <= 8 && split.grid <= 16, "{bytes} {algo:?}");
-                assert!(split.grid >= whole.grid, "{bytes} {algo:?}");
-                // Every block has work and the blocks cover the bytes they are cut over.
-                for p in [&whole, &split] {
-                    let over = if algo == Algorithm::TwoShot {
-                        p.shard_elems * 2
-                    } else {
-                        bytes
-                    };
-                    assert!(p.chunk_bytes * (p.grid as u64 - 1) < over.max(16), "{p:?}");
-                    assert!(p.chunk_bytes * p.grid as u64 >= over, "{p:?}");
-                }
-            }
-        }
-        // 1 MiB one-shot capped at 8 blocks: 16 blocks of half the threads, half the chunk.
-        let whole = at(&a, 1 << 20, Algorithm::OneShot);
-        let mut s = a;
-        s.pull_threads = THREADS / 2;
-        let split = at(&s, 1 << 20, Algorithm::OneShot);
-        assert_eq!((whole.grid, whole.chunk_bytes), (8, 128 << 10));
-        assert_eq!((split.grid, split.chunk_bytes), (16, 64 << 10));
-    }
-
     #[test]
     fn measured_pull_wins_where_it_is_faster() {
         let mut a = Arena::with_pull(8, 64 << 20, 32 << 20).unwrap();

@@ -363,22 +363,13 @@ pub fn plan(
         } else {
             Algorithm::OneShot
         };
-        // Split blocks (`Arena::pull_threads` below THREADS): each block of THREADS threads
-        // becomes `split` blocks of as many threads in all, with as many bytes in all: the same
-        // resident share, spread over more multiprocessors.
-        let threads = arena.pull_threads.clamp(32, THREADS);
-        let split = THREADS / threads;
-        let (grid, chunk_bytes) = pull_shape(
-            over,
-            target / u64::from(split),
-            max_grid.saturating_mul(split),
-        );
+        let (grid, chunk_bytes) = pull_shape(over, target, max_grid);
         return Plan {
             coll,
             algo,
             proto,
             grid,
-            threads,
+            threads: THREADS,
             sub_bytes: arena.pull_half_bytes,
             chunk_bytes,
             copy_engines: false,
