@@ -25,6 +25,7 @@ mod register;
 mod release;
 pub mod request;
 mod residency;
+pub mod trace;
 mod transport;
 pub mod watch;
 

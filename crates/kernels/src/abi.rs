@@ -83,6 +83,15 @@ pub const FLAG_PULL_STAGE_RECV: u32 = 32;
 /// sequence number with different collectives or datatypes see a foreign tag and report a
 /// mismatch instead of summing bytes of different types.
 pub const FLAG_SIG_SHIFT: u32 = 8;
+/// Phase trace (flashcomm-perf `--phase-trace`, off unless `FcCollParams::trace` is set): calls
+/// kept, by sequence number modulo this.
+pub const TRACE_CALLS: u32 = 64;
+/// Phase trace: blocks traced (blocks from this one on stamp nothing).
+pub const TRACE_BLOCKS: u32 = 32;
+/// Phase trace: u64 words per (call, block): the sequence number plus one (0: never written), and
+/// the global timer (ns) where the block began, where its peers' data was ready (the PULL
+/// protocols; 0 elsewhere) and where it finished.
+pub const TRACE_POINTS: u32 = 4;
 
 /// Status codes in host-mapped memory, written by a kernel that gives up waiting.
 pub mod status {
@@ -186,6 +195,9 @@ pub struct FcCollParams {
     /// Direct two-shot AllReduce: where peer q finds this rank's receive buffer (as `send_view`).
     /// Unused with `FLAG_PULL_STAGE_RECV`.
     pub recv_view: [u64; MAX_RANKS],
+    /// Phase trace: this rank's u64 words `[TRACE_CALLS][TRACE_BLOCKS][TRACE_POINTS]` in device
+    /// memory, which thread 0 of each traced block stamps; 0 (every call unless asked): none.
+    pub trace: u64,
 }
 
 /// Parameters of the set-up probe, which writes one word into every peer's arena header.
@@ -225,7 +237,7 @@ pub struct FcReduceParams {
 const _: () = {
     use std::mem::{offset_of, size_of};
     assert!(size_of::<FcStatus>() == 32);
-    assert!(size_of::<FcCollParams>() == 352);
+    assert!(size_of::<FcCollParams>() == 360);
     assert!(offset_of!(FcCollParams, peer_base) == 24);
     assert!(offset_of!(FcCollParams, epochs) == 88);
     assert!(offset_of!(FcCollParams, shard_elems) == 160);
@@ -235,6 +247,7 @@ const _: () = {
     assert!(offset_of!(FcCollParams, own_slots) == 216);
     assert!(offset_of!(FcCollParams, send_view) == 224);
     assert!(offset_of!(FcCollParams, recv_view) == 288);
+    assert!(offset_of!(FcCollParams, trace) == 352);
     assert!(size_of::<FcProbeParams>() == 80);
     assert!(size_of::<FcReduceParams>() == 88);
     assert!(offset_of!(FcReduceParams, dst) == 64);
@@ -291,7 +304,7 @@ mod tests {
                 .unwrap();
             assert_eq!(val, v, "{name}");
         }
-        assert!(h.contains("sizeof(FcCollParams) == 352"));
+        assert!(h.contains("sizeof(FcCollParams) == 360"));
         // The frame sizes moved from transport.cuh into the generated params.h.
         assert!(h.contains("#define FC_FRAME_PAYLOAD 4096"));
         assert!(h.contains("#define FC_FRAME_HEADER 16"));

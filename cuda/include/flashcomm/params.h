@@ -84,6 +84,15 @@
 // sequence number with different collectives or datatypes see a foreign tag and report a mismatch
 // instead of summing bytes of different types.
 #define FC_FLAG_SIG_SHIFT 8u
+// Phase trace (flashcomm-perf `--phase-trace`, off unless `FcCollParams::trace` is set): calls
+// kept, by sequence number modulo this.
+#define FC_TRACE_CALLS 64u
+// Phase trace: blocks traced (blocks from this one on stamp nothing).
+#define FC_TRACE_BLOCKS 32u
+// Phase trace: u64 words per (call, block): the sequence number plus one (0: never written), and
+// the global timer (ns) where the block began, where its peers' data was ready (the PULL protocols;
+// 0 elsewhere) and where it finished.
+#define FC_TRACE_POINTS 4u
 
 // Status codes in host-mapped memory, written by a kernel that gives up waiting.
 // No error.
@@ -139,6 +148,7 @@ struct FcCollParams {
   uint64_t own_slots;                // Host transport: device memory that stands in for this rank's own slots (regions A and B, `2 * slot_bytes`), which only this rank's kernels write and read (the quantized kernels encode into them and copy or decode from there), so those bytes never cross PCIe. 0: the own slots are in the arena.
   uint64_t send_view[FC_MAX_RANKS];  // Direct PULL: where peer q finds this rank's send buffer in its own process (the address this rank publishes to q; the send buffer itself for a peer of this process, a mapping of a registered buffer for a peer of another process). Unused with `FLAG_PULL_STAGE_SEND`.
   uint64_t recv_view[FC_MAX_RANKS];  // Direct two-shot AllReduce: where peer q finds this rank's receive buffer (as `send_view`). Unused with `FLAG_PULL_STAGE_RECV`.
+  uint64_t trace;                    // Phase trace: this rank's u64 words `[TRACE_CALLS][TRACE_BLOCKS][TRACE_POINTS]` in device memory, which thread 0 of each traced block stamps; 0 (every call unless asked): none.
 };
 
 // Parameters of the set-up probe, which writes one word into every peer's arena header.
@@ -197,7 +207,8 @@ static_assert(offsetof(FcCollParams, area_offset) == 208, "FcCollParams.area_off
 static_assert(offsetof(FcCollParams, own_slots) == 216, "FcCollParams.own_slots");
 static_assert(offsetof(FcCollParams, send_view) == 224, "FcCollParams.send_view");
 static_assert(offsetof(FcCollParams, recv_view) == 288, "FcCollParams.recv_view");
-static_assert(sizeof(FcCollParams) == 352, "FcCollParams layout");
+static_assert(offsetof(FcCollParams, trace) == 352, "FcCollParams.trace");
+static_assert(sizeof(FcCollParams) == 360, "FcCollParams layout");
 static_assert(offsetof(FcProbeParams, peer_base) == 0, "FcProbeParams.peer_base");
 static_assert(offsetof(FcProbeParams, rank) == 64, "FcProbeParams.rank");
 static_assert(offsetof(FcProbeParams, nranks) == 68, "FcProbeParams.nranks");

@@ -292,6 +292,7 @@ __device__ void pull_oneshot(const FcCollParams& p) {
   else
     pull_publish(p, c, 0, 0ull, true, true);
   pull_wait(p, c, 0, addr);
+  trace_mark(p, c.seq, 2);
   if (!c.dead) {
     char* src[FC_MAX_RANKS];
 #pragma unroll
@@ -329,6 +330,7 @@ __device__ void pull_twoshot_staged(const FcCollParams& p) {
     if (j != p.rank) pull_stage_copy(in, mine, (uint64_t)j * shard + poff, len_of(j));
   pull_publish(p, c, 0, 0, true);
   pull_wait(p, c, 0, addr);
+  trace_mark(p, c.seq, 2);
   if (!c.dead) {
     char* src[FC_MAX_RANKS];
 #pragma unroll
@@ -388,6 +390,7 @@ __device__ void pull_twoshot_direct(const FcCollParams& p) {
   }
   pull_wait(p, c, 0, sends);
   pull_wait(p, c, 2, recvs);
+  trace_mark(p, c.seq, 2);
   if (!c.dead) {
     char* src[FC_MAX_RANKS];
     char* dst[FC_MAX_RANKS];

@@ -82,6 +82,19 @@ __device__ __forceinline__ void allow_next_launch(const FcCollParams& p) {
 // The running collective as this block sees it, for kernels that called
 // wait_for_previous_work() already (and may have issued loads of their input meanwhile, which
 // then overlap the epoch's load).
+// Phase trace (FcCollParams::trace, flashcomm-perf `--phase-trace`; off by default): thread 0 of
+// a traced block stamps the global timer at point `k` (1: began, 2: peers' data ready, 3:
+// finished) of its call, and at point 1 the call's sequence number plus one. Timer values of
+// every rank on one GPU share one clock. Uniform branch on a parameter: nothing when off.
+__device__ __forceinline__ void trace_mark(const FcCollParams& p, uint64_t seq, uint32_t k) {
+  if (p.trace != 0 && threadIdx.x == 0 && blockIdx.x < FC_TRACE_BLOCKS) {
+    uint64_t* w = reinterpret_cast<uint64_t*>(p.trace) +
+                  ((seq % FC_TRACE_CALLS) * FC_TRACE_BLOCKS + blockIdx.x) * FC_TRACE_POINTS;
+    if (k == 1) w[0] = seq + 1;
+    w[k] = globaltimer_ns();
+  }
+}
+
 __device__ __forceinline__ Ctx begin_after_wait(const FcCollParams& p) {
   Ctx c;
   // This block's epoch word: every block of the previous kernel on this rank advanced every word
@@ -93,6 +106,7 @@ __device__ __forceinline__ Ctx begin_after_wait(const FcCollParams& p) {
   c.half = (uint32_t)(c.seq & 1);
   c.reuse = false;
   c.dead = false;
+  trace_mark(p, c.seq, 1);
   allow_next_launch(p);
   return c;
 }
@@ -111,6 +125,7 @@ __device__ __forceinline__ Ctx begin(const FcCollParams& p) {
 
 __device__ __forceinline__ void finish(const FcCollParams& p, const Ctx& c) {
   __syncthreads();
+  trace_mark(p, c.seq, 3);
   uint32_t* words = reinterpret_cast<uint32_t*>(p.epochs);
   const uint32_t next = next_epoch((uint32_t)c.seq);
   for (uint32_t w = blockIdx.x + threadIdx.x * gridDim.x; w < FC_MAX_BLOCKS; w += blockDim.x * gridDim.x) words[w] = next;

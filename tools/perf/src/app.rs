@@ -256,6 +256,7 @@ pub struct Settings {
     register: bool,
     early_launch: bool,
     graph_mixing: bool,
+    phase_trace: bool,
     check_values: u64,
     seed: u64,
     nccl: Option<NcclSettings>,
@@ -315,6 +316,7 @@ pub fn settings(o: &Options, gpus: &[String], nccl: Option<&Nccl>, argv: &[Strin
         register: o.register,
         early_launch: o.early_launch,
         graph_mixing: o.graph_mixing,
+        phase_trace: o.phase_trace,
         check_values: o.check_values,
         seed: o.seed,
         nccl: nccl.map(|n| NcclSettings {

@@ -248,6 +248,9 @@ pub struct Options {
     pub early_launch: bool,
     /// `--graph-mixing`: captured calls ordered with eager ones through graph nodes.
     pub graph_mixing: bool,
+    /// `--phase-trace`: flashcomm's kernels stamp where their time goes; rank 0 prints the
+    /// medians beside each flashcomm row (a `#` line before it).
+    pub phase_trace: bool,
     /// `--check-values`: most output values per quantized call compared with the CPU reference.
     pub check_values: u64,
     /// `--seed`: seed of the random inputs of quantized calls.
@@ -296,6 +299,7 @@ impl Default for Options {
             pull_bytes: flashcomm_comm::CommConfig::default().pull_bytes,
             register: false,
             early_launch: true,
+            phase_trace: false,
             graph_mixing: true,
             check_values: 1 << 20,
             seed: 1,
@@ -698,6 +702,11 @@ struct Cli {
     /// Let the next kernel launch as soon as a flashcomm kernel starts (FLASHCOMM_EARLY_LAUNCH) [1]
     #[arg(long = "early-launch", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
     early_launch: Option<bool>,
+    /// flashcomm's kernels stamp the GPU's timer where each call begins, has its peers' data
+    /// and ends; before each flashcomm row, rank 0 prints the medians over the last calls: begin
+    /// skew across ranks, wait for peers, the rest of the kernel, the gap between kernels [0]
+    #[arg(long = "phase-trace", value_name = "0|1", value_parser = bit_value, help_heading = FLASHCOMM)]
+    phase_trace: Option<bool>,
     /// Write every row and the settings as JSON
     #[arg(long, value_name = "file", help_heading = FLASHCOMM)]
     json: Option<PathBuf>,
@@ -831,6 +840,7 @@ pub fn parse(args: &[String]) -> Result<Command, ArgError> {
     set(&mut o.register, cli.register);
     set(&mut o.early_launch, cli.early_launch);
     set(&mut o.graph_mixing, cli.graph_mixing);
+    set(&mut o.phase_trace, cli.phase_trace);
     o.json = cli.json.or(o.json);
     o.svg = cli.svg.or(o.svg);
     o.commit = cli.commit.or(o.commit);

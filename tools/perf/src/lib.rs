@@ -17,6 +17,7 @@ pub mod app;
 pub mod args;
 pub mod ffi;
 pub mod inputs;
+pub mod phases;
 pub mod report;
 pub mod run;
 pub mod svg;

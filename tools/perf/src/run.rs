@@ -243,6 +243,24 @@ impl Team {
         })
     }
 
+    /// All-gathers `mine` across the ranks, threads of this process or rank processes: every
+    /// rank's list, in rank order. Collective.
+    fn gather(&self, rank: u32, mine: Vec<u64>) -> Result<Vec<Vec<u64>>, String> {
+        if self.link.is_none() {
+            return self.publish(rank, mine);
+        }
+        let bytes: Vec<u8> = mine.iter().flat_map(|w| w.to_le_bytes()).collect();
+        Ok(self
+            .exchange(&bytes)?
+            .iter()
+            .map(|b| {
+                b.chunks_exact(8)
+                    .map(|c| c.try_into().map_or(0, u64::from_le_bytes))
+                    .collect()
+            })
+            .collect())
+    }
+
     /// Every rank's address of each of `mine`, this rank's device allocations (every rank passes
     /// the same kinds, in the same order): in rank order, each rank's list in the order of
     /// `mine`, this rank's being the allocations' own addresses. The threads of one process
@@ -590,6 +608,7 @@ fn rank_main(
         quant_choice: o.quant_choice,
         early_launch: o.early_launch,
         graph_mixing: o.graph_mixing,
+        phase_trace: o.phase_trace,
         ..CommConfig::default()
     };
     let comm = if o.impls.contains(&Impl::Flashcomm) {
@@ -1178,6 +1197,9 @@ impl Rank<'_> {
             _ => None,
         };
         let out = self.lossless_measure(job, req.as_ref(), salt, false)?;
+        if self.o.phase_trace && req.is_some() {
+            self.report_phases(job)?;
+        }
         let inplace = if !self.o.inplace {
             None
         } else if matches!(job.variant, Variant::Pull(..)) {
@@ -1195,6 +1217,36 @@ impl Rank<'_> {
             out: Some(out),
             inplace,
         })
+    }
+
+    /// `--phase-trace`: gathers every rank's traced calls of the job just timed and prints their
+    /// phases at rank 0 ([`crate::phases`]). Collective.
+    fn report_phases(&self, job: &Job) -> Result<(), String> {
+        let mine: Vec<u64> = match &self.comm {
+            Some(c) => c
+                .phase_trace()
+                .map_err(e2s("reading the phase trace"))?
+                .unwrap_or_default()
+                .iter()
+                .flat_map(|t| [t.seq, t.begin, t.ready, t.end])
+                .collect(),
+            None => Vec::new(),
+        };
+        let all = self.team.gather(self.rank, mine)?;
+        if self.rank == 0 {
+            match crate::phases::summarize(&all) {
+                Some(p) => println!(
+                    "# phases, {} bytes, {}: {p}",
+                    job.shape.send_bytes,
+                    job.launch.name()
+                ),
+                None => println!(
+                    "# phases, {} bytes: no call traced by every rank",
+                    job.shape.send_bytes
+                ),
+            }
+        }
+        Ok(())
     }
 
     /// The buffers of a lossless call: (where the input is filled, send, recv, output elements).

@@ -806,6 +806,7 @@ impl Communicator {
             elem_bytes: elem as u32,
             area_offset: self.arena.area_offset(p.proto),
             own_slots: self.own_slots.as_ref().map_or(0, |m| m.as_ptr().addr()),
+            trace: self.trace.as_ref().map_or(0, |m| m.addr()),
             flags: call_signature(p, dtype) << abi::FLAG_SIG_SHIFT
                 | self.early_launch_flag(p)
                 | self.host_arenas_flag(),

@@ -93,6 +93,11 @@ pub struct CommConfig {
     /// buffers in place ([`Communicator::register`]); a rank whose buffer a peer has not mapped
     /// stages it. On by default.
     pub zero_copy: bool,
+    /// Diagnostics (flashcomm-perf `--phase-trace`): every kernel of the communicator stamps the
+    /// GPU's global timer where its blocks begin, find their peers' data ready (the PULL
+    /// protocols) and finish, into device memory of the rank ([`Communicator::phase_trace`]).
+    /// Off by default; rank-local (it changes no plan and no result).
+    pub phase_trace: bool,
     /// Tests only: this rank fails set-up step `n` (0..=7, see [`Communicator::new_agreed`]), as
     /// an allocation, a driver call or a kernel launch failing there would.
     #[doc(hidden)]
@@ -121,6 +126,7 @@ impl Default for CommConfig {
             graph_mixing: true,
             early_launch: true,
             zero_copy: true,
+            phase_trace: false,
             fail_at: None,
             panic_at: None,
         }
@@ -205,6 +211,8 @@ pub struct Communicator {
     /// Host transport: this rank's own slots (regions A and B) in device memory, which only
     /// this rank's quantized kernels write and read (`FcCollParams::own_slots`).
     own_slots: Option<DeviceMem>,
+    /// The phase trace's words (`cfg.phase_trace`, `FcCollParams::trace`).
+    trace: Option<DeviceMem>,
     peers: [u64; MAX_RANKS],
     mappings: Vec<PeerMapping>,
     /// Registered buffers and the boards of peers of other processes (zero-copy).
@@ -391,6 +399,24 @@ impl Communicator {
         }
     }
 
+    /// The calls of this rank's phase trace (`cfg.phase_trace`; `None` without it), by sequence
+    /// number: the last [`crate::abi::TRACE_CALLS`] at most ([`crate::trace::calls`]). Read
+    /// once this rank's calls have completed (its streams synchronized).
+    pub fn phase_trace(&self) -> Result<Option<Vec<crate::trace::CallTrace>>, Error> {
+        let Some(t) = &self.trace else {
+            return Ok(None);
+        };
+        let _ctx = self.device.activate()?;
+        let own = crate::gpu::OwnStream::create()?;
+        let mut bytes = vec![0u8; crate::trace::TRACE_WORDS * 8];
+        t.download(0, &mut bytes, own.stream())?;
+        let words: Vec<u64> = bytes
+            .chunks_exact(8)
+            .map(|b| b.try_into().map_or(0, u64::from_le_bytes))
+            .collect();
+        Ok(Some(crate::trace::calls(&words)))
+    }
+
     /// Peers' allocations this rank has mapped now (registered buffers read in place).
     pub fn peer_mappings(&self) -> usize {
         self.registry.mapped()
@@ -449,7 +475,11 @@ impl Drop for Communicator {
             local: std::mem::replace(&mut self.local, LocalArena::Empty),
             own_slots: self.own_slots.take(),
             host: std::mem::replace(&mut self.host, Arc::new(HostMapped::empty())),
-            scratch: std::mem::take(self.scratch.get_mut().unwrap_or_else(|e| e.into_inner())),
+            // The trace goes with the scratch: freed once the last kernel has finished.
+            scratch: std::mem::take(self.scratch.get_mut().unwrap_or_else(|e| e.into_inner()))
+                .into_iter()
+                .chain(self.trace.take())
+                .collect(),
             share: self.share.take(),
             copy: self.copy.take(),
         };

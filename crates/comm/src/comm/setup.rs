@@ -16,6 +16,7 @@ use crate::plan::{Algorithm, Arena, Choice, CostModel, DataType, HostCopy, Proto
 use crate::register::{self, Registry};
 use crate::release;
 use crate::residency::Share;
+use crate::trace::TRACE_WORDS;
 use crate::transport::{self, LocalArena, PeerMapping, Transport};
 
 use super::copy::CopyPath;
@@ -127,6 +128,7 @@ struct LocalSetup {
     arena: Arena,
     local: LocalArena,
     own_slots: Option<DeviceMem>,
+    trace: Option<DeviceMem>,
     host: Arc<HostMapped>,
     kernels: Arc<Kernels>,
     grid: u32,
@@ -205,6 +207,7 @@ impl Communicator {
                 arena,
                 local,
                 own_slots,
+                trace,
                 host,
                 kernels,
                 grid: my_grid,
@@ -372,6 +375,7 @@ impl Communicator {
             arena,
             local,
             own_slots,
+            trace,
             peers,
             mappings,
             registry,
@@ -507,6 +511,10 @@ impl Communicator {
             )?),
             Transport::P2p => None,
         };
+        let trace = cfg
+            .phase_trace
+            .then(|| DeviceMem::alloc_zeroed(&dev, TRACE_WORDS * 8))
+            .transpose()?;
         let host = Arc::new(HostMapped::alloc(HOST_BYTES)?);
         // A board where peers of other processes find this rank's registered buffers: only for
         // zero-copy on the peer transport (the host transport's peers cannot read device memory).
@@ -550,6 +558,7 @@ impl Communicator {
             arena,
             local,
             own_slots,
+            trace,
             host,
             kernels,
             grid,
