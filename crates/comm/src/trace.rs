@@ -23,46 +23,29 @@ pub struct CallTrace {
     pub end: u64,
 }
 
-/// The calls held in `words` (one rank's trace), by sequence number: a block's stamps count only
-/// where its slot holds the call's sequence number (a slot that a later call began to overwrite
-/// is left out), and a call only where every traced block of it finished.
+/// The calls held in `words` (one rank's trace), by sequence number. Block 0 of a slot holds the
+/// slot's newest call (every grid has a block 0); blocks a smaller grid left from an earlier call
+/// do not count, nor a ready stamp an earlier call left, nor a call that has not finished in every
+/// one of its blocks (a slot a later call began to overwrite).
 pub fn calls(words: &[u64]) -> Vec<CallTrace> {
     let points = abi::TRACE_POINTS as usize;
     let blocks = abi::TRACE_BLOCKS as usize;
     let mut out: Vec<CallTrace> = Vec::new();
     for slot in words.chunks_exact(blocks * points) {
-        let mut call: Option<CallTrace> = None;
+        let tag = slot[0];
+        if tag == 0 {
+            continue;
+        }
+        let mut c = CallTrace {
+            seq: tag - 1,
+            begin: u64::MAX,
+            ready: 0,
+            end: 0,
+        };
         let mut whole = true;
-        for b in slot.chunks_exact(points) {
-            let (tag, begin, ready, end) = (b[0], b[1], b[2], b[3]);
-            if tag == 0 {
-                continue;
-            }
-            let seq = tag - 1;
-            let c = call.get_or_insert(CallTrace {
-                seq,
-                begin,
-                ready: 0,
-                end: 0,
-            });
-            // Blocks of another call in this slot (calls TRACE_CALLS apart, or a kernel of a
-            // smaller grid after a larger one left old blocks behind): not this call's.
-            if seq != c.seq {
-                if seq > c.seq {
-                    *c = CallTrace {
-                        seq,
-                        begin,
-                        ready: 0,
-                        end: 0,
-                    };
-                    whole = true;
-                } else {
-                    continue;
-                }
-            }
-            if end < begin {
-                whole = false;
-            }
+        for b in slot.chunks_exact(points).filter(|b| b[0] == tag) {
+            let (begin, ready, end) = (b[1], b[2], b[3]);
+            whole &= end >= begin;
             c.begin = c.begin.min(begin);
             // A kernel without the ready point leaves an earlier call's value there.
             if (begin..=end).contains(&ready) {
@@ -70,7 +53,7 @@ pub fn calls(words: &[u64]) -> Vec<CallTrace> {
             }
             c.end = c.end.max(end);
         }
-        if let Some(c) = call.filter(|_| whole) {
+        if whole {
             out.push(c);
         }
     }
