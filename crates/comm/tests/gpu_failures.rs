@@ -321,7 +321,7 @@ fn a_thousand_set_ups_leak_nothing() {
                     // Both ranks are done with this communicator before either measures or
                     // builds the next (nothing allocates while a peer's kernel could spin).
                     m.barrier().unwrap();
-                    if m.rank() == 0 && (i + 1) % 100 == 0 {
+                    if m.rank() == 0 && ((i + 1) % 100 == 0 || i + 1 == 10) {
                         println!("{} set-ups in {:.1} s", i + 1, t0.elapsed().as_secs_f64());
                     }
                     if m.rank() == 0 && i + 1 == warm {
