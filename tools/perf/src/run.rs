@@ -1224,7 +1224,7 @@ impl Rank<'_> {
     fn report_phases(&self, job: &Job) -> Result<(), String> {
         let mine: Vec<u64> = match &self.comm {
             Some(c) => c
-                .phase_trace()
+                .phase_trace(self.stream)
                 .map_err(e2s("reading the phase trace"))?
                 .unwrap_or_default()
                 .iter()

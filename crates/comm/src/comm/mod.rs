@@ -31,7 +31,7 @@ use flashcomm_kernels::Kernels;
 
 use crate::abi::MAX_RANKS;
 use crate::error::Error;
-use crate::gpu::{CaptureRecord, Device, DeviceMem, Event, HostMapped};
+use crate::gpu::{CaptureRecord, Device, DeviceMem, Event, HostMapped, Stream};
 use crate::plan::{
     Algorithm, Arena, Choice, CostModel, HostCopy, Protocol, QuantChoice, QuantModel, QuantSpec,
 };
@@ -400,16 +400,18 @@ impl Communicator {
     }
 
     /// The calls of this rank's phase trace (`cfg.phase_trace`; `None` without it), by sequence
-    /// number: the last [`crate::abi::TRACE_CALLS`] at most ([`crate::trace::calls`]). Read
-    /// once this rank's calls have completed (its streams synchronized).
-    pub fn phase_trace(&self) -> Result<Option<Vec<crate::trace::CallTrace>>, Error> {
+    /// number: the last [`crate::abi::TRACE_CALLS`] at most ([`crate::trace::calls`]), copied
+    /// on `stream`, the stream of the calls traced, after them.
+    pub fn phase_trace(
+        &self,
+        stream: Stream,
+    ) -> Result<Option<Vec<crate::trace::CallTrace>>, Error> {
         let Some(t) = &self.trace else {
             return Ok(None);
         };
         let _ctx = self.device.activate()?;
-        let own = crate::gpu::OwnStream::create()?;
         let mut bytes = vec![0u8; crate::trace::TRACE_WORDS * 8];
-        t.download(0, &mut bytes, own.stream())?;
+        t.download(0, &mut bytes, stream)?;
         let words: Vec<u64> = bytes
             .chunks_exact(8)
             .map(|b| b.try_into().map_or(0, u64::from_le_bytes))
