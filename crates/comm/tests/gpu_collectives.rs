@@ -535,6 +535,98 @@ fn pull_with_rank_local_buffers() {
     });
 }
 
+/// The phase trace (`CommConfig::phase_trace`, flashcomm-perf `--phase-trace`): 4 virtual ranks
+/// run 20 AllReduces of 64 KiB by the direct PULL one-shot, then 20 by the LL one-shot, each
+/// batch checked exact. Each rank's trace, read on its stream after the batch, holds the batch's
+/// calls under consecutive sequence numbers, each begun before it ended, with the moment its
+/// peers' data was ready in between for PULL and none for LL; and the ranks' records of one call
+/// overlap (no rank can finish a one-shot call before every peer began it; the ranks share the
+/// GPU's clock).
+#[test]
+fn the_phase_trace_stamps_every_call() {
+    let cfg = CommConfig {
+        phase_trace: true,
+        transport: Choice::Force(Transport::P2p),
+        ..test_config()
+    };
+    run_ranks(4, cfg, |r| {
+        let (count, calls) = (32768u64, 20usize);
+        let send = r.alloc(64 << 10);
+        let recv = r.alloc(64 << 10);
+        for (i, proto) in [Protocol::Direct, Protocol::Ll].into_iter().enumerate() {
+            let salt = 7000 + i as u32;
+            let ty = TestType::Bf16;
+            r.v.fill(send.as_ptr(), count, ty, r.rank(), salt, r.stream)
+                .unwrap();
+            let p = r
+                .comm
+                .plan_forced(
+                    &Request::bytes(Collective::AllReduce, count, 2),
+                    Choice::Force(Algorithm::OneShot),
+                    Choice::Force(proto),
+                )
+                .unwrap();
+            for _ in 0..calls {
+                r.comm
+                    .execute_plan(
+                        p,
+                        &Request::for_plan(&p, count, ty.dtype(), 2)
+                            .between(send.as_ptr(), recv.as_ptr())
+                            .on(r.stream),
+                    )
+                    .unwrap();
+            }
+            r.v.check(
+                recv.as_ptr(),
+                count,
+                count,
+                Collective::AllReduce,
+                ty,
+                r.n(),
+                r.rank(),
+                salt,
+                r.stream,
+            )
+            .unwrap();
+            r.sync();
+            r.assert_clean(&format!("{p:?}"));
+            let traced = r.comm.phase_trace(r.stream).unwrap().expect("traced");
+            assert!(traced.len() >= calls, "{} calls traced", traced.len());
+            let batch = &traced[traced.len() - calls..];
+            for (k, c) in batch.iter().enumerate() {
+                assert_eq!(c.seq, batch[0].seq + k as u64, "{p:?}: {batch:?}");
+                assert!(0 < c.begin && c.begin <= c.end, "{p:?}: {c:?}");
+                if proto == Protocol::Ll {
+                    assert_eq!(c.ready, 0, "{p:?}: {c:?}");
+                } else {
+                    assert!(c.begin <= c.ready && c.ready <= c.end, "{p:?}: {c:?}");
+                }
+            }
+            let mine: Vec<u8> = batch
+                .iter()
+                .flat_map(|c| [c.seq, c.begin, c.end])
+                .flat_map(u64::to_le_bytes)
+                .collect();
+            let all = r.boot.all_gather(&mine).unwrap();
+            let word =
+                |b: &[u8], i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().unwrap());
+            for k in 0..calls {
+                let seqs: Vec<u64> = all.iter().map(|b| word(b, 3 * k)).collect();
+                assert!(
+                    seqs.iter().all(|&q| q == seqs[0]),
+                    "{p:?}: call {k}: {seqs:?}"
+                );
+                let last_begin = all.iter().map(|b| word(b, 3 * k + 1)).max().unwrap();
+                let first_end = all.iter().map(|b| word(b, 3 * k + 2)).min().unwrap();
+                assert!(
+                    last_begin <= first_end,
+                    "{p:?}: call {k}: a rank ended at {first_end} before a peer began at {last_begin}"
+                );
+            }
+        }
+    });
+}
+
 /// ReduceScatter, AllGather and AllToAll by loads (PULL and direct) where ranks' buffers differ:
 /// some ranks in NCCL's in-place layout (AllGather: the input is the rank's block of the output;
 /// ReduceScatter: the output is the rank's piece of the input; AllToAll: one buffer), some
