@@ -388,18 +388,7 @@ fn in_place_and_misaligned() {
                                     .on(r.stream),
                             )
                             .unwrap();
-                        r.v.check(
-                            io,
-                            count,
-                            count,
-                            Collective::AllReduce,
-                            ty,
-                            r.n(),
-                            r.rank(),
-                            salt,
-                            r.stream,
-                        )
-                        .unwrap();
+                        r.check_allreduce(io, count, ty, salt, r.stream).unwrap();
                         r.sync();
                         r.assert_clean(&format!(
                             "in-place AllReduce offset={offset} count={count} {p:?}"
@@ -497,18 +486,8 @@ fn pull_with_rank_local_buffers() {
                                     .on(r.stream),
                             )
                             .unwrap();
-                        r.v.check(
-                            output,
-                            count,
-                            count,
-                            Collective::AllReduce,
-                            ty,
-                            r.n(),
-                            r.rank(),
-                            salt,
-                            r.stream,
-                        )
-                        .unwrap();
+                        r.check_allreduce(output, count, ty, salt, r.stream)
+                            .unwrap();
                         r.sync();
                         r.assert_clean(&format!("{p:?} layout {layout} count={count}"));
                         // Bitwise identity: every rank copies its result to the start of its
@@ -576,18 +555,8 @@ fn the_phase_trace_stamps_every_call() {
                     )
                     .unwrap();
             }
-            r.v.check(
-                recv.as_ptr(),
-                count,
-                count,
-                Collective::AllReduce,
-                ty,
-                r.n(),
-                r.rank(),
-                salt,
-                r.stream,
-            )
-            .unwrap();
+            r.check_allreduce(recv.as_ptr(), count, ty, salt, r.stream)
+                .unwrap();
             r.sync();
             r.assert_clean(&format!("{p:?}"));
             let traced = r.comm.phase_trace(r.stream).unwrap().expect("traced");
@@ -1061,18 +1030,8 @@ fn missing_rank_times_out_and_process_goes_on() {
                     .on(r.stream),
             )
             .unwrap();
-        r.v.check(
-            buf.as_ptr(),
-            1000,
-            1000,
-            Collective::AllReduce,
-            TestType::F32,
-            r.n(),
-            r.rank(),
-            1,
-            r.stream,
-        )
-        .unwrap();
+        r.check_allreduce(buf.as_ptr(), 1000, TestType::F32, 1, r.stream)
+            .unwrap();
         r.sync();
         r.assert_clean("after a failed group");
     });
@@ -1256,18 +1215,8 @@ fn graph_replays_and_eager_calls_on_two_streams() {
                         .on(s),
                 )
                 .unwrap();
-            r.v.check(
-                recv.as_ptr(),
-                count,
-                count,
-                Collective::AllReduce,
-                ty,
-                r.n(),
-                r.rank(),
-                salt,
-                s,
-            )
-            .unwrap();
+            r.check_allreduce(recv.as_ptr(), count, ty, salt, s)
+                .unwrap();
         };
         // Three collectives in the graph: the first waits for the last eager call at each
         // replay; the record node beside the chain must wait for all three.

@@ -135,18 +135,8 @@ fn a_late_peer_completes_without_a_timeout() {
             .unwrap();
         r.stream.synchronize().unwrap();
         r.comm.check_status().expect("no error for a late peer");
-        r.v.check(
-            buf.as_ptr(),
-            count,
-            count,
-            flashcomm_comm::Collective::AllReduce,
-            t,
-            r.n(),
-            r.rank(),
-            1,
-            r.stream,
-        )
-        .unwrap();
+        r.check_allreduce(buf.as_ptr(), count, t, 1, r.stream)
+            .unwrap();
         r.stream.synchronize().unwrap();
         r.assert_clean("late peer");
         println!("rank {} completed after {:?}", r.rank(), t0.elapsed());
@@ -604,18 +594,8 @@ fn delayed_blocks_still_give_exact_results() {
                         .on(r.stream),
                 )
                 .unwrap();
-            r.v.check(
-                buf.as_ptr(),
-                count,
-                count,
-                flashcomm_comm::Collective::AllReduce,
-                t,
-                r.n(),
-                r.rank(),
-                round,
-                r.stream,
-            )
-            .unwrap();
+            r.check_allreduce(buf.as_ptr(), count, t, round, r.stream)
+                .unwrap();
             r.stream.synchronize().unwrap();
             r.comm
                 .check_status()

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use flashcomm_comm::plan::HostCopy;
 use flashcomm_comm::{
-    Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem, Plan,
-    Protocol, Request, Stream, ThreadBootstrap, ThreadGroup, Transport,
+    Algorithm, Bootstrap, Choice, Collective, CommConfig, Communicator, DataType, DeviceMem,
+    DevicePtr, Plan, Protocol, Request, Stream, ThreadBootstrap, ThreadGroup, Transport,
 };
 use flashcomm_testkit::verify::{TestType, Verifier};
 
@@ -39,6 +39,28 @@ impl Rank<'_> {
     }
     pub fn alloc(&self, bytes: usize) -> DeviceMem {
         self.v.alloc(bytes).expect("alloc")
+    }
+    /// Checks on `stream` that `out` holds the AllReduce of `count` elements of `ty` whose inputs
+    /// were filled with `salt` on every rank (recorded: [`Rank::assert_clean`] reads it).
+    pub fn check_allreduce(
+        &self,
+        out: DevicePtr,
+        count: u64,
+        ty: TestType,
+        salt: u32,
+        stream: Stream,
+    ) -> Result<(), flashcomm_comm::Error> {
+        self.v.check(
+            out,
+            count,
+            count,
+            Collective::AllReduce,
+            ty,
+            self.n(),
+            self.rank(),
+            salt,
+            stream,
+        )
     }
     /// Asserts that no verification error was recorded, then clears the counter.
     pub fn assert_clean(&self, what: &str) {
